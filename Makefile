@@ -1,0 +1,41 @@
+# mrc: `make demo` runs the whole path locally, `make test` runs the tests. Both install first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-unit test-integration lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[worker,api,dev]'
+	@touch $@
+
+demo: install
+	$(PY) scripts/demo.py
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: install
+	$(PY) -m pytest tests/integration tests/faults $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy shared producer workers
+
+bench: install
+	$(PY) tests/bench/bench_throughput.py
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

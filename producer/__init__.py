@@ -1,0 +1,1 @@
+"""Puts work in. Must install and run without torch (`pip install '.[producer]'`)."""

@@ -1,0 +1,132 @@
+"""`mrc`: the producer and ops command line (works without torch).
+
+Exit codes: 0 ok / job succeeded, 1 job failed or no result yet, 2 usage or validation error
+(nothing enqueued), 3 timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from shared import logs, names
+from shared.errors import MrcError, UsageError
+from shared.settings import Settings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mrc", description="Submit image+prompt jobs to mrc and read results.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="submit one job; prints its id (or its result with --wait)")
+    p.add_argument("--image", required=True, help="local image path (uploaded to S3) or s3://bucket/key")
+    p.add_argument("--prompt", required=True, help="the question about the image")
+    p.add_argument("--job-id", help="your id for the job; submitting the same id twice runs it once")
+    p.add_argument("--lane", choices=names.LANES, default="interactive", help="interactive (default) or backlog")
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate (1..MRC_MAX_NEW_TOKENS_LIMIT)")
+    p.add_argument("--ticket-id", help="upstream ticket id, copied into the result")
+    p.add_argument("--deadline", help="RFC 3339 time after which the job is not run (result: expired)")
+    p.add_argument("--wait", action="store_true", help="wait and print the result JSON")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits (default 300)")
+
+    p = sub.add_parser("status", help="print the state of a job as JSON")
+    p.add_argument("job_id")
+
+    p = sub.add_parser("result", help="print the result JSON of a job (exit 1 if none yet)")
+    p.add_argument("job_id")
+
+    p = sub.add_parser("queues", help="queue depths per lane")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, ensure_ascii=False))
+
+
+def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.client import Client
+
+    client = Client(settings)
+    job_id = client.submit(
+        args.image,
+        args.prompt,
+        job_id=args.job_id,
+        lane=args.lane,
+        max_new_tokens=args.max_new_tokens,
+        ticket_id=args.ticket_id,
+        deadline=args.deadline,
+    )
+    if not args.wait:
+        print(job_id)
+        return EXIT_OK
+    try:
+        result = client.wait(job_id, args.timeout)
+    except TimeoutError as exc:
+        print(f"mrc: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    _print_json(result)
+    return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
+
+
+def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.client import Client
+
+    _print_json(Client(settings).status(args.job_id))
+    return EXIT_OK
+
+
+def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.client import Client
+
+    result = Client(settings).result(args.job_id)
+    if result is None:
+        print(f"mrc: no result for {args.job_id} yet", file=sys.stderr)
+        return EXIT_FAILED
+    _print_json(result)
+    return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
+
+
+def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
+    import redis
+
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    depths = {lane: int(client.llen(names.queue_name(lane))) for lane in names.LANES}
+    depths_all: dict[str, Any] = {"lanes": depths, "dead_letter": int(client.llen(names.dead_letter_key()))}
+    if args.json:
+        _print_json(depths_all)
+    else:
+        for lane, depth in depths.items():
+            print(f"{lane:<12} {depth}")
+        print(f"{'dead-letter':<12} {depths_all['dead_letter']}")
+    return EXIT_OK
+
+
+_COMMANDS = {"submit": _cmd_submit, "status": _cmd_status, "result": _cmd_result, "queues": _cmd_queues}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = Settings()
+    except Exception as exc:
+        print(f"mrc: bad settings: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logs.configure(settings.log_level)
+    try:
+        return _COMMANDS[args.command](args, settings)
+    except UsageError as exc:
+        print(f"mrc: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except MrcError as exc:
+        print(f"mrc: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The producer API: submit / submit_many / wait / status / result. Usable from Python and by the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from shared import logs, names
+from shared.celery_app import make_celery
+from shared.errors import UsageError
+from shared.jobs import Job, Lane
+from shared.records import TERMINAL, JobRecords, RedisJobRecords
+from shared.settings import Settings
+from shared.sniff import sniff_format
+from shared.store import S3Store, Store
+
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_CONTENT_TYPES = {"jpg": "image/jpeg", "png": "image/png", "webp": "image/webp", "gif": "image/gif"}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What one job asks for, before it has an image URI."""
+
+    image: str | Path
+    prompt: str
+    job_id: str | None = None
+    lane: Lane = "interactive"
+    max_new_tokens: int | None = None
+    ticket_id: str | None = None
+    deadline: str | None = None
+
+
+class Client:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        store: Store | None = None,
+        records: JobRecords | None = None,
+        celery: Celery | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store or S3Store(settings)
+        self.records = records or RedisJobRecords.from_url(settings.redis_url)
+        self.celery = celery or make_celery(settings)
+        self.log = logs.get_logger()
+        self._bucket_ready = False
+
+    # ---- validation ----
+    def _check_prompt(self, prompt: str) -> None:
+        if not prompt.strip():
+            raise UsageError("prompt is empty")
+        if "\x00" in prompt:
+            raise UsageError("prompt contains a NUL byte")
+        if len(prompt) > self.settings.max_prompt_chars:
+            raise UsageError(f"prompt has {len(prompt)} characters; the limit is {self.settings.max_prompt_chars}")
+
+    def _check_max_new_tokens(self, value: int | None) -> int:
+        if value is None:
+            return self.settings.max_new_tokens_default
+        limit = self.settings.max_new_tokens_limit
+        if not 1 <= value <= limit:
+            raise UsageError(f"max_new_tokens must be between 1 and {limit}, got {value}")
+        return value
+
+    # ---- images ----
+    def upload_image(self, path: Path) -> tuple[str, str]:
+        """Upload a local image to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
+        if not path.is_file():
+            raise UsageError(f"image file not found: {path}")
+        size = path.stat().st_size
+        if size > self.settings.max_image_bytes:
+            raise UsageError(f"image is {size} bytes; the limit is {self.settings.max_image_bytes}")
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        ext = sniff_format(data) or "bin"
+        key = names.input_key(self.settings.s3_prefix, digest, ext)
+        if not self._bucket_ready:
+            self.store.ensure_bucket()
+            self._bucket_ready = True
+        if not self.store.exists(key):
+            self.store.put_bytes(key, data, _CONTENT_TYPES.get(ext, "application/octet-stream"))
+        return names.s3_uri(self.store.bucket, key), digest
+
+    def _resolve_image(self, image: str | Path) -> tuple[str, str | None]:
+        text = str(image)
+        if text.startswith("s3://"):
+            try:
+                names.parse_s3_uri(text)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+            return text, None
+        if _URL_RE.match(text):
+            raise UsageError("image_source_forbidden: only local files and s3:// URIs are accepted")
+        return self.upload_image(Path(text))
+
+    # ---- submit ----
+    def build_job(self, sub: Submission) -> Job:
+        self._check_prompt(sub.prompt)
+        max_new = self._check_max_new_tokens(sub.max_new_tokens)
+        if sub.lane not in names.LANES:
+            raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
+        uri, digest = self._resolve_image(sub.image)
+        fields: dict[str, Any] = {
+            "job_id": sub.job_id or uuid.uuid4().hex,
+            "image_uri": uri,
+            "image_sha256": digest,
+            "prompt": sub.prompt,
+            "lane": sub.lane,
+            "max_new_tokens": max_new,
+            "ticket_id": sub.ticket_id,
+            "deadline": sub.deadline,
+        }
+        try:
+            return Job.from_message(fields)
+        except Exception as exc:
+            raise UsageError(str(exc)) from None
+
+    def enqueue(self, job: Job) -> bool:
+        """Send the job unless its id was already submitted; True when this call enqueued it."""
+        if not self.records.claim(job.job_id, job.lane):
+            self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
+            return False
+        try:
+            self.celery.send_task(
+                names.TASK_NAME,
+                kwargs={"job": job.to_message()},
+                task_id=job.job_id,
+                queue=names.queue_name(job.lane),
+            )
+        except Exception:
+            self.records.release(job.job_id)
+            raise
+        self.log.info(
+            "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
+        )
+        return True
+
+    def submit(self, image: str | Path, prompt: str, **options: Any) -> str:
+        job = self.build_job(Submission(image=image, prompt=prompt, **options))
+        self.enqueue(job)
+        return job.job_id
+
+    def submit_many(self, submissions: Iterable[Submission]) -> list[str]:
+        return [self.submit(s.image, s.prompt, **_options(s)) for s in submissions]
+
+    # ---- read back ----
+    def result(self, job_id: str) -> dict[str, Any] | None:
+        return self.store.get_result(job_id)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        record = self.records.get(job_id)
+        state = record.get("state")
+        uri = names.s3_uri(self.store.bucket, names.result_key(self.settings.s3_prefix, job_id))
+        if state is None:
+            result = self.result(job_id)
+            state = str(result["status"]) if result else "unknown"
+        return {"job_id": job_id, "state": state, "result_uri": uri if state in TERMINAL else None}
+
+    def wait(self, job_id: str, timeout: float) -> dict[str, Any]:
+        """Block until the job has a result; raise TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.records.get(job_id).get("state")
+            if state in TERMINAL or state is None:
+                result = self.result(job_id)
+                if result is not None:
+                    return result
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
+            time.sleep(self.settings.wait_poll_s)
+
+
+def _options(sub: Submission) -> dict[str, Any]:
+    return {
+        "job_id": sub.job_id,
+        "lane": sub.lane,
+        "max_new_tokens": sub.max_new_tokens,
+        "ticket_id": sub.ticket_id,
+        "deadline": sub.deadline,
+    }

@@ -1,0 +1,48 @@
+"""The Celery app and its reliability settings, shared by producer and worker."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from shared import names
+from shared.settings import Settings
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("mrc", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        # JSON only: a pickled message is refused by the worker's consumer, never executed.
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        # Results go to S3 as objects of our own schema; Celery's result backend is not used.
+        result_backend=None,
+        task_ignore_result=True,
+        # Ack only after the batch wrote its results; a worker that dies leaves its messages unacked,
+        # and Redis hands them out again after the visibility timeout.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # Prefetch = one batch: celery-batches' buffer is capped by it, so a worker never hoards
+        # the queue and an interactive job never waits behind buffered backlog (STACK-NOTES.md).
+        worker_prefetch_multiplier=settings.batch_max_jobs,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "queue_order_strategy": "priority",
+            "unacked_restore_interval": settings.restore_interval_s,
+            "unacked_restore_throttle": 1,
+            "socket_timeout": 30,
+            "socket_connect_timeout": 10,
+            "retry_on_timeout": True,
+            "health_check_interval": 30,
+        },
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        task_default_queue=names.queue_name("interactive"),
+        task_create_missing_queues=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        worker_enable_remote_control=False,
+    )
+    return app

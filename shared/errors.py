@@ -1,0 +1,114 @@
+"""One error tree for mrc. Each error has a stable code (CONTRACT.md) and says whether retrying may help."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class MrcError(Exception):
+    """Base of every error mrc raises on purpose."""
+
+    code: ClassVar[str] = "internal_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict[str, object]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+
+
+class InvalidJob(MrcError):
+    """The job message or its fields are malformed (empty prompt, bad lane, unknown schema...)."""
+
+    code = "invalid_job"
+
+
+class ImageNotFound(MrcError):
+    """The image URI points at nothing."""
+
+    code = "image_not_found"
+
+
+class ImageSourceForbidden(MrcError):
+    """The image URI is outside the allowed buckets, or not an S3 URI at all."""
+
+    code = "image_source_forbidden"
+
+
+class UnsupportedImageFormat(MrcError):
+    """The bytes are not an image format mrc decodes (sniffed from the bytes, not the name)."""
+
+    code = "unsupported_image_format"
+
+
+class ImageDecodeError(MrcError):
+    """The bytes claim a known format but cannot be decoded (truncated, corrupt)."""
+
+    code = "image_decode_error"
+
+
+class ImageTooLarge(MrcError):
+    """The image exceeds the byte or pixel limit; decided from the header, before a full decode."""
+
+    code = "image_too_large"
+
+
+class PromptTooLong(MrcError):
+    """The prompt exceeds the token limit and truncation is switched off."""
+
+    code = "prompt_too_long"
+
+
+class OutOfMemory(MrcError):
+    """The accelerator ran out of memory even for this job alone."""
+
+    code = "out_of_memory"
+    retryable = True
+
+
+class ModelError(MrcError):
+    """The model failed on this job for a reason other than memory."""
+
+    code = "model_error"
+
+
+class Expired(MrcError):
+    """The job's deadline passed before it reached the model."""
+
+    code = "expired"
+
+
+class InternalError(MrcError):
+    """A fault in mrc itself; the message says where."""
+
+    code = "internal_error"
+
+
+class StoreUnavailable(MrcError):
+    """The S3 endpoint could not be reached or answered with a server error."""
+
+    code = "internal_error"
+    retryable = True
+
+
+class UsageError(MrcError):
+    """A caller passed bad arguments; nothing was enqueued."""
+
+    code = "invalid_job"
+
+
+ERROR_CODES: tuple[str, ...] = (
+    "invalid_job",
+    "image_not_found",
+    "image_source_forbidden",
+    "unsupported_image_format",
+    "image_decode_error",
+    "image_too_large",
+    "prompt_too_long",
+    "out_of_memory",
+    "model_error",
+    "expired",
+    "internal_error",
+)

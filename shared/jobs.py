@@ -1,0 +1,138 @@
+"""The job message and the result object (CONTRACT.md), with their schema versions."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shared.errors import InvalidJob, MrcError
+
+JOB_SCHEMA = "mrc.job/1"
+RESULT_SCHEMA = "mrc.result/1"
+Lane = Literal["interactive", "backlog"]
+Status = Literal["succeeded", "failed"]
+State = Literal["queued", "running", "succeeded", "failed", "unknown"]
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_rfc3339(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+class Job(BaseModel):
+    """One unit of work as it travels through Redis: JSON, never pickle."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_: Literal["mrc.job/1"] = Field(default=JOB_SCHEMA, alias="schema")
+    job_id: str
+    image_uri: str
+    image_sha256: str | None = None
+    prompt: str
+    lane: Lane = "interactive"
+    max_new_tokens: int = Field(ge=1)
+    ticket_id: str | None = Field(default=None, max_length=256)
+    submitted_at: str = Field(default_factory=now_rfc3339)
+    deadline: str | None = None
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id_shape(cls, value: str) -> str:
+        if not JOB_ID_RE.match(value):
+            raise ValueError("job_id: 1-128 of [A-Za-z0-9._:-], starting with a letter or digit")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("prompt is empty")
+        if "\x00" in value:
+            raise ValueError("prompt contains a NUL byte")
+        return value
+
+    def to_message(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+    @classmethod
+    def from_message(cls, data: object) -> Job:
+        """Parse a message body; anything malformed or of an unknown schema is InvalidJob."""
+        if not isinstance(data, dict):
+            raise InvalidJob(f"job message must be a JSON object, got {type(data).__name__}")
+        schema = data.get("schema", JOB_SCHEMA)
+        if schema != JOB_SCHEMA:
+            raise InvalidJob(f"unknown job schema {str(schema)[:40]!r}; this worker reads {JOB_SCHEMA}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "job"
+            raise InvalidJob(f"{where}: {first.get('msg', 'invalid')}") from None
+
+
+class ImageInfo(BaseModel):
+    uri: str
+    sha256: str | None = None
+    width: int = 0
+    height: int = 0
+
+
+class PromptInfo(BaseModel):
+    chars: int = 0
+    tokens: int = 0
+    truncated: bool = False
+
+
+class ModelInfo(BaseModel):
+    id: str
+    quantization: str
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+    retryable: bool = False
+
+    @classmethod
+    def from_error(cls, error: MrcError) -> ErrorInfo:
+        return cls(code=error.code, message=error.message, retryable=error.retryable)
+
+
+class Timings(BaseModel):
+    queued: float = 0.0
+    preprocess: float = 0.0
+    inference: float = 0.0
+    total: float = 0.0
+
+
+class JobResult(BaseModel):
+    """The one object written per job to results/<job_id>.json."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    schema_: Literal["mrc.result/1"] = Field(default=RESULT_SCHEMA, alias="schema")
+    job_id: str
+    status: Status
+    text: str | None = None
+    error: ErrorInfo | None = None
+    lane: str = "interactive"
+    ticket_id: str | None = None
+    attempts: int = 1
+    image: ImageInfo
+    prompt: PromptInfo = Field(default_factory=PromptInfo)
+    model: ModelInfo
+    cache_hit: bool = False
+    timings_ms: Timings = Field(default_factory=Timings)
+    submitted_at: str
+    finished_at: str = Field(default_factory=now_rfc3339)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")

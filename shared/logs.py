@@ -1,0 +1,134 @@
+"""Structured logs as one pipe-delimited line per event on stderr: EVENT|key=value|key=value...
+
+Escaping keeps every line splittable on unescaped `|` and a value on one line:
+`\\` -> `\\\\`, `|` -> `\\|`, newline -> `\\n`, carriage return -> `\\r`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, MutableMapping
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import structlog
+
+_ESCAPES = {"\\": "\\\\", "|": "\\|", "\n": "\\n", "\r": "\\r"}
+_UNESCAPES = {"\\": "\\", "|": "|", "n": "\n", "r": "\r"}
+_FIRST_KEYS = ("ts", "level")
+
+
+def escape(value: str) -> str:
+    if not any(ch in value for ch in _ESCAPES):
+        return value
+    return "".join(_ESCAPES.get(ch, ch) for ch in value)
+
+
+def _split_unescaped(line: str) -> list[str]:
+    """Split on unescaped `|` and undo the escapes inside each field."""
+    fields: list[str] = []
+    current: list[str] = []
+    chars = iter(line)
+    for ch in chars:
+        if ch == "\\":
+            nxt = next(chars, "")
+            current.append(_UNESCAPES.get(nxt, "\\" + nxt))
+        elif ch == "|":
+            fields.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    fields.append("".join(current))
+    return fields
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "" if value is None else str(value)
+
+
+def render(event: str, fields: Mapping[str, object]) -> str:
+    """One log line. Keys are assumed to be plain identifiers; values are escaped."""
+    ordered = [k for k in _FIRST_KEYS if k in fields] + [k for k in fields if k not in _FIRST_KEYS]
+    parts = [escape(event.upper())]
+    parts.extend(f"{key}={escape(_text(fields[key]))}" for key in ordered)
+    return "|".join(parts)
+
+
+def parse_line(line: str) -> tuple[str, dict[str, str]]:
+    """Read one rendered line back into (EVENT, {key: value}); values are strings."""
+    fields = _split_unescaped(line.rstrip("\n"))
+    event, pairs = fields[0], fields[1:]
+    data: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"field without '=' in log line: {pair[:60]!r}")
+        data[key] = value
+    return event, data
+
+
+class PipeRenderer:
+    """structlog processor: the final step, turning the event dict into one line."""
+
+    def __call__(self, _logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> str:
+        event = str(event_dict.pop("event", "MRC_LOG"))
+        return render(event, event_dict)
+
+
+def _utc_ts() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _add_ts(_logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    event_dict.setdefault("ts", _utc_ts())
+    return event_dict
+
+
+class PipeFormatter(logging.Formatter):
+    """Puts third-party stdlib logging (Celery, kombu, botocore) into the same line format."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, object] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="microseconds").replace(
+                "+00:00", "Z"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            fields["exc"] = self.formatException(record.exc_info)
+        return render("LIB_LOG", fields)
+
+
+def configure(level: str = "INFO", stream: TextIO | None = None) -> None:
+    """Set up structlog and stdlib logging to write pipe-delimited lines to stderr."""
+    out = stream or sys.stderr
+    numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            _add_ts,
+            structlog.processors.format_exc_info,
+            PipeRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        cache_logger_on_first_use=False,
+    )
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(PipeFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    logging.captureWarnings(True)
+    # Library chatter at INFO (botocore credentials, celery banners) drowns the job events.
+    root.setLevel(max(numeric, logging.WARNING))
+
+
+def get_logger(**bound: object) -> Any:
+    return structlog.get_logger().bind(**bound)

@@ -1,0 +1,44 @@
+"""Queue names, Redis keys and S3 keys, built in one place so producer and worker cannot disagree."""
+
+from __future__ import annotations
+
+from typing import Final
+
+TASK_NAME: Final = "mrc.infer"
+LANES: Final = ("interactive", "backlog")
+REDIS_PREFIX: Final = "mrc:"
+
+
+def queue_name(lane: str) -> str:
+    return f"mrc.{lane}"
+
+
+def job_key(job_id: str) -> str:
+    """Redis hash with a job's state: queued / running / succeeded / failed."""
+    return f"{REDIS_PREFIX}job:{job_id}"
+
+
+def dead_letter_key() -> str:
+    return f"{REDIS_PREFIX}dlq"
+
+
+def result_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}results/{job_id}.json"
+
+
+def input_key(prefix: str, sha256: str, ext: str) -> str:
+    return f"{prefix}inputs/{sha256}.{ext}"
+
+
+def s3_uri(bucket: str, key: str) -> str:
+    return f"s3://{bucket}/{key}"
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """Split s3://bucket/key; raise ValueError for anything else."""
+    if not uri.startswith("s3://"):
+        raise ValueError(f"not an s3:// URI: {uri[:80]!r}")
+    bucket, _, key = uri[5:].partition("/")
+    if not bucket or not key:
+        raise ValueError(f"s3 URI needs a bucket and a key: {uri[:80]!r}")
+    return bucket, key

@@ -1,0 +1,99 @@
+"""Job records in Redis: the state a job is in, for `mrc status` and for running a job id once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import redis
+
+from shared import names
+from shared.jobs import State, now_rfc3339
+
+RECORD_TTL_S = 7 * 24 * 3600
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
+
+
+class JobRecords(Protocol):
+    def claim(self, job_id: str, lane: str) -> bool: ...
+    def release(self, job_id: str) -> None: ...
+    def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
+    def get(self, job_id: str) -> dict[str, str]: ...
+    def begin(self, job_id: str) -> int: ...
+
+
+class RedisJobRecords:
+    """One Redis hash per job. `claim` is atomic: the first submitter of a job id wins."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._redis = client
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisJobRecords:
+        return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10, health_check_interval=30))
+
+    def claim(self, job_id: str, lane: str) -> bool:
+        key = names.job_key(job_id)
+        if not self._redis.hsetnx(key, "state", "queued"):
+            return False
+        self._redis.hset(key, mapping={"lane": lane, "submitted_at": now_rfc3339()})
+        self._redis.expire(key, RECORD_TTL_S)
+        return True
+
+    def release(self, job_id: str) -> None:
+        """Undo a claim whose message never reached the queue."""
+        self._redis.delete(names.job_key(job_id))
+
+    def set_state(self, job_id: str, state: State, **fields: str) -> None:
+        key = names.job_key(job_id)
+        with self._redis.pipeline() as pipe:
+            pipe.hset(key, mapping={"state": state, "updated_at": now_rfc3339(), **fields})
+            pipe.expire(key, RECORD_TTL_S)
+            pipe.execute()
+
+    def get(self, job_id: str) -> dict[str, str]:
+        return dict(self._redis.hgetall(names.job_key(job_id)))
+
+    def begin(self, job_id: str) -> int:
+        """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""
+        key = names.job_key(job_id)
+        with self._redis.pipeline() as pipe:
+            pipe.hincrby(key, "attempts", 1)
+            pipe.hset(key, mapping={"state": "running", "updated_at": now_rfc3339()})
+            pipe.expire(key, RECORD_TTL_S)
+            attempts = pipe.execute()[0]
+        return int(attempts)
+
+
+class MemoryJobRecords:
+    """In-process twin of RedisJobRecords for unit tests."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, job_id: str, lane: str) -> bool:
+        with self._lock:
+            if job_id in self.records:
+                return False
+            self.records[job_id] = {"state": "queued", "lane": lane}
+            return True
+
+    def release(self, job_id: str) -> None:
+        with self._lock:
+            self.records.pop(job_id, None)
+
+    def set_state(self, job_id: str, state: State, **fields: str) -> None:
+        with self._lock:
+            self.records.setdefault(job_id, {}).update({"state": state, **fields})
+
+    def get(self, job_id: str) -> dict[str, str]:
+        with self._lock:
+            return dict(self.records.get(job_id, {}))
+
+    def begin(self, job_id: str) -> int:
+        with self._lock:
+            record = self.records.setdefault(job_id, {})
+            attempts = int(record.get("attempts", "0")) + 1
+            record.update({"state": "running", "attempts": str(attempts)})
+            return attempts

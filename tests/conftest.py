@@ -1,0 +1,39 @@
+"""Session-wide real services for integration and fault tests, started on free loopback ports."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import services
+
+# The tiny Fuyu is built once per checkout and reused: building it is deterministic (seeded).
+MODEL_HOME = services.ROOT / ".cache" / "mrc"
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("services")
+
+
+@pytest.fixture(scope="session")
+def redis_service(workdir: Path) -> Iterator[services.Service]:
+    service = services.start_redis(workdir / "redis")
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_service(workdir: Path) -> Iterator[services.Service]:
+    service = services.start_s3(workdir / "s3")
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def env(redis_service: services.Service, s3_service: services.Service) -> dict[str, str]:
+    bucket = f"mrc-test-{uuid.uuid4().hex[:8]}"
+    return services.base_env(redis_service.url, s3_service.url, bucket, MODEL_HOME)

@@ -1,0 +1,185 @@
+"""Jobs through the CLI, a real Redis, a real S3 endpoint and a real worker process."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from shared.jobs import JobResult
+from tests.support import imagegen, services
+from tests.support.services import Worker, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def _s3(env: dict[str, str]):
+    return boto3.client(
+        "s3",
+        endpoint_url=env["MRC_S3_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
+
+
+def _write(tmp: Path, name: str, data: bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(data)
+    return path
+
+
+def _submit_wait(env: dict[str, str], image: Path | str, prompt: str, *extra: str):
+    return run_cli(env, "submit", "--image", str(image), "--prompt", prompt, "--wait", "--timeout", "120", *extra)
+
+
+def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_dir: Path) -> None:
+    prompts = ["Can I get a refund for this damaged parcel?", "这个包裹坏了，我可以退款吗？"]
+    for i, prompt in enumerate(prompts):
+        image = _write(images_dir, f"p{i}.jpg", imagegen.photo(640 + 100 * i, 480, seed=i))
+        job_id = f"e2e-{uuid.uuid4().hex[:10]}"
+        done = _submit_wait(env, image, prompt, "--job-id", job_id, "--ticket-id", f"T-{i}")
+        assert done.returncode == 0, done.stderr
+        printed = json.loads(done.stdout)
+        stored = json.loads(_s3(env).get_object(Bucket=env["MRC_S3_BUCKET"], Key=f"results/{job_id}.json")["Body"].read())
+        assert printed == stored
+        JobResult.model_validate(stored)
+        assert stored["schema"] == "mrc.result/1"
+        assert stored["status"] == "succeeded" and isinstance(stored["text"], str)
+        assert stored["error"] is None and stored["ticket_id"] == f"T-{i}" and stored["attempts"] == 1
+        assert stored["image"]["width"] == 640 + 100 * i and stored["image"]["height"] == 480
+        assert stored["image"]["uri"].startswith(f"s3://{env['MRC_S3_BUCKET']}/inputs/")
+        assert stored["prompt"]["chars"] == len(prompt) and stored["prompt"]["tokens"] > 0
+        assert stored["model"] == {"id": "tiny-fuyu-v1", "quantization": "nf4"}
+        assert set(stored["timings_ms"]) == {"queued", "preprocess", "inference", "total"}
+        assert stored["timings_ms"]["inference"] > 0
+        success = worker.find("MRC_SUCCESS", job_id=job_id)
+        assert len(success) == 1
+        assert float(success[0]["latency"]) > 0 and int(success[0]["input_len"]) > 0
+        assert int(success[0]["output_len"]) >= 0 and success[0]["prompt_head"] == prompt[:64]
+        status = json.loads(run_cli(env, "status", job_id).stdout)
+        assert status == {
+            "job_id": job_id,
+            "state": "succeeded",
+            "result_uri": f"s3://{env['MRC_S3_BUCKET']}/results/{job_id}.json",
+        }
+        assert json.loads(run_cli(env, "result", job_id).stdout) == stored
+
+
+def test_submit_without_wait_prints_the_job_id_alone(env, worker: Worker, images_dir: Path) -> None:
+    image = _write(images_dir, "a.png", imagegen.photo(300, 200, fmt="PNG"))
+    done = run_cli(env, "submit", "--image", str(image), "--prompt", "what colour is the box?")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    assert len(done.stdout.splitlines()) == 1 and job_id
+    waited = run_cli(env, "result", job_id)
+    for _ in range(100):
+        if waited.returncode == 0:
+            break
+        waited = run_cli(env, "result", job_id)
+    assert json.loads(waited.stdout)["job_id"] == job_id
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "code"),
+    [
+        ("not-an-image.jpg", b"this is plain text, not a JPEG\n", "unsupported_image_format"),
+        ("truncated.jpg", imagegen.truncated_jpeg(), "image_decode_error"),
+        ("empty.png", b"", "unsupported_image_format"),
+        ("bomb.png", imagegen.png_header_only(60000, 60000), "image_too_large"),
+    ],
+)
+def test_bad_image_fails_its_job_with_its_code(env, worker: Worker, images_dir: Path, name, data, code) -> None:
+    done = _submit_wait(env, _write(images_dir, name, data), "is this damaged?")
+    assert done.returncode == 1, done.stderr
+    result = json.loads(done.stdout)
+    assert result["status"] == "failed" and result["text"] is None
+    assert result["error"]["code"] == code and result["error"]["retryable"] is False
+    errors = worker.find("MRC_ERROR", job_id=result["job_id"])
+    assert len(errors) == 1 and errors[0]["code"] == code
+
+
+def test_awkward_prompt_is_logged_on_one_line_and_round_trips(env, worker: Worker, images_dir: Path) -> None:
+    prompt = "refund? | a=b \\ back\nslash\r\n新行 😀 ||"
+    done = _submit_wait(env, _write(images_dir, "ok.jpg", imagegen.photo(200, 150)), prompt)
+    assert done.returncode == 0, done.stderr
+    job_id = json.loads(done.stdout)["job_id"]
+    lines = [line for line in worker.log_path.read_text().splitlines() if f"job_id={job_id}" in line]
+    assert len(lines) == 1 and lines[0].startswith("MRC_SUCCESS|")
+    assert worker.find("MRC_SUCCESS", job_id=job_id)[0]["prompt_head"] == prompt
+
+
+def test_cli_refuses_bad_submissions_and_enqueues_nothing(env, worker: Worker, images_dir: Path) -> None:
+    image = _write(images_dir, "fine.jpg", imagegen.photo(100, 100))
+    cases = [
+        ("--image", str(images_dir / "missing.jpg"), "--prompt", "hello"),
+        ("--image", str(image), "--prompt", "   "),
+        ("--image", str(image), "--prompt", "hi", "--max-new-tokens", "0"),
+        ("--image", str(image), "--prompt", "hi", "--max-new-tokens", "1000000"),
+        ("--image", "https://example.com/cat.jpg", "--prompt", "hi"),
+        ("--image", str(image), "--prompt", "hi", "--job-id", "bad id with spaces"),
+    ]
+    before = json.loads(run_cli(env, "queues", "--json").stdout)
+    for args in cases:
+        done = run_cli(env, "submit", *args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert done.stdout == ""
+    assert json.loads(run_cli(env, "queues", "--json").stdout) == before
+
+
+def test_same_job_id_twice_runs_once(env, worker: Worker, images_dir: Path) -> None:
+    image = _write(images_dir, "dup.jpg", imagegen.photo(120, 90))
+    job_id = f"dup-{uuid.uuid4().hex[:10]}"
+    first = run_cli(env, "submit", "--image", str(image), "--prompt", "once", "--job-id", job_id)
+    second = _submit_wait(env, image, "once", "--job-id", job_id)
+    assert first.returncode == 0 and second.returncode == 0
+    assert first.stdout.strip() == job_id == json.loads(second.stdout)["job_id"]
+    assert len(worker.find("MRC_SUCCESS", job_id=job_id)) == 1
+
+
+def test_unknown_job_status(env, worker: Worker) -> None:
+    status = json.loads(run_cli(env, "status", "never-submitted").stdout)
+    assert status == {"job_id": "never-submitted", "state": "unknown", "result_uri": None}
+    assert run_cli(env, "result", "never-submitted").returncode == 1
+
+
+def test_health_endpoints(worker: Worker) -> None:
+    base = f"http://127.0.0.1:{worker.http_port}"
+    with urllib.request.urlopen(base + "/healthz") as r:
+        assert r.status == 200
+    with urllib.request.urlopen(base + "/readyz") as r:
+        ready = json.loads(r.read())
+    assert ready["model"] == "tiny-fuyu-v1" and ready["quantization"] == "nf4" and ready["device"] == "cpu"
+    assert ready["attention_backend"]
+    with urllib.request.urlopen(base + "/metrics") as r:
+        text = r.read().decode()
+    assert "mrc_jobs_total" in text and "mrc_worker_ready 1.0" in text
+
+
+def test_message_without_producer_is_checked_by_the_worker(env, worker: Worker) -> None:
+    """A message sent straight to the queue (not through the CLI) with an empty prompt fails as invalid_job."""
+    from shared import names
+    from shared.celery_app import make_celery
+    from shared.settings import Settings
+
+    settings = Settings(redis_url=env["MRC_REDIS_URL"])
+    job_id = f"raw-{uuid.uuid4().hex[:10]}"
+    body = {"schema": "mrc.job/1", "job_id": job_id, "image_uri": "s3://elsewhere/x.jpg", "prompt": " ",
+            "max_new_tokens": 4}
+    make_celery(settings).send_task(names.TASK_NAME, kwargs={"job": body}, task_id=job_id,
+                                    queue=names.queue_name("interactive"))
+    forbidden_id = f"raw-{uuid.uuid4().hex[:10]}"
+    body = {**body, "job_id": forbidden_id, "prompt": "fine"}
+    make_celery(settings).send_task(names.TASK_NAME, kwargs={"job": body}, task_id=forbidden_id,
+                                    queue=names.queue_name("interactive"))
+    codes = {}
+    for _ in range(300):
+        codes = {e["job_id"]: e["code"] for e in worker.find("MRC_ERROR") if e["job_id"] in (job_id, forbidden_id)}
+        if len(codes) == 2:
+            break
+        services.time.sleep(0.1)
+    assert codes == {job_id: "invalid_job", forbidden_id: "image_source_forbidden"}

@@ -1,0 +1,40 @@
+"""Images made on the fly for tests and the demo: good ones and deliberately broken ones."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+from PIL import Image, ImageDraw
+
+
+def photo(width: int, height: int, seed: int = 0, fmt: str = "JPEG") -> bytes:
+    """A synthetic 'parcel photo': gradient background, a box, some text."""
+    img = Image.new("RGB", (width, height))
+    draw = ImageDraw.Draw(img)
+    for y in range(0, height, max(1, height // 32)):
+        shade = (40 + (y * 180) // max(1, height) + seed * 13) % 256
+        draw.rectangle([0, y, width, y + height // 32 + 1], fill=(shade, 120, 255 - shade))
+    draw.rectangle([width // 4, height // 4, 3 * width // 4, 3 * height // 4], fill=(160, 110, 60), outline=(0, 0, 0))
+    draw.text((width // 4 + 4, height // 4 + 4), f"PARCEL {seed}", fill=(255, 255, 255))
+    out = io.BytesIO()
+    img.save(out, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+def truncated_jpeg() -> bytes:
+    data = photo(320, 240, seed=7)
+    return data[: len(data) // 2]
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims a huge size, with one tiny IDAT: a decompression bomb's header."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(
+        b"IEND", b""
+    )

@@ -1,0 +1,179 @@
+"""Start and stop the real services the tests talk to: redis-server, moto's S3 server, mrc-worker.
+
+A service that cannot start fails the test session: nothing is silently skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.logs import parse_line
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not come up within {timeout:g} s")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return int(proc.returncode)
+
+
+@dataclass
+class Service:
+    proc: subprocess.Popen[bytes]
+    url: str
+    port: int
+    log_path: Path
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        return stop(self.proc, sig)
+
+
+def start_redis(workdir: Path, appendonly: bool = False, port: int | None = None) -> Service:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (make install puts it there through apt)")
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"redis-{port}.log"
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
+    args += ["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly else ["--appendonly", "no"]
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+
+    def ping() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+
+    wait_for(ping, 20, "redis-server", proc)
+    return Service(proc, f"redis://127.0.0.1:{port}/0", port, log_path)
+
+
+def start_s3(workdir: Path, port: int | None = None) -> Service:
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"moto-{port}.log"
+    exe = BIN / "moto_server"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=log_file, stderr=subprocess.STDOUT
+        )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        with urllib.request.urlopen(url + "/moto-api/", timeout=1) as response:
+            return int(response.status) == 200
+
+    wait_for(up, 30, "moto_server", proc)
+    return Service(proc, url, port, log_path)
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def events(self) -> list[tuple[str, dict[str, str]]]:
+        """Every pipe-delimited event the worker has logged so far, parsed with parse_line."""
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if "|" in line and line.split("|", 1)[0].isupper():
+                out.append(parse_line(line))
+        return out
+
+    def find(self, event: str, **match: str) -> list[dict[str, str]]:
+        return [f for e, f in self.events() if e == event and all(f.get(k) == v for k, v in match.items())]
+
+    @property
+    def http_port(self) -> int:
+        return int(self.find("MRC_HTTP_LISTENING")[0]["port"])
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        return stop(self.proc, sig, timeout=60)
+
+
+def base_env(redis_url: str, s3_url: str, bucket: str, home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MRC_")}
+    env.update(
+        {
+            "MRC_REDIS_URL": redis_url,
+            "MRC_S3_ENDPOINT_URL": s3_url,
+            "MRC_S3_BUCKET": bucket,
+            "MRC_MODEL": "tiny",
+            "MRC_DEVICE": "cpu",
+            "MRC_HOME": str(home),
+            "MRC_METRICS_PORT": "0",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float = 180) -> Worker:
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            [str(BIN / "mrc-worker"), *args],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    worker = Worker(proc, log_path, env)
+
+    def ready() -> bool:
+        text = log_path.read_text(errors="replace")
+        return "MRC_WORKER_READY" in text and "ready." in text
+
+    try:
+        wait_for(ready, timeout, "mrc-worker", proc)
+    except RuntimeError as exc:
+        stop(proc, signal.SIGKILL)
+        raise RuntimeError(f"{exc}\n--- worker log ---\n{log_path.read_text(errors='replace')[-4000:]}") from None
+    return worker
+
+
+def run_cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "mrc"), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )

@@ -1,0 +1,50 @@
+"""The ModelBackend protocol: what the pipeline needs from a model, and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """A prompt as the model will see it: possibly truncated to the token limit."""
+
+    text: str
+    tokens: int
+    original_tokens: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    image: Any  # an RGB PIL image (the processor path) or a uint8 CHW tensor
+    prompt: str
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str
+    output_tokens: int
+
+
+class ModelBackend(Protocol):
+    model_id: str
+    quantization: str
+    device: str
+
+    def load(self) -> None:
+        """Load weights onto the device; slow, called once per process."""
+
+    def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
+        """Count the prompt's tokens and cut it to `max_tokens` if allowed (else PromptTooLong)."""
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """How many sequence positions an image of this size takes."""
+
+    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+        """Greedy generation for a batch; returns one output per input, in order."""
+
+    def describe(self) -> dict[str, str]:
+        """What /readyz and the results report about the loaded model."""

@@ -1,0 +1,52 @@
+"""An in-process model for unit tests of the pipeline: answers from the prompt, no torch, no weights."""
+
+from __future__ import annotations
+
+import math
+
+from shared.errors import PromptTooLong
+from workers.backends.base import GenerationInput, GenerationOutput, PromptPlan
+
+
+class EchoBackend:
+    """Deterministic stand-in for a ModelBackend: the answer names the image size and the prompt.
+
+    `fail_on` makes generate raise when a prompt contains that marker, to test fault isolation.
+    """
+
+    model_id = "echo"
+    quantization = "fp32"
+    device = "cpu"
+
+    def __init__(self, fail_on: str | None = None, error: Exception | None = None) -> None:
+        self.fail_on = fail_on
+        self.error = error or RuntimeError("injected model fault")
+        self.calls: list[int] = []
+
+    def load(self) -> None:
+        return None
+
+    def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
+        words = prompt.split()
+        if len(words) <= max_tokens:
+            return PromptPlan(prompt, len(words), len(words), False)
+        if not truncate:
+            raise PromptTooLong(f"prompt has {len(words)} tokens; the limit is {max_tokens}")
+        return PromptPlan(" ".join(words[:max_tokens]), max_tokens, len(words), True)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        return math.ceil(height / 30) * (math.ceil(width / 30) + 1)
+
+    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+        self.calls.append(len(batch))
+        if self.fail_on and any(self.fail_on in item.prompt for item in batch):
+            raise self.error
+        outputs = []
+        for item in batch:
+            width, height = item.image.size
+            text = f"{width}x{height}: {item.prompt}"[: item.max_new_tokens * 8]
+            outputs.append(GenerationOutput(text=text, output_tokens=len(text.split())))
+        return outputs
+
+    def describe(self) -> dict[str, str]:
+        return {"model": self.model_id, "quantization": self.quantization, "device": self.device}

@@ -1,0 +1,165 @@
+"""Fuyu through transformers: the one loader for Fuyu-8B (local folder or offline HF cache) and the tiny Fuyu."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ModelError, OutOfMemory, PromptTooLong
+from shared.settings import Settings
+from workers.backends.base import GenerationInput, GenerationOutput, PromptPlan
+
+# Weights cannot be downloaded here, and a production worker must never fetch at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+PATCH = 30
+MAX_H, MAX_W = 1080, 1920
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"MRC_DEVICE={requested} but CUDA is not available")
+    return requested
+
+
+def fit_size(height: int, width: int) -> tuple[int, int]:
+    """Fuyu's resize-to-fit 1080x1920: shrink only, keep the aspect ratio (int() as the processor does)."""
+    if height <= MAX_H and width <= MAX_W:
+        return height, width
+    scale = min(MAX_H / height, MAX_W / width)
+    return max(1, int(height * scale)), max(1, int(width * scale))
+
+
+def image_token_count(height: int, width: int) -> int:
+    h, w = fit_size(height, width)
+    return math.ceil(h / PATCH) * (math.ceil(w / PATCH) + 1)
+
+
+def quantization_kwargs(quantization: str, device: str) -> dict[str, Any]:
+    """from_pretrained keyword arguments for one quantization mode."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "nf4":
+        config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+            # The vision projection (30*30*3 = 2700 wide) breaks bnb's packed CPU path, and the list
+            # replaces the default one, so lm_head must be named too (STACK-NOTES.md).
+            llm_int8_skip_modules=["vision_embed_tokens", "lm_head"],
+        )
+        return {"quantization_config": config, "dtype": torch.bfloat16, "device_map": {"": device}}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    return {"dtype": dtypes[quantization], "device_map": {"": device}}
+
+
+class FuyuBackend:
+    """Fuyu-8B (or the tiny Fuyu) loaded with from_pretrained, generating greedily in batches."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.source = settings.model
+        self.model_id = settings.model
+        self.quantization = settings.quantization
+        self.device = settings.device
+        self.model: Any = None
+        self.processor: Any = None
+
+    def _path(self) -> str:
+        if self.source == "tiny":
+            from workers.backends.tiny import TINY_VERSION, ensure_tiny_model
+
+            self.model_id = TINY_VERSION
+            return str(ensure_tiny_model(self.settings.home))
+        return str(Path(self.source).expanduser()) if Path(self.source).expanduser().is_dir() else self.source
+
+    def load(self) -> None:
+        from transformers import AutoProcessor, FuyuForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        self.device = resolve_device(self.settings.device)
+        path = self._path()
+        try:
+            self.processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+            self.model = FuyuForCausalLM.from_pretrained(
+                path, local_files_only=True, **quantization_kwargs(self.quantization, self.device)
+            )
+        except OSError as exc:
+            raise ModelError(
+                f"cannot load model {self.source!r} offline: give MRC_MODEL a local folder with the "
+                f"weights, a hub id present in the HF cache, or 'tiny' ({exc})"
+            ) from exc
+        self.model.eval()
+        self.eos_id = int(self.processor.tokenizer.eos_token_id)
+
+    def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
+        tokenizer = self.processor.tokenizer
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            return PromptPlan(prompt, len(ids), len(ids), False)
+        if not truncate:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the limit is {max_tokens}")
+        kept = tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
+        return PromptPlan(kept, max_tokens, len(ids), True)
+
+    def image_tokens(self, height: int, width: int) -> int:
+        return image_token_count(height, width)
+
+    def _inputs(self, batch: list[GenerationInput]) -> Any:
+        inputs = self.processor(
+            text=[item.prompt for item in batch],
+            images=[item.image for item in batch],
+            return_tensors="pt",
+            return_legacy_image_output=False,
+        )
+        inputs = inputs.to(self.device)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        return inputs
+
+    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+        import torch
+
+        try:
+            inputs = self._inputs(batch)
+            with torch.inference_mode():
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=max(item.max_new_tokens for item in batch),
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=self.eos_id,
+                )
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            raise OutOfMemory(f"CUDA out of memory for a batch of {len(batch)}") from exc
+        new_tokens = out[:, inputs["input_ids"].shape[1] :].tolist()
+        return [self._decode(row, item.max_new_tokens) for row, item in zip(new_tokens, batch, strict=True)]
+
+    def _decode(self, row: list[int], max_new_tokens: int) -> GenerationOutput:
+        # Greedy decoding makes a row's first N tokens the same whatever the batch's longest request.
+        row = row[:max_new_tokens]
+        if self.eos_id in row:
+            row = row[: row.index(self.eos_id)]
+        text = self.processor.tokenizer.decode(row, skip_special_tokens=True)
+        return GenerationOutput(text=text, output_tokens=len(row))
+
+    def describe(self) -> dict[str, str]:
+        attention = str(getattr(getattr(self.model, "config", None), "_attn_implementation", "unknown"))
+        return {
+            "model": self.model_id,
+            "quantization": self.quantization,
+            "device": self.device,
+            "attention_backend": attention,
+        }

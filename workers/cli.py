@@ -1,0 +1,119 @@
+"""`mrc-worker`: load the model, warm it up, then consume the lanes with the batched task."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from PIL import Image
+
+from shared import logs, names
+from shared.celery_app import make_celery
+from shared.records import RedisJobRecords
+from shared.settings import Settings
+from shared.store import S3Store
+from workers import health, tasks
+from workers.backends.base import GenerationInput, ModelBackend
+from workers.backends.fuyu import FuyuBackend
+from workers.metrics import Metrics
+from workers.pipeline import Pipeline
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mrc-worker",
+        description="Consume mrc jobs from Redis in micro-batches, run Fuyu, write results to S3. "
+        "All other settings come from MRC_* environment variables (see README.md).",
+    )
+    parser.add_argument(
+        "--lanes",
+        default="interactive,backlog",
+        help="comma-separated lanes, highest priority first (default: interactive,backlog)",
+    )
+    parser.add_argument("--hostname", default=None, help="worker name (default: mrc@<host>-<pid>)")
+    return parser
+
+
+def _lanes(value: str) -> list[str]:
+    lanes = [lane.strip() for lane in value.split(",") if lane.strip()]
+    unknown = [lane for lane in lanes if lane not in names.LANES]
+    if not lanes or unknown:
+        raise SystemExit(f"mrc-worker: --lanes takes a list of {', '.join(names.LANES)}")
+    return lanes
+
+
+def warm_up(backend: ModelBackend) -> None:
+    """One tiny batch through the model so the first real job does not pay for lazy initialisation."""
+    image = Image.new("RGB", (64, 48), (128, 128, 128))
+    backend.generate([GenerationInput(image=image, prompt="warm up", max_new_tokens=2)])
+
+
+def _route_celery_console(log: Any) -> None:
+    """Celery prints shutdown notices straight to the console; keep them in the one-line log format."""
+    import celery.apps.worker as celery_worker
+
+    def say(msg: str, f: object = None) -> None:
+        log.info("MRC_CELERY_NOTICE", msg=msg.strip())
+
+    celery_worker.safe_say = say
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    lanes = _lanes(args.lanes)
+    settings = Settings()
+    logs.configure(settings.log_level)
+    log = logs.get_logger()
+
+    metrics = Metrics()
+    state = health.HealthState()
+    server = health.serve(settings.metrics_port, state, metrics)
+    log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
+
+    backend = FuyuBackend(settings)
+    began = time.perf_counter()
+    backend.load()
+    log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
+    began = time.perf_counter()
+    warm_up(backend)
+    log.info("MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3))
+
+    store = S3Store(settings)
+    store.ensure_bucket()
+    records = RedisJobRecords.from_url(settings.redis_url)
+    pipeline = Pipeline(backend, store, records, settings, metrics)
+    app = make_celery(settings)
+    tasks.register(app, settings, pipeline)
+
+    state.set_ready(backend.describe())
+    metrics.ready.set(1)
+    hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
+    log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
+    _route_celery_console(log)
+    worker = app.Worker(
+        hostname=hostname,
+        queues=[names.queue_name(lane) for lane in lanes],
+        pool="solo",  # the batch runs in the consumer loop: nothing is fetched while the model runs
+        concurrency=1,
+        loglevel=settings.log_level,
+        quiet=True,
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+    )
+    worker.start()
+    state.set_not_ready()
+    pipeline.close()
+    server.shutdown()
+    code = int(worker.exitcode or 0)
+    log.info("MRC_WORKER_STOPPED", exit_code=code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Runs the stages for one delivered batch and times them. Never raises for one job's fault.
+
+decode -> claim -> deadline -> prompt -> images -> model batches -> results (one per job)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from shared import logs
+from shared.errors import (
+    Expired,
+    InternalError,
+    InvalidJob,
+    ModelError,
+    MrcError,
+    OutOfMemory,
+    StoreUnavailable,
+)
+from shared.jobs import (
+    JOB_ID_RE,
+    ErrorInfo,
+    ImageInfo,
+    Job,
+    JobResult,
+    ModelInfo,
+    PromptInfo,
+    Timings,
+    now_rfc3339,
+    parse_rfc3339,
+)
+from shared.records import JobRecords
+from shared.settings import Settings
+from shared.store import Store
+from workers import batching, images
+from workers.backends.base import GenerationInput, ModelBackend, PromptPlan
+from workers.metrics import Metrics
+
+Outcome = Literal["succeeded", "failed", "skipped", "unwritten"]
+_WRITE_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One delivered request, as the task hands it over: the Celery task id and the `job` argument."""
+
+    request_id: str
+    body: object
+
+
+@dataclass
+class Slot:
+    """One job's state on its way through the pipeline."""
+
+    request_id: str
+    body: object
+    received: float
+    job: Job | None = None
+    error: MrcError | None = None
+    outcome: Outcome | None = None
+    attempts: int = 1
+    decoded: images.DecodedImage | None = None
+    plan: PromptPlan | None = None
+    text: str | None = None
+    output_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
+
+    @property
+    def live(self) -> bool:
+        return self.error is None and self.outcome is None
+
+    @property
+    def job_id(self) -> str:
+        if self.job is not None:
+            return self.job.job_id
+        if JOB_ID_RE.match(self.request_id):
+            return self.request_id
+        return "invalid-" + hashlib.sha256(self.request_id.encode()).hexdigest()[:24]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        backend: ModelBackend,
+        store: Store,
+        records: JobRecords,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.records = records
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.sleep = sleep
+        self.log = logs.get_logger()
+        self._pool = ThreadPoolExecutor(max_workers=settings.fetch_threads, thread_name_prefix="mrc-fetch")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- run
+    def run(self, messages: Sequence[Message]) -> list[Outcome]:
+        start = time.time()
+        slots = [Slot(m.request_id, m.body, start) for m in messages]
+        stages: list[tuple[str, Callable[[list[Slot]], None]]] = [
+            ("decode", self._decode),
+            ("claim", self._claim),
+            ("prompt", self._plan_prompts),
+            ("images", self._load_images),
+            ("model", self._infer),
+            ("results", self._write_results),
+        ]
+        for name, stage in stages:
+            began = time.perf_counter()
+            try:
+                stage(slots)
+            except Exception as exc:  # a bug in a stage fails the jobs still in flight, not the worker
+                self.log.exception("MRC_STAGE_FAILED", stage=name, error=repr(exc))
+                for slot in slots:
+                    if slot.live:
+                        slot.error = InternalError(f"stage {name} failed: {exc!r}"[:500])
+                if name == "results":
+                    raise
+            self.metrics.stage.labels(stage=name).observe(time.perf_counter() - began)
+        self.metrics.batch_jobs.observe(len(slots))
+        self.log.info(
+            "MRC_BATCH",
+            jobs=len(slots),
+            succeeded=sum(s.outcome == "succeeded" for s in slots),
+            failed=sum(s.outcome == "failed" for s in slots),
+            skipped=sum(s.outcome == "skipped" for s in slots),
+            seconds=round(time.time() - start, 4),
+        )
+        return [slot.outcome or "failed" for slot in slots]
+
+    # ---------------------------------------------------------------- stages
+    def _decode(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            try:
+                slot.job = Job.from_message(slot.body)
+                if slot.job.max_new_tokens > self.settings.max_new_tokens_limit:
+                    raise InvalidJob(
+                        f"max_new_tokens {slot.job.max_new_tokens} exceeds {self.settings.max_new_tokens_limit}"
+                    )
+                if len(slot.job.prompt) > self.settings.max_prompt_chars:
+                    raise InvalidJob(f"prompt exceeds {self.settings.max_prompt_chars} characters")
+            except MrcError as exc:
+                slot.error = exc
+
+    def _claim(self, slots: list[Slot]) -> None:
+        now = datetime.now(UTC)
+        for slot in slots:
+            if slot.job is None:
+                continue
+            if self.records.get(slot.job_id).get("state") == "succeeded" and self._has_success(slot.job_id):
+                slot.outcome = "skipped"
+                self.metrics.duplicates.inc()
+                self.log.info("MRC_SKIPPED", job_id=slot.job_id, reason="already_succeeded")
+                continue
+            slot.attempts = self.records.begin(slot.job_id)
+            if slot.live and slot.job.deadline and parse_rfc3339(slot.job.deadline) < now:
+                slot.error = Expired(f"deadline {slot.job.deadline} passed before the job ran")
+
+    def _has_success(self, job_id: str) -> bool:
+        result = self.store.get_result(job_id)
+        return bool(result and result.get("status") == "succeeded")
+
+    def _plan_prompts(self, slots: list[Slot]) -> None:
+        for slot in self._live(slots):
+            assert slot.job is not None
+            try:
+                slot.plan = self.backend.plan_prompt(
+                    slot.job.prompt, self.settings.max_prompt_tokens, self.settings.truncate_prompts
+                )
+            except MrcError as exc:
+                slot.error = exc
+                continue
+            if slot.plan.truncated:
+                self.metrics.prompt_truncated.inc()
+
+    def _load_images(self, slots: list[Slot]) -> None:
+        live = self._live(slots)
+        for slot, result in zip(live, self._pool.map(self._load_one, live), strict=True):
+            decoded, seconds = result
+            slot.timings["preprocess"] = seconds * 1000
+            if isinstance(decoded, MrcError):
+                slot.error = decoded
+            else:
+                slot.decoded = decoded
+
+    def _load_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
+        began = time.perf_counter()
+        assert slot.job is not None
+        try:
+            data = images.fetch(
+                self.store, slot.job.image_uri, self.settings.readable_buckets, self.settings.max_image_bytes
+            )
+            return images.decode(data, self.settings.max_image_pixels), time.perf_counter() - began
+        except MrcError as exc:
+            return exc, time.perf_counter() - began
+        except Exception as exc:
+            return InternalError(f"image load failed: {exc!r}"[:500]), time.perf_counter() - began
+
+    def _cost(self, slot: Slot) -> int:
+        assert slot.decoded is not None and slot.plan is not None and slot.job is not None
+        image = self.backend.image_tokens(slot.decoded.height, slot.decoded.width)
+        return image + slot.plan.tokens + slot.job.max_new_tokens
+
+    def _infer(self, slots: list[Slot]) -> None:
+        live = self._live(slots)
+        costs = [self._cost(s) for s in live]
+        for group in batching.form_batches(costs, self.settings.batch_max_jobs, self.settings.batch_token_budget):
+            self.metrics.padding.observe(batching.padding_waste([costs[i] for i in group]))
+            self._generate([live[i] for i in group])
+
+    def _generate(self, group: list[Slot]) -> None:
+        """Run one model batch; on failure split it, so a job that breaks the model fails alone."""
+        inputs = []
+        for slot in group:
+            assert slot.decoded is not None and slot.plan is not None and slot.job is not None
+            inputs.append(GenerationInput(slot.decoded.image, slot.plan.text, slot.job.max_new_tokens))
+        began = time.perf_counter()
+        try:
+            outputs = self.backend.generate(inputs)
+            if len(outputs) != len(group):
+                raise InternalError(f"model returned {len(outputs)} outputs for {len(group)} inputs")
+        except Exception as exc:
+            self.metrics.model_busy.inc(time.perf_counter() - began)
+            if len(group) > 1:
+                self.log.warning("MRC_BATCH_SPLIT", jobs=len(group), error=repr(exc)[:300])
+                first, second = batching.halves(range(len(group)))
+                self._generate([group[i] for i in first])
+                self._generate([group[i] for i in second])
+                return
+            group[0].error = exc if isinstance(exc, MrcError) else _model_error(exc)
+            return
+        seconds = time.perf_counter() - began
+        self.metrics.model_busy.inc(seconds)
+        for slot, output in zip(group, outputs, strict=True):
+            slot.text = output.text
+            slot.output_tokens = output.output_tokens
+            slot.timings["inference"] = seconds * 1000
+
+    def _write_results(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            if slot.outcome == "skipped":
+                continue
+            result = self._result(slot)
+            if not self._put(slot.job_id, result.to_json_dict()):
+                slot.outcome = "unwritten"
+                continue
+            slot.outcome = result.status
+            self.records.set_state(slot.job_id, result.status)
+            self._report(slot, result)
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _live(slots: list[Slot]) -> list[Slot]:
+        return [s for s in slots if s.live]
+
+    def _put(self, job_id: str, result: dict[str, Any]) -> bool:
+        for delay in (*_WRITE_BACKOFF_S, None):
+            try:
+                self.store.put_result(job_id, result)
+                return True
+            except StoreUnavailable as exc:
+                self.log.warning("MRC_STORE_RETRY", job_id=job_id, error=exc.message[:300])
+                if delay is None:
+                    return False
+                self.sleep(delay)
+        return False
+
+    def _result(self, slot: Slot) -> JobResult:
+        job = slot.job
+        finished = now_rfc3339()
+        submitted = job.submitted_at if job else finished
+        total_ms = max(0.0, (parse_rfc3339(finished) - parse_rfc3339(submitted)).total_seconds() * 1000)
+        queued_ms = max(0.0, (slot.received - parse_rfc3339(submitted).timestamp()) * 1000)
+        decoded = slot.decoded
+        prompt = PromptInfo(chars=len(job.prompt) if job else 0)
+        if slot.plan:
+            prompt = PromptInfo(chars=prompt.chars, tokens=slot.plan.tokens, truncated=slot.plan.truncated)
+        failed = slot.error is not None or slot.text is None
+        error = slot.error or (InternalError("no output was produced") if failed else None)
+        return JobResult(
+            job_id=slot.job_id,
+            status="failed" if failed else "succeeded",
+            text=None if failed else slot.text,
+            error=ErrorInfo.from_error(error) if error else None,
+            lane=job.lane if job else "interactive",
+            ticket_id=job.ticket_id if job else None,
+            attempts=slot.attempts,
+            image=ImageInfo(
+                uri=job.image_uri if job else "",
+                sha256=job.image_sha256 if job else None,
+                width=decoded.width if decoded else 0,
+                height=decoded.height if decoded else 0,
+            ),
+            prompt=prompt,
+            model=ModelInfo(id=self.backend.model_id, quantization=self.backend.quantization),
+            timings_ms=Timings(
+                queued=round(queued_ms, 3),
+                preprocess=round(slot.timings["preprocess"], 3),
+                inference=round(slot.timings["inference"], 3),
+                total=round(total_ms, 3),
+            ),
+            submitted_at=submitted,
+            finished_at=finished,
+        )
+
+    def _report(self, slot: Slot, result: JobResult) -> None:
+        latency = result.timings_ms.total / 1000
+        self.metrics.latency.labels(lane=result.lane).observe(latency)
+        code = result.error.code if result.error else ""
+        self.metrics.jobs.labels(status=result.status, code=code, lane=result.lane).inc()
+        if result.status == "succeeded":
+            image_tokens = self._image_tokens(slot)
+            self.log.info(
+                "MRC_SUCCESS",
+                job_id=result.job_id,
+                lane=result.lane,
+                latency=round(latency, 4),
+                input_len=result.prompt.tokens + image_tokens,
+                output_len=slot.output_tokens,
+                attempts=result.attempts,
+                prompt_head=_head(slot),
+            )
+        else:
+            assert result.error is not None
+            self.log.warning(
+                "MRC_ERROR",
+                job_id=result.job_id,
+                lane=result.lane,
+                code=result.error.code,
+                message=result.error.message,
+                retryable=result.error.retryable,
+                attempts=result.attempts,
+                prompt_head=_head(slot),
+            )
+
+    def _image_tokens(self, slot: Slot) -> int:
+        if slot.decoded is None:
+            return 0
+        return self.backend.image_tokens(slot.decoded.height, slot.decoded.width)
+
+
+def _head(slot: Slot, chars: int = 64) -> str:
+    """The start of the prompt, for operators reading logs; escaped like every value."""
+    return slot.job.prompt[:chars] if slot.job else ""
+
+
+def _model_error(exc: Exception) -> MrcError:
+    if "out of memory" in str(exc).lower():
+        return OutOfMemory(str(exc)[:500])
+    return ModelError(f"generation failed: {exc!r}"[:500])
