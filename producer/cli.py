@@ -20,14 +20,18 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mrc", description="Submit image+prompt jobs to mrc and read results.")
+    parser = argparse.ArgumentParser(
+        prog="mrc", description="Submit image+prompt jobs to mrc and read results."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="submit one job; prints its id (or its result with --wait)")
     p.add_argument("--image", required=True, help="local image path (uploaded to S3) or s3://bucket/key")
     p.add_argument("--prompt", required=True, help="the question about the image")
     p.add_argument("--job-id", help="your id for the job; submitting the same id twice runs it once")
-    p.add_argument("--lane", choices=names.LANES, default="interactive", help="interactive (default) or backlog")
+    p.add_argument(
+        "--lane", choices=names.LANES, default="interactive", help="interactive (default) or backlog"
+    )
     p.add_argument("--max-new-tokens", type=int, help="tokens to generate (1..MRC_MAX_NEW_TOKENS_LIMIT)")
     p.add_argument("--ticket-id", help="upstream ticket id, copied into the result")
     p.add_argument("--deadline", help="RFC 3339 time after which the job is not run (result: expired)")

@@ -62,7 +62,9 @@ class Client:
         if "\x00" in prompt:
             raise UsageError("prompt contains a NUL byte")
         if len(prompt) > self.settings.max_prompt_chars:
-            raise UsageError(f"prompt has {len(prompt)} characters; the limit is {self.settings.max_prompt_chars}")
+            raise UsageError(
+                f"prompt has {len(prompt)} characters; the limit is {self.settings.max_prompt_chars}"
+            )
 
     def _check_max_new_tokens(self, value: int | None) -> int:
         if value is None:

@@ -32,7 +32,7 @@ class Job(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    schema_: Literal["mrc.job/1"] = Field(default=JOB_SCHEMA, alias="schema")
+    schema_: Literal["mrc.job/1"] = Field(default="mrc.job/1", alias="schema")
     job_id: str
     image_uri: str
     image_sha256: str | None = None
@@ -118,7 +118,7 @@ class JobResult(BaseModel):
 
     model_config = ConfigDict(populate_by_name=True)
 
-    schema_: Literal["mrc.result/1"] = Field(default=RESULT_SCHEMA, alias="schema")
+    schema_: Literal["mrc.result/1"] = Field(default="mrc.result/1", alias="schema")
     job_id: str
     status: Status
     text: str | None = None

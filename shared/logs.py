@@ -94,9 +94,9 @@ class PipeFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, object] = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="microseconds").replace(
-                "+00:00", "Z"
-            ),
+            "ts": datetime.fromtimestamp(record.created, UTC)
+            .isoformat(timespec="microseconds")
+            .replace("+00:00", "Z"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

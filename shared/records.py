@@ -30,7 +30,9 @@ class RedisJobRecords:
 
     @classmethod
     def from_url(cls, url: str) -> RedisJobRecords:
-        return cls(redis.Redis.from_url(url, decode_responses=True, socket_timeout=10, health_check_interval=30))
+        return cls(
+            redis.Redis.from_url(url, decode_responses=True, socket_timeout=10, health_check_interval=30)
+        )
 
     def claim(self, job_id: str, lane: str) -> bool:
         key = names.job_key(job_id)
@@ -47,12 +49,14 @@ class RedisJobRecords:
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
-            pipe.hset(key, mapping={"state": state, "updated_at": now_rfc3339(), **fields})
+            mapping: dict[str, str] = {"state": state, "updated_at": now_rfc3339(), **fields}
+            pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
     def get(self, job_id: str) -> dict[str, str]:
-        return dict(self._redis.hgetall(names.job_key(job_id)))
+        record: dict[str, str] = self._redis.hgetall(names.job_key(job_id))  # type: ignore[assignment]
+        return dict(record)
 
     def begin(self, job_id: str) -> int:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""

@@ -59,7 +59,7 @@ def _handler(state: HealthState, metrics: Metrics) -> type[BaseHTTPRequestHandle
             else:
                 self._json(404, {"error": "not found"})
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:
             return None  # scrapes every few seconds would drown the job events
 
     return Handler

@@ -13,7 +13,9 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.jobs = Counter("mrc_jobs_total", "Jobs finished, by outcome", ["status", "code", "lane"], registry=r)
+        self.jobs = Counter(
+            "mrc_jobs_total", "Jobs finished, by outcome", ["status", "code", "lane"], registry=r
+        )
         self.latency = Histogram(
             "mrc_job_latency_seconds", "Submit-to-result time", ["lane"], buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -21,13 +23,22 @@ class Metrics:
             "mrc_batch_jobs", "Jobs per delivered batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
         self.stage = Histogram(
-            "mrc_stage_seconds", "Wall time per pipeline stage and batch", ["stage"], buckets=_LATENCY_BUCKETS,
+            "mrc_stage_seconds",
+            "Wall time per pipeline stage and batch",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.model_busy = Counter("mrc_model_busy_seconds_total", "Seconds the model was generating", registry=r)
-        self.prompt_truncated = Counter("mrc_prompts_truncated_total", "Prompts cut to the token limit", registry=r)
+        self.model_busy = Counter(
+            "mrc_model_busy_seconds_total", "Seconds the model was generating", registry=r
+        )
+        self.prompt_truncated = Counter(
+            "mrc_prompts_truncated_total", "Prompts cut to the token limit", registry=r
+        )
         self.padding = Histogram(
-            "mrc_batch_padding_ratio", "Padding share of a model batch", buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75),
+            "mrc_batch_padding_ratio",
+            "Padding share of a model batch",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75),
             registry=r,
         )
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)

@@ -146,10 +146,9 @@ class Pipeline:
         for slot in slots:
             try:
                 slot.job = Job.from_message(slot.body)
-                if slot.job.max_new_tokens > self.settings.max_new_tokens_limit:
-                    raise InvalidJob(
-                        f"max_new_tokens {slot.job.max_new_tokens} exceeds {self.settings.max_new_tokens_limit}"
-                    )
+                limit = self.settings.max_new_tokens_limit
+                if slot.job.max_new_tokens > limit:
+                    raise InvalidJob(f"max_new_tokens {slot.job.max_new_tokens} exceeds {limit}")
                 if len(slot.job.prompt) > self.settings.max_prompt_chars:
                     raise InvalidJob(f"prompt exceeds {self.settings.max_prompt_chars} characters")
             except MrcError as exc:
@@ -217,7 +216,9 @@ class Pipeline:
     def _infer(self, slots: list[Slot]) -> None:
         live = self._live(slots)
         costs = [self._cost(s) for s in live]
-        for group in batching.form_batches(costs, self.settings.batch_max_jobs, self.settings.batch_token_budget):
+        for group in batching.form_batches(
+            costs, self.settings.batch_max_jobs, self.settings.batch_token_budget
+        ):
             self.metrics.padding.observe(batching.padding_waste([costs[i] for i in group]))
             self._generate([live[i] for i in group])
 

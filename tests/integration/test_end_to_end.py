@@ -34,7 +34,9 @@ def _write(tmp: Path, name: str, data: bytes) -> Path:
 
 
 def _submit_wait(env: dict[str, str], image: Path | str, prompt: str, *extra: str):
-    return run_cli(env, "submit", "--image", str(image), "--prompt", prompt, "--wait", "--timeout", "120", *extra)
+    return run_cli(
+        env, "submit", "--image", str(image), "--prompt", prompt, "--wait", "--timeout", "120", *extra
+    )
 
 
 def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_dir: Path) -> None:
@@ -45,7 +47,9 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         done = _submit_wait(env, image, prompt, "--job-id", job_id, "--ticket-id", f"T-{i}")
         assert done.returncode == 0, done.stderr
         printed = json.loads(done.stdout)
-        stored = json.loads(_s3(env).get_object(Bucket=env["MRC_S3_BUCKET"], Key=f"results/{job_id}.json")["Body"].read())
+        stored = json.loads(
+            _s3(env).get_object(Bucket=env["MRC_S3_BUCKET"], Key=f"results/{job_id}.json")["Body"].read()
+        )
         assert printed == stored
         JobResult.model_validate(stored)
         assert stored["schema"] == "mrc.result/1"
@@ -93,7 +97,9 @@ def test_submit_without_wait_prints_the_job_id_alone(env, worker: Worker, images
         ("bomb.png", imagegen.png_header_only(60000, 60000), "image_too_large"),
     ],
 )
-def test_bad_image_fails_its_job_with_its_code(env, worker: Worker, images_dir: Path, name, data, code) -> None:
+def test_bad_image_fails_its_job_with_its_code(
+    env, worker: Worker, images_dir: Path, name, data, code
+) -> None:
     done = _submit_wait(env, _write(images_dir, name, data), "is this damaged?")
     assert done.returncode == 1, done.stderr
     result = json.loads(done.stdout)
@@ -161,24 +167,33 @@ def test_health_endpoints(worker: Worker) -> None:
 
 
 def test_message_without_producer_is_checked_by_the_worker(env, worker: Worker) -> None:
-    """A message sent straight to the queue (not through the CLI) with an empty prompt fails as invalid_job."""
+    """Messages sent straight to the queue, bypassing the producer's checks, are checked by the worker."""
     from shared import names
     from shared.celery_app import make_celery
     from shared.settings import Settings
 
     settings = Settings(redis_url=env["MRC_REDIS_URL"])
     job_id = f"raw-{uuid.uuid4().hex[:10]}"
-    body = {"schema": "mrc.job/1", "job_id": job_id, "image_uri": "s3://elsewhere/x.jpg", "prompt": " ",
-            "max_new_tokens": 4}
-    make_celery(settings).send_task(names.TASK_NAME, kwargs={"job": body}, task_id=job_id,
-                                    queue=names.queue_name("interactive"))
+    body = {
+        "schema": "mrc.job/1",
+        "job_id": job_id,
+        "image_uri": "s3://elsewhere/x.jpg",
+        "prompt": " ",
+        "max_new_tokens": 4,
+    }
+    make_celery(settings).send_task(
+        names.TASK_NAME, kwargs={"job": body}, task_id=job_id, queue=names.queue_name("interactive")
+    )
     forbidden_id = f"raw-{uuid.uuid4().hex[:10]}"
     body = {**body, "job_id": forbidden_id, "prompt": "fine"}
-    make_celery(settings).send_task(names.TASK_NAME, kwargs={"job": body}, task_id=forbidden_id,
-                                    queue=names.queue_name("interactive"))
+    make_celery(settings).send_task(
+        names.TASK_NAME, kwargs={"job": body}, task_id=forbidden_id, queue=names.queue_name("interactive")
+    )
     codes = {}
     for _ in range(300):
-        codes = {e["job_id"]: e["code"] for e in worker.find("MRC_ERROR") if e["job_id"] in (job_id, forbidden_id)}
+        codes = {
+            e["job_id"]: e["code"] for e in worker.find("MRC_ERROR") if e["job_id"] in (job_id, forbidden_id)
+        }
         if len(codes) == 2:
             break
         services.time.sleep(0.1)

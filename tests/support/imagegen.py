@@ -16,7 +16,9 @@ def photo(width: int, height: int, seed: int = 0, fmt: str = "JPEG") -> bytes:
     for y in range(0, height, max(1, height // 32)):
         shade = (40 + (y * 180) // max(1, height) + seed * 13) % 256
         draw.rectangle([0, y, width, y + height // 32 + 1], fill=(shade, 120, 255 - shade))
-    draw.rectangle([width // 4, height // 4, 3 * width // 4, 3 * height // 4], fill=(160, 110, 60), outline=(0, 0, 0))
+    draw.rectangle(
+        [width // 4, height // 4, 3 * width // 4, 3 * height // 4], fill=(160, 110, 60), outline=(0, 0, 0)
+    )
     draw.text((width // 4 + 4, height // 4 + 4), f"PARCEL {seed}", fill=(255, 255, 255))
     out = io.BytesIO()
     img.save(out, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
@@ -32,9 +34,17 @@ def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims a huge size, with one tiny IDAT: a decompression bomb's header."""
 
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(body))
+            + kind
+            + body
+            + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(
-        b"IEND", b""
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+        + chunk(b"IEND", b"")
     )

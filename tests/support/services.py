@@ -29,7 +29,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_for(
+    check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -169,7 +171,9 @@ def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float
         wait_for(ready, timeout, "mrc-worker", proc)
     except RuntimeError as exc:
         stop(proc, signal.SIGKILL)
-        raise RuntimeError(f"{exc}\n--- worker log ---\n{log_path.read_text(errors='replace')[-4000:]}") from None
+        raise RuntimeError(
+            f"{exc}\n--- worker log ---\n{log_path.read_text(errors='replace')[-4000:]}"
+        ) from None
     return worker
 
 

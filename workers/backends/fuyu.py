@@ -1,4 +1,4 @@
-"""Fuyu through transformers: the one loader for Fuyu-8B (local folder or offline HF cache) and the tiny Fuyu."""
+"""Fuyu through transformers: one loader for Fuyu-8B (local folder or offline HF cache) and the tiny Fuyu."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class FuyuBackend:
         self.settings = settings
         self.source = settings.model
         self.model_id = settings.model
-        self.quantization = settings.quantization
+        self.quantization: str = settings.quantization
         self.device = settings.device
         self.model: Any = None
         self.processor: Any = None

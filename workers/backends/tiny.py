@@ -11,18 +11,68 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 TINY_VERSION = "tiny-fuyu-v1"
 _SEED = 1234
-_WORDS = (
-    "the a an is are was what where which who how can I get refund parcel box damaged broken photo "
-    "image picture question answer customer order delivery package colour color red green blue text "
-    "please help this that there of to in on for with and or not yes no"
-).split()
+_WORDS = tuple(
+    [
+        "the",
+        "a",
+        "an",
+        "is",
+        "are",
+        "was",
+        "what",
+        "where",
+        "which",
+        "who",
+        "how",
+        "can",
+        "I",
+        "get",
+        "refund",
+        "parcel",
+        "box",
+        "damaged",
+        "broken",
+        "photo",
+        "image",
+        "picture",
+        "question",
+        "answer",
+        "customer",
+        "order",
+        "delivery",
+        "package",
+        "colour",
+        "color",
+        "red",
+        "green",
+        "blue",
+        "text",
+        "please",
+        "help",
+        "this",
+        "that",
+        "there",
+        "of",
+        "to",
+        "in",
+        "on",
+        "for",
+        "with",
+        "and",
+        "or",
+        "not",
+        "yes",
+        "no",
+    ]
+)
 
 
 def _vocab() -> list[tuple[str, float]]:
-    """Unigram pieces: specials first (pad id 0, as FuyuProcessor expects), bytes for fallback, chars, words."""
+    """Unigram pieces: specials (pad id 0, as FuyuProcessor expects), byte fallback, chars, words."""
     pieces: list[tuple[str, float]] = [
         ("<pad>", 0.0),
         ("<unk>", 0.0),
@@ -70,14 +120,20 @@ def _build_tokenizer(folder: Path) -> int:
 
 def _build(folder: Path) -> None:
     import torch
-    from transformers import FuyuConfig, FuyuForCausalLM, FuyuImageProcessor, FuyuProcessor, PreTrainedTokenizerFast
+    from transformers import (
+        FuyuConfig,
+        FuyuForCausalLM,
+        FuyuImageProcessor,
+        FuyuProcessor,
+        PreTrainedTokenizerFast,
+    )
 
     vocab_size = _build_tokenizer(folder)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
     processor = FuyuProcessor(image_processor=FuyuImageProcessor(), tokenizer=tokenizer)
     processor.save_pretrained(folder)
     torch.manual_seed(_SEED)
-    config = FuyuConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=((vocab_size + 63) // 64) * 64,
         hidden_size=64,
         intermediate_size=256,
@@ -92,7 +148,7 @@ def _build(folder: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = FuyuForCausalLM(config)
+    model = FuyuForCausalLM(FuyuConfig(**fields))
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)

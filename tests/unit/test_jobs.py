@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.errors import ERROR_CODES, InvalidJob, MrcError
+from shared.jobs import Job, JobResult
+
+GOOD = {"job_id": "j-1", "image_uri": "s3://mrc/inputs/x.jpg", "prompt": "refund?", "max_new_tokens": 8}
+
+
+def test_round_trip_through_the_message_form() -> None:
+    job = Job.from_message(GOOD)
+    assert Job.from_message(job.to_message()) == job
+    assert job.to_message()["schema"] == "mrc.job/1" and job.lane == "interactive"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prompt": ""},
+        {"prompt": " \n\t"},
+        {"prompt": "a\x00b"},
+        {"max_new_tokens": 0},
+        {"lane": "vip"},
+        {"job_id": "has space"},
+        {"job_id": "x" * 200},
+        {"schema": "mrc.job/2"},
+        {"image_uri": None},
+    ],
+)
+def test_bad_fields_are_invalid_job(change: dict[str, object]) -> None:
+    with pytest.raises(InvalidJob):
+        Job.from_message({**GOOD, **change})
+
+
+@pytest.mark.parametrize("body", [None, "text", 3, ["list"]])
+def test_non_objects_are_invalid_job(body: object) -> None:
+    with pytest.raises(InvalidJob):
+        Job.from_message(body)
+
+
+@given(st.dictionaries(st.text(max_size=10), st.one_of(st.none(), st.integers(), st.text()), max_size=6))
+def test_arbitrary_json_objects_parse_or_fail_cleanly(body: dict[str, object]) -> None:
+    try:
+        Job.from_message(body)
+    except InvalidJob as exc:
+        assert exc.code == "invalid_job"
+
+
+def test_every_error_class_has_a_contract_code() -> None:
+    import shared.errors as errors
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, MrcError)]
+    assert {c.code for c in classes} <= set(ERROR_CODES)
+    assert set(ERROR_CODES) <= {c.code for c in classes}
+
+
+def test_result_serialises_with_the_contract_field_names() -> None:
+    result = JobResult.model_validate(
+        {
+            "job_id": "j",
+            "status": "succeeded",
+            "text": "yes",
+            "image": {"uri": "s3://b/k"},
+            "model": {"id": "m", "quantization": "nf4"},
+            "submitted_at": "2026-01-01T00:00:00Z",
+        }
+    ).to_json_dict()
+    assert list(result) == [
+        "schema", "job_id", "status", "text", "error", "lane", "ticket_id", "attempts", "image", "prompt",
+        "model", "cache_hit", "timings_ms", "submitted_at", "finished_at",
+    ]  # fmt: skip
+    assert result["schema"] == "mrc.result/1"

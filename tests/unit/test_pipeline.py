@@ -1,0 +1,123 @@
+"""The pipeline over the in-process seams: EchoBackend, MemoryStore, MemoryJobRecords."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shared.errors import StoreUnavailable
+from shared.records import MemoryJobRecords
+from shared.settings import Settings
+from shared.store import MemoryStore
+from tests.support import imagegen
+from workers.backends.echo import EchoBackend
+from workers.pipeline import Message, Pipeline
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    s = MemoryStore("mrc")
+    s.put_bytes("inputs/good.jpg", imagegen.photo(64, 48), "image/jpeg")
+    s.put_bytes("inputs/bad.jpg", imagegen.truncated_jpeg(), "image/jpeg")
+    return s
+
+
+def _job(job_id: str, prompt: str = "refund?", image: str = "s3://mrc/inputs/good.jpg", **kw: Any) -> Message:
+    body = {"job_id": job_id, "image_uri": image, "prompt": prompt, "max_new_tokens": 8, **kw}
+    return Message(job_id, body)
+
+
+def _pipeline(store: MemoryStore, backend: EchoBackend | None = None, **settings: Any) -> Pipeline:
+    return Pipeline(
+        backend or EchoBackend(), store, MemoryJobRecords(), Settings(**settings), sleep=lambda _s: None
+    )
+
+
+def test_one_result_per_job_and_bad_jobs_fail_alone(store: MemoryStore) -> None:
+    messages = [
+        _job("ok-1"),
+        _job("bad-image", image="s3://mrc/inputs/bad.jpg"),
+        _job("missing", image="s3://mrc/inputs/nope.jpg"),
+        _job("forbidden", image="s3://secret/x.jpg"),
+        Message("garbage", {"not": "a job"}),
+        Message("weird id !", None),
+        _job("expired", deadline="2000-01-01T00:00:00Z"),
+        _job("ok-2", prompt="这是什么"),
+    ]
+    outcomes = _pipeline(store).run(messages)
+    assert outcomes == ["succeeded", "failed", "failed", "failed", "failed", "failed", "failed", "succeeded"]
+    codes = {}
+    for key in [k for (_b, k) in store.objects if k.startswith("results/")]:
+        result = store.get_result(key[len("results/") : -len(".json")])
+        assert result is not None
+        codes[result["job_id"]] = result["error"]["code"] if result["error"] else None
+    assert len(codes) == len(messages)
+    assert codes["ok-1"] is None and codes["ok-2"] is None
+    assert codes["bad-image"] == "image_decode_error"
+    assert codes["missing"] == "image_not_found"
+    assert codes["forbidden"] == "image_source_forbidden"
+    assert codes["garbage"] == "invalid_job"
+    assert codes["expired"] == "expired"
+    assert [v for k, v in codes.items() if k.startswith("invalid-")] == ["invalid_job"]
+    assert store.get_result("ok-2")["text"] == "64x48: 这是什么"
+
+
+def test_a_poison_job_that_breaks_the_model_fails_alone(store: MemoryStore) -> None:
+    backend = EchoBackend(fail_on="POISON")
+    messages = [_job(f"j{i}") for i in range(5)] + [_job("poison", prompt="POISON please")]
+    outcomes = _pipeline(store, backend).run(messages)
+    assert outcomes == ["succeeded"] * 5 + ["failed"]
+    assert store.get_result("poison")["error"]["code"] == "model_error"
+    assert backend.calls[0] == 6  # first tried as one batch, then split
+
+
+def test_out_of_memory_splits_down_to_one_job(store: MemoryStore) -> None:
+    from shared.errors import OutOfMemory
+
+    backend = EchoBackend(fail_on="HUGE", error=OutOfMemory("CUDA out of memory"))
+    outcomes = _pipeline(store, backend).run([_job("a"), _job("huge", prompt="HUGE"), _job("b")])
+    assert outcomes == ["succeeded", "failed", "succeeded"]
+    error = store.get_result("huge")["error"]
+    assert error["code"] == "out_of_memory" and error["retryable"] is True
+
+
+def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
+    _pipeline(store, max_prompt_tokens=3).run([_job("long", prompt="one two three four five")])
+    result = store.get_result("long")
+    assert result["prompt"] == {"chars": 23, "tokens": 3, "truncated": True}
+    _pipeline(store, max_prompt_tokens=3, truncate_prompts=False).run(
+        [_job("long2", prompt="one two three four")]
+    )
+    assert store.get_result("long2")["error"]["code"] == "prompt_too_long"
+
+
+def test_over_limit_max_new_tokens_is_invalid(store: MemoryStore) -> None:
+    _pipeline(store).run([_job("greedy", max_new_tokens=100_000)])
+    assert store.get_result("greedy")["error"]["code"] == "invalid_job"
+
+
+def test_a_succeeded_job_delivered_again_is_not_recomputed(store: MemoryStore) -> None:
+    backend = EchoBackend()
+    pipeline = _pipeline(store, backend)
+    assert pipeline.run([_job("once")]) == ["succeeded"]
+    assert pipeline.run([_job("once")]) == ["skipped"]
+    assert backend.calls == [1]
+
+
+def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) -> None:
+    class DownStore(MemoryStore):
+        def put_result(self, job_id: str, result: dict[str, Any]) -> str:
+            raise StoreUnavailable("S3 down")
+
+    down = DownStore("mrc")
+    down.objects = dict(store.objects)
+    assert _pipeline(down).run([_job("lost?")]) == ["unwritten"]
+
+
+def test_attempts_count_deliveries(store: MemoryStore) -> None:
+    records = MemoryJobRecords()
+    pipeline = Pipeline(EchoBackend(fail_on="x"), store, records, Settings(), sleep=lambda _s: None)
+    pipeline.run([_job("retry", prompt="x")])
+    pipeline.run([_job("retry", prompt="x")])
+    assert store.get_result("retry")["attempts"] == 2

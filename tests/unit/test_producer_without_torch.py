@@ -1,0 +1,28 @@
+"""The producer side must run where torch is not installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BLOCK = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchvision", "transformers", "kornia", "bitsandbytes"):
+            raise ImportError("blocked: " + name)
+        return None
+sys.meta_path.insert(0, _NoTorch())
+import producer.cli, producer.client, shared.store, shared.celery_app, shared.logs
+rc = producer.cli.main(["submit", "--image", "/no/such/file.jpg", "--prompt", "hi"])
+print("rc", rc)
+"""
+
+
+def test_producer_imports_and_validates_without_torch() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCK], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "rc 2"
+    assert "image file not found" in done.stderr

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from shared.settings import Settings
+
+
+def test_defaults_match_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(__import__("os").environ):
+        if name.startswith("MRC_"):
+            monkeypatch.delenv(name)
+    s = Settings()
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+    assert (s.s3_endpoint_url, s.s3_bucket, s.s3_prefix) == ("", "mrc", "")
+    assert (s.model, s.quantization, s.device) == ("adept/fuyu-8b", "nf4", "auto")
+    assert (s.metrics_port, s.cache_ttl_s) == (9400, 86400)
+
+
+def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MRC_S3_PREFIX", "tenant-a")
+    monkeypatch.setenv("MRC_QUANTIZATION", "bf16")
+    monkeypatch.setenv("MRC_ALLOWED_BUCKETS", '["photos"]')
+    s = Settings()
+    assert s.s3_prefix == "tenant-a/" and s.quantization == "bf16"
+    assert s.readable_buckets == frozenset({"mrc", "photos"})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("MRC_QUANTIZATION", "int3"),
+        ("MRC_DEVICE", "tpu"),
+        ("MRC_MAX_NEW_TOKENS_DEFAULT", "0"),
+        ("MRC_BATCH_MAX_JOBS", "0"),
+    ],
+)
+def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError):
+        Settings()
