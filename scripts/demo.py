@@ -48,7 +48,8 @@ def main() -> int:
         print(f"redis {redis.url} | S3 {s3.url} | building/loading the tiny Fuyu ...", flush=True)
         worker = services.start_worker(env, work / "worker.log")
         started.append(worker)
-        print(f"worker ready (log: {work / 'worker.log'})\n", flush=True)
+        pids = " ".join(str(item.proc.pid) for item in started)
+        print(f"worker ready (log: {work / 'worker.log'}; pids {pids})\n", flush=True)
         ids = []
         for i, (name, (w, h), prompt) in enumerate(TICKETS):
             path = work / name

@@ -45,6 +45,17 @@ def wait_for(
     raise RuntimeError(f"{what} did not come up within {timeout:g} s")
 
 
+def _wait_or_stop(
+    check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes]
+) -> None:
+    """Wait for a service to come up; if it does not, or we are interrupted, leave nothing running."""
+    try:
+        wait_for(check, timeout, what, proc)
+    except BaseException:
+        stop(proc, signal.SIGKILL)
+        raise
+
+
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -84,7 +95,7 @@ def start_redis(workdir: Path, appendonly: bool = False, port: int | None = None
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
 
-    wait_for(ping, 20, "redis-server", proc)
+    _wait_or_stop(ping, 20, "redis-server", proc)
     return Service(proc, f"redis://127.0.0.1:{port}/0", port, log_path)
 
 
@@ -103,7 +114,7 @@ def start_s3(workdir: Path, port: int | None = None) -> Service:
         with urllib.request.urlopen(url + "/moto-api/", timeout=1) as response:
             return int(response.status) == 200
 
-    wait_for(up, 30, "moto_server", proc)
+    _wait_or_stop(up, 30, "moto_server", proc)
     return Service(proc, url, port, log_path)
 
 
