@@ -60,6 +60,8 @@ class Settings(BaseSettings):
     truncate_prompts: bool = True
     max_image_bytes: int = 32 * 1024 * 1024
     max_image_pixels: int = 40_000_000
+    # Cap on each side (pixels) after Fuyu's resize-to-fit; fewer patches = faster. 0 = Fuyu's own limits.
+    max_image_side: int = 0
 
     # --- producer ---
     wait_poll_s: float = 0.1

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from PIL import Image
+import torch
 
 from shared import logs, names
 from shared.celery_app import make_celery
@@ -49,7 +49,7 @@ def _lanes(value: str) -> list[str]:
 
 def warm_up(backend: ModelBackend) -> None:
     """One tiny batch through the model so the first real job does not pay for lazy initialisation."""
-    image = Image.new("RGB", (64, 48), (128, 128, 128))
+    image = torch.full((3, 48, 64), 128, dtype=torch.uint8)
     backend.generate([GenerationInput(image=image, prompt="warm up", max_new_tokens=2)])
 
 

@@ -1,7 +1,10 @@
-"""Fetch an image's bytes from S3, check where it comes from and how big it is, and decode it to RGB.
+"""Fetch an image's bytes from S3, check where they come from and how big the image is, and decode it.
 
-Everything that can be decided from the bytes' header (format, pixel count) is decided before the
-full decode, so a decompression bomb never gets its memory.
+Everything that can be decided from the bytes (format, pixel count) is decided before the full
+decode, so a decompression bomb never gets its memory. Decoding uses torchvision.io (libjpeg-turbo,
+libpng, libwebp; JPEG on the GPU with nvjpeg when the device is CUDA) and gives a uint8 RGB CHW
+tensor with EXIF orientation applied. PIL decodes only what torchvision cannot (BMP, animated WebP),
+and reads headers.
 """
 
 from __future__ import annotations
@@ -10,7 +13,11 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+import torchvision.transforms.v2.functional as tvF
 from PIL import Image, ImageOps, UnidentifiedImageError
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from shared import names
 from shared.errors import (
@@ -24,20 +31,39 @@ from shared.sniff import sniff_format
 from shared.store import Store
 
 SUPPORTED_FORMATS = frozenset({"jpg", "png", "webp", "gif", "bmp"})
-# PIL's own bomb guard must not fire before ours (ours gives the job's error code); ours is stricter anyway.
+_TORCHVISION_FORMATS = frozenset({"jpg", "png", "webp", "gif"})
+# PIL's own bomb guard must not fire before ours (ours gives the job its error code and is stricter).
 Image.MAX_IMAGE_PIXELS = None
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision")
+_DECODE_ERRORS = (RuntimeError, ValueError, OSError, SyntaxError, EOFError, UnidentifiedImageError)
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """Bytes that passed the checks that need no decode."""
+
+    data: bytes
+    format: str
+    width: int
+    height: int
 
 
 @dataclass(frozen=True)
 class DecodedImage:
-    image: Image.Image  # RGB, EXIF orientation applied
-    width: int
-    height: int
+    tensor: torch.Tensor  # uint8, [3, H, W], RGB, EXIF orientation applied
     format: str
+
+    @property
+    def height(self) -> int:
+        return int(self.tensor.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.tensor.shape[2])
 
 
 def fetch(store: Store, uri: str, allowed_buckets: frozenset[str], max_bytes: int) -> bytes:
-    """The bytes behind an s3:// URI in an allowed bucket."""
+    """The bytes behind an s3:// URI in an allowed bucket; nothing else is ever fetched."""
     try:
         bucket, key = names.parse_s3_uri(uri)
     except ValueError:
@@ -50,35 +76,67 @@ def fetch(store: Store, uri: str, allowed_buckets: frozenset[str], max_bytes: in
     return data
 
 
-def header_size(data: bytes, fmt: str) -> tuple[int, int]:
-    """(width, height) from the header alone; PIL's open() parses headers lazily."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise ImageDecodeError(f"{fmt} header unreadable: {exc}") from None
-    if width < 1 or height < 1:
-        raise ImageDecodeError(f"{fmt} header gives an empty image ({width}x{height})")
-    return width, height
-
-
-def decode(data: bytes, max_pixels: int) -> DecodedImage:
-    """Sniff, size-check and decode; raises the MrcError that names what is wrong."""
+def inspect(data: bytes, max_pixels: int) -> EncodedImage:
+    """Sniff the real format and read the size from the header; refuse what must not be decoded."""
     if not data:
         raise UnsupportedImageFormat("the image is empty (0 bytes)")
     fmt = sniff_format(data)
     if fmt is None or fmt not in SUPPORTED_FORMATS:
         raise UnsupportedImageFormat(f"not a supported image format ({fmt or 'unknown bytes'})")
-    width, height = header_size(data, fmt)
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # parses the header only
+            width, height = img.size
+    except _DECODE_ERRORS as exc:
+        raise ImageDecodeError(f"{fmt} header unreadable: {exc}") from None
+    if width < 1 or height < 1:
+        raise ImageDecodeError(f"{fmt} header gives an empty image ({width}x{height})")
     if width * height > max_pixels:
         raise ImageTooLarge(f"{width}x{height} is {width * height} pixels; the limit is {max_pixels}")
+    return EncodedImage(data, fmt, width, height)
+
+
+def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
+    """Decode checked bytes to a uint8 RGB CHW tensor, on `device` for JPEG when it is CUDA."""
+    tensor: torch.Tensor | None = None
+    if image.format in _TORCHVISION_FORMATS:
+        try:
+            tensor = _decode_torchvision(image, device)
+        except _DECODE_ERRORS:
+            tensor = None  # e.g. animated WebP: PIL below reads its first frame, or names the fault
+    if tensor is None:
+        tensor = _decode_pil(image)
+    if tuple(tensor.shape[-2:]) not in ((image.height, image.width), (image.width, image.height)):
+        raise ImageDecodeError(f"decoded size {tuple(tensor.shape[-2:])} disagrees with the header")
+    return DecodedImage(tensor=tensor, format=image.format)
+
+
+def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
+    if image.format == "jpg":
+        tensor = decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=True, device=device)
+    else:
+        tensor = decode_image(raw, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+    if tensor.ndim == 4:  # animated GIF: all frames come back; Fuyu takes one image
+        tensor = tensor[0]
+    if tensor.dtype != torch.uint8:  # 16-bit PNG: scale to 8 bits (PIL would clip instead)
+        tensor = tvF.to_dtype(tensor, torch.uint8, scale=True)
+    if tensor.shape[0] == 1:
+        tensor = tensor.expand(3, -1, -1)
+    rgb: torch.Tensor = tensor.contiguous()
+    return rgb
+
+
+def _decode_pil(image: EncodedImage) -> torch.Tensor:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                img.seek(0)  # animated GIF/WebP: the first frame
-                img.load()
-                rgb = ImageOps.exif_transpose(img).convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ImageDecodeError(f"{fmt} data is corrupt or truncated: {exc}") from None
-    return DecodedImage(image=rgb, width=rgb.width, height=rgb.height, format=fmt)
+        with Image.open(io.BytesIO(image.data)) as img:
+            img.seek(0)  # animated: the first frame
+            img.load()
+            rgb = ImageOps.exif_transpose(img).convert("RGB")
+    except _DECODE_ERRORS as exc:
+        raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {exc}") from None
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous()
+
+
+def load(data: bytes, max_pixels: int, device: str = "cpu") -> DecodedImage:
+    """inspect + decode, for callers that hold the bytes already."""
+    return decode(inspect(data, max_pixels), device)

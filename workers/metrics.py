@@ -41,5 +41,10 @@ class Metrics:
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75),
             registry=r,
         )
+        self.busy_ratio = Gauge(
+            "mrc_model_busy_ratio",
+            "Share of wall time the model generated, since the first batch",
+            registry=r,
+        )
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
         self.duplicates = Counter("mrc_jobs_skipped_total", "Deliveries skipped as already done", registry=r)

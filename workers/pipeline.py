@@ -1,6 +1,9 @@
 """Runs the stages for one delivered batch and times them. Never raises for one job's fault.
 
-decode -> claim -> deadline -> prompt -> images -> model batches -> results (one per job)
+decode -> claim (+ deadline) -> prompt -> images (fetch, header checks) -> model -> results
+
+In the model stage, images are decoded in a thread pool in model-batch order, so while the model
+runs batch N the pool decodes batch N+1 and the accelerator is not left waiting for the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Slot:
     error: MrcError | None = None
     outcome: Outcome | None = None
     attempts: int = 1
+    encoded: images.EncodedImage | None = None
     decoded: images.DecodedImage | None = None
     plan: PromptPlan | None = None
     text: str | None = None
@@ -102,6 +106,8 @@ class Pipeline:
         self.sleep = sleep
         self.log = logs.get_logger()
         self._pool = ThreadPoolExecutor(max_workers=settings.fetch_threads, thread_name_prefix="mrc-fetch")
+        self._busy_s = 0.0
+        self._first_batch_at: float | None = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -114,7 +120,7 @@ class Pipeline:
             ("decode", self._decode),
             ("claim", self._claim),
             ("prompt", self._plan_prompts),
-            ("images", self._load_images),
+            ("images", self._fetch_images),
             ("model", self._infer),
             ("results", self._write_results),
         ]
@@ -185,56 +191,84 @@ class Pipeline:
             if slot.plan.truncated:
                 self.metrics.prompt_truncated.inc()
 
-    def _load_images(self, slots: list[Slot]) -> None:
+    def _fetch_images(self, slots: list[Slot]) -> None:
         live = self._live(slots)
-        for slot, result in zip(live, self._pool.map(self._load_one, live), strict=True):
-            decoded, seconds = result
-            slot.timings["preprocess"] = seconds * 1000
-            if isinstance(decoded, MrcError):
-                slot.error = decoded
+        for slot, (result, seconds) in zip(live, self._pool.map(self._fetch_one, live), strict=True):
+            slot.timings["preprocess"] += seconds * 1000
+            if isinstance(result, MrcError):
+                slot.error = result
             else:
-                slot.decoded = decoded
+                slot.encoded = result
 
-    def _load_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
+    def _fetch_one(self, slot: Slot) -> tuple[images.EncodedImage | MrcError, float]:
         began = time.perf_counter()
         assert slot.job is not None
         try:
             data = images.fetch(
                 self.store, slot.job.image_uri, self.settings.readable_buckets, self.settings.max_image_bytes
             )
-            return images.decode(data, self.settings.max_image_pixels), time.perf_counter() - began
+            return images.inspect(data, self.settings.max_image_pixels), time.perf_counter() - began
         except MrcError as exc:
             return exc, time.perf_counter() - began
         except Exception as exc:
-            return InternalError(f"image load failed: {exc!r}"[:500]), time.perf_counter() - began
+            return InternalError(f"image fetch failed: {exc!r}"[:500]), time.perf_counter() - began
+
+    def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
+        began = time.perf_counter()
+        assert slot.encoded is not None
+        try:
+            return images.decode(slot.encoded, self.backend.device), time.perf_counter() - began
+        except MrcError as exc:
+            return exc, time.perf_counter() - began
+        except Exception as exc:
+            return InternalError(f"image decode failed: {exc!r}"[:500]), time.perf_counter() - began
 
     def _cost(self, slot: Slot) -> int:
-        assert slot.decoded is not None and slot.plan is not None and slot.job is not None
-        image = self.backend.image_tokens(slot.decoded.height, slot.decoded.width)
+        assert slot.encoded is not None and slot.plan is not None and slot.job is not None
+        image = self.backend.image_tokens(slot.encoded.height, slot.encoded.width)
         return image + slot.plan.tokens + slot.job.max_new_tokens
 
     def _infer(self, slots: list[Slot]) -> None:
         live = self._live(slots)
+        if not live:
+            return
+        if self._first_batch_at is None:
+            self._first_batch_at = time.perf_counter()
         costs = [self._cost(s) for s in live]
-        for group in batching.form_batches(
-            costs, self.settings.batch_max_jobs, self.settings.batch_token_budget
-        ):
+        groups = batching.form_batches(costs, self.settings.batch_max_jobs, self.settings.batch_token_budget)
+        # Queue every decode now, in batch order: the pool works ahead while the model runs.
+        pending = [[(live[i], self._pool.submit(self._decode_one, live[i])) for i in g] for g in groups]
+        for group, decodes in zip(groups, pending, strict=True):
+            members = []
+            for slot, future in decodes:
+                decoded, seconds = future.result()
+                slot.timings["preprocess"] += seconds * 1000
+                if isinstance(decoded, MrcError):
+                    slot.error = decoded
+                else:
+                    slot.decoded = decoded
+                    members.append(slot)
             self.metrics.padding.observe(batching.padding_waste([costs[i] for i in group]))
-            self._generate([live[i] for i in group])
+            if members:
+                self._generate(members)
+        self.metrics.busy_ratio.set(self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at))
 
     def _generate(self, group: list[Slot]) -> None:
         """Run one model batch; on failure split it, so a job that breaks the model fails alone."""
         inputs = []
         for slot in group:
             assert slot.decoded is not None and slot.plan is not None and slot.job is not None
-            inputs.append(GenerationInput(slot.decoded.image, slot.plan.text, slot.job.max_new_tokens))
+            inputs.append(GenerationInput(slot.decoded.tensor, slot.plan.text, slot.job.max_new_tokens))
         began = time.perf_counter()
+        prepared_s = 0.0
         try:
-            outputs = self.backend.generate(inputs)
+            prepared = self.backend.prepare(inputs)
+            prepared_s = time.perf_counter() - began
+            outputs = self.backend.run(prepared)
             if len(outputs) != len(group):
                 raise InternalError(f"model returned {len(outputs)} outputs for {len(group)} inputs")
         except Exception as exc:
-            self.metrics.model_busy.inc(time.perf_counter() - began)
+            self._busy(time.perf_counter() - began - prepared_s)
             if len(group) > 1:
                 self.log.warning("MRC_BATCH_SPLIT", jobs=len(group), error=repr(exc)[:300])
                 first, second = batching.halves(range(len(group)))
@@ -243,12 +277,17 @@ class Pipeline:
                 return
             group[0].error = exc if isinstance(exc, MrcError) else _model_error(exc)
             return
-        seconds = time.perf_counter() - began
-        self.metrics.model_busy.inc(seconds)
+        run_s = time.perf_counter() - began - prepared_s
+        self._busy(run_s)
         for slot, output in zip(group, outputs, strict=True):
             slot.text = output.text
             slot.output_tokens = output.output_tokens
-            slot.timings["inference"] = seconds * 1000
+            slot.timings["preprocess"] += prepared_s * 1000
+            slot.timings["inference"] = run_s * 1000
+
+    def _busy(self, seconds: float) -> None:
+        self._busy_s += seconds
+        self.metrics.model_busy.inc(seconds)
 
     def _write_results(self, slots: list[Slot]) -> None:
         for slot in slots:
@@ -285,7 +324,7 @@ class Pipeline:
         submitted = job.submitted_at if job else finished
         total_ms = max(0.0, (parse_rfc3339(finished) - parse_rfc3339(submitted)).total_seconds() * 1000)
         queued_ms = max(0.0, (slot.received - parse_rfc3339(submitted).timestamp()) * 1000)
-        decoded = slot.decoded
+        size = slot.decoded or slot.encoded
         prompt = PromptInfo(chars=len(job.prompt) if job else 0)
         if slot.plan:
             prompt = PromptInfo(chars=prompt.chars, tokens=slot.plan.tokens, truncated=slot.plan.truncated)
@@ -302,8 +341,8 @@ class Pipeline:
             image=ImageInfo(
                 uri=job.image_uri if job else "",
                 sha256=job.image_sha256 if job else None,
-                width=decoded.width if decoded else 0,
-                height=decoded.height if decoded else 0,
+                width=size.width if size else 0,
+                height=size.height if size else 0,
             ),
             prompt=prompt,
             model=ModelInfo(id=self.backend.model_id, quantization=self.backend.quantization),
@@ -348,9 +387,8 @@ class Pipeline:
             )
 
     def _image_tokens(self, slot: Slot) -> int:
-        if slot.decoded is None:
-            return 0
-        return self.backend.image_tokens(slot.decoded.height, slot.decoded.width)
+        size = slot.decoded or slot.encoded
+        return self.backend.image_tokens(size.height, size.width) if size else 0
 
 
 def _head(slot: Slot, chars: int = 64) -> str:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from shared.settings import Settings
 from workers.backends.base import GenerationInput
@@ -25,7 +24,7 @@ def test_tiny_fuyu_on_cuda_matches_batch_and_single(quantization: str) -> None:
     backend.load()
     assert backend.describe()["device"] == "cuda"
     items = [
-        GenerationInput(Image.new("RGB", (300, 200), (200, 0, 0)), "what colour?", 6),
-        GenerationInput(Image.new("RGB", (1200, 900), (0, 0, 200)), "is it broken", 6),
+        GenerationInput(torch.full((3, 200, 300), 200, dtype=torch.uint8), "what colour?", 6),
+        GenerationInput(torch.full((3, 900, 1200), 90, dtype=torch.uint8), "is it broken", 6),
     ]
     assert backend.generate(items) == [backend.generate([i])[0] for i in items]

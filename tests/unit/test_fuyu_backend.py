@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from PIL import Image
+import torch
 
 from shared.errors import ModelError, PromptTooLong
 from shared.settings import Settings
 from workers.backends.base import GenerationInput
-from workers.backends.fuyu import FuyuBackend, fit_size, image_token_count
+from workers.backends.fuyu import FuyuBackend
+from workers.preprocess import fit_size, image_token_count
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
 
@@ -22,11 +23,17 @@ def backend(request: pytest.FixtureRequest) -> FuyuBackend:
     return b
 
 
+def _image(height: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (3, height, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
 def _inputs() -> list[GenerationInput]:
     return [
-        GenerationInput(Image.new("RGB", (90, 60), (255, 0, 0)), "what colour is this?", 6),
-        GenerationInput(Image.new("RGB", (400, 300), (0, 90, 0)), "这个包裹坏了吗？", 3),
-        GenerationInput(Image.new("RGB", (2000, 1000), (9, 9, 9)), "is it broken", 5),
+        GenerationInput(_image(60, 90, 1), "what colour is this?", 6),
+        GenerationInput(_image(300, 400, 2), "这个包裹坏了吗？", 3),
+        GenerationInput(_image(1000, 2000, 3), "is it broken", 5),
     ]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 from PIL import Image
 
 from shared.errors import (
@@ -38,13 +39,13 @@ def _encode(img: Image.Image, fmt: str, **kw: object) -> bytes:
 )
 def test_bad_bytes_raise_the_error_that_names_them(data: bytes, error: type[Exception]) -> None:
     with pytest.raises(error):
-        images.decode(data, LIMIT)
+        images.load(data, LIMIT)
 
 
 def test_bomb_is_refused_from_the_header() -> None:
     # 60000 x 60000 x 3 bytes would be 10 GB; the check must happen before any decode.
     with pytest.raises(ImageTooLarge, match="60000x60000"):
-        images.decode(imagegen.png_header_only(60000, 60000), LIMIT)
+        images.load(imagegen.png_header_only(60000, 60000), LIMIT)
 
 
 @pytest.mark.parametrize(
@@ -59,15 +60,15 @@ def test_bomb_is_refused_from_the_header() -> None:
 )
 def test_modes_become_rgb(img: Image.Image) -> None:
     fmt = "JPEG" if img.mode in ("L", "CMYK") else "PNG"
-    decoded = images.decode(_encode(img, fmt), LIMIT)
-    assert decoded.image.mode == "RGB" and (decoded.width, decoded.height) == (40, 30)
+    decoded = images.load(_encode(img, fmt), LIMIT)
+    assert decoded.tensor.dtype == torch.uint8 and decoded.tensor.shape == (3, 30, 40)
 
 
 def test_exif_orientation_is_applied() -> None:
     img = Image.new("RGB", (40, 20), (255, 0, 0))
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90: a phone photo taken upright
-    decoded = images.decode(_encode(img, "JPEG", exif=exif.tobytes()), LIMIT)
+    decoded = images.load(_encode(img, "JPEG", exif=exif.tobytes()), LIMIT)
     assert (decoded.width, decoded.height) == (20, 40)
 
 
@@ -75,13 +76,13 @@ def test_animated_gif_uses_the_first_frame() -> None:
     frames = [Image.new("RGB", (16, 16), c) for c in ((255, 0, 0), (0, 0, 255))]
     out = io.BytesIO()
     frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
-    decoded = images.decode(out.getvalue(), LIMIT)
-    assert decoded.format == "gif" and decoded.image.getpixel((8, 8))[0] > 200
+    decoded = images.load(out.getvalue(), LIMIT)
+    assert decoded.format == "gif" and decoded.tensor[:, 8, 8].tolist()[0] > 200
 
 
 @pytest.mark.parametrize("size", [(1, 1), (1, 5000), (5000, 1)])
 def test_extreme_shapes_decode(size: tuple[int, int]) -> None:
-    decoded = images.decode(_encode(Image.new("RGB", size), "PNG"), LIMIT)
+    decoded = images.load(_encode(Image.new("RGB", size), "PNG"), LIMIT)
     assert (decoded.width, decoded.height) == size
 
 

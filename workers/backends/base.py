@@ -18,9 +18,17 @@ class PromptPlan:
 
 @dataclass(frozen=True)
 class GenerationInput:
-    image: Any  # an RGB PIL image (the processor path) or a uint8 CHW tensor
+    image: Any  # a uint8 RGB tensor [3, H, W], on the CPU or the model's device
     prompt: str
     max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A batch turned into model inputs on the device, ready to run."""
+
+    inputs: Any
+    max_new_tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -43,8 +51,14 @@ class ModelBackend(Protocol):
     def image_tokens(self, height: int, width: int) -> int:
         """How many sequence positions an image of this size takes."""
 
+    def prepare(self, batch: list[GenerationInput]) -> Prepared:
+        """Preprocess images and prompts into model inputs on the device."""
+
+    def run(self, prepared: Prepared) -> list[GenerationOutput]:
+        """Greedy generation for a prepared batch; one output per input, in order."""
+
     def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
-        """Greedy generation for a batch; returns one output per input, in order."""
+        """prepare + run."""
 
     def describe(self) -> dict[str, str]:
         """What /readyz and the results report about the loaded model."""

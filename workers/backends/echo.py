@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from shared.errors import PromptTooLong
-from workers.backends.base import GenerationInput, GenerationOutput, PromptPlan
+from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
 
 class EchoBackend:
@@ -37,16 +37,23 @@ class EchoBackend:
     def image_tokens(self, height: int, width: int) -> int:
         return math.ceil(height / 30) * (math.ceil(width / 30) + 1)
 
-    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+    def prepare(self, batch: list[GenerationInput]) -> Prepared:
+        return Prepared(inputs=list(batch), max_new_tokens=tuple(i.max_new_tokens for i in batch))
+
+    def run(self, prepared: Prepared) -> list[GenerationOutput]:
+        batch: list[GenerationInput] = prepared.inputs
         self.calls.append(len(batch))
         if self.fail_on and any(self.fail_on in item.prompt for item in batch):
             raise self.error
         outputs = []
         for item in batch:
-            width, height = item.image.size
+            height, width = item.image.shape[-2:]
             text = f"{width}x{height}: {item.prompt}"[: item.max_new_tokens * 8]
             outputs.append(GenerationOutput(text=text, output_tokens=len(text.split())))
         return outputs
+
+    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+        return self.run(self.prepare(batch))
 
     def describe(self) -> dict[str, str]:
         return {"model": self.model_id, "quantization": self.quantization, "device": self.device}

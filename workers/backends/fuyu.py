@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from shared.errors import ModelError, OutOfMemory, PromptTooLong
 from shared.settings import Settings
-from workers.backends.base import GenerationInput, GenerationOutput, PromptPlan
+from workers import preprocess
+from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
+
+BEGINNING_OF_ANSWER = "<0x04>"
 
 # Weights cannot be downloaded here, and a production worker must never fetch at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-PATCH = 30
-MAX_H, MAX_W = 1080, 1920
 
 
 def resolve_device(requested: str) -> str:
@@ -28,19 +27,6 @@ def resolve_device(requested: str) -> str:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"MRC_DEVICE={requested} but CUDA is not available")
     return requested
-
-
-def fit_size(height: int, width: int) -> tuple[int, int]:
-    """Fuyu's resize-to-fit 1080x1920: shrink only, keep the aspect ratio (int() as the processor does)."""
-    if height <= MAX_H and width <= MAX_W:
-        return height, width
-    scale = min(MAX_H / height, MAX_W / width)
-    return max(1, int(height * scale)), max(1, int(width * scale))
-
-
-def image_token_count(height: int, width: int) -> int:
-    h, w = fit_size(height, width)
-    return math.ceil(h / PATCH) * (math.ceil(w / PATCH) + 1)
 
 
 def quantization_kwargs(quantization: str, device: str) -> dict[str, Any]:
@@ -102,7 +88,14 @@ class FuyuBackend:
                 f"weights, a hub id present in the HF cache, or 'tiny' ({exc})"
             ) from exc
         self.model.eval()
-        self.eos_id = int(self.processor.tokenizer.eos_token_id)
+        tokenizer = self.processor.tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.token_ids = preprocess.TokenIds(
+            image=int(tokenizer.convert_tokens_to_ids("|SPEAKER|")),
+            newline=int(tokenizer.convert_tokens_to_ids("|NEWLINE|")),
+            bos=int(tokenizer.convert_tokens_to_ids("<s>")),
+            pad=0,  # FuyuProcessor pads with id 0
+        )
 
     def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
         tokenizer = self.processor.tokenizer
@@ -115,37 +108,46 @@ class FuyuBackend:
         return PromptPlan(kept, max_tokens, len(ids), True)
 
     def image_tokens(self, height: int, width: int) -> int:
-        return image_token_count(height, width)
+        return preprocess.image_token_count(height, width, self.settings.max_image_side)
 
-    def _inputs(self, batch: list[GenerationInput]) -> Any:
-        inputs = self.processor(
-            text=[item.prompt for item in batch],
-            images=[item.image for item in batch],
-            return_tensors="pt",
-            return_legacy_image_output=False,
+    def prepare(self, batch: list[GenerationInput]) -> Prepared:
+        """Our device-side preprocessing (workers/preprocess.py), not the processor's CPU path."""
+        tokenizer = self.processor.tokenizer
+        prompt_ids = [
+            tokenizer(item.prompt + BEGINNING_OF_ANSWER, add_special_tokens=False)["input_ids"]
+            for item in batch
+        ]
+        inputs = preprocess.build_inputs(
+            [item.image for item in batch],
+            prompt_ids,
+            self.token_ids,
+            self.model.dtype,
+            self.device,
+            self.settings.max_image_side,
         )
-        inputs = inputs.to(self.device)
-        inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
-        return inputs
+        return Prepared(inputs=inputs, max_new_tokens=tuple(item.max_new_tokens for item in batch))
 
-    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+    def run(self, prepared: Prepared) -> list[GenerationOutput]:
         import torch
 
+        inputs = prepared.inputs
         try:
-            inputs = self._inputs(batch)
             with torch.inference_mode():
                 out = self.model.generate(
                     **inputs,
-                    max_new_tokens=max(item.max_new_tokens for item in batch),
+                    max_new_tokens=max(prepared.max_new_tokens),
                     do_sample=False,
-                    pad_token_id=0,
+                    pad_token_id=self.token_ids.pad,
                     eos_token_id=self.eos_id,
                 )
         except torch.cuda.OutOfMemoryError as exc:
             torch.cuda.empty_cache()
-            raise OutOfMemory(f"CUDA out of memory for a batch of {len(batch)}") from exc
+            raise OutOfMemory(f"CUDA out of memory for a batch of {len(prepared.max_new_tokens)}") from exc
         new_tokens = out[:, inputs["input_ids"].shape[1] :].tolist()
-        return [self._decode(row, item.max_new_tokens) for row, item in zip(new_tokens, batch, strict=True)]
+        return [self._decode(row, n) for row, n in zip(new_tokens, prepared.max_new_tokens, strict=True)]
+
+    def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
+        return self.run(self.prepare(batch))
 
     def _decode(self, row: list[int], max_new_tokens: int) -> GenerationOutput:
         # Greedy decoding makes a row's first N tokens the same whatever the batch's longest request.

@@ -1,0 +1,125 @@
+"""Fuyu's image preprocessing and input building, on the worker's device, for a whole batch.
+
+Equal to FuyuProcessor (tests/unit/test_preprocess_parity.py checks it) without its waste: the
+processor pads every image to 1080x1920 and normalises the whole canvas in float32 before cropping
+back to the patch grid; here only the patch grid is built, in uint8, and normalised once, straight
+into the model's dtype.
+
+Steps per image: resize to fit 1080x1920 (shrink only, aspect kept; torchvision's bilinear with
+antialias on uint8, the processor's own operation, so it is bit-exact on the CPU), pad right/bottom
+to a multiple of 30 with the processor's fill value, cut into 30x30 patches in (row, col, channel)
+order, normalise with mean = std = 0.5. kornia is not used for the resize: its antialias is a
+Gaussian blur, ~10x slower on the CPU and not what the processor does (see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torchvision.transforms.v2.functional as tvF
+
+PATCH = 30
+MAX_H, MAX_W = 1080, 1920
+# The processor pads uint8 images with fill_value=1.0 before rescaling: padding pixels are 1, not 0.
+PAD_VALUE = 1
+MEAN = STD = 127.5  # 0.5 after rescaling by 1/255, fused as the processor fuses it
+
+
+def fit_size(height: int, width: int, max_side: int = 0) -> tuple[int, int]:
+    """Fuyu's resize-to-fit 1080x1920 (shrink only, aspect kept, int() truncation), plus a side cap."""
+    target_h, target_w = MAX_H, MAX_W
+    if max_side:
+        target_h, target_w = min(target_h, max_side), min(target_w, max_side)
+    if height <= target_h and width <= target_w:
+        return height, width
+    scale = min(target_h / height, target_w / width)
+    return max(1, int(height * scale)), max(1, int(width * scale))
+
+
+def grid(height: int, width: int, max_side: int = 0) -> tuple[int, int]:
+    """Patch rows and columns of an image after resize-to-fit."""
+    h, w = fit_size(height, width, max_side)
+    return math.ceil(h / PATCH), math.ceil(w / PATCH)
+
+
+def image_token_count(height: int, width: int, max_side: int = 0) -> int:
+    """Sequence positions an image takes: one per patch plus one newline per patch row."""
+    rows, cols = grid(height, width, max_side)
+    return rows * (cols + 1)
+
+
+def resize_to_fit(image: torch.Tensor, max_side: int = 0) -> torch.Tensor:
+    """uint8 CHW -> uint8 CHW no larger than 1080x1920 (and max_side)."""
+    height, width = image.shape[-2:]
+    new_h, new_w = fit_size(height, width, max_side)
+    if (new_h, new_w) == (height, width):
+        return image
+    resized: torch.Tensor = tvF.resize(
+        image, [new_h, new_w], interpolation=tvF.InterpolationMode.BILINEAR, antialias=True
+    )
+    return resized
+
+
+def patchify(image: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 CHW (already resized) -> [rows*cols, 30*30*3] normalised patches in `dtype`."""
+    channels, height, width = image.shape
+    rows, cols = math.ceil(height / PATCH), math.ceil(width / PATCH)
+    if (rows * PATCH, cols * PATCH) != (height, width):
+        canvas = image.new_full((channels, rows * PATCH, cols * PATCH), PAD_VALUE)
+        canvas[:, :height, :width] = image
+        image = canvas
+    # [C, rows, 30, cols, 30] -> [rows, cols, 30, 30, C]: the processor's unfold/permute order.
+    patches = image.view(channels, rows, PATCH, cols, PATCH).permute(1, 3, 2, 4, 0)
+    flat = patches.reshape(rows * cols, PATCH * PATCH * channels).to(torch.float32)
+    return flat.sub_(MEAN).div_(STD).to(dtype)
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The few token ids input building needs, read once from the tokenizer."""
+
+    image: int  # |SPEAKER|
+    newline: int  # |NEWLINE|
+    bos: int  # <s>
+    pad: int
+
+
+def image_placeholder(rows: int, cols: int, ids: TokenIds) -> list[int]:
+    row = [ids.image] * cols + [ids.newline]
+    return row * rows + [ids.bos]
+
+
+def build_inputs(
+    images: Sequence[torch.Tensor],
+    prompt_ids: Sequence[Sequence[int]],
+    ids: TokenIds,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_side: int = 0,
+) -> dict[str, Any]:
+    """Model inputs for a batch: left-padded input_ids and attention_mask, and concatenated pixel_values.
+
+    `prompt_ids` are the tokenized "<prompt><0x04>" of each job (what the processor tokenizes after <s>).
+    """
+    rows_of_ids: list[list[int]] = []
+    patch_sets: list[torch.Tensor] = []
+    for image, prompt in zip(images, prompt_ids, strict=True):
+        resized = resize_to_fit(image.to(device, non_blocking=True), max_side)
+        rows, cols = math.ceil(resized.shape[1] / PATCH), math.ceil(resized.shape[2] / PATCH)
+        patch_sets.append(patchify(resized, dtype))
+        rows_of_ids.append(image_placeholder(rows, cols, ids) + list(prompt))
+    longest = max(len(r) for r in rows_of_ids)
+    input_ids = torch.full((len(rows_of_ids), longest), ids.pad, dtype=torch.long)
+    attention = torch.zeros((len(rows_of_ids), longest), dtype=torch.long)
+    for i, row in enumerate(rows_of_ids):
+        input_ids[i, longest - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention[i, longest - len(row) :] = 1
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention.to(device),
+        "pixel_values": torch.cat(patch_sets, dim=0),
+    }
