@@ -34,7 +34,7 @@ lint: install
 	$(VENV)/bin/mypy shared producer workers
 
 bench: install
-	$(PY) tests/bench/bench_throughput.py
+	$(PY) tests/bench/bench_preprocess.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -28,20 +28,13 @@ from shared.errors import (
 )
 from shared.jobs import (
     JOB_ID_RE,
-    ErrorInfo,
-    ImageInfo,
     Job,
-    JobResult,
-    ModelInfo,
-    PromptInfo,
-    Timings,
-    now_rfc3339,
     parse_rfc3339,
 )
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.store import Store
-from workers import batching, images
+from workers import batching, images, outcomes
 from workers.backends.base import GenerationInput, ModelBackend, PromptPlan
 from workers.metrics import Metrics
 
@@ -293,13 +286,13 @@ class Pipeline:
         for slot in slots:
             if slot.outcome == "skipped":
                 continue
-            result = self._result(slot)
+            result = outcomes.build_result(slot, self.backend)
             if not self._put(slot.job_id, result.to_json_dict()):
                 slot.outcome = "unwritten"
                 continue
             slot.outcome = result.status
             self.records.set_state(slot.job_id, result.status)
-            self._report(slot, result)
+            outcomes.report(slot, result, self.backend, self.metrics, self.log)
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -317,83 +310,6 @@ class Pipeline:
                     return False
                 self.sleep(delay)
         return False
-
-    def _result(self, slot: Slot) -> JobResult:
-        job = slot.job
-        finished = now_rfc3339()
-        submitted = job.submitted_at if job else finished
-        total_ms = max(0.0, (parse_rfc3339(finished) - parse_rfc3339(submitted)).total_seconds() * 1000)
-        queued_ms = max(0.0, (slot.received - parse_rfc3339(submitted).timestamp()) * 1000)
-        size = slot.decoded or slot.encoded
-        prompt = PromptInfo(chars=len(job.prompt) if job else 0)
-        if slot.plan:
-            prompt = PromptInfo(chars=prompt.chars, tokens=slot.plan.tokens, truncated=slot.plan.truncated)
-        failed = slot.error is not None or slot.text is None
-        error = slot.error or (InternalError("no output was produced") if failed else None)
-        return JobResult(
-            job_id=slot.job_id,
-            status="failed" if failed else "succeeded",
-            text=None if failed else slot.text,
-            error=ErrorInfo.from_error(error) if error else None,
-            lane=job.lane if job else "interactive",
-            ticket_id=job.ticket_id if job else None,
-            attempts=slot.attempts,
-            image=ImageInfo(
-                uri=job.image_uri if job else "",
-                sha256=job.image_sha256 if job else None,
-                width=size.width if size else 0,
-                height=size.height if size else 0,
-            ),
-            prompt=prompt,
-            model=ModelInfo(id=self.backend.model_id, quantization=self.backend.quantization),
-            timings_ms=Timings(
-                queued=round(queued_ms, 3),
-                preprocess=round(slot.timings["preprocess"], 3),
-                inference=round(slot.timings["inference"], 3),
-                total=round(total_ms, 3),
-            ),
-            submitted_at=submitted,
-            finished_at=finished,
-        )
-
-    def _report(self, slot: Slot, result: JobResult) -> None:
-        latency = result.timings_ms.total / 1000
-        self.metrics.latency.labels(lane=result.lane).observe(latency)
-        code = result.error.code if result.error else ""
-        self.metrics.jobs.labels(status=result.status, code=code, lane=result.lane).inc()
-        if result.status == "succeeded":
-            image_tokens = self._image_tokens(slot)
-            self.log.info(
-                "MRC_SUCCESS",
-                job_id=result.job_id,
-                lane=result.lane,
-                latency=round(latency, 4),
-                input_len=result.prompt.tokens + image_tokens,
-                output_len=slot.output_tokens,
-                attempts=result.attempts,
-                prompt_head=_head(slot),
-            )
-        else:
-            assert result.error is not None
-            self.log.warning(
-                "MRC_ERROR",
-                job_id=result.job_id,
-                lane=result.lane,
-                code=result.error.code,
-                message=result.error.message,
-                retryable=result.error.retryable,
-                attempts=result.attempts,
-                prompt_head=_head(slot),
-            )
-
-    def _image_tokens(self, slot: Slot) -> int:
-        size = slot.decoded or slot.encoded
-        return self.backend.image_tokens(size.height, size.width) if size else 0
-
-
-def _head(slot: Slot, chars: int = 64) -> str:
-    """The start of the prompt, for operators reading logs; escaped like every value."""
-    return slot.job.prompt[:chars] if slot.job else ""
 
 
 def _model_error(exc: Exception) -> MrcError:

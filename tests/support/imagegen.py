@@ -25,6 +25,34 @@ def photo(width: int, height: int, seed: int = 0, fmt: str = "JPEG") -> bytes:
     return out.getvalue()
 
 
+def camera_photo(width: int, height: int, seed: int = 0) -> bytes:
+    """A phone-camera-like JPEG: the synthetic scene plus sensor noise, so it has a photo's entropy
+    (and decode cost) rather than the few KB a flat synthetic image compresses to."""
+    import numpy as np
+
+    base = Image.open(io.BytesIO(photo(width, height, seed=seed, fmt="PNG"))).convert("RGB")
+    rng = np.random.default_rng(seed)
+    noise = rng.normal(0, 12, size=(height, width, 3))
+    pixels = np.clip(np.asarray(base, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def screenshot(width: int, height: int, seed: int = 0) -> bytes:
+    """A UI-like PNG: flat panels and text, as screenshots are."""
+    img = Image.new("RGB", (width, height), (245, 245, 245))
+    draw = ImageDraw.Draw(img)
+    for row in range(0, height, 40):
+        draw.rectangle([20, row + 5, width - 20, row + 30], fill=(230 - (row + seed) % 50, 235, 250))
+        draw.text(
+            (30, row + 10), f"Order #{seed}-{row} delivered damaged, refund requested", fill=(20, 20, 20)
+        )
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
 def truncated_jpeg() -> bytes:
     data = photo(320, 240, seed=7)
     return data[: len(data) // 2]

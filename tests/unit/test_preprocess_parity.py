@@ -155,3 +155,13 @@ def test_sixteen_bit_png_is_scaled_not_clipped() -> None:
     out = io.BytesIO()
     Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(out, format="PNG")
     assert images.load(out.getvalue(), 10**6).tensor.unique().tolist() == [128]
+
+
+def test_side_cap_cuts_image_tokens() -> None:
+    ids = preprocess.TokenIds(image=5, newline=6, bos=2, pad=0)
+    image = torch.zeros((3, 3000, 4000), dtype=torch.uint8)
+    full = preprocess.build_inputs([image], [[7]], ids, torch.float32, "cpu")
+    capped = preprocess.build_inputs([image], [[7]], ids, torch.float32, "cpu", max_side=480)
+    assert full["pixel_values"].shape[0] == 36 * 48
+    assert capped["pixel_values"].shape[0] == 12 * 16  # 360x480 after the cap
+    assert preprocess.image_token_count(3000, 4000, 480) == 12 * 17
