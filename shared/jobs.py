@@ -87,13 +87,15 @@ class ImageInfo(BaseModel):
 
 class PromptInfo(BaseModel):
     chars: int = 0
-    tokens: int = 0
+    tokens: int = 0  # tokens the model saw (after truncation)
     truncated: bool = False
+    original_tokens: int = 0  # tokens before truncation
 
 
 class ModelInfo(BaseModel):
     id: str
     quantization: str
+    attention_backend: str | None = None
 
 
 class ErrorInfo(BaseModel):

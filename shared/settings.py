@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     batch_token_budget: int = 65536
     fetch_threads: int = 4
     max_attempts: int = 3
+    # Refuse to become ready unless a fast SDPA kernel (flash, memory-efficient, cuDNN) runs attention.
+    require_fast_attention: bool = False
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # transformers' attn_implementation
 
     # --- job limits ---
     max_new_tokens_default: int = 64

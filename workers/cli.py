@@ -10,15 +10,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from shared import logs, names
 from shared.celery_app import make_celery
 from shared.records import RedisJobRecords
 from shared.settings import Settings
 from shared.store import S3Store
-from workers import health, tasks
-from workers.backends.base import GenerationInput, ModelBackend
+from workers import attention, health, tasks
 from workers.backends.fuyu import FuyuBackend
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
@@ -47,10 +44,18 @@ def _lanes(value: str) -> list[str]:
     return lanes
 
 
-def warm_up(backend: ModelBackend) -> None:
-    """One tiny batch through the model so the first real job does not pay for lazy initialisation."""
-    image = torch.full((3, 48, 64), 128, dtype=torch.uint8)
-    backend.generate([GenerationInput(image=image, prompt="warm up", max_new_tokens=2)])
+def _refuse_readiness(reason: str, state: health.HealthState, log: Any) -> int:
+    """Stay alive but never ready (an orchestrator keeps traffic away and shows why), until SIGTERM."""
+    import signal
+    import threading
+
+    state.set_not_ready(reason)
+    log.critical("MRC_NOT_READY", reason=reason)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    return 0
 
 
 def _route_celery_console(log: Any) -> None:
@@ -80,8 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend.load()
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
-    warm_up(backend)
-    log.info("MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3))
+    kernel = backend.warm_up()
+    log.info("MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3), attention_kernel=kernel)
+    if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
+        return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 
     store = S3Store(settings)
     store.ensure_bucket()

@@ -18,14 +18,16 @@ class HealthState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ready: dict[str, str] | None = None
+        self.reason = "starting"
 
     def set_ready(self, info: dict[str, str]) -> None:
         with self._lock:
             self._ready = dict(info)
 
-    def set_not_ready(self) -> None:
+    def set_not_ready(self, reason: str = "starting") -> None:
         with self._lock:
             self._ready = None
+            self.reason = reason
 
     def readiness(self) -> dict[str, str] | None:
         with self._lock:
@@ -51,7 +53,7 @@ def _handler(state: HealthState, metrics: Metrics) -> type[BaseHTTPRequestHandle
             elif path == "/readyz":
                 ready = state.readiness()
                 if ready is None:
-                    self._json(503, {"status": "starting"})
+                    self._json(503, {"status": "not_ready", "reason": state.reason})
                 else:
                     self._json(200, {"status": "ready", **ready})
             elif path == "/metrics":

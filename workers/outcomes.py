@@ -31,7 +31,12 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
     size = slot.decoded or slot.encoded
     prompt = PromptInfo(chars=len(job.prompt) if job else 0)
     if slot.plan:
-        prompt = PromptInfo(chars=prompt.chars, tokens=slot.plan.tokens, truncated=slot.plan.truncated)
+        prompt = PromptInfo(
+            chars=prompt.chars,
+            tokens=slot.plan.tokens,
+            truncated=slot.plan.truncated,
+            original_tokens=slot.plan.original_tokens,
+        )
     failed = slot.error is not None or slot.text is None
     error = slot.error or (InternalError("no output was produced") if failed else None)
     return JobResult(
@@ -49,7 +54,11 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             height=size.height if size else 0,
         ),
         prompt=prompt,
-        model=ModelInfo(id=backend.model_id, quantization=backend.quantization),
+        model=ModelInfo(
+            id=backend.model_id,
+            quantization=backend.quantization,
+            attention_backend=backend.describe().get("attention_backend"),
+        ),
         timings_ms=Timings(
             queued=round(queued_ms, 3),
             preprocess=round(slot.timings["preprocess"], 3),

@@ -58,7 +58,8 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         assert stored["image"]["width"] == 640 + 100 * i and stored["image"]["height"] == 480
         assert stored["image"]["uri"].startswith(f"s3://{env['MRC_S3_BUCKET']}/inputs/")
         assert stored["prompt"]["chars"] == len(prompt) and stored["prompt"]["tokens"] > 0
-        assert stored["model"] == {"id": "tiny-fuyu-v1", "quantization": "nf4"}
+        assert stored["model"]["id"] == "tiny-fuyu-v1" and stored["model"]["quantization"] == "nf4"
+        assert stored["model"]["attention_backend"] == "sdpa:flash_cpu"
         assert set(stored["timings_ms"]) == {"queued", "preprocess", "inference", "total"}
         assert stored["timings_ms"]["inference"] > 0
         success = worker.find("MRC_SUCCESS", job_id=job_id)

@@ -85,7 +85,7 @@ def test_out_of_memory_splits_down_to_one_job(store: MemoryStore) -> None:
 def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
     _pipeline(store, max_prompt_tokens=3).run([_job("long", prompt="one two three four five")])
     result = store.get_result("long")
-    assert result["prompt"] == {"chars": 23, "tokens": 3, "truncated": True}
+    assert result["prompt"] == {"chars": 23, "tokens": 3, "truncated": True, "original_tokens": 5}
     _pipeline(store, max_prompt_tokens=3, truncate_prompts=False).run(
         [_job("long2", prompt="one two three four")]
     )

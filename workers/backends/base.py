@@ -60,5 +60,8 @@ class ModelBackend(Protocol):
     def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
         """prepare + run."""
 
+    def warm_up(self) -> str:
+        """Run one tiny batch (lazy initialisation, kernels); returns the attention kernel that ran."""
+
     def describe(self) -> dict[str, str]:
         """What /readyz and the results report about the loaded model."""

@@ -55,5 +55,13 @@ class EchoBackend:
     def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
         return self.run(self.prepare(batch))
 
+    def warm_up(self) -> str:
+        return "none"
+
     def describe(self) -> dict[str, str]:
-        return {"model": self.model_id, "quantization": self.quantization, "device": self.device}
+        return {
+            "model": self.model_id,
+            "quantization": self.quantization,
+            "device": self.device,
+            "attention_backend": "none",
+        }

@@ -29,6 +29,12 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def torch_full_image(height: int, width: int) -> Any:
+    import torch
+
+    return torch.full((3, height, width), 128, dtype=torch.uint8)
+
+
 def quantization_kwargs(quantization: str, device: str) -> dict[str, Any]:
     """from_pretrained keyword arguments for one quantization mode."""
     import torch
@@ -60,6 +66,7 @@ class FuyuBackend:
         self.device = settings.device
         self.model: Any = None
         self.processor: Any = None
+        self.attention_kernel = "not_measured"
 
     def _path(self) -> str:
         if self.source == "tiny":
@@ -80,7 +87,10 @@ class FuyuBackend:
         try:
             self.processor = AutoProcessor.from_pretrained(path, local_files_only=True)
             self.model = FuyuForCausalLM.from_pretrained(
-                path, local_files_only=True, **quantization_kwargs(self.quantization, self.device)
+                path,
+                local_files_only=True,
+                attn_implementation=self.settings.attention,
+                **quantization_kwargs(self.quantization, self.device),
             )
         except OSError as exc:
             raise ModelError(
@@ -157,11 +167,20 @@ class FuyuBackend:
         text = self.processor.tokenizer.decode(row, skip_special_tokens=True)
         return GenerationOutput(text=text, output_tokens=len(row))
 
+    def warm_up(self) -> str:
+        """One tiny batch through the model under the profiler; records and returns the attention kernel."""
+        from workers import attention
+
+        image = torch_full_image(48, 64)
+        batch = [GenerationInput(image=image, prompt="warm up", max_new_tokens=2)]
+        self.attention_kernel = attention.attest(lambda: self.generate(batch), self.device)
+        return self.attention_kernel
+
     def describe(self) -> dict[str, str]:
-        attention = str(getattr(getattr(self.model, "config", None), "_attn_implementation", "unknown"))
+        implementation = str(getattr(getattr(self.model, "config", None), "_attn_implementation", "unknown"))
         return {
             "model": self.model_id,
             "quantization": self.quantization,
             "device": self.device,
-            "attention_backend": attention,
+            "attention_backend": f"{implementation}:{self.attention_kernel}",
         }

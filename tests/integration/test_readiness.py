@@ -1,0 +1,45 @@
+"""A worker that must run a fast attention kernel and does not, refuses to become ready."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.support import services
+
+pytestmark = pytest.mark.integration
+
+
+def test_required_fast_attention_refuses_readiness_on_eager(env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "worker.log"
+    worker_env = {
+        **env,
+        "MRC_ATTENTION": "eager",
+        "MRC_REQUIRE_FAST_ATTENTION": "true",
+        "MRC_QUANTIZATION": "fp32",
+    }
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(services.BIN / "mrc-worker")],
+            env=worker_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    worker = services.Worker(proc, log, worker_env)
+    try:
+        services.wait_for(lambda: bool(worker.find("MRC_NOT_READY")), 120, "MRC_NOT_READY", proc)
+        assert "'math'" in worker.find("MRC_NOT_READY")[0]["reason"]
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(f"http://127.0.0.1:{worker.http_port}/readyz")
+        assert caught.value.code == 503
+        assert json.loads(caught.value.read())["status"] == "not_ready"
+        assert not worker.find("MRC_WORKER_READY")
+    finally:
+        assert worker.stop(signal.SIGTERM) == 0
