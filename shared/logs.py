@@ -126,6 +126,8 @@ def configure(level: str = "INFO", stream: TextIO | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     logging.captureWarnings(True)
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "kombu", "celery"):
+        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
     # Library chatter at INFO (botocore credentials, celery banners) drowns the job events.
     root.setLevel(max(numeric, logging.WARNING))
 

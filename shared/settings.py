@@ -45,7 +45,10 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = 900
     # How often each worker looks for messages whose visibility timeout ran out (kombu's default ~100 s).
     restore_interval_s: float = 10.0
-    batch_max_jobs: int = 8  # celery-batches flush_every, and the prefetch bound
+    # Jobs per delivered batch (celery-batches flush_every, and the prefetch bound). Two model batches
+    # worth, so the pool decodes the second and writes the first's results while the model runs.
+    batch_max_jobs: int = 16
+    model_batch_max_jobs: int = 8  # jobs per model batch, within the token budget
     batch_wait_ms: int = 50  # celery-batches flush_interval: how long a lone job may wait for company
     # Most padded sequence positions (jobs x longest job, image + prompt + new tokens) in one model batch.
     batch_token_budget: int = 65536

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,8 +38,23 @@ def attest(run_batch: Callable[[], object], device: str) -> str:
     activities = [ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with _quiet_native_stderr(), profile(activities=activities) as prof:
         run_batch()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
     return kernel_from_ops(event.name for event in prof.events())
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Kineto writes unformatted lines (profiler_start, gpuGetDeviceCount...) straight to fd 2, which
+    would break the one-event-per-line log format; silence fd 2 for the duration of the trace."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

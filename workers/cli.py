@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from celery.signals import worker_ready
+
 from shared import logs, names
 from shared.celery_app import make_celery
 from shared.records import RedisJobRecords
@@ -102,12 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
     _route_celery_console(log)
+    worker_ready.connect(lambda **_: log.info("MRC_CONSUMING", hostname=hostname), weak=False)
     worker = app.Worker(
         hostname=hostname,
         queues=[names.queue_name(lane) for lane in lanes],
         pool="solo",  # the batch runs in the consumer loop: nothing is fetched while the model runs
         concurrency=1,
-        loglevel=settings.log_level,
+        loglevel="WARNING",  # Celery's own chatter; our events have their own level (MRC_LOG_LEVEL)
         quiet=True,
         without_gossip=True,
         without_mingle=True,

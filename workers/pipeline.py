@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -67,6 +67,7 @@ class Slot:
     text: str | None = None
     output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
+    finishing: bool = False
 
     @property
     def live(self) -> bool:
@@ -98,7 +99,12 @@ class Pipeline:
         self.metrics = metrics or Metrics()
         self.sleep = sleep
         self.log = logs.get_logger()
-        self._pool = ThreadPoolExecutor(max_workers=settings.fetch_threads, thread_name_prefix="mrc-fetch")
+        self._pool = ThreadPoolExecutor(
+            max_workers=settings.fetch_threads,
+            thread_name_prefix="mrc-fetch",
+            initializer=images.init_decode_thread,
+        )
+        self._writes: list[Future[None]] = []
         self._busy_s = 0.0
         self._first_batch_at: float | None = None
 
@@ -117,6 +123,7 @@ class Pipeline:
             ("model", self._infer),
             ("results", self._write_results),
         ]
+        spent: dict[str, float] = {}
         for name, stage in stages:
             began = time.perf_counter()
             try:
@@ -128,7 +135,8 @@ class Pipeline:
                         slot.error = InternalError(f"stage {name} failed: {exc!r}"[:500])
                 if name == "results":
                     raise
-            self.metrics.stage.labels(stage=name).observe(time.perf_counter() - began)
+            spent[name] = time.perf_counter() - began
+            self.metrics.stage.labels(stage=name).observe(spent[name])
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(
             "MRC_BATCH",
@@ -137,6 +145,7 @@ class Pipeline:
             failed=sum(s.outcome == "failed" for s in slots),
             skipped=sum(s.outcome == "skipped" for s in slots),
             seconds=round(time.time() - start, 4),
+            stages=",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in spent.items()),
         )
         return [slot.outcome or "failed" for slot in slots]
 
@@ -228,7 +237,9 @@ class Pipeline:
         if self._first_batch_at is None:
             self._first_batch_at = time.perf_counter()
         costs = [self._cost(s) for s in live]
-        groups = batching.form_batches(costs, self.settings.batch_max_jobs, self.settings.batch_token_budget)
+        groups = batching.form_batches(
+            costs, self.settings.model_batch_max_jobs, self.settings.batch_token_budget
+        )
         # Queue every decode now, in batch order: the pool works ahead while the model runs.
         pending = [[(live[i], self._pool.submit(self._decode_one, live[i])) for i in g] for g in groups]
         for group, decodes in zip(groups, pending, strict=True):
@@ -244,6 +255,8 @@ class Pipeline:
             self.metrics.padding.observe(batching.padding_waste([costs[i] for i in group]))
             if members:
                 self._generate(members)
+            # This batch's results are written by the pool while the model runs the next batch.
+            self._finish_async([live[i] for i in group])
         self.metrics.busy_ratio.set(self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at))
 
     def _generate(self, group: list[Slot]) -> None:
@@ -272,6 +285,8 @@ class Pipeline:
             return
         run_s = time.perf_counter() - began - prepared_s
         self._busy(run_s)
+        self.log.info("MRC_MODEL_BATCH", jobs=len(group), prepare_ms=round(prepared_s * 1000, 1),
+                      run_ms=round(run_s * 1000, 1))  # fmt: skip
         for slot, output in zip(group, outputs, strict=True):
             slot.text = output.text
             slot.output_tokens = output.output_tokens
@@ -283,16 +298,28 @@ class Pipeline:
         self.metrics.model_busy.inc(seconds)
 
     def _write_results(self, slots: list[Slot]) -> None:
+        """Write what the model stage has not already sent off, then wait for every write."""
+        self._finish_async([s for s in slots if s.outcome != "skipped"])
+        pending, self._writes = self._writes, []
+        for future in pending:
+            future.result()
+
+    def _finish_async(self, slots: list[Slot]) -> None:
         for slot in slots:
-            if slot.outcome == "skipped":
-                continue
-            result = outcomes.build_result(slot, self.backend)
-            if not self._put(slot.job_id, result.to_json_dict()):
-                slot.outcome = "unwritten"
-                continue
-            slot.outcome = result.status
-            self.records.set_state(slot.job_id, result.status)
-            outcomes.report(slot, result, self.backend, self.metrics, self.log)
+            if not slot.finishing:
+                slot.finishing = True
+                self._writes.append(self._pool.submit(self._finish, slot))
+
+    def _finish(self, slot: Slot) -> None:
+        """Result to S3, then the record, then the log line: in that order, so a record never claims
+        a result that is not stored."""
+        result = outcomes.build_result(slot, self.backend)
+        if not self._put(slot.job_id, result.to_json_dict()):
+            slot.outcome = "unwritten"
+            return
+        slot.outcome = result.status
+        self.records.set_state(slot.job_id, result.status)
+        outcomes.report(slot, result, self.backend, self.metrics, self.log)
 
     # ---------------------------------------------------------------- helpers
     @staticmethod

@@ -64,8 +64,9 @@ def resize_to_fit(image: torch.Tensor, max_side: int = 0) -> torch.Tensor:
     return resized
 
 
-def patchify(image: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 CHW (already resized) -> [rows*cols, 30*30*3] normalised patches in `dtype`."""
+def patchify(image: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 CHW (already resized) -> [rows*cols, 30*30*3] normalised patches in `dtype`, written into
+    `out` when given (a slice of the batch's pixel_values, so no concatenation is needed)."""
     channels, height, width = image.shape
     rows, cols = math.ceil(height / PATCH), math.ceil(width / PATCH)
     if (rows * PATCH, cols * PATCH) != (height, width):
@@ -74,8 +75,13 @@ def patchify(image: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         image = canvas
     # [C, rows, 30, cols, 30] -> [rows, cols, 30, 30, C]: the processor's unfold/permute order.
     patches = image.view(channels, rows, PATCH, cols, PATCH).permute(1, 3, 2, 4, 0)
-    flat = patches.reshape(rows * cols, PATCH * PATCH * channels).to(torch.float32)
-    return flat.sub_(MEAN).div_(STD).to(dtype)
+    flat = torch.empty((rows, cols, PATCH, PATCH, channels), dtype=torch.float32, device=image.device)
+    flat.copy_(patches)  # one strided pass: reorder and widen to float32 together
+    flat = flat.view(rows * cols, PATCH * PATCH * channels).sub_(MEAN).div_(STD)
+    if out is None:
+        return flat.to(dtype)
+    out.copy_(flat)
+    return out
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,13 @@ def build_inputs(
     `prompt_ids` are the tokenized "<prompt><0x04>" of each job (what the processor tokenizes after <s>).
     """
     rows_of_ids: list[list[int]] = []
-    patch_sets: list[torch.Tensor] = []
-    for image, prompt in zip(images, prompt_ids, strict=True):
-        resized = resize_to_fit(image.to(device, non_blocking=True), max_side)
-        rows, cols = math.ceil(resized.shape[1] / PATCH), math.ceil(resized.shape[2] / PATCH)
-        patch_sets.append(patchify(resized, dtype))
+    resized = [resize_to_fit(image.to(device, non_blocking=True), max_side) for image in images]
+    grids = [(math.ceil(r.shape[1] / PATCH), math.ceil(r.shape[2] / PATCH)) for r in resized]
+    pixel_values = torch.empty((sum(r * c for r, c in grids), PATCH * PATCH * 3), dtype=dtype, device=device)
+    start = 0
+    for image, (rows, cols), prompt in zip(resized, grids, prompt_ids, strict=True):
+        patchify(image, dtype, out=pixel_values[start : start + rows * cols])
+        start += rows * cols
         rows_of_ids.append(image_placeholder(rows, cols, ids) + list(prompt))
     longest = max(len(r) for r in rows_of_ids)
     input_ids = torch.full((len(rows_of_ids), longest), ids.pad, dtype=torch.long)
@@ -121,5 +129,5 @@ def build_inputs(
     return {
         "input_ids": input_ids.to(device),
         "attention_mask": attention.to(device),
-        "pixel_values": torch.cat(patch_sets, dim=0),
+        "pixel_values": pixel_values,
     }

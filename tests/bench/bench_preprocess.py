@@ -48,7 +48,8 @@ def naive(processor: Any, datas: list[bytes]) -> Any:
     )
 
 
-POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="decode")  # the worker's MRC_FETCH_THREADS
+# As in the worker: MRC_FETCH_THREADS threads, one OpenMP thread each.
+POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="decode", initializer=images.init_decode_thread)
 
 
 def ours(tokenizer: Any, ids: preprocess.TokenIds, datas: list[bytes], device: str) -> Any:

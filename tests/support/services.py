@@ -176,7 +176,7 @@ def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float
 
     def ready() -> bool:
         text = log_path.read_text(errors="replace")
-        return "MRC_WORKER_READY" in text and "ready." in text
+        return "MRC_CONSUMING" in text
 
     try:
         wait_for(ready, timeout, "mrc-worker", proc)
