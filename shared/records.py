@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Protocol
 
@@ -20,6 +21,7 @@ class JobRecords(Protocol):
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
     def begin(self, job_id: str) -> int: ...
+    def dead_letter(self, entry: dict[str, object]) -> None: ...
 
 
 class RedisJobRecords:
@@ -58,6 +60,24 @@ class RedisJobRecords:
         record: dict[str, str] = self._redis.hgetall(names.job_key(job_id))  # type: ignore[assignment]
         return dict(record)
 
+    def dead_letter(self, entry: dict[str, object]) -> None:
+        self._redis.lpush(names.dead_letter_key(), json.dumps(entry, ensure_ascii=False))
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, object]]:
+        return [json.loads(raw) for raw in self._redis.lrange(names.dead_letter_key(), 0, limit - 1)]
+
+    def pop_dead_letter(self) -> dict[str, object] | None:
+        raw = self._redis.rpop(names.dead_letter_key())
+        return None if raw is None else dict(json.loads(raw))  # type: ignore[arg-type]
+
+    def purge_dead_letters(self) -> int:
+        count = int(self._redis.llen(names.dead_letter_key()))  # type: ignore[arg-type]
+        self._redis.delete(names.dead_letter_key())
+        return count
+
+    def reset_attempts(self, job_id: str) -> None:
+        self._redis.hset(names.job_key(job_id), mapping={"attempts": "0", "state": "queued"})
+
     def begin(self, job_id: str) -> int:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""
         key = names.job_key(job_id)
@@ -74,6 +94,7 @@ class MemoryJobRecords:
 
     def __init__(self) -> None:
         self.records: dict[str, dict[str, str]] = {}
+        self.dlq: list[dict[str, object]] = []
         self._lock = threading.Lock()
 
     def claim(self, job_id: str, lane: str) -> bool:
@@ -94,6 +115,10 @@ class MemoryJobRecords:
     def get(self, job_id: str) -> dict[str, str]:
         with self._lock:
             return dict(self.records.get(job_id, {}))
+
+    def dead_letter(self, entry: dict[str, object]) -> None:
+        with self._lock:
+            self.dlq.append(dict(entry))
 
     def begin(self, job_id: str) -> int:
         with self._lock:

@@ -53,7 +53,9 @@ class Settings(BaseSettings):
     # Most padded sequence positions (jobs x longest job, image + prompt + new tokens) in one model batch.
     batch_token_budget: int = 65536
     fetch_threads: int = 4
-    max_attempts: int = 3
+    max_attempts: int = 3  # deliveries of a job before a retryable fault becomes its result
+    retry_base_s: float = 1.0  # first retry delay; doubles per attempt, with +-50 % jitter
+    retry_max_s: float = 60.0
     # Refuse to become ready unless a fast SDPA kernel (flash, memory-efficient, cuDNN) runs attention.
     require_fast_attention: bool = False
     attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # transformers' attn_implementation

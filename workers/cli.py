@@ -95,8 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = S3Store(settings)
     store.ensure_bucket()
     records = RedisJobRecords.from_url(settings.redis_url)
-    pipeline = Pipeline(backend, store, records, settings, metrics)
     app = make_celery(settings)
+    pipeline = Pipeline(backend, store, records, settings, metrics, requeue=tasks.make_requeue(app))
     tasks.register(app, settings, pipeline)
 
     state.set_ready(backend.describe())

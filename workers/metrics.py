@@ -46,5 +46,11 @@ class Metrics:
             "Share of wall time the model generated, since the first batch",
             registry=r,
         )
+        self.retries = Counter(
+            "mrc_retries_total", "Jobs put back for a retryable fault", ["code"], registry=r
+        )
+        self.dead_letters = Counter(
+            "mrc_dead_letters_total", "Jobs moved to the dead-letter list", registry=r
+        )
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
         self.duplicates = Counter("mrc_jobs_skipped_total", "Deliveries skipped as already done", registry=r)

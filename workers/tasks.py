@@ -8,7 +8,7 @@ delivers the batch again after the visibility timeout.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery
@@ -37,14 +37,11 @@ def register(app: Celery, settings: Settings, pipeline: Pipeline) -> Any:
     def infer(requests: Sequence[SimpleRequest]) -> None:
         messages = to_messages(requests)
         try:
-            outcomes = pipeline.run(messages)
+            pipeline.run(messages)
         except BaseException as exc:
             log.critical("MRC_FATAL", error=repr(exc)[:500], jobs=len(messages))
-            # Unacked messages go back to the queue after the visibility timeout.
+            # Exit without acking: Redis hands the batch out again after the visibility timeout.
             os._exit(EXIT_UNUSABLE)
-        for message, outcome in zip(messages, outcomes, strict=True):
-            if outcome == "unwritten":
-                _requeue(app, message, log)
 
     return app.task(
         infer,
@@ -57,16 +54,19 @@ def register(app: Celery, settings: Settings, pipeline: Pipeline) -> Any:
     )
 
 
-def _requeue(app: Celery, message: Message, log: Any) -> None:
-    """The result could not be stored: put the job back so another attempt writes it."""
-    body = message.body if isinstance(message.body, dict) else {}
-    lane = body.get("lane", "interactive")
-    lane = lane if lane in names.LANES else "interactive"
-    try:
+def make_requeue(app: Celery) -> Callable[[str, object, float], None]:
+    """Put a job back on its lane after `delay` seconds (a Celery countdown), same task id."""
+
+    def requeue(request_id: str, body: object, delay: float) -> None:
+        job = body if isinstance(body, dict) else {}
+        lane = job.get("lane", "interactive")
+        lane = lane if lane in names.LANES else "interactive"
         app.send_task(
-            names.TASK_NAME, kwargs={"job": body}, task_id=message.request_id, queue=names.queue_name(lane)
+            names.TASK_NAME,
+            kwargs={"job": job},
+            task_id=request_id,
+            queue=names.queue_name(lane),
+            countdown=delay,
         )
-        log.warning("MRC_REQUEUED", job_id=message.request_id, reason="result_not_stored")
-    except Exception as exc:
-        log.critical("MRC_FATAL", error=f"cannot requeue {message.request_id}: {exc!r}"[:500])
-        os._exit(EXIT_UNUSABLE)
+
+    return requeue

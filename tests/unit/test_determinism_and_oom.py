@@ -73,8 +73,10 @@ def test_out_of_memory_splits_down_to_one_job(backend: FuyuBackend, monkeypatch:
         return real_generate(**inputs)
 
     monkeypatch.setattr(backend.model, "generate", generate)
-    pipeline = Pipeline(backend, store, MemoryJobRecords(), Settings(), sleep=lambda _s: None)
+    records = MemoryJobRecords()
+    pipeline = Pipeline(backend, store, records, Settings(max_attempts=1), sleep=lambda _s: None)
     assert pipeline.run(messages) == ["succeeded", "succeeded", "failed", "succeeded"]
+    assert [entry["job_id"] for entry in records.dlq] == ["j2"]
     error = store.get_result("j2")["error"]
     assert error["code"] == "out_of_memory" and error["retryable"] is True
     assert sizes[0] == 4 and sizes.count(1) == 4

@@ -28,9 +28,25 @@ def _job(job_id: str, prompt: str = "refund?", image: str = "s3://mrc/inputs/goo
     return Message(job_id, body)
 
 
-def _pipeline(store: MemoryStore, backend: EchoBackend | None = None, **settings: Any) -> Pipeline:
+class Requeued(list[tuple[str, object, float]]):
+    def __call__(self, request_id: str, body: object, delay: float) -> None:
+        self.append((request_id, body, delay))
+
+
+def _pipeline(
+    store: MemoryStore,
+    backend: EchoBackend | None = None,
+    records: MemoryJobRecords | None = None,
+    requeue: Requeued | None = None,
+    **settings: Any,
+) -> Pipeline:
     return Pipeline(
-        backend or EchoBackend(), store, MemoryJobRecords(), Settings(**settings), sleep=lambda _s: None
+        backend or EchoBackend(),
+        store,
+        records or MemoryJobRecords(),
+        Settings(**settings),
+        sleep=lambda _s: None,
+        requeue=Requeued() if requeue is None else requeue,
     )
 
 
@@ -72,14 +88,23 @@ def test_a_poison_job_that_breaks_the_model_fails_alone(store: MemoryStore) -> N
     assert backend.calls[0] == 6  # first tried as one batch, then split
 
 
-def test_out_of_memory_splits_down_to_one_job(store: MemoryStore) -> None:
+def test_out_of_memory_splits_then_retries_then_dead_letters(store: MemoryStore) -> None:
     from shared.errors import OutOfMemory
 
     backend = EchoBackend(fail_on="HUGE", error=OutOfMemory("CUDA out of memory"))
-    outcomes = _pipeline(store, backend).run([_job("a"), _job("huge", prompt="HUGE"), _job("b")])
-    assert outcomes == ["succeeded", "failed", "succeeded"]
-    error = store.get_result("huge")["error"]
-    assert error["code"] == "out_of_memory" and error["retryable"] is True
+    records, requeued = MemoryJobRecords(), Requeued()
+    pipeline = _pipeline(store, backend, records, requeued, max_attempts=3, retry_base_s=1.0)
+    outcomes = pipeline.run([_job("a"), _job("huge", prompt="HUGE"), _job("b")])
+    assert outcomes == ["succeeded", "retry", "succeeded"]
+    assert store.get_result("huge") is None and records.get("huge")["state"] == "queued"
+    assert [r[0] for r in requeued] == ["huge"] and 0.5 <= requeued[0][2] <= 1.5
+    assert pipeline.run([_job("huge", prompt="HUGE")]) == ["retry"]
+    assert 1.0 <= requeued[1][2] <= 3.0  # the delay doubles, with jitter
+    assert pipeline.run([_job("huge", prompt="HUGE")]) == ["failed"]
+    result = store.get_result("huge")
+    assert result["error"]["code"] == "out_of_memory" and result["error"]["retryable"] is True
+    assert result["attempts"] == 3 and len(requeued) == 2
+    assert [(e["job_id"], e["code"], e["attempts"]) for e in records.dlq] == [("huge", "out_of_memory", 3)]
 
 
 def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
@@ -112,12 +137,16 @@ def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) 
 
     down = DownStore("mrc")
     down.objects = dict(store.objects)
-    assert _pipeline(down).run([_job("lost?")]) == ["unwritten"]
+    records, requeued = MemoryJobRecords(), Requeued()
+    pipeline = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
+    assert pipeline.run([_job("lost-1")]) == ["retry"]
+    assert pipeline.run([_job("lost-1")]) == ["unwritten"]
+    assert len(requeued) == 1 and [e["job_id"] for e in records.dlq] == ["lost-1"]
 
 
 def test_attempts_count_deliveries(store: MemoryStore) -> None:
     records = MemoryJobRecords()
-    pipeline = Pipeline(EchoBackend(fail_on="x"), store, records, Settings(), sleep=lambda _s: None)
+    pipeline = _pipeline(store, EchoBackend(fail_on="x"), records)
     pipeline.run([_job("retry", prompt="x")])
     pipeline.run([_job("retry", prompt="x")])
     assert store.get_result("retry")["attempts"] == 2
