@@ -46,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("queues", help="queue depths per lane")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("dlq", help="the dead-letter list: jobs that failed after all their attempts")
+    dlq = p.add_subparsers(dest="dlq_command", required=True)
+    q = dlq.add_parser("list", help="print entries as JSON lines, newest first")
+    q.add_argument("--limit", type=int, default=100)
+    q = dlq.add_parser("requeue", help="send entries back to their lane with fresh attempts (oldest first)")
+    q.add_argument("--limit", type=int, default=1000)
+    dlq.add_parser("purge", help="delete every entry")
     return parser
 
 
@@ -97,9 +105,9 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
-    import redis
+    from shared.records import connect
 
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = connect(settings.redis_url)
     depths = {lane: int(client.llen(names.queue_name(lane))) for lane in names.LANES}
     depths_all: dict[str, Any] = {"lanes": depths, "dead_letter": int(client.llen(names.dead_letter_key()))}
     if args.json:
@@ -111,7 +119,27 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"submit": _cmd_submit, "status": _cmd_status, "result": _cmd_result, "queues": _cmd_queues}
+def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.client import Client
+
+    client = Client(settings)
+    if args.dlq_command == "list":
+        for entry in client.records.dead_letters(args.limit):
+            _print_json(entry)
+    elif args.dlq_command == "requeue":
+        print(json.dumps({"requeued": client.requeue_dead_letters(args.limit)}))
+    else:
+        print(json.dumps({"purged": client.records.purge_dead_letters()}))
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "submit": _cmd_submit,
+    "status": _cmd_status,
+    "result": _cmd_result,
+    "queues": _cmd_queues,
+    "dlq": _cmd_dlq,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from shared import logs, names
 from shared.celery_app import make_celery
 from shared.errors import UsageError
 from shared.jobs import Job, Lane
-from shared.records import TERMINAL, JobRecords, RedisJobRecords
+from shared.records import TERMINAL, RedisJobRecords
 from shared.settings import Settings
 from shared.sniff import sniff_format
 from shared.store import S3Store, Store
@@ -45,12 +45,12 @@ class Client:
         settings: Settings,
         *,
         store: Store | None = None,
-        records: JobRecords | None = None,
+        records: RedisJobRecords | None = None,
         celery: Celery | None = None,
     ) -> None:
         self.settings = settings
         self.store = store or S3Store(settings)
-        self.records = records or RedisJobRecords.from_url(settings.redis_url)
+        self.records: RedisJobRecords = records or RedisJobRecords.from_url(settings.redis_url)
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()
         self._bucket_ready = False
@@ -154,6 +154,23 @@ class Client:
 
     def submit_many(self, submissions: Iterable[Submission]) -> list[str]:
         return [self.submit(s.image, s.prompt, **_options(s)) for s in submissions]
+
+    def requeue_dead_letters(self, limit: int) -> int:
+        """Send dead-lettered jobs back with fresh attempts; their old failed result is replaced."""
+        count = 0
+        while count < limit:
+            entry = self.records.pop_dead_letter()
+            if entry is None:
+                break
+            job = Job.from_message(entry.get("job"))
+            self.records.reset_attempts(job.job_id)
+            self.celery.send_task(
+                names.TASK_NAME, kwargs={"job": job.to_message()}, task_id=job.job_id,
+                queue=names.queue_name(job.lane),
+            )  # fmt: skip
+            self.log.info("MRC_DLQ_REQUEUED", job_id=job.job_id, lane=job.lane)
+            count += 1
+        return count
 
     # ---- read back ----
     def result(self, job_id: str) -> dict[str, Any] | None:

@@ -11,6 +11,8 @@ from shared.settings import Settings
 def make_celery(settings: Settings) -> Celery:
     app = Celery("mrc", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
+        # Redis, with queue entries that are not message envelopes set aside instead of fatal.
+        broker_transport="shared.transport:Transport",
         # JSON only: a pickled message is refused by the worker's consumer, never executed.
         task_serializer="json",
         accept_content=["json"],

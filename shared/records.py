@@ -7,11 +7,29 @@ import threading
 from typing import Protocol
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from shared import names
 from shared.jobs import State, now_rfc3339
 
 RECORD_TTL_S = 7 * 24 * 3600
+
+
+def connect(url: str) -> redis.Redis:
+    """A client that rides out a Redis restart: reconnects and retries with exponential backoff
+    (about 30 s in all) instead of failing the first command after the connection dropped."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=10,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=5.0, base=0.1), retries=10),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
+
+
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 
 
@@ -32,9 +50,7 @@ class RedisJobRecords:
 
     @classmethod
     def from_url(cls, url: str) -> RedisJobRecords:
-        return cls(
-            redis.Redis.from_url(url, decode_responses=True, socket_timeout=10, health_check_interval=30)
-        )
+        return cls(connect(url))
 
     def claim(self, job_id: str, lane: str) -> bool:
         key = names.job_key(job_id)

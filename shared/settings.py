@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     max_attempts: int = 3  # deliveries of a job before a retryable fault becomes its result
     retry_base_s: float = 1.0  # first retry delay; doubles per attempt, with +-50 % jitter
     retry_max_s: float = 60.0
+    # Default deadlines per lane, in seconds after submission (0: none); past it a job is `expired`.
+    deadline_interactive_s: float = 0.0
+    deadline_backlog_s: float = 0.0
     # Refuse to become ready unless a fast SDPA kernel (flash, memory-efficient, cuDNN) runs attention.
     require_fast_attention: bool = False
     attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # transformers' attn_implementation

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from shared import logs
@@ -173,8 +173,20 @@ class Pipeline:
                 self.log.info("MRC_SKIPPED", job_id=slot.job_id, reason="already_succeeded")
                 continue
             slot.attempts = self.records.begin(slot.job_id)
-            if slot.live and slot.job.deadline and parse_rfc3339(slot.job.deadline) < now:
-                slot.error = Expired(f"deadline {slot.job.deadline} passed before the job ran")
+            deadline = self._deadline(slot.job)
+            if slot.live and deadline is not None and deadline < now:
+                slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
+
+    def _deadline(self, job: Job) -> datetime | None:
+        """The job's own deadline, else its lane's default (MRC_DEADLINE_<LANE>_S after submission)."""
+        if job.deadline:
+            return parse_rfc3339(job.deadline)
+        seconds = (
+            self.settings.deadline_backlog_s
+            if job.lane == "backlog"
+            else self.settings.deadline_interactive_s
+        )
+        return parse_rfc3339(job.submitted_at) + timedelta(seconds=seconds) if seconds > 0 else None
 
     def _has_success(self, job_id: str) -> bool:
         result = self.store.get_result(job_id)
@@ -324,6 +336,7 @@ class Pipeline:
                 self._retry(slot, "internal_error", "the result could not be stored")
             else:
                 slot.outcome = "unwritten"
+                self.records.set_state(slot.job_id, "failed", dead_letter="1")
                 self._dead_letter(slot, "internal_error", "the result could not be stored")
             return
         slot.outcome = result.status

@@ -73,3 +73,11 @@ def test_result_serialises_with_the_contract_field_names() -> None:
         "model", "cache_hit", "timings_ms", "submitted_at", "finished_at",
     ]  # fmt: skip
     assert result["schema"] == "mrc.result/1"
+
+
+def test_queue_entries_that_are_not_envelopes_are_recognised() -> None:
+    from shared.transport import parse_envelope
+
+    assert parse_envelope(b'{"body": "", "properties": {"delivery_tag": "x"}}') is not None
+    for raw in (b"{not json", b"[1, 2]", b'{"body": "x"}', b"\xff\xfe", b'"text"'):
+        assert parse_envelope(raw) is None

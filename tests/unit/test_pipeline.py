@@ -150,3 +150,12 @@ def test_attempts_count_deliveries(store: MemoryStore) -> None:
     pipeline.run([_job("retry", prompt="x")])
     pipeline.run([_job("retry", prompt="x")])
     assert store.get_result("retry")["attempts"] == 2
+
+
+def test_lane_default_deadline_expires_old_jobs(store: MemoryStore) -> None:
+    pipeline = _pipeline(store, deadline_backlog_s=60)
+    old = _job("old-backlog", lane="backlog", submitted_at="2000-01-01T00:00:00Z")
+    fresh = _job("fresh-backlog", lane="backlog")
+    old_interactive = _job("old-interactive", submitted_at="2000-01-01T00:00:00Z")
+    assert pipeline.run([old, fresh, old_interactive]) == ["failed", "succeeded", "succeeded"]
+    assert store.get_result("old-backlog")["error"]["code"] == "expired"

@@ -1,0 +1,124 @@
+"""Each fault test gets its own Redis (AOF on), S3 server behind a cuttable proxy, and workers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer.client import Client
+from shared.jobs import Job
+from shared.settings import Settings
+from tests.conftest import MODEL_HOME
+from tests.support import imagegen, services
+from tests.support.proxy import Proxy
+
+
+class Cluster:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.redis = services.start_redis(workdir / "redis", appendonly=True)
+        self.s3 = services.start_s3(workdir / "s3")
+        self.proxy = Proxy(self.s3.port, services.free_port())
+        self.proxy.start()
+        self.env = services.base_env(
+            self.redis.url, f"http://127.0.0.1:{self.proxy.port}", "mrc-faults", MODEL_HOME
+        )
+        self.env.update(
+            {
+                "MRC_QUANTIZATION": "fp32",  # loads in 0.1 s: these tests start many workers
+                "MRC_VISIBILITY_TIMEOUT_S": "10",
+                "MRC_RESTORE_INTERVAL_S": "1",
+                "MRC_RETRY_BASE_S": "0.5",
+                "MRC_RETRY_MAX_S": "4",
+                "MRC_MAX_ATTEMPTS": "10",
+            }
+        )
+        self.workers: list[services.Worker] = []
+        self._client: Client | None = None
+
+    def worker(self, **env: str) -> services.Worker:
+        log = self.workdir / f"worker-{len(self.workers)}.log"
+        w = services.start_worker({**self.env, **env}, log)
+        self.workers.append(w)
+        return w
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            settings = Settings(**{k[4:].lower(): v for k, v in self.env.items() if k.startswith("MRC_")})
+            self._client = Client(settings)
+        return self._client
+
+    def image(self, data: bytes | None = None, name: str = "img.jpg") -> Path:
+        path = self.workdir / name
+        path.write_bytes(data if data is not None else imagegen.photo(320, 240))
+        return path
+
+    def jobs(
+        self, count: int, image: Path | None = None, prefix: str = "job", max_new_tokens: int = 8
+    ) -> list[Job]:
+        """Jobs built (image uploaded once) but not yet sent."""
+        from producer.client import Submission
+
+        image = image or self.image()
+        tag = uuid.uuid4().hex[:6]
+        return [
+            self.client.build_job(
+                Submission(
+                    image=image,
+                    prompt=f"question {i}?",
+                    max_new_tokens=max_new_tokens,
+                    job_id=f"{prefix}-{tag}-{i}",
+                )
+            )
+            for i in range(count)
+        ]
+
+    def send(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            assert self.client.enqueue(job)
+
+    def results(self, jobs: list[Job]) -> dict[str, dict[str, Any] | None]:
+        return {job.job_id: self.client.result(job.job_id) for job in jobs}
+
+    def wait_all(self, jobs: list[Job], timeout: float) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        pending = {job.job_id for job in jobs}
+        done: dict[str, dict[str, Any]] = {}
+        while pending and time.monotonic() < deadline:
+            for job_id in list(pending):
+                if self.client.records.get(job_id).get("state") in ("succeeded", "failed"):
+                    result = self.client.result(job_id)
+                    if result is not None:
+                        done[job_id] = result
+                        pending.discard(job_id)
+            time.sleep(0.2)
+        assert not pending, f"{len(pending)} jobs without a result after {timeout} s: {sorted(pending)[:5]}"
+        return done
+
+    def successes(self, job_id: str) -> int:
+        """How many times any worker computed this job (MRC_SUCCESS lines across all worker logs)."""
+        return sum(len(w.find("MRC_SUCCESS", job_id=job_id)) for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop(9)
+        self.proxy.stop()
+        self.s3.stop()
+        self.redis.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, c.env[name])
+    try:
+        yield c
+    finally:
+        c.close()

@@ -1,0 +1,189 @@
+"""Fault injection with real processes: kill, stop and restart things; every job ends with exactly one
+result, and no job that had succeeded is computed again."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+import redis as redis_lib
+
+from shared import names
+from tests.faults.conftest import Cluster
+from tests.support import imagegen, services
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _wait_event(worker: services.Worker, event: str, timeout: float = 60) -> None:
+    services.wait_for(lambda: bool(worker.find(event)), timeout, event, worker.proc)
+
+
+def _assert_once(cluster: Cluster, results: dict[str, dict]) -> None:
+    for job_id, result in results.items():
+        assert result["status"] == "succeeded", result
+        assert cluster.successes(job_id) == 1, job_id
+
+
+def test_sigkill_mid_batch_loses_nothing(cluster: Cluster) -> None:
+    image = cluster.image(imagegen.photo(640, 480))
+    jobs = cluster.jobs(50, image, max_new_tokens=64)
+    first = cluster.worker()
+    cluster.send(jobs)
+    _wait_event(first, "MRC_BATCH")
+    first.stop(signal.SIGKILL)
+    done_before = sum(1 for j in jobs if cluster.client.result(j.job_id))
+    assert done_before < 50, "the kill came too late to test anything"
+    cluster.worker()  # picks up the queue now and the killed worker's unacked jobs after the timeout
+    _assert_once(cluster, cluster.wait_all(jobs, 120))
+
+
+def test_sigterm_drains_and_returns_buffered_jobs(cluster: Cluster) -> None:
+    image = cluster.image(imagegen.photo(640, 480))
+    jobs = cluster.jobs(50, image, max_new_tokens=64)
+    # A long visibility timeout: returned jobs must come back at once, not after it.
+    first = cluster.worker(MRC_VISIBILITY_TIMEOUT_S="600")
+    cluster.send(jobs)
+    _wait_event(first, "MRC_MODEL_BATCH")
+    assert first.stop(signal.SIGTERM) == 0
+    assert first.find("MRC_WORKER_STOPPED")[0]["exit_code"] == "0"
+    cluster.worker(MRC_VISIBILITY_TIMEOUT_S="600")
+    _assert_once(cluster, cluster.wait_all(jobs, 90))
+
+
+def test_s3_outage_shorter_than_the_retry_budget_fails_nothing(cluster: Cluster) -> None:
+    image = cluster.image(imagegen.photo(320, 240))
+    jobs = cluster.jobs(30, image)
+    worker = cluster.worker()
+    cluster.proxy.stop()
+    cluster.send(jobs)
+    time.sleep(6)
+    cluster.proxy.start()
+    results = cluster.wait_all(jobs, 120)
+    assert {r["status"] for r in results.values()} == {"succeeded"}
+    assert worker.find("MRC_RETRY") or worker.find("MRC_STORE_RETRY")
+    assert max(r["attempts"] for r in results.values()) > 1
+    assert not worker.find("MRC_DEAD_LETTER")
+
+
+def test_redis_restart_with_aof_keeps_queued_jobs(cluster: Cluster) -> None:
+    jobs = cluster.jobs(30)
+    cluster.send(jobs)
+    time.sleep(1.5)  # appendfsync everysec
+    cluster.redis.proc.send_signal(signal.SIGKILL)  # no clean shutdown: only the AOF survives
+    cluster.redis.proc.wait(10)
+    cluster.redis = services.start_redis(cluster.workdir / "redis", appendonly=True, port=cluster.redis.port)
+    cluster.worker()
+    _assert_once(cluster, cluster.wait_all(jobs, 90))
+
+
+def test_redis_restart_while_a_worker_runs(cluster: Cluster) -> None:
+    worker = cluster.worker()
+    first = cluster.jobs(10, prefix="before")
+    cluster.send(first)
+    cluster.wait_all(first, 60)
+    cluster.redis.stop()
+    time.sleep(2)
+    cluster.redis = services.start_redis(cluster.workdir / "redis", appendonly=True, port=cluster.redis.port)
+    second = cluster.jobs(10, prefix="after")
+    cluster.send(second)
+    _assert_once(cluster, cluster.wait_all(first + second, 90))
+    assert worker.proc.poll() is None
+
+
+def test_poison_image_fails_alone(cluster: Cluster) -> None:
+    worker = cluster.worker(MRC_BATCH_WAIT_MS="500")
+    good = cluster.jobs(7, cluster.image(imagegen.photo(200, 150), "good.jpg"), prefix="good")
+    poison = cluster.jobs(1, cluster.image(imagegen.truncated_jpeg(), "poison.jpg"), prefix="poison")
+    cluster.send(good[:3] + poison + good[3:])
+    results = cluster.wait_all(good + poison, 60)
+    assert results[poison[0].job_id]["error"]["code"] == "image_decode_error"
+    assert all(results[j.job_id]["status"] == "succeeded" for j in good)
+    assert any(int(b["jobs"]) == 8 for b in worker.find("MRC_BATCH")), "all eight rode in one batch"
+
+
+def test_same_job_id_submitted_five_times_concurrently_runs_once(cluster: Cluster) -> None:
+    cluster.worker()
+    image = cluster.image()
+    job_id = f"same-{uuid.uuid4().hex[:8]}"
+    outcomes: list[bool] = []
+    job = cluster.jobs(1, image)[0].model_copy(update={"job_id": job_id})
+
+    def submit() -> None:
+        outcomes.append(cluster.client.enqueue(job))
+
+    threads = [threading.Thread(target=submit) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == [False, False, False, False, True]
+    cluster.wait_all([job], 60)
+    time.sleep(1)
+    assert cluster.successes(job_id) == 1
+
+
+def test_pickled_and_garbage_messages_are_rejected_and_the_worker_lives(cluster: Cluster) -> None:
+    worker = cluster.worker()
+    client = redis_lib.Redis.from_url(cluster.env["MRC_REDIS_URL"])
+    marker = f"/tmp/mrc-pwned-{uuid.uuid4().hex}"
+
+    class Exploit:
+        def __reduce__(self):  # what a pickle-accepting worker would run
+            return (open, (marker, "w"))
+
+    def envelope(body: bytes, content_type: str) -> bytes:
+        headers = {"lang": "py", "task": names.TASK_NAME, "id": "evil-1", "argsrepr": "", "kwargsrepr": ""}
+        properties = {
+            "delivery_tag": str(uuid.uuid4()),
+            "body_encoding": "base64",
+            "priority": 0,
+            "delivery_info": {"exchange": "", "routing_key": "mrc.interactive"},
+        }
+        message = {"body": base64.b64encode(body).decode(), "content-encoding": "binary"}
+        message |= {"content-type": content_type, "headers": headers, "properties": properties}
+        return json.dumps(message).encode()
+
+    queue = names.queue_name("interactive")
+    client.lpush(queue, envelope(pickle.dumps(((Exploit(),), {}, {})), "application/x-python-serialize"))
+    client.lpush(queue, b"{this is not json")
+    client.lpush(queue, envelope(b'{"broken": ', "application/json"))
+    time.sleep(3)
+    assert worker.proc.poll() is None
+    assert not __import__("os").path.exists(marker)
+    jobs = cluster.jobs(3)
+    cluster.send(jobs)
+    _assert_once(cluster, cluster.wait_all(jobs, 60))
+
+
+def test_two_workers_process_every_job_once(cluster: Cluster) -> None:
+    a, b = cluster.worker(), cluster.worker()
+    jobs = cluster.jobs(60, cluster.image(imagegen.photo(480, 360)), max_new_tokens=32)
+    cluster.send(jobs)
+    _assert_once(cluster, cluster.wait_all(jobs, 120))
+    per_worker = [len(w.find("MRC_SUCCESS")) for w in (a, b)]
+    assert sum(per_worker) == 60 and min(per_worker) > 0, per_worker
+
+
+def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster: Cluster) -> None:
+    worker = cluster.worker(MRC_MAX_ATTEMPTS="2", MRC_RETRY_BASE_S="0.2")
+    jobs = cluster.jobs(3)  # uploads the image while S3 is still reachable
+    cluster.proxy.stop()
+    cluster.send(jobs)
+    services.wait_for(lambda: len(worker.find("MRC_DEAD_LETTER")) == 3, 90, "three dead letters", worker.proc)
+    cluster.proxy.start()
+    env = cluster.env
+    listed = [json.loads(line) for line in services.run_cli(env, "dlq", "list").stdout.splitlines()]
+    assert sorted(e["job_id"] for e in listed) == sorted(j.job_id for j in jobs)
+    assert {e["code"] for e in listed} == {"internal_error"} and {e["attempts"] for e in listed} == {2}
+    assert json.loads(services.run_cli(env, "dlq", "requeue").stdout) == {"requeued": 3}
+    results = cluster.wait_all(jobs, 60)
+    assert {r["status"] for r in results.values()} == {"succeeded"}
+    assert json.loads(services.run_cli(env, "queues", "--json").stdout)["dead_letter"] == 0
+    assert json.loads(services.run_cli(env, "dlq", "purge").stdout) == {"purged": 0}
