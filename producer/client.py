@@ -61,6 +61,10 @@ class Client:
             raise UsageError("prompt is empty")
         if "\x00" in prompt:
             raise UsageError("prompt contains a NUL byte")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("prompt is not valid Unicode (lone surrogate)") from None
         if len(prompt) > self.settings.max_prompt_chars:
             raise UsageError(
                 f"prompt has {len(prompt)} characters; the limit is {self.settings.max_prompt_chars}"

@@ -57,6 +57,10 @@ class Job(BaseModel):
             raise ValueError("prompt is empty")
         if "\x00" in value:
             raise ValueError("prompt contains a NUL byte")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("prompt is not valid Unicode (lone surrogate)") from None
         return value
 
     def to_message(self) -> dict[str, Any]:

@@ -31,7 +31,10 @@ from shared.sniff import sniff_format
 from shared.store import Store
 
 SUPPORTED_FORMATS = frozenset({"jpg", "png", "webp", "gif", "bmp"})
-_TORCHVISION_FORMATS = frozenset({"jpg", "png", "webp", "gif"})
+# Not PNG: torchvision's libpng path segfaults on some corrupt PNGs (found by fuzzing: one mangled
+# IDAT chunk kills the process, and with acks_late every worker that takes the job after it).
+# JPEG, WebP and GIF survived 1,200 random mutations each (tests/unit/test_decode_fuzz.py).
+_TORCHVISION_FORMATS = frozenset({"jpg", "webp", "gif"})
 # PIL's own bomb guard must not fire before ours (ours gives the job its error code and is stricter).
 Image.MAX_IMAGE_PIXELS = None
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision")
@@ -131,10 +134,23 @@ def _decode_pil(image: EncodedImage) -> torch.Tensor:
         with Image.open(io.BytesIO(image.data)) as img:
             img.seek(0)  # animated: the first frame
             img.load()
-            rgb = ImageOps.exif_transpose(img).convert("RGB")
+            rgb = _to_rgb(ImageOps.exif_transpose(img))
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {exc}") from None
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous()
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """RGB, scaling 16-bit grey to 8 bits (PIL's own conversion clips it, turning the image white)."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        wide = np.asarray(img, dtype=np.uint32)
+        grey = (
+            (wide >> 8).astype(np.uint8)
+            if wide.max(initial=0) > 255 or img.mode != "I"
+            else wide.astype(np.uint8)
+        )
+        return Image.fromarray(grey, mode="L").convert("RGB")
+    return img.convert("RGB")
 
 
 def init_decode_thread() -> None:

@@ -173,6 +173,13 @@ class Pipeline:
                 self.log.info("MRC_SKIPPED", job_id=slot.job_id, reason="already_succeeded")
                 continue
             slot.attempts = self.records.begin(slot.job_id)
+            if slot.attempts > self.settings.max_attempts:
+                # Delivered again and again without ever reaching a result: the job (or a neighbour)
+                # keeps killing its worker. Stop the crash loop here.
+                slot.error = InternalError(
+                    f"abandoned after {slot.attempts - 1} deliveries that ended without a result"
+                )
+                continue
             deadline = self._deadline(slot.job)
             if slot.live and deadline is not None and deadline < now:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")

@@ -159,3 +159,12 @@ def test_lane_default_deadline_expires_old_jobs(store: MemoryStore) -> None:
     old_interactive = _job("old-interactive", submitted_at="2000-01-01T00:00:00Z")
     assert pipeline.run([old, fresh, old_interactive]) == ["failed", "succeeded", "succeeded"]
     assert store.get_result("old-backlog")["error"]["code"] == "expired"
+
+
+def test_a_job_that_keeps_killing_workers_is_abandoned(store: MemoryStore) -> None:
+    records = MemoryJobRecords()
+    for _ in range(3):  # three deliveries that died before writing anything
+        records.begin("crasher")
+    assert _pipeline(store, records=records, max_attempts=3).run([_job("crasher")]) == ["failed"]
+    error = store.get_result("crasher")["error"]
+    assert error["code"] == "internal_error" and "abandoned after 3 deliveries" in error["message"]

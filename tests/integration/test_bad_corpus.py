@@ -1,0 +1,75 @@
+"""The whole bad-input corpus through the real worker, in one go: each case gets its own clear outcome,
+and its neighbours in the same batch are unharmed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from producer.client import Client
+from shared.errors import UsageError
+from shared.settings import Settings
+from tests.support import badcorpus, imagegen
+from tests.support.services import Worker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Client:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    return Client(Settings(**{k[4:].lower(): v for k, v in env.items() if k.startswith("MRC_")}))
+
+
+def _wait(client: Client, job_ids: list[str], timeout: float = 120) -> dict[str, dict]:
+    deadline, results = time.monotonic() + timeout, {}
+    while len(results) < len(job_ids) and time.monotonic() < deadline:
+        for job_id in job_ids:
+            if job_id not in results and (result := client.result(job_id)) is not None:
+                results[job_id] = result
+        time.sleep(0.2)
+    assert len(results) == len(job_ids), sorted(set(job_ids) - set(results))
+    return results
+
+
+def test_bad_images_each_get_their_code_and_spare_their_neighbours(
+    client: Client, worker: Worker, tmp_path: Path
+) -> None:
+    badcorpus.write(tmp_path)
+    good = tmp_path / "good.jpg"
+    good.write_bytes(imagegen.photo(320, 240))
+    tag = uuid.uuid4().hex[:6]
+    expected: dict[str, str | None] = {}
+    for name, (_data, code) in badcorpus.images().items():
+        expected[client.submit(tmp_path / name, "is it damaged?", job_id=f"bad-{tag}-{name}")] = code
+        expected[client.submit(good, "is it damaged?", job_id=f"good-{tag}-{name}")] = None
+    results = _wait(client, list(expected))
+    outcome = {job_id: (r["error"] or {}).get("code") for job_id, r in results.items()}
+    assert outcome == expected
+    for job_id, result in results.items():
+        assert (result["status"] == "succeeded") is (expected[job_id] is None)
+        assert result["error"] is None or result["error"]["message"]
+
+
+def test_bad_prompts_are_refused_or_answered(client: Client, worker: Worker, tmp_path: Path) -> None:
+    image = tmp_path / "p.jpg"
+    image.write_bytes(imagegen.photo(160, 120))
+    accepted = []
+    for name, (prompt, refused) in badcorpus.prompts().items():
+        if refused:
+            with pytest.raises(UsageError):
+                client.submit(image, prompt)
+        else:
+            accepted.append(
+                (client.submit(image, prompt, job_id=f"prompt-{uuid.uuid4().hex[:6]}-{name}"), prompt)
+            )
+    results = _wait(client, [job_id for job_id, _ in accepted])
+    for job_id, prompt in accepted:
+        assert results[job_id]["status"] == "succeeded"
+        assert results[job_id]["prompt"]["chars"] == len(prompt)
+        lines = worker.find("MRC_SUCCESS", job_id=job_id)
+        assert len(lines) == 1 and lines[0]["prompt_head"] == prompt[:64]
