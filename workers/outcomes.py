@@ -19,7 +19,7 @@ from workers.backends.base import ModelBackend
 from workers.metrics import Metrics
 
 if TYPE_CHECKING:
-    from workers.pipeline import Slot
+    from workers.slots import Slot
 
 
 def build_result(slot: Slot, backend: ModelBackend) -> JobResult:

@@ -8,14 +8,10 @@ runs batch N the pool decodes batch N+1 and the accelerator is not left waiting 
 
 from __future__ import annotations
 
-import hashlib
-import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
 
 from shared import logs
 from shared.errors import (
@@ -25,59 +21,16 @@ from shared.errors import (
     ModelError,
     MrcError,
     OutOfMemory,
-    StoreUnavailable,
 )
-from shared.jobs import JOB_ID_RE, Job, now_rfc3339, parse_rfc3339
+from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.store import Store
-from workers import batching, images, outcomes
-from workers.backends.base import GenerationInput, ModelBackend, PromptPlan
+from workers import batching, images
+from workers.backends.base import GenerationInput, ModelBackend
+from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
-
-Outcome = Literal["succeeded", "failed", "skipped", "retry", "unwritten"]
-Requeue = Callable[[str, object, float], None]  # (request id, job message, delay in seconds)
-_WRITE_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
-
-
-@dataclass(frozen=True)
-class Message:
-    """One delivered request, as the task hands it over: the Celery task id and the `job` argument."""
-
-    request_id: str
-    body: object
-
-
-@dataclass
-class Slot:
-    """One job's state on its way through the pipeline."""
-
-    request_id: str
-    body: object
-    received: float
-    job: Job | None = None
-    error: MrcError | None = None
-    outcome: Outcome | None = None
-    attempts: int = 1
-    encoded: images.EncodedImage | None = None
-    decoded: images.DecodedImage | None = None
-    plan: PromptPlan | None = None
-    text: str | None = None
-    output_tokens: int = 0
-    timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
-    finishing: bool = False
-
-    @property
-    def live(self) -> bool:
-        return self.error is None and self.outcome is None
-
-    @property
-    def job_id(self) -> str:
-        if self.job is not None:
-            return self.job.job_id
-        if JOB_ID_RE.match(self.request_id):
-            return self.request_id
-        return "invalid-" + hashlib.sha256(self.request_id.encode()).hexdigest()[:24]
+from workers.slots import Message, Outcome, Slot
 
 
 class Pipeline:
@@ -91,7 +44,6 @@ class Pipeline:
         sleep: Callable[[float], None] = time.sleep,
         requeue: Requeue | None = None,
     ) -> None:
-        self.requeue: Requeue = _no_requeue if requeue is None else requeue
         self.backend = backend
         self.store = store
         self.records = records
@@ -99,6 +51,7 @@ class Pipeline:
         self.metrics = metrics or Metrics()
         self.sleep = sleep
         self.log = logs.get_logger()
+        self.finisher = Finisher(backend, store, records, settings, self.metrics, self.log, requeue, sleep)
         self._pool = ThreadPoolExecutor(
             max_workers=settings.fetch_threads,
             thread_name_prefix="mrc-fetch",
@@ -327,68 +280,12 @@ class Pipeline:
         for slot in slots:
             if not slot.finishing:
                 slot.finishing = True
-                self._writes.append(self._pool.submit(self._finish, slot))
-
-    def _finish(self, slot: Slot) -> None:
-        """Result to S3, then the record, then the log line: in that order, so a record never claims
-        a result that is not stored. A retryable fault goes back to the queue until its attempts run out,
-        then fails and lands in the dead-letter list."""
-        error, last = slot.error, slot.attempts >= self.settings.max_attempts
-        if slot.job is not None and error is not None and error.retryable and not last:
-            self._retry(slot, error.code, error.message)
-            return
-        result = outcomes.build_result(slot, self.backend)
-        if not self._put(slot.job_id, result.to_json_dict()):
-            if slot.job is not None and not last:
-                self._retry(slot, "internal_error", "the result could not be stored")
-            else:
-                slot.outcome = "unwritten"
-                self.records.set_state(slot.job_id, "failed", dead_letter="1")
-                self._dead_letter(slot, "internal_error", "the result could not be stored")
-            return
-        slot.outcome = result.status
-        self.records.set_state(slot.job_id, result.status)
-        outcomes.report(slot, result, self.backend, self.metrics, self.log)
-        if error is not None and error.retryable:
-            self._dead_letter(slot, error.code, error.message)
-
-    def _retry(self, slot: Slot, code: str, message: str) -> None:
-        base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (slot.attempts - 1))
-        delay = round(base * random.uniform(0.5, 1.5), 3)  # jitter: retries of one outage spread out
-        self.records.set_state(slot.job_id, "queued", retry_reason=code)
-        self.requeue(slot.request_id, slot.body, delay)
-        slot.outcome = "retry"
-        self.metrics.retries.labels(code=code).inc()
-        self.log.warning("MRC_RETRY", job_id=slot.job_id, code=code, message=message[:300],
-                         attempts=slot.attempts, delay=delay)  # fmt: skip
-
-    def _dead_letter(self, slot: Slot, code: str, message: str) -> None:
-        entry = {"job_id": slot.job_id, "code": code, "message": message[:500], "attempts": slot.attempts,
-                 "at": now_rfc3339(), "job": slot.body}  # fmt: skip
-        self.records.dead_letter(entry)
-        self.metrics.dead_letters.inc()
-        self.log.error("MRC_DEAD_LETTER", job_id=slot.job_id, code=code, attempts=slot.attempts)
+                self._writes.append(self._pool.submit(self.finisher.finish, slot))
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _live(slots: list[Slot]) -> list[Slot]:
         return [s for s in slots if s.live]
-
-    def _put(self, job_id: str, result: dict[str, Any]) -> bool:
-        for delay in (*_WRITE_BACKOFF_S, None):
-            try:
-                self.store.put_result(job_id, result)
-                return True
-            except StoreUnavailable as exc:
-                self.log.warning("MRC_STORE_RETRY", job_id=job_id, error=exc.message[:300])
-                if delay is None:
-                    return False
-                self.sleep(delay)
-        return False
-
-
-def _no_requeue(request_id: str, body: object, delay: float) -> None:
-    raise InternalError(f"no requeue configured; cannot retry {request_id}")
 
 
 def _model_error(exc: Exception) -> MrcError:

@@ -16,7 +16,8 @@ from celery_batches import Batches, SimpleRequest
 
 from shared import logs, names
 from shared.settings import Settings
-from workers.pipeline import Message, Pipeline
+from workers.pipeline import Pipeline
+from workers.slots import Message
 
 EXIT_UNUSABLE = 70
 

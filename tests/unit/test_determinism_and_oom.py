@@ -16,7 +16,8 @@ from shared.store import MemoryStore
 from tests.support import imagegen
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
-from workers.pipeline import Message, Pipeline
+from workers.pipeline import Pipeline
+from workers.slots import Message
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
 

@@ -12,7 +12,8 @@ from shared.settings import Settings
 from shared.store import MemoryStore
 from tests.support import imagegen
 from workers.backends.echo import EchoBackend
-from workers.pipeline import Message, Pipeline
+from workers.pipeline import Pipeline
+from workers.slots import Message
 
 
 @pytest.fixture

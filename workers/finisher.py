@@ -1,0 +1,100 @@
+"""How a job leaves the worker: its result stored, its record updated, its log line written; or, for a
+retryable fault, back to its lane with backoff; or, out of attempts, into the dead-letter list."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shared.errors import InternalError, StoreUnavailable
+from shared.jobs import now_rfc3339
+from shared.records import JobRecords
+from shared.settings import Settings
+from shared.store import Store
+from workers import outcomes
+from workers.backends.base import ModelBackend
+from workers.metrics import Metrics
+from workers.slots import Slot
+
+Requeue = Callable[[str, object, float], None]  # (request id, job message, delay in seconds)
+_WRITE_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
+
+
+class Finisher:
+    def __init__(
+        self,
+        backend: ModelBackend,
+        store: Store,
+        records: JobRecords,
+        settings: Settings,
+        metrics: Metrics,
+        log: Any,
+        requeue: Requeue | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.records = records
+        self.settings = settings
+        self.metrics = metrics
+        self.log = log
+        self.requeue: Requeue = _no_requeue if requeue is None else requeue
+        self.sleep = sleep
+
+    def finish(self, slot: Slot) -> None:
+        """Result to S3, then the record, then the log line: in that order, so a record never claims
+        a result that is not stored. A retryable fault goes back to the queue until its attempts run out,
+        then fails and lands in the dead-letter list."""
+        error, last = slot.error, slot.attempts >= self.settings.max_attempts
+        if slot.job is not None and error is not None and error.retryable and not last:
+            self._retry(slot, error.code, error.message)
+            return
+        result = outcomes.build_result(slot, self.backend)
+        if not self._put(slot.job_id, result.to_json_dict()):
+            if slot.job is not None and not last:
+                self._retry(slot, "internal_error", "the result could not be stored")
+            else:
+                slot.outcome = "unwritten"
+                self.records.set_state(slot.job_id, "failed", dead_letter="1")
+                self._dead_letter(slot, "internal_error", "the result could not be stored")
+            return
+        slot.outcome = result.status
+        self.records.set_state(slot.job_id, result.status)
+        outcomes.report(slot, result, self.backend, self.metrics, self.log)
+        if error is not None and error.retryable:
+            self._dead_letter(slot, error.code, error.message)
+
+    def _retry(self, slot: Slot, code: str, message: str) -> None:
+        base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (slot.attempts - 1))
+        delay = round(base * random.uniform(0.5, 1.5), 3)  # jitter: retries of one outage spread out
+        self.records.set_state(slot.job_id, "queued", retry_reason=code)
+        self.requeue(slot.request_id, slot.body, delay)
+        slot.outcome = "retry"
+        self.metrics.retries.labels(code=code).inc()
+        self.log.warning("MRC_RETRY", job_id=slot.job_id, code=code, message=message[:300],
+                         attempts=slot.attempts, delay=delay)  # fmt: skip
+
+    def _dead_letter(self, slot: Slot, code: str, message: str) -> None:
+        entry = {"job_id": slot.job_id, "code": code, "message": message[:500], "attempts": slot.attempts,
+                 "at": now_rfc3339(), "job": slot.body}  # fmt: skip
+        self.records.dead_letter(entry)
+        self.metrics.dead_letters.inc()
+        self.log.error("MRC_DEAD_LETTER", job_id=slot.job_id, code=code, attempts=slot.attempts)
+
+    def _put(self, job_id: str, result: dict[str, Any]) -> bool:
+        for delay in (*_WRITE_BACKOFF_S, None):
+            try:
+                self.store.put_result(job_id, result)
+                return True
+            except StoreUnavailable as exc:
+                self.log.warning("MRC_STORE_RETRY", job_id=job_id, error=exc.message[:300])
+                if delay is None:
+                    return False
+                self.sleep(delay)
+        return False
+
+
+def _no_requeue(request_id: str, body: object, delay: float) -> None:
+    raise InternalError(f"no requeue configured; cannot retry {request_id}")

@@ -1,0 +1,54 @@
+"""The unit of work inside a worker: one delivered message, and one job's state on its way through."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shared.errors import MrcError
+from shared.jobs import JOB_ID_RE, Job
+from workers import images
+from workers.backends.base import PromptPlan
+
+Outcome = Literal["succeeded", "failed", "skipped", "retry", "unwritten"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One delivered request, as the task hands it over: the Celery task id and the `job` argument."""
+
+    request_id: str
+    body: object
+
+
+@dataclass
+class Slot:
+    """One job's state on its way through the pipeline."""
+
+    request_id: str
+    body: object
+    received: float
+    job: Job | None = None
+    error: MrcError | None = None
+    outcome: Outcome | None = None
+    attempts: int = 1
+    encoded: images.EncodedImage | None = None
+    decoded: images.DecodedImage | None = None
+    plan: PromptPlan | None = None
+    text: str | None = None
+    output_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
+    finishing: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.error is None and self.outcome is None
+
+    @property
+    def job_id(self) -> str:
+        if self.job is not None:
+            return self.job.job_id
+        if JOB_ID_RE.match(self.request_id):
+            return self.request_id
+        return "invalid-" + hashlib.sha256(self.request_id.encode()).hexdigest()[:24]
