@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared import logs, names
-from shared.errors import MrcError, UsageError
+from shared.errors import MrcError, QueueFull, UsageError
 from shared.settings import Settings
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL = 0, 1, 2, 3, 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ticket-id", help="upstream ticket id, copied into the result")
     p.add_argument("--deadline", help="RFC 3339 time after which the job is not run (result: expired)")
     p.add_argument("--wait", action="store_true", help="wait and print the result JSON")
+    p.add_argument(
+        "--no-block",
+        action="store_true",
+        help="backlog lane at its depth limit: fail at once (exit 4) instead of waiting for room",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits (default 300)")
 
     p = sub.add_parser("status", help="print the state of a job as JSON")
@@ -73,6 +78,7 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         max_new_tokens=args.max_new_tokens,
         ticket_id=args.ticket_id,
         deadline=args.deadline,
+        block=not args.no_block,
     )
     if not args.wait:
         print(job_id)
@@ -108,14 +114,26 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
     from shared.records import connect
 
     client = connect(settings.redis_url)
-    depths = {lane: int(client.llen(names.queue_name(lane))) for lane in names.LANES}
-    depths_all: dict[str, Any] = {"lanes": depths, "dead_letter": int(client.llen(names.dead_letter_key()))}
+    depths = {lane: sum(int(client.llen(key)) for key in names.queue_keys(lane)) for lane in names.LANES}
+    hits, misses = (int(client.get(key) or 0) for key in names.cache_counter_keys())
+    view: dict[str, Any] = {
+        "lanes": depths,
+        "backlog_limit": settings.backlog_max_depth,
+        "dead_letter": int(client.llen(names.dead_letter_key())),
+        "cache": {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        },
+    }
     if args.json:
-        _print_json(depths_all)
+        _print_json(view)
     else:
         for lane, depth in depths.items():
             print(f"{lane:<12} {depth}")
-        print(f"{'dead-letter':<12} {depths_all['dead_letter']}")
+        print(f"{'dead-letter':<12} {view['dead_letter']}")
+        rate = view["cache"]["hit_rate"]
+        print(f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else ""))
     return EXIT_OK
 
 
@@ -155,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"mrc: {exc.message}", file=sys.stderr)
         return EXIT_USAGE
+    except QueueFull as exc:
+        print(f"mrc: {exc.message}", file=sys.stderr)
+        return EXIT_QUEUE_FULL
     except MrcError as exc:
         print(f"mrc: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_FAILED

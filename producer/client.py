@@ -15,7 +15,7 @@ from celery import Celery
 
 from shared import logs, names
 from shared.celery_app import make_celery
-from shared.errors import UsageError
+from shared.errors import QueueFull, UsageError
 from shared.jobs import Job, Lane
 from shared.records import TERMINAL, RedisJobRecords
 from shared.settings import Settings
@@ -131,8 +131,27 @@ class Client:
         except Exception as exc:
             raise UsageError(str(exc)) from None
 
-    def enqueue(self, job: Job) -> bool:
+    def lane_depth(self, lane: str) -> int:
+        return self.records.list_lengths(names.queue_keys(lane))
+
+    def wait_for_room(self, lane: str, block: bool = True, timeout: float | None = None) -> None:
+        """Backpressure on the backlog lane: wait while it is at its depth limit, or raise QueueFull."""
+        if lane != "backlog":
+            return  # interactive tickets are never held back by the backlog
+        limit = self.settings.backlog_max_depth
+        deadline = None if timeout is None else time.monotonic() + timeout
+        logged = False
+        while (depth := self.lane_depth(lane)) >= limit:
+            if not block or (deadline is not None and time.monotonic() >= deadline):
+                raise QueueFull(depth, limit)
+            if not logged:
+                self.log.info("MRC_BACKPRESSURE", lane=lane, depth=depth, limit=limit)
+                logged = True
+            time.sleep(0.5)
+
+    def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
         """Send the job unless its id was already submitted; True when this call enqueued it."""
+        self.wait_for_room(job.lane, block, timeout)
         if not self.records.claim(job.job_id, job.lane):
             self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
             return False
@@ -151,9 +170,9 @@ class Client:
         )
         return True
 
-    def submit(self, image: str | Path, prompt: str, **options: Any) -> str:
+    def submit(self, image: str | Path, prompt: str, block: bool = True, **options: Any) -> str:
         job = self.build_job(Submission(image=image, prompt=prompt, **options))
-        self.enqueue(job)
+        self.enqueue(job, block=block)
         return job.job_id
 
     def submit_many(self, submissions: Iterable[Submission]) -> list[str]:

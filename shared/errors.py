@@ -93,12 +93,24 @@ class StoreUnavailable(MrcError):
     retryable = True
 
 
+class QueueFull(MrcError):
+    """The backlog lane is at its depth limit and the caller asked not to wait (producer side only)."""
+
+    code = "queue_full"
+    retryable = True
+
+    def __init__(self, depth: int, limit: int) -> None:
+        super().__init__(f"queue full: the backlog lane holds {depth} jobs; the limit is {limit}")
+        self.depth, self.limit = depth, limit
+
+
 class UsageError(MrcError):
     """A caller passed bad arguments; nothing was enqueued."""
 
     code = "invalid_job"
 
 
+PRODUCER_CODES: tuple[str, ...] = ("queue_full",)  # never in a result: the job was not enqueued
 ERROR_CODES: tuple[str, ...] = (
     "invalid_job",
     "image_not_found",

@@ -9,8 +9,23 @@ LANES: Final = ("interactive", "backlog")
 REDIS_PREFIX: Final = "mrc:"
 
 
+# kombu's Redis transport keeps one list per priority step; a message without priority goes to the first.
+_PRIORITY_SEP = "\x06\x16"
+_PRIORITY_STEPS = (0, 3, 6, 9)
+
+
 def queue_name(lane: str) -> str:
     return f"mrc.{lane}"
+
+
+def queue_keys(lane: str) -> list[str]:
+    """Every Redis list holding the lane's messages (its depth is the sum of their lengths)."""
+    name = queue_name(lane)
+    return [name if step == 0 else f"{name}{_PRIORITY_SEP}{step}" for step in _PRIORITY_STEPS]
+
+
+def cache_counter_keys() -> tuple[str, str]:
+    return f"{REDIS_PREFIX}cache:hits", f"{REDIS_PREFIX}cache:misses"
 
 
 def job_key(job_id: str) -> str:

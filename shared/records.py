@@ -91,6 +91,12 @@ class RedisJobRecords:
         self._redis.delete(names.dead_letter_key())
         return count
 
+    def list_lengths(self, keys: list[str]) -> int:
+        with self._redis.pipeline() as pipe:
+            for key in keys:
+                pipe.llen(key)
+            return sum(int(n) for n in pipe.execute())
+
     def reset_attempts(self, job_id: str) -> None:
         self._redis.hset(names.job_key(job_id), mapping={"attempts": "0", "state": "queued"})
 

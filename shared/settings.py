@@ -76,6 +76,9 @@ class Settings(BaseSettings):
 
     # --- producer ---
     wait_poll_s: float = 0.1
+    # Backpressure: submissions to the backlog lane wait (or fail with queue_full) above this depth, so a
+    # million-line backlog never sits in Redis memory at once. Interactive submissions never wait.
+    backlog_max_depth: int = 10_000
 
     log_level: str = "INFO"
 

@@ -14,11 +14,12 @@ from celery.signals import worker_ready
 
 from shared import logs, names
 from shared.celery_app import make_celery
-from shared.records import RedisJobRecords
+from shared.records import RedisJobRecords, connect
 from shared.settings import Settings
 from shared.store import S3Store
 from workers import attention, health, tasks
 from workers.backends.fuyu import FuyuBackend
+from workers.cache import RedisResultCache
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
 
@@ -96,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     store.ensure_bucket()
     records = RedisJobRecords.from_url(settings.redis_url)
     app = make_celery(settings)
-    pipeline = Pipeline(backend, store, records, settings, metrics, requeue=tasks.make_requeue(app))
+    cache = RedisResultCache(connect(settings.redis_url))
+    pipeline = Pipeline(
+        backend, store, records, settings, metrics, requeue=tasks.make_requeue(app), cache=cache
+    )
     tasks.register(app, settings, pipeline)
 
     state.set_ready(backend.describe())

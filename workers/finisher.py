@@ -15,6 +15,7 @@ from shared.settings import Settings
 from shared.store import Store
 from workers import outcomes
 from workers.backends.base import ModelBackend
+from workers.cache import ResultCache, prompt_label
 from workers.metrics import Metrics
 from workers.slots import Slot
 
@@ -33,7 +34,9 @@ class Finisher:
         log: Any,
         requeue: Requeue | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        cache: ResultCache | None = None,
     ) -> None:
+        self.cache = cache
         self.backend = backend
         self.store = store
         self.records = records
@@ -63,8 +66,24 @@ class Finisher:
         slot.outcome = result.status
         self.records.set_state(slot.job_id, result.status)
         outcomes.report(slot, result, self.backend, self.metrics, self.log)
+        if result.status == "succeeded" and not slot.cache_hit:
+            self._remember(slot)
         if error is not None and error.retryable:
             self._dead_letter(slot, error.code, error.message)
+
+    def _remember(self, slot: Slot) -> None:
+        """Only succeeded answers are cached; a cache that is down costs GPU time, never a job."""
+        if self.cache is None or slot.cache_key is None or slot.job is None or slot.text is None:
+            return
+        value = {
+            "text": slot.text,
+            "output_tokens": slot.output_tokens,
+            "label": prompt_label(slot.job.prompt),
+        }
+        try:
+            self.cache.put(slot.cache_key, value, self.settings.cache_ttl_s)
+        except Exception as exc:
+            self.log.warning("MRC_CACHE_WRITE_FAILED", job_id=slot.job_id, error=repr(exc)[:300])
 
     def _retry(self, slot: Slot, code: str, message: str) -> None:
         base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (slot.attempts - 1))

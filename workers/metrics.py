@@ -52,5 +52,6 @@ class Metrics:
         self.dead_letters = Counter(
             "mrc_dead_letters_total", "Jobs moved to the dead-letter list", registry=r
         )
+        self.cache = Counter("mrc_cache_requests_total", "Result cache look-ups", ["result"], registry=r)
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
         self.duplicates = Counter("mrc_jobs_skipped_total", "Deliveries skipped as already done", registry=r)

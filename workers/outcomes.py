@@ -59,6 +59,7 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             quantization=backend.quantization,
             attention_backend=backend.describe().get("attention_backend"),
         ),
+        cache_hit=slot.cache_hit,
         timings_ms=Timings(
             queued=round(queued_ms, 3),
             preprocess=round(slot.timings["preprocess"], 3),
@@ -85,6 +86,7 @@ def report(slot: Slot, result: JobResult, backend: ModelBackend, metrics: Metric
             input_len=result.prompt.tokens + image_tokens,
             output_len=slot.output_tokens,
             attempts=result.attempts,
+            cache_hit=result.cache_hit,
             prompt_head=_head(slot),
         )
     else:

@@ -8,6 +8,7 @@ runs batch N the pool decodes batch N+1 and the accelerator is not left waiting 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,7 @@ from shared.settings import Settings
 from shared.store import Store
 from workers import batching, images
 from workers.backends.base import GenerationInput, ModelBackend
+from workers.cache import ResultCache, cache_key
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
 from workers.slots import Message, Outcome, Slot
@@ -43,7 +45,9 @@ class Pipeline:
         metrics: Metrics | None = None,
         sleep: Callable[[float], None] = time.sleep,
         requeue: Requeue | None = None,
+        cache: ResultCache | None = None,
     ) -> None:
+        self.cache = cache if settings.cache_ttl_s > 0 else None
         self.backend = backend
         self.store = store
         self.records = records
@@ -51,7 +55,9 @@ class Pipeline:
         self.metrics = metrics or Metrics()
         self.sleep = sleep
         self.log = logs.get_logger()
-        self.finisher = Finisher(backend, store, records, settings, self.metrics, self.log, requeue, sleep)
+        self.finisher = Finisher(
+            backend, store, records, settings, self.metrics, self.log, requeue, sleep, self.cache
+        )
         self._pool = ThreadPoolExecutor(
             max_workers=settings.fetch_threads,
             thread_name_prefix="mrc-fetch",
@@ -73,6 +79,7 @@ class Pipeline:
             ("claim", self._claim),
             ("prompt", self._plan_prompts),
             ("images", self._fetch_images),
+            ("cache", self._look_up_cache),
             ("model", self._infer),
             ("results", self._write_results),
         ]
@@ -186,6 +193,35 @@ class Pipeline:
             return exc, time.perf_counter() - began
         except Exception as exc:
             return InternalError(f"image fetch failed: {exc!r}"[:500]), time.perf_counter() - began
+
+    def _look_up_cache(self, slots: list[Slot]) -> None:
+        """A hit skips decoding, preprocessing and the model; the job still gets its own result."""
+        if self.cache is None:
+            return
+        for slot in self._live(slots):
+            assert slot.job is not None and slot.encoded is not None
+            slot.cache_key = cache_key(
+                model_id=self.backend.model_id,
+                revision=self.backend.revision,
+                quantization=self.backend.quantization,
+                generation={
+                    "decoding": "greedy",
+                    "max_new_tokens": slot.job.max_new_tokens,
+                    "max_prompt_tokens": self.settings.max_prompt_tokens,
+                    "truncate_prompts": self.settings.truncate_prompts,
+                    "max_image_side": self.settings.max_image_side,
+                },
+                image_sha256=hashlib.sha256(slot.encoded.data).hexdigest(),
+                prompt=slot.job.prompt,
+            )
+            hit = self.cache.get(slot.cache_key)
+            self.metrics.cache.labels(result="hit" if hit else "miss").inc()
+            if hit is not None:
+                slot.text, slot.output_tokens, slot.cache_hit = (
+                    str(hit["text"]),
+                    int(hit["output_tokens"]),
+                    True,
+                )
 
     def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
         began = time.perf_counter()

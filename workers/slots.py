@@ -41,9 +41,13 @@ class Slot:
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
     finishing: bool = False
 
+    cache_key: str | None = None
+    cache_hit: bool = False
+
     @property
     def live(self) -> bool:
-        return self.error is None and self.outcome is None
+        """Still on its way to the model: not failed, not finished, not answered from the cache."""
+        return self.error is None and self.outcome is None and self.text is None
 
     @property
     def job_id(self) -> str:

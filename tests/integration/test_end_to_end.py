@@ -199,3 +199,19 @@ def test_message_without_producer_is_checked_by_the_worker(env, worker: Worker) 
             break
         services.time.sleep(0.1)
     assert codes == {job_id: "invalid_job", forbidden_id: "image_source_forbidden"}
+
+
+def test_repeated_question_about_the_same_photo_is_answered_from_the_cache(
+    env, worker: Worker, images_dir: Path
+) -> None:
+    image = _write(images_dir, "cached.jpg", imagegen.photo(300, 220, seed=42))
+    prompt = f"这个包裹坏了，我可以退款吗？ {uuid.uuid4().hex}"  # unique: not cached by an earlier run
+    first = json.loads(_submit_wait(env, image, prompt).stdout)
+    second = json.loads(_submit_wait(env, image, "  " + prompt).stdout)
+    third = json.loads(_submit_wait(env, image, prompt + "？").stdout)
+    assert (first["cache_hit"], second["cache_hit"], third["cache_hit"]) == (False, True, False)
+    assert second["text"] == first["text"] and second["job_id"] != first["job_id"]
+    hit_line = worker.find("MRC_SUCCESS", job_id=second["job_id"])
+    assert len(hit_line) == 1 and hit_line[0]["cache_hit"] == "true"
+    view = json.loads(run_cli(env, "queues", "--json").stdout)
+    assert view["cache"]["hits"] >= 1 and 0 < view["cache"]["hit_rate"] < 1

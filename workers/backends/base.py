@@ -39,6 +39,7 @@ class GenerationOutput:
 
 class ModelBackend(Protocol):
     model_id: str
+    revision: str  # what exactly was loaded: the hub commit, or a hash of the model's config
     quantization: str
     device: str
 

@@ -15,6 +15,7 @@ class EchoBackend:
     """
 
     model_id = "echo"
+    revision = "echo-1"
     quantization = "fp32"
     device = "cpu"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,16 @@ def resolve_device(requested: str) -> str:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"MRC_DEVICE={requested} but CUDA is not available")
     return requested
+
+
+def _revision(config: Any, path: str) -> str:
+    """The hub commit the weights came from, else a hash of the folder's config.json."""
+    commit = getattr(config, "_commit_hash", None)
+    if commit:
+        return str(commit)
+    config_file = Path(path) / "config.json"
+    data = config_file.read_bytes() if config_file.is_file() else repr(config.to_dict()).encode()
+    return "config-" + hashlib.sha256(data).hexdigest()[:16]
 
 
 def torch_full_image(height: int, width: int) -> Any:
@@ -67,6 +78,7 @@ class FuyuBackend:
         self.model: Any = None
         self.processor: Any = None
         self.attention_kernel = "not_measured"
+        self.revision = "unloaded"
 
     def _path(self) -> str:
         if self.source == "tiny":
@@ -98,6 +110,7 @@ class FuyuBackend:
                 f"weights, a hub id present in the HF cache, or 'tiny' ({exc})"
             ) from exc
         self.model.eval()
+        self.revision = _revision(self.model.config, path)
         tokenizer = self.processor.tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
         self.token_ids = preprocess.TokenIds(

@@ -1,0 +1,98 @@
+"""The context-aware result cache: a succeeded answer is reused only for the same image bytes, the same
+full prompt, the same model (id, revision, quantization) and the same generation settings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import unicodedata
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import redis
+
+from shared.names import REDIS_PREFIX, cache_counter_keys
+
+LABEL_BYTES = 32
+
+
+def normalize_prompt(prompt: str) -> str:
+    """NFC, outer whitespace stripped, inner runs of whitespace made one space: the same question typed
+    twice hashes the same; anything else that differs (one character) does not."""
+    return " ".join(unicodedata.normalize("NFC", prompt).split())
+
+
+def prompt_label(prompt: str) -> str:
+    """The prompt's first 32 bytes, cut on a UTF-8 character boundary (never half a character). A label
+    for people reading the cache; never part of the key."""
+    return prompt.encode("utf-8")[:LABEL_BYTES].decode("utf-8", "ignore")
+
+
+def cache_key(
+    *,
+    model_id: str,
+    revision: str,
+    quantization: str,
+    generation: Mapping[str, object],
+    image_sha256: str,
+    prompt: str,
+) -> str:
+    prompt_sha = hashlib.sha256(normalize_prompt(prompt).encode("utf-8")).hexdigest()
+    material = json.dumps(
+        {
+            "model": model_id,
+            "revision": revision,
+            "quantization": quantization,
+            "generation": dict(sorted(generation.items())),
+            "image": image_sha256,
+            "prompt": prompt_sha,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+class ResultCache(Protocol):
+    def get(self, key: str) -> dict[str, Any] | None: ...
+    def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None: ...
+
+
+class RedisResultCache:
+    """Entries under mrc:cache:<key> with a TTL; hit and miss counters for the ops view."""
+
+    HITS, MISSES = cache_counter_keys()
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._redis = client
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        raw = self._redis.get(f"{REDIS_PREFIX}cache:{key}")
+        self._redis.incr(self.MISSES if raw is None else self.HITS)
+        return None if raw is None else dict(json.loads(raw))  # type: ignore[arg-type]
+
+    def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
+        self._redis.set(f"{REDIS_PREFIX}cache:{key}", json.dumps(value, ensure_ascii=False), ex=ttl_s)
+
+
+class MemoryResultCache:
+    """In-process twin for unit tests (TTL honoured on read)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            expires, value = self.entries.get(key, (0.0, {}))
+            if expires < time.monotonic():
+                self.misses += 1
+                return None
+            self.hits += 1
+            return dict(value)
+
+    def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
+        with self._lock:
+            self.entries[key] = (time.monotonic() + ttl_s, dict(value))
