@@ -36,6 +36,7 @@ lint: install
 bench: install
 	$(PY) tests/bench/bench_preprocess.py
 	$(PY) tests/bench/bench_throughput.py
+	$(PY) tests/bench/bench_priority.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -28,6 +28,19 @@ def form_batches(costs: Sequence[int], max_jobs: int, token_budget: int) -> list
     return batches
 
 
+def form_batches_by_lane(
+    costs: Sequence[int], lanes: Sequence[int], max_jobs: int, token_budget: int
+) -> list[list[int]]:
+    """form_batches within each lane, lanes in ascending order: an interactive ticket that shares a
+    delivery with backlog jobs runs in the first model batch, and its result is written first."""
+    groups: list[list[int]] = []
+    for lane in sorted(set(lanes)):
+        members = [i for i, value in enumerate(lanes) if value == lane]
+        for group in form_batches([costs[i] for i in members], max_jobs, token_budget):
+            groups.append([members[j] for j in group])
+    return groups
+
+
 def halves(items: Sequence[int]) -> tuple[list[int], list[int]]:
     """Split a batch in two for a retry after an out-of-memory fault."""
     mid = len(items) // 2

@@ -245,8 +245,9 @@ class Pipeline:
         if self._first_batch_at is None:
             self._first_batch_at = time.perf_counter()
         costs = [self._cost(s) for s in live]
-        groups = batching.form_batches(
-            costs, self.settings.model_batch_max_jobs, self.settings.batch_token_budget
+        lanes = [0 if s.job is not None and s.job.lane == "interactive" else 1 for s in live]
+        groups = batching.form_batches_by_lane(
+            costs, lanes, self.settings.model_batch_max_jobs, self.settings.batch_token_budget
         )
         # Queue every decode now, in batch order: the pool works ahead while the model runs.
         pending = [[(live[i], self._pool.submit(self._decode_one, live[i])) for i in g] for g in groups]

@@ -30,3 +30,19 @@ def test_padding_waste() -> None:
     assert batching.padding_waste([10, 10]) == 0.0
     assert batching.padding_waste([5, 10]) == 0.25
     assert batching.padding_waste([]) == 0.0
+
+
+def test_interactive_jobs_get_the_first_model_batches() -> None:
+    costs = [100, 900, 100, 100, 900, 100]
+    lanes = [1, 0, 1, 1, 0, 1]  # 0 = interactive, 1 = backlog
+    groups = batching.form_batches_by_lane(costs, lanes, max_jobs=8, token_budget=100_000)
+    assert groups == [[1, 4], [0, 2, 3, 5]]
+
+
+@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 1)), max_size=40), st.integers(1, 16))
+def test_by_lane_keeps_every_job_once_and_lanes_in_order(jobs: list[tuple[int, int]], max_jobs: int) -> None:
+    costs, lanes = [c for c, _ in jobs], [lane for _, lane in jobs]
+    groups = batching.form_batches_by_lane(costs, lanes, max_jobs, 20_000)
+    assert sorted(i for g in groups for i in g) == list(range(len(jobs)))
+    order = [lanes[g[0]] for g in groups]
+    assert order == sorted(order) and all(len({lanes[i] for i in g}) == 1 for g in groups)
