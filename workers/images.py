@@ -53,16 +53,10 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class DecodedImage:
-    tensor: torch.Tensor  # uint8, [3, H, W], RGB, EXIF orientation applied
+    tensor: torch.Tensor  # uint8, [3, H, W], RGB, EXIF orientation applied; maybe already shrunk
     format: str
-
-    @property
-    def height(self) -> int:
-        return int(self.tensor.shape[1])
-
-    @property
-    def width(self) -> int:
-        return int(self.tensor.shape[2])
+    height: int  # of the image as decoded (oriented), whatever the tensor was shrunk to since
+    width: int
 
 
 def fetch(store: Store, uri: str, allowed_buckets: frozenset[str], max_bytes: int) -> bytes:
@@ -110,7 +104,7 @@ def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
         tensor = _decode_pil(image)
     if tuple(tensor.shape[-2:]) not in ((image.height, image.width), (image.width, image.height)):
         raise ImageDecodeError(f"decoded size {tuple(tensor.shape[-2:])} disagrees with the header")
-    return DecodedImage(tensor=tensor, format=image.format)
+    return DecodedImage(tensor, image.format, int(tensor.shape[1]), int(tensor.shape[2]))
 
 
 def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:

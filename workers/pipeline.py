@@ -8,6 +8,7 @@ runs batch N the pool decodes batch N+1 and the accelerator is not left waiting 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.store import Store
-from workers import batching, images
+from workers import batching, images, preprocess
 from workers.backends.base import GenerationInput, ModelBackend
 from workers.cache import ResultCache, cache_key
 from workers.finisher import Finisher, Requeue
@@ -227,7 +228,13 @@ class Pipeline:
         began = time.perf_counter()
         assert slot.encoded is not None
         try:
-            return images.decode(slot.encoded, self.backend.device), time.perf_counter() - began
+            decoded = images.decode(slot.encoded, self.backend.device)
+            if self.backend.device == "cpu":
+                # On the CPU, shrink here, in parallel across the pool and off the model's critical path
+                # (the same operation the device pass would do; that pass then finds nothing to shrink).
+                shrunk = preprocess.resize_to_fit(decoded.tensor, self.settings.max_image_side)
+                decoded = dataclasses.replace(decoded, tensor=shrunk)
+            return decoded, time.perf_counter() - began
         except MrcError as exc:
             return exc, time.perf_counter() - began
         except Exception as exc:

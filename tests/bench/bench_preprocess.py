@@ -52,9 +52,15 @@ def naive(processor: Any, datas: list[bytes]) -> Any:
 POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="decode", initializer=images.init_decode_thread)
 
 
+def _decode(data: bytes, device: str) -> torch.Tensor:
+    """What the worker's pool does per image: decode and, on the CPU, shrink to fit right away."""
+    tensor = images.load(data, 10**9, device).tensor
+    return preprocess.resize_to_fit(tensor) if device == "cpu" else tensor
+
+
 def ours(tokenizer: Any, ids: preprocess.TokenIds, datas: list[bytes], device: str) -> Any:
     # As the worker does it: decodes in a thread pool (torchvision releases the GIL), then one device pass.
-    tensors = [img.tensor for img in POOL.map(lambda d: images.load(d, 10**9, device), datas)]
+    tensors = [t for t in POOL.map(lambda d: _decode(d, device), datas)]
     prompt_ids = [tokenizer(PROMPT + "<0x04>", add_special_tokens=False)["input_ids"]] * len(datas)
     inputs = preprocess.build_inputs(tensors, prompt_ids, ids, torch.bfloat16, device)
     if device.startswith("cuda"):
