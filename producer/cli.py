@@ -120,6 +120,7 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
         "lanes": depths,
         "backlog_limit": settings.backlog_max_depth,
         "dead_letter": int(client.llen(names.dead_letter_key())),
+        "workers": _workers(client),
         "cache": {
             "hits": hits,
             "misses": misses,
@@ -132,6 +133,12 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
         for lane, depth in depths.items():
             print(f"{lane:<12} {depth}")
         print(f"{'dead-letter':<12} {view['dead_letter']}")
+        for w in view["workers"]:
+            print(
+                f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
+                f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
+                f"busy {w.get('busy_ratio')}"
+            )
         rate = view["cache"]["hit_rate"]
         print(f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else ""))
     return EXIT_OK
@@ -149,6 +156,16 @@ def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print(json.dumps({"purged": client.records.purge_dead_letters()}))
     return EXIT_OK
+
+
+def _workers(client: Any) -> list[dict[str, Any]]:
+    """Live workers: each refreshes its entry every 5 s, and it expires 15 s after the last beat."""
+    out = []
+    for key in sorted(client.scan_iter(match=names.worker_pattern(), count=100)):
+        raw = client.get(key)
+        if raw:
+            out.append(dict(json.loads(raw)))
+    return out
 
 
 _COMMANDS = {

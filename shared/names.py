@@ -33,6 +33,14 @@ def job_key(job_id: str) -> str:
     return f"{REDIS_PREFIX}job:{job_id}"
 
 
+def worker_key(hostname: str) -> str:
+    return f"{REDIS_PREFIX}worker:{hostname}"
+
+
+def worker_pattern() -> str:
+    return f"{REDIS_PREFIX}worker:*"
+
+
 def dead_letter_key() -> str:
     return f"{REDIS_PREFIX}dlq"
 

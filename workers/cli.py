@@ -20,6 +20,7 @@ from shared.store import S3Store
 from workers import attention, health, tasks
 from workers.backends.fuyu import FuyuBackend
 from workers.cache import RedisResultCache
+from workers.heartbeat import Heartbeat
 from workers.metrics import Metrics
 from workers.pipeline import Pipeline
 
@@ -120,7 +121,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         without_mingle=True,
         without_heartbeat=True,
     )
+    heartbeat = Heartbeat(
+        connect(settings.redis_url),
+        hostname,
+        lambda: {
+            "hostname": hostname,
+            "lanes": lanes,
+            **backend.describe(),
+            "jobs": pipeline.jobs_seen,
+            "busy_ratio": round(pipeline.busy_ratio, 4),
+        },
+    )
+    heartbeat.start()
     worker.start()
+    heartbeat.stop()
     state.set_not_ready()
     pipeline.close()
     server.shutdown()

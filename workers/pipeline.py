@@ -66,7 +66,15 @@ class Pipeline:
         )
         self._writes: list[Future[None]] = []
         self._busy_s = 0.0
+        self.jobs_seen = 0
         self._first_batch_at: float | None = None
+
+    @property
+    def busy_ratio(self) -> float:
+        """Share of wall time since the first batch that the model was generating."""
+        if self._first_batch_at is None:
+            return 0.0
+        return self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -75,6 +83,7 @@ class Pipeline:
     def run(self, messages: Sequence[Message]) -> list[Outcome]:
         start = time.time()
         slots = [Slot(m.request_id, m.body, start) for m in messages]
+        self.jobs_seen += len(slots)
         stages: list[tuple[str, Callable[[list[Slot]], None]]] = [
             ("decode", self._decode),
             ("claim", self._claim),
@@ -273,7 +282,7 @@ class Pipeline:
                 self._generate(members)
             # This batch's results are written by the pool while the model runs the next batch.
             self._finish_async([live[i] for i in group])
-        self.metrics.busy_ratio.set(self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at))
+        self.metrics.busy_ratio.set(self.busy_ratio)
 
     def _generate(self, group: list[Slot]) -> None:
         """Run one model batch; on failure split it, so a job that breaks the model fails alone."""

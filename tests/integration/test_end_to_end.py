@@ -130,12 +130,12 @@ def test_cli_refuses_bad_submissions_and_enqueues_nothing(env, worker: Worker, i
         ("--image", "https://example.com/cat.jpg", "--prompt", "hi"),
         ("--image", str(image), "--prompt", "hi", "--job-id", "bad id with spaces"),
     ]
-    before = json.loads(run_cli(env, "queues", "--json").stdout)
+    before = json.loads(run_cli(env, "queues", "--json").stdout)["lanes"]
     for args in cases:
         done = run_cli(env, "submit", *args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stdout == ""
-    assert json.loads(run_cli(env, "queues", "--json").stdout) == before
+    assert json.loads(run_cli(env, "queues", "--json").stdout)["lanes"] == before
 
 
 def test_same_job_id_twice_runs_once(env, worker: Worker, images_dir: Path) -> None:
@@ -152,6 +152,17 @@ def test_unknown_job_status(env, worker: Worker) -> None:
     status = json.loads(run_cli(env, "status", "never-submitted").stdout)
     assert status == {"job_id": "never-submitted", "state": "unknown", "result_uri": None}
     assert run_cli(env, "result", "never-submitted").returncode == 1
+
+
+def test_queues_view_lists_the_live_worker(env, worker: Worker) -> None:
+    view = json.loads(run_cli(env, "queues", "--json").stdout)
+    hostname = worker.find("MRC_WORKER_READY")[0]["hostname"]
+    mine = [w for w in view["workers"] if w["hostname"] == hostname]
+    assert len(mine) == 1 and mine[0]["lanes"] == ["interactive", "backlog"]
+    assert mine[0]["model"] == "tiny-fuyu-v1" and mine[0]["quantization"] == "nf4" and mine[0]["jobs"] >= 0
+    assert set(view["lanes"]) == {"interactive", "backlog"} and view["backlog_limit"] == 10000
+    text = run_cli(env, "queues").stdout
+    assert f"worker {hostname}: lanes interactive,backlog" in text
 
 
 def test_health_endpoints(worker: Worker) -> None:

@@ -1,0 +1,46 @@
+"""Each worker announces itself in Redis every few seconds, so `mrc queues` can show who is serving
+which lanes with which model, and how busy they are. An entry expires when its worker stops beating."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+
+import redis
+
+from shared import names
+from shared.jobs import now_rfc3339
+
+INTERVAL_S = 5.0
+TTL_S = 15
+
+
+class Heartbeat:
+    def __init__(self, client: redis.Redis, hostname: str, describe: Callable[[], dict[str, object]]) -> None:
+        self._redis = client
+        self._key = names.worker_key(hostname)
+        self._describe = describe
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mrc-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(redis.RedisError):  # else the entry expires by itself
+            self._redis.delete(self._key)
+
+    def beat(self) -> None:
+        state = {**self._describe(), "seen_at": now_rfc3339()}
+        self._redis.set(self._key, json.dumps(state), ex=TTL_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                self.beat()
+            except redis.RedisError:
+                continue  # Redis restarting: the next beat catches up
