@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -105,9 +104,3 @@ class Settings(BaseSettings):
     @property
     def readable_buckets(self) -> frozenset[str]:
         return frozenset([self.s3_bucket, *self.allowed_buckets])
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    """The process-wide settings, read from the environment once."""
-    return Settings()

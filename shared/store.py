@@ -147,7 +147,3 @@ class MemoryStore:
     def get_result(self, job_id: str) -> dict[str, Any] | None:
         data = self.get_bytes(self.bucket, names.result_key(self.prefix, job_id), 1 << 30)
         return None if data is None else dict(json.loads(data))
-
-
-def make_store(settings: Settings) -> S3Store:
-    return S3Store(settings)

@@ -73,3 +73,18 @@ def test_bad_prompts_are_refused_or_answered(client: Client, worker: Worker, tmp
         assert results[job_id]["prompt"]["chars"] == len(prompt)
         lines = worker.find("MRC_SUCCESS", job_id=job_id)
         assert len(lines) == 1 and lines[0]["prompt_head"] == prompt[:64]
+
+
+def test_submit_many_from_python(client: Client, worker: Worker, tmp_path: Path) -> None:
+    from producer.client import Submission
+
+    image = tmp_path / "many.jpg"
+    image.write_bytes(imagegen.photo(200, 160))
+    tag = uuid.uuid4().hex[:6]
+    subs = [
+        Submission(image=image, prompt=f"q{i}", job_id=f"many-{tag}-{i}", ticket_id=f"T{i}") for i in range(3)
+    ]
+    ids = client.submit_many(subs)
+    assert ids == [s.job_id for s in subs]
+    results = _wait(client, ids)
+    assert [results[i]["ticket_id"] for i in ids] == ["T0", "T1", "T2"]
