@@ -50,6 +50,19 @@ class Job(BaseModel):
             raise ValueError("job_id: 1-128 of [A-Za-z0-9._:-], starting with a letter or digit")
         return value
 
+    @field_validator("submitted_at", "deadline")
+    @classmethod
+    def _rfc3339(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            stamp = parse_rfc3339(value)
+        except ValueError:
+            raise ValueError("must be an RFC 3339 time, e.g. 2026-11-30T12:00:00Z") from None
+        if stamp.tzinfo is None:
+            raise ValueError("must carry a time zone (Z or +hh:mm)")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _prompt_not_blank(cls, value: str) -> str:

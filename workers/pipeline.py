@@ -35,6 +35,10 @@ from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
 from workers.slots import Message, Outcome, Slot
 
+# A fault in these stages is the job store's (Redis) or the result store's, not a job's: failing the jobs
+# would turn a transient outage into permanent failed results.
+_INFRASTRUCTURE_STAGES = frozenset({"claim", "results"})
+
 
 class Pipeline:
     def __init__(
@@ -103,8 +107,8 @@ class Pipeline:
                 for slot in slots:
                     if slot.live:
                         slot.error = InternalError(f"stage {name} failed: {exc!r}"[:500])
-                if name == "results":
-                    raise
+                if name in _INFRASTRUCTURE_STAGES:
+                    raise  # Redis or S3 gone: exit unacked and let another delivery run the jobs
             spent[name] = time.perf_counter() - began
             self.metrics.stage.labels(stage=name).observe(spent[name])
         self.metrics.batch_jobs.observe(len(slots))
@@ -179,6 +183,9 @@ class Pipeline:
             except MrcError as exc:
                 slot.error = exc
                 continue
+            except Exception as exc:  # a tokenizer fault on one prompt is that job's, not the batch's
+                slot.error = InternalError(f"prompt could not be tokenized: {exc!r}"[:500])
+                continue
             if slot.plan.truncated:
                 self.metrics.prompt_truncated.inc()
 
@@ -224,7 +231,11 @@ class Pipeline:
                 image_sha256=hashlib.sha256(slot.encoded.data).hexdigest(),
                 prompt=slot.job.prompt,
             )
-            hit = self.cache.get(slot.cache_key)
+            try:
+                hit = self.cache.get(slot.cache_key)
+            except Exception as exc:  # a cache that is down costs GPU time, never a job
+                self.log.warning("MRC_CACHE_READ_FAILED", job_id=slot.job_id, error=repr(exc)[:300])
+                hit = None
             self.metrics.cache.labels(result="hit" if hit else "miss").inc()
             if hit is not None:
                 slot.text, slot.output_tokens, slot.cache_hit = (

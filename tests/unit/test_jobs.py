@@ -28,6 +28,9 @@ def test_round_trip_through_the_message_form() -> None:
         {"job_id": "x" * 200},
         {"schema": "mrc.job/2"},
         {"image_uri": None},
+        {"deadline": "tomorrow"},
+        {"deadline": "2026-12-01T10:00:00"},
+        {"submitted_at": "not a time"},
     ],
 )
 def test_bad_fields_are_invalid_job(change: dict[str, object]) -> None:

@@ -60,10 +60,11 @@ def test_one_result_per_job_and_bad_jobs_fail_alone(store: MemoryStore) -> None:
         Message("garbage", {"not": "a job"}),
         Message("weird id !", None),
         _job("expired", deadline="2000-01-01T00:00:00Z"),
+        _job("bad-deadline", deadline="next week"),
         _job("ok-2", prompt="这是什么"),
     ]
     outcomes = _pipeline(store).run(messages)
-    assert outcomes == ["succeeded", "failed", "failed", "failed", "failed", "failed", "failed", "succeeded"]
+    assert outcomes == ["succeeded"] + ["failed"] * 7 + ["succeeded"]
     codes = {}
     for key in [k for (_b, k) in store.objects if k.startswith("results/")]:
         result = store.get_result(key[len("results/") : -len(".json")])
@@ -76,6 +77,7 @@ def test_one_result_per_job_and_bad_jobs_fail_alone(store: MemoryStore) -> None:
     assert codes["forbidden"] == "image_source_forbidden"
     assert codes["garbage"] == "invalid_job"
     assert codes["expired"] == "expired"
+    assert codes["bad-deadline"] == "invalid_job"
     assert [v for k, v in codes.items() if k.startswith("invalid-")] == ["invalid_job"]
     assert store.get_result("ok-2")["text"] == "64x48: 这是什么"
 
@@ -169,3 +171,26 @@ def test_a_job_that_keeps_killing_workers_is_abandoned(store: MemoryStore) -> No
     assert _pipeline(store, records=records, max_attempts=3).run([_job("crasher")]) == ["failed"]
     error = store.get_result("crasher")["error"]
     assert error["code"] == "internal_error" and "abandoned after 3 deliveries" in error["message"]
+
+
+def test_redis_gone_during_claim_raises_instead_of_failing_the_jobs(store: MemoryStore) -> None:
+    class Down(MemoryJobRecords):
+        def begin(self, job_id: str) -> int:
+            raise ConnectionError("Redis is restarting")
+
+    with pytest.raises(ConnectionError):
+        _pipeline(store, records=Down()).run([_job("keep-me")])
+    assert store.get_result("keep-me") is None  # no permanent failed result for a transient outage
+
+
+def test_a_cache_that_is_down_is_a_miss(store: MemoryStore) -> None:
+    from workers.cache import MemoryResultCache
+
+    class DownCache(MemoryResultCache):
+        def get(self, key: str) -> dict[str, Any] | None:
+            raise ConnectionError("cache down")
+
+    pipeline = Pipeline(
+        EchoBackend(), store, MemoryJobRecords(), Settings(), sleep=lambda _s: None, cache=DownCache()
+    )
+    assert pipeline.run([_job("uncached")]) == ["succeeded"]
