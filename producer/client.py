@@ -16,7 +16,7 @@ from celery import Celery
 from shared import logs, names
 from shared.celery_app import make_celery
 from shared.errors import QueueFull, UsageError
-from shared.jobs import Job, Lane
+from shared.jobs import Job, Lane, prompt_problem
 from shared.records import TERMINAL, RedisJobRecords
 from shared.settings import Settings
 from shared.sniff import sniff_format
@@ -57,14 +57,10 @@ class Client:
 
     # ---- validation ----
     def _check_prompt(self, prompt: str) -> None:
-        if not prompt.strip():
-            raise UsageError("prompt is empty")
-        if "\x00" in prompt:
-            raise UsageError("prompt contains a NUL byte")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UsageError("prompt is not valid Unicode (lone surrogate)") from None
+        """Before any upload: the schema's own prompt rules, then this deployment's length limit."""
+        problem = prompt_problem(prompt)
+        if problem:
+            raise UsageError(problem)
         if len(prompt) > self.settings.max_prompt_chars:
             raise UsageError(
                 f"prompt has {len(prompt)} characters; the limit is {self.settings.max_prompt_chars}"
@@ -176,7 +172,10 @@ class Client:
         return job.job_id
 
     def submit_many(self, submissions: Iterable[Submission]) -> list[str]:
-        return [self.submit(s.image, s.prompt, **_options(s)) for s in submissions]
+        jobs = [self.build_job(s) for s in submissions]
+        for job in jobs:
+            self.enqueue(job)
+        return [job.job_id for job in jobs]
 
     def requeue_dead_letters(self, limit: int) -> int:
         """Send dead-lettered jobs back with fresh attempts; their old failed result is replaced."""
@@ -220,13 +219,3 @@ class Client:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
             time.sleep(self.settings.wait_poll_s)
-
-
-def _options(sub: Submission) -> dict[str, Any]:
-    return {
-        "job_id": sub.job_id,
-        "lane": sub.lane,
-        "max_new_tokens": sub.max_new_tokens,
-        "ticket_id": sub.ticket_id,
-        "deadline": sub.deadline,
-    }

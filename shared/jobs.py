@@ -27,6 +27,19 @@ def parse_rfc3339(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def prompt_problem(prompt: str) -> str | None:
+    """What makes a prompt unusable whatever the limits (empty, NUL, not Unicode), or None."""
+    if not prompt.strip():
+        return "prompt is empty"
+    if "\x00" in prompt:
+        return "prompt contains a NUL byte"
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        return "prompt is not valid Unicode (lone surrogate)"
+    return None
+
+
 class Job(BaseModel):
     """One unit of work as it travels through Redis: JSON, never pickle."""
 
@@ -65,15 +78,10 @@ class Job(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("prompt is empty")
-        if "\x00" in value:
-            raise ValueError("prompt contains a NUL byte")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("prompt is not valid Unicode (lone surrogate)") from None
+    def _prompt_usable(cls, value: str) -> str:
+        problem = prompt_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
     def to_message(self) -> dict[str, Any]:

@@ -58,7 +58,6 @@ class Pipeline:
         self.records = records
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.sleep = sleep
         self.log = logs.get_logger()
         self.finisher = Finisher(
             backend, store, records, settings, self.metrics, self.log, requeue, sleep, self.cache

@@ -22,7 +22,6 @@ sys.path.insert(0, str(ROOT))
 from producer.client import Client, Submission  # noqa: E402
 from shared import logs  # noqa: E402
 from shared.jobs import parse_rfc3339  # noqa: E402
-from shared.settings import Settings  # noqa: E402
 from tests.support import imagegen, services  # noqa: E402
 
 
@@ -71,7 +70,7 @@ def main() -> None:
         env = services.base_env(redis.url, s3.url, "mrc-prio", ROOT / ".cache" / "mrc")
         env["MRC_CACHE_TTL_S"] = "0"  # every job costs model time
         os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        client = Client(Settings(**{k[4:].lower(): v for k, v in env.items() if k.startswith("MRC_")}))
+        client = Client(services.settings_from_env(env))
         image = work / "photo.jpg"
         image.write_bytes(imagegen.camera_photo(1024, 768))
         worker = services.start_worker(env, work / "worker.log")

@@ -84,7 +84,7 @@ def system(env: dict[str, str], paths: list[Path], work: Path, batch: int, tag: 
     }
     worker = services.start_worker(worker_env, work / f"worker-{tag}.log")
     try:
-        client = Client(Settings(**_settings_from(env)))
+        client = Client(services.settings_from_env(env))
         jobs = [
             client.build_job(Submission(image=p, prompt=PROMPT, max_new_tokens=MAX_NEW, job_id=f"{tag}-{i}"))
             for i, p in enumerate(paths)
@@ -106,7 +106,7 @@ def naive(env: dict[str, str], paths: list[Path], work: Path) -> float:
 
     from producer.client import Client
 
-    client = Client(Settings(**_settings_from(env)))
+    client = Client(services.settings_from_env(env))
     keys = [client.upload_image(p)[0].split("/", 3)[3] for p in paths]
     log = work / "naive.log"
     with log.open("wb") as out:
@@ -140,10 +140,6 @@ def naive(env: dict[str, str], paths: list[Path], work: Path) -> float:
         return len(keys) / (time.perf_counter() - began)
     finally:
         services.stop(proc)
-
-
-def _settings_from(env: dict[str, str]) -> dict[str, str]:
-    return {k[4:].lower(): v for k, v in env.items() if k.startswith("MRC_")}
 
 
 def main() -> None:

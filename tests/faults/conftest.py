@@ -12,7 +12,6 @@ import pytest
 
 from producer.client import Client
 from shared.jobs import Job
-from shared.settings import Settings
 from tests.conftest import MODEL_HOME
 from tests.support import imagegen, services
 from tests.support.proxy import Proxy
@@ -50,8 +49,7 @@ class Cluster:
     @property
     def client(self) -> Client:
         if self._client is None:
-            settings = Settings(**{k[4:].lower(): v for k, v in self.env.items() if k.startswith("MRC_")})
-            self._client = Client(settings)
+            self._client = Client(services.settings_from_env(self.env))
         return self._client
 
     def image(self, data: bytes | None = None, name: str = "img.jpg") -> Path:

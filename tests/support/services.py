@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared.logs import parse_line
 
@@ -161,6 +162,13 @@ def base_env(redis_url: str, s3_url: str, bucket: str, home: Path) -> dict[str, 
         }
     )
     return env
+
+
+def settings_from_env(env: dict[str, str]) -> Any:
+    """The Settings a process started with `env` would read (for in-process clients in tests)."""
+    from shared.settings import Settings
+
+    return Settings(**{k[4:].lower(): v for k, v in env.items() if k.startswith("MRC_")})
 
 
 def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float = 180) -> Worker:
