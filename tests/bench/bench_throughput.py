@@ -95,6 +95,7 @@ def system(env: dict[str, str], paths: list[Path], work: Path, batch: int, tag: 
         for job in jobs:
             result = client.wait(job.job_id, 900)
             assert result["status"] == "succeeded", result
+            assert not result.get("cache_hit"), "a cached answer is not a measurement"
         return len(jobs) / (time.perf_counter() - began)
     finally:
         worker.stop()
@@ -157,6 +158,9 @@ def main() -> None:
     s3 = services.start_s3(work / "s3")
     try:
         env = services.base_env(redis.url, s3.url, "mrc-bench", ROOT / ".cache" / "mrc")
+        # Every run sees the same images and prompt: with the cache on, later runs would be answered
+        # from the earlier ones' results.
+        env["MRC_CACHE_TTL_S"] = "0"
         env.update(dict(item.split("=", 1) for item in args.worker_env))
         os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
         paths = make_images(work, args.jobs)
