@@ -1,10 +1,23 @@
-"""kombu's Redis transport, hardened: a queue entry that is not a JSON message envelope is set aside
-and logged instead of raising out of the consumer loop (which stops the whole worker: one garbage
-LPUSH would take every worker on the lane down, one after another)."""
+"""kombu's Redis transport, made at-least-once and hardened.
+
+At least once: stock kombu consumes with BRPOP, so a message leaves its list the moment Redis sends
+the reply, and reaches the unacked hash (from which a dead worker's messages are restored) only once
+the worker has read that reply. A worker killed in between loses the message, and the window is wide:
+with the solo pool a BRPOP stays outstanding while a part-full batch runs, so any message that arrives
+during the batch sits in the dead worker's socket buffer. Here a Lua script pops the message and
+writes it to the unacked hash in one step; a message is always in a list or in the unacked hash.
+Lua cannot block, so when the lists are empty the channel waits on the first (interactive) list with
+a BLMOVE that moves nothing (tail to tail of the same list), for at most `idle_wait_s`.
+
+Hardened: a queue entry that is not a JSON message envelope is set aside and logged instead of raising
+out of the consumer loop (which stops the whole worker: one garbage LPUSH would take every worker on
+the lane down, one after another).
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from queue import Empty
 from typing import Any
 
@@ -14,6 +27,32 @@ from kombu.utils.encoding import bytes_to_str
 
 REJECTED_KEY = "mrc:rejected"  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
+
+# KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now.
+# The stored entry has kombu's own layout, [payload, exchange, routing_key], so kombu's restore reads
+# it; the payload is spliced in as the raw text so nothing in it is re-encoded.
+POP_SCRIPT = """
+for i = 3, #KEYS do
+  local item = redis.call('RPOP', KEYS[i])
+  if item then
+    local ok, msg = pcall(cjson.decode, item)
+    if ok and type(msg) == 'table' and type(msg.properties) == 'table' then
+      local tag = msg.properties.delivery_tag
+      local info = msg.properties.delivery_info
+      if type(tag) == 'string' and type(info) == 'table' then
+        local ex, rk = info.exchange, info.routing_key
+        if ex == nil then ex = cjson.null end
+        if rk == nil then rk = cjson.null end
+        redis.call('ZADD', KEYS[2], ARGV[1], tag)
+        local entry = '[' .. item .. ',' .. cjson.encode(ex) .. ',' .. cjson.encode(rk) .. ']'
+        redis.call('HSET', KEYS[1], tag, entry)
+      end
+    end
+    return {KEYS[i], item}
+  end
+end
+return false
+"""
 
 
 def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
@@ -28,16 +67,47 @@ def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
 
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
+    #: How long an idle consumer blocks before it looks at every list again. An interactive message
+    #: wakes it at once; a backlog message waits at most this long.
+    idle_wait_s = 0.2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.global_keyprefix:
+            raise ValueError("mrc's Redis transport does not support global_keyprefix")
+        self._waiting = False  # the command in flight is the idle wait, not a pop
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        connection = self.client.connection
+        if self._waiting:
+            wait = min(self.idle_wait_s, timeout or self.brpop_timeout or self.idle_wait_s)
+            connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", wait)
+        else:
+            unacked = [self.unacked_key, self.unacked_index_key]
+            connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time())
+        self._in_poll = connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+
     def _brpop_read(self, **options: Any) -> bool:
+        waiting, self._waiting = self._waiting, False
         try:
             try:
-                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+                reply = self.client.parse_response(
+                    self.client.connection, "BLMOVE" if waiting else "EVAL", **options
+                )
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
-            if not dest__item:
+            if waiting:
+                raise Empty()  # woken (or timed out): the next command pops
+            if not reply:
+                self._waiting = True
                 raise Empty()
-            dest, item = dest__item
+            dest, item = reply
             dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
             message = parse_envelope(item)

@@ -44,6 +44,26 @@ def test_sigkill_mid_batch_loses_nothing(cluster: Cluster) -> None:
     _assert_once(cluster, cluster.wait_all(jobs, 120))
 
 
+def test_sigkill_while_a_part_full_batch_runs_loses_nothing_that_arrived_meanwhile(cluster: Cluster) -> None:
+    """The solo pool runs a batch inside the consumer loop, with the next pop already sent: stock
+    kombu's BRPOP would take the late job off its list into the socket of a worker about to die."""
+    jobs = cluster.jobs(4, max_new_tokens=512)  # fewer than a batch: the timer flushes them
+    late = cluster.jobs(1, prefix="late")
+    worker = cluster.worker(MRC_BATCH_WAIT_MS="300")
+    _wait_event(worker, "MRC_CONSUMING")
+    cluster.send(jobs)
+    services.wait_for(
+        lambda: all(cluster.client.records.get(j.job_id).get("state") == "running" for j in jobs),
+        60, "the batch to start", worker.proc,
+    )  # fmt: skip
+    cluster.send(late)
+    time.sleep(0.5)
+    assert not any(cluster.client.result(j.job_id) for j in jobs), "the batch ended too soon to test"
+    worker.stop(signal.SIGKILL)
+    cluster.worker()
+    _assert_once(cluster, cluster.wait_all(jobs + late, 120))
+
+
 def test_sigterm_drains_and_returns_buffered_jobs(cluster: Cluster) -> None:
     image = cluster.image(imagegen.photo(640, 480))
     jobs = cluster.jobs(50, image, max_new_tokens=64)

@@ -1,0 +1,101 @@
+"""The broker transport against a real redis-server: a message is always in a list or in the unacked
+hash, so a consumer that dies at any moment loses nothing, and the idle wait keeps FIFO order."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from tests.support import services
+
+pytestmark = pytest.mark.integration
+
+QUEUE = Queue("mrc.t", Exchange("mrc.t", type="direct"), routing_key="mrc.t")
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    service = services.start_redis(tmp_path)
+    yield service.url
+    service.stop()
+
+
+def _connect(url: str, stock: bool = False) -> Connection:
+    transport = "redis" if stock else "shared.transport:Transport"
+    return Connection(url, transport=transport, transport_options={"visibility_timeout": 1})
+
+
+def _publish(url: str, *bodies: dict[str, Any]) -> None:
+    with _connect(url) as conn:
+        producer = Producer(conn.channel())
+        for body in bodies:
+            producer.publish(body, exchange=QUEUE.exchange, routing_key="mrc.t", declare=[QUEUE],
+                             serializer="json")  # fmt: skip
+
+
+def _pop_without_reading(url: str, stock: bool) -> Any:
+    """A consumer sends its pop, and 'dies' before it reads the reply; returns its channel."""
+    channel = _connect(url, stock).channel()
+    Consumer(channel, [QUEUE], accept=["json"], callbacks=[lambda body, message: None]).consume()
+    channel.connection.cycle.on_poll_start()  # sends the pop, as the worker's event loop does
+    time.sleep(0.3)  # Redis has served the pop; the reply sits in the socket
+    return channel
+
+
+def _where(client: redis_lib.Redis) -> tuple[int, int]:
+    return int(client.llen("mrc.t")), int(client.hlen("unacked"))
+
+
+def test_stock_kombu_loses_a_message_popped_by_a_consumer_that_dies(redis_url: str) -> None:
+    """Why the transport exists: with BRPOP the message is in neither place."""
+    client = redis_lib.Redis.from_url(redis_url)
+    _publish(redis_url, {"n": 1})
+    channel = _pop_without_reading(redis_url, stock=True)
+    assert _where(client) == (0, 0)
+    channel.client.connection.disconnect()
+
+
+def test_a_message_popped_by_a_consumer_that_dies_is_restored(redis_url: str) -> None:
+    client = redis_lib.Redis.from_url(redis_url)
+    _publish(redis_url, {"n": 1})
+    dead = _pop_without_reading(redis_url, stock=False)
+    assert _where(client) == (0, 1), "popped and recorded as unacked in one step"
+    dead.client.connection.disconnect()  # the socket closes without a read, as on SIGKILL
+    stored = json.loads(next(iter(client.hvals("unacked"))))
+    assert stored[1:] == ["mrc.t", "mrc.t"], "kombu's own layout: [payload, exchange, routing key]"
+
+    time.sleep(1.2)  # past the visibility timeout
+    received: list[dict[str, Any]] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        channel.qos.restore_visible(num=10, interval=1)
+        assert _where(client) == (1, 0)
+        callback = lambda body, message: (received.append(body), message.ack())  # noqa: E731
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            conn.drain_events(timeout=5)
+    assert received == [{"n": 1}]
+    assert _where(client) == (0, 0), "acked: gone from the unacked hash"
+
+
+def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url: str) -> None:
+    received: list[int] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        callback = lambda body, message: (received.append(body["n"]), message.ack())  # noqa: E731
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)  # empty: the channel alternates pop and idle wait
+            _publish(redis_url, *({"n": n} for n in range(5)))
+            deadline = time.monotonic() + 10
+            while len(received) < 5 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+    assert received == [0, 1, 2, 3, 4]
