@@ -32,6 +32,10 @@ def make_celery(settings: Settings) -> Celery:
             "queue_order_strategy": "priority",
             "unacked_restore_interval": settings.restore_interval_s,
             "unacked_restore_throttle": 1,
+            # The restore mutex outlives a worker killed while holding it: then nobody restores for
+            # this long (kombu's default, 300 s). A restore takes milliseconds, and each message's is
+            # a WATCHed transaction, so two restorers cannot hand one message out twice.
+            "unacked_mutex_expire": 60,
             "socket_timeout": 30,
             "socket_connect_timeout": 10,
             "retry_on_timeout": True,
