@@ -47,7 +47,7 @@ def test_sigkill_mid_batch_loses_nothing(cluster: Cluster) -> None:
 def test_sigkill_while_a_part_full_batch_runs_loses_nothing_that_arrived_meanwhile(cluster: Cluster) -> None:
     """The solo pool runs a batch inside the consumer loop, with the next pop already sent: stock
     kombu's BRPOP would take the late job off its list into the socket of a worker about to die."""
-    jobs = cluster.jobs(4, max_new_tokens=512)  # fewer than a batch: the timer flushes them
+    jobs = cluster.jobs(12, max_new_tokens=512)  # fewer than a delivery (16): the timer flushes them
     late = cluster.jobs(1, prefix="late")
     worker = cluster.worker(MRC_BATCH_WAIT_MS="300")
     _wait_event(worker, "MRC_CONSUMING")
@@ -57,7 +57,7 @@ def test_sigkill_while_a_part_full_batch_runs_loses_nothing_that_arrived_meanwhi
         60, "the batch to start", worker.proc,
     )  # fmt: skip
     cluster.send(late)
-    time.sleep(0.5)
+    time.sleep(0.3)  # a pop already sent is served at once: the late job would be in its reply
     assert not any(cluster.client.result(j.job_id) for j in jobs), "the batch ended too soon to test"
     worker.stop(signal.SIGKILL)
     cluster.worker()
