@@ -83,9 +83,8 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             return
         keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
         connection = self.client.connection
-        if self._waiting:
-            wait = min(self.idle_wait_s, timeout or self.brpop_timeout or self.idle_wait_s)
-            connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", wait)
+        if self._waiting:  # kombu's `timeout` (its BRPOP's, 1 s) is replaced by the shorter idle wait
+            connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", self.idle_wait_s)
         else:
             unacked = [self.unacked_key, self.unacked_index_key]
             connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time())
