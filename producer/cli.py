@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="print the state of a job as JSON")
     p.add_argument("job_id")
 
-    p = sub.add_parser("result", help="print the result JSON of a job (exit 1 if none yet)")
+    p = sub.add_parser("result", help="print the result JSON of a job (exit 1 failed, 3 none yet)")
     p.add_argument("job_id")
 
     p = sub.add_parser("queues", help="queue depths per lane")
@@ -105,7 +105,7 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
     result = Client(settings).result(args.job_id)
     if result is None:
         print(f"mrc: no result for {args.job_id} yet", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_TIMEOUT
     _print_json(result)
     return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
 

@@ -1,12 +1,16 @@
 """Structured logs as one pipe-delimited line per event on stderr: EVENT|key=value|key=value...
 
 Escaping keeps every line splittable on unescaped `|` and a value on one line:
-`\\` -> `\\\\`, `|` -> `\\|`, newline -> `\\n`, carriage return -> `\\r`.
+`\\` -> `\\\\`, `|` -> `\\|`, newline -> `\\n`, carriage return -> `\\r`, and every other character
+that some reader treats as a line break or a terminal control (C0 and C1 controls, DEL, U+2028,
+U+2029) -> `\\uXXXX`: Python's `str.splitlines()` alone breaks on \\v, \\f, \\x1c-\\x1e, U+0085,
+U+2028 and U+2029, and ESC lets a value repaint an operator's terminal.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Mapping, MutableMapping
 from datetime import UTC, datetime
@@ -16,13 +20,17 @@ import structlog
 
 _ESCAPES = {"\\": "\\\\", "|": "\\|", "\n": "\\n", "\r": "\\r"}
 _UNESCAPES = {"\\": "\\", "|": "|", "n": "\n", "r": "\r"}
+# Everything else that must never reach a line raw: the other C0 controls (tab too), DEL, C1 controls (U+0085
+# is NEL), and the Unicode line and paragraph separators.
+_CONTROL_RE = re.compile("[\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
+_NEEDS_ESCAPE_RE = re.compile("[\\\\|\n\r\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
 _FIRST_KEYS = ("ts", "level")
 
 
 def escape(value: str) -> str:
-    if not any(ch in value for ch in _ESCAPES):
+    if not _NEEDS_ESCAPE_RE.search(value):
         return value
-    return "".join(_ESCAPES.get(ch, ch) for ch in value)
+    return "".join(_ESCAPES.get(ch) or (f"\\u{ord(ch):04x}" if _CONTROL_RE.match(ch) else ch) for ch in value)
 
 
 def _split_unescaped(line: str) -> list[str]:
@@ -33,6 +41,11 @@ def _split_unescaped(line: str) -> list[str]:
     for ch in chars:
         if ch == "\\":
             nxt = next(chars, "")
+            if nxt == "u":
+                code = "".join(next(chars, "") for _ in range(4))
+                valid = len(code) == 4 and all(c in "0123456789abcdefABCDEF" for c in code)
+                current.append(chr(int(code, 16)) if valid else "\\u" + code)
+                continue
             current.append(_UNESCAPES.get(nxt, "\\" + nxt))
         elif ch == "|":
             fields.append("".join(current))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 TASK_NAME: Final = "mrc.infer"
@@ -57,11 +58,26 @@ def s3_uri(bucket: str, key: str) -> str:
     return f"s3://{bucket}/{key}"
 
 
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split s3://bucket/key; raise ValueError for anything else."""
+    """Split s3://bucket/key; raise ValueError for anything else. A key with a `.` or `..` segment is
+    refused: some S3-compatible endpoints resolve it as a path, so it could reach another bucket."""
     if not uri.startswith("s3://"):
         raise ValueError(f"not an s3:// URI: {uri[:80]!r}")
     bucket, _, key = uri[5:].partition("/")
     if not bucket or not key:
         raise ValueError(f"s3 URI needs a bucket and a key: {uri[:80]!r}")
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"not a valid bucket name: {bucket[:80]!r}")
+    if any(segment in (".", "..") for segment in key.split("/")):
+        raise ValueError(f"s3 key may not contain '.' or '..' segments: {uri[:80]!r}")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+        raise ValueError(f"s3 key may not contain control characters: {uri[:80]!r}")
     return bucket, key
+
+
+def key_allowed(key: str, prefix: str) -> bool:
+    """Whether `key` lies under `prefix` (which ends with `/`, or is empty for the whole bucket)."""
+    return key.startswith(prefix)

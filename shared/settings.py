@@ -104,3 +104,9 @@ class Settings(BaseSettings):
     @property
     def readable_buckets(self) -> frozenset[str]:
         return frozenset([self.s3_bucket, *self.allowed_buckets])
+
+    @property
+    def image_sources(self) -> dict[str, str]:
+        """Bucket -> the key prefix images must lie under: MRC_S3_PREFIX in our own bucket (so a job
+        cannot read another tenant's objects there), anywhere in the further allowed buckets."""
+        return {**{bucket: "" for bucket in self.allowed_buckets}, self.s3_bucket: self.s3_prefix}

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+from urllib3.exceptions import HTTPError
 
 from shared import names
 from shared.errors import ImageTooLarge, StoreUnavailable
@@ -83,13 +84,16 @@ class S3Store:
             if _is_missing(exc):
                 return None
             raise
-        size = int(obj.get("ContentLength") or 0)
-        if size > max_bytes:
+        size = obj.get("ContentLength")
+        if size is not None and int(size) > max_bytes:
             obj["Body"].close()
             raise ImageTooLarge(f"image is {size} bytes; the limit is {max_bytes}")
-        data: bytes = obj["Body"].read(max_bytes + 1)
+        data = _read_body(obj["Body"], max_bytes + 1, f"s3://{bucket}/{key}")
         if len(data) > max_bytes:
             raise ImageTooLarge(f"image exceeds the byte limit of {max_bytes}")
+        if size is not None and len(data) != int(size):
+            # A connection closed mid-body: read() returns what arrived. The object is fine; retry.
+            raise StoreUnavailable(f"short read of s3://{bucket}/{key}: {len(data)} of {size} bytes")
         return data
 
     def exists(self, key: str) -> bool:
@@ -110,6 +114,21 @@ class S3Store:
     def get_result(self, job_id: str) -> dict[str, Any] | None:
         data = self.get_bytes(self.bucket, names.result_key(self.prefix, job_id), 16 * 1024 * 1024)
         return None if data is None else dict(json.loads(data))
+
+
+def _read_body(body: Any, limit: int, where: str) -> bytes:
+    """Up to `limit` bytes of a streaming body, to its end; a broken stream is the store's fault."""
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        while got < limit and (chunk := body.read(min(1 << 20, limit - got))):
+            chunks.append(chunk)
+            got += len(chunk)
+    except (BotoCoreError, HTTPError, OSError, ValueError) as exc:
+        raise StoreUnavailable(f"reading {where} failed: {exc!r}"[:500]) from exc
+    finally:
+        body.close()
+    return b"".join(chunks)
 
 
 class MemoryStore:

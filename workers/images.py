@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,14 +60,17 @@ class DecodedImage:
     width: int
 
 
-def fetch(store: Store, uri: str, allowed_buckets: frozenset[str], max_bytes: int) -> bytes:
-    """The bytes behind an s3:// URI in an allowed bucket; nothing else is ever fetched."""
+def fetch(store: Store, uri: str, sources: Mapping[str, str], max_bytes: int) -> bytes:
+    """The bytes behind an s3:// URI in an allowed bucket (`sources`: bucket -> required key prefix);
+    nothing else is ever fetched."""
     try:
         bucket, key = names.parse_s3_uri(uri)
-    except ValueError:
-        raise ImageSourceForbidden("only s3:// URIs are accepted as image sources") from None
-    if bucket not in allowed_buckets:
+    except ValueError as exc:
+        raise ImageSourceForbidden(f"only plain s3://bucket/key URIs are accepted: {exc}") from None
+    if bucket not in sources:
         raise ImageSourceForbidden(f"bucket {bucket!r} is not in the allowed buckets")
+    if not names.key_allowed(key, sources[bucket]):
+        raise ImageSourceForbidden(f"key {key[:80]!r} is outside the prefix {sources[bucket]!r}")
     data = store.get_bytes(bucket, key, max_bytes)
     if data is None:
         raise ImageNotFound(f"no object at {uri}")

@@ -202,7 +202,7 @@ class Pipeline:
         assert slot.job is not None
         try:
             data = images.fetch(
-                self.store, slot.job.image_uri, self.settings.readable_buckets, self.settings.max_image_bytes
+                self.store, slot.job.image_uri, self.settings.image_sources, self.settings.max_image_bytes
             )
             return images.inspect(data, self.settings.max_image_pixels), time.perf_counter() - began
         except MrcError as exc:

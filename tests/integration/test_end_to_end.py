@@ -151,7 +151,7 @@ def test_same_job_id_twice_runs_once(env, worker: Worker, images_dir: Path) -> N
 def test_unknown_job_status(env, worker: Worker) -> None:
     status = json.loads(run_cli(env, "status", "never-submitted").stdout)
     assert status == {"job_id": "never-submitted", "state": "unknown", "result_uri": None}
-    assert run_cli(env, "result", "never-submitted").returncode == 1
+    assert run_cli(env, "result", "never-submitted").returncode == 3  # no result yet, not "failed"
 
 
 def test_queues_view_lists_the_live_worker(env, worker: Worker) -> None:

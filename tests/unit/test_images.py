@@ -89,12 +89,44 @@ def test_extreme_shapes_decode(size: tuple[int, int]) -> None:
 def test_fetch_only_from_allowed_buckets() -> None:
     store = MemoryStore("mrc")
     store.put_bytes("inputs/a.jpg", b"data", "image/jpeg")
-    assert images.fetch(store, "s3://mrc/inputs/a.jpg", frozenset({"mrc"}), 100) == b"data"
+    sources = {"mrc": ""}
+    assert images.fetch(store, "s3://mrc/inputs/a.jpg", sources, 100) == b"data"
     with pytest.raises(ImageSourceForbidden):
-        images.fetch(store, "s3://other/inputs/a.jpg", frozenset({"mrc"}), 100)
+        images.fetch(store, "s3://other/inputs/a.jpg", sources, 100)
     with pytest.raises(ImageSourceForbidden):
-        images.fetch(store, "https://example.com/a.jpg", frozenset({"mrc"}), 100)
+        images.fetch(store, "https://example.com/a.jpg", sources, 100)
     with pytest.raises(ImageNotFound):
-        images.fetch(store, "s3://mrc/inputs/missing.jpg", frozenset({"mrc"}), 100)
+        images.fetch(store, "s3://mrc/inputs/missing.jpg", sources, 100)
     with pytest.raises(ImageTooLarge):
-        images.fetch(store, "s3://mrc/inputs/a.jpg", frozenset({"mrc"}), 3)
+        images.fetch(store, "s3://mrc/inputs/a.jpg", sources, 3)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://mrc/../other-bucket/key.jpg",
+        "s3://mrc/inputs/../../other/key.jpg",
+        "s3://mrc/inputs/./a.jpg",
+        "s3://mrc/inputs/..",
+        "s3://MRC/inputs/a.jpg",
+        "s3://mrc/inputs/a\x00.jpg",
+    ],
+)
+def test_keys_that_could_escape_their_bucket_are_refused(uri: str) -> None:
+    store = MemoryStore("mrc")
+    store.put_bytes("inputs/a.jpg", b"data", "image/jpeg")
+    with pytest.raises(ImageSourceForbidden):
+        images.fetch(store, uri, {"mrc": ""}, 100)
+
+
+def test_the_bucket_prefix_bounds_reads_in_our_own_bucket() -> None:
+    from shared.settings import Settings
+
+    store = MemoryStore("mrc")
+    store.put_bytes("tenant-a/inputs/a.jpg", b"data", "image/jpeg")
+    store.put_bytes("tenant-b/inputs/b.jpg", b"data", "image/jpeg")
+    sources = Settings(s3_prefix="tenant-a", allowed_buckets=["photos"]).image_sources
+    assert sources == {"mrc": "tenant-a/", "photos": ""}
+    assert images.fetch(store, "s3://mrc/tenant-a/inputs/a.jpg", sources, 100) == b"data"
+    with pytest.raises(ImageSourceForbidden):
+        images.fetch(store, "s3://mrc/tenant-b/inputs/b.jpg", sources, 100)

@@ -14,8 +14,27 @@ keys = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True).filter(lambda k: k
 @given(st.dictionaries(keys, st.text(), max_size=6), st.from_regex(r"[A-Z][A-Z_]{0,20}", fullmatch=True))
 def test_any_string_value_round_trips_on_one_line(fields: dict[str, str], event: str) -> None:
     line = logs.render(event, fields)
-    assert "\n" not in line and "\r" not in line
+    assert len(line.splitlines()) == 1 and not _BREAKERS.intersection(line)
     assert logs.parse_line(line) == (event, fields)
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40))
+def test_no_value_breaks_a_line_for_any_common_reader(value: str) -> None:
+    line = logs.render("MRC_X", {"v": value})
+    assert line.splitlines() == [line]
+    assert line.encode().splitlines() == [line.encode()]
+    assert not _BREAKERS.intersection(line)
+    assert logs.parse_line(line) == ("MRC_X", {"v": value})
+
+
+_BREAKERS = {chr(c) for c in [*range(0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029]}
+
+
+def test_line_breakers_and_terminal_controls_are_escaped() -> None:
+    value = "a\u2028b\u2029c\x85d\x0be\x0cf\x1b[31mg\x1ch\th\x00"
+    line = logs.render("MRC_X", {"v": value})
+    assert line == "MRC_X|v=a\\u2028b\\u2029c\\u0085d\\u000be\\u000cf\\u001b[31mg\\u001ch\\u0009h\\u0000"
+    assert logs.parse_line(line) == ("MRC_X", {"v": value})
 
 
 def test_escapes_are_the_contract_ones() -> None:

@@ -1,0 +1,62 @@
+"""S3Store against an endpoint that misbehaves the way networks do: a body cut short mid-transfer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from shared.errors import StoreUnavailable
+from shared.settings import Settings
+from shared.store import S3Store
+from tests.support import imagegen
+
+pytestmark = pytest.mark.integration
+
+
+class ShortBodyServer:
+    """Answers every GET with a Content-Length of `full` bytes, sends `sent` of them and hangs up."""
+
+    def __init__(self, body: bytes, sent: int) -> None:
+        self.body, self.sent = body, sent
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                head = (
+                    "HTTP/1.1 200 OK\r\nContent-Type: image/jpeg\r\n"
+                    f"Content-Length: {len(self.body)}\r\nConnection: close\r\n\r\n"
+                )
+                conn.sendall(head.encode() + self.body[: self.sent])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def short_server() -> Iterator[ShortBodyServer]:
+    server = ShortBodyServer(imagegen.photo(400, 300) * 4, sent=1003)
+    yield server
+    server.close()
+
+
+def test_a_body_cut_short_is_a_retryable_store_fault(
+    short_server: ShortBodyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    store = S3Store(Settings(s3_endpoint_url=f"http://127.0.0.1:{short_server.port}"))
+    with pytest.raises(StoreUnavailable) as caught:
+        store.get_bytes("mrc", "inputs/a.jpg", 1 << 20)
+    assert caught.value.retryable
+    assert "1003" in caught.value.message or "short" in caught.value.message.lower()
