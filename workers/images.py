@@ -1,15 +1,17 @@
 """Fetch an image's bytes from S3, check where they come from and how big the image is, and decode it.
 
 Everything that can be decided from the bytes (format, pixel count) is decided before the full
-decode, so a decompression bomb never gets its memory. Decoding uses torchvision.io (libjpeg-turbo,
-libpng, libwebp; JPEG on the GPU with nvjpeg when the device is CUDA) and gives a uint8 RGB CHW
-tensor with EXIF orientation applied. PIL decodes only what torchvision cannot (BMP, animated WebP),
-and reads headers.
+decode, so a decompression bomb never gets its memory: that includes the frame count of animated
+images, since a decoder may draw every frame. Decoding uses torchvision.io (libjpeg-turbo, libwebp;
+JPEG on the GPU with nvjpeg when the device is CUDA) and gives a uint8 RGB CHW tensor; the EXIF
+orientation read from the header is applied afterwards, the same way on every device. PIL decodes
+what torchvision cannot or should not (PNG, BMP, animated images: first frame only), and reads headers.
 """
 
 from __future__ import annotations
 
 import io
+import struct
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from shared import names
+from shared import frames, names
 from shared.errors import (
     ImageDecodeError,
     ImageNotFound,
@@ -35,7 +37,10 @@ SUPPORTED_FORMATS = frozenset({"jpg", "png", "webp", "gif", "bmp"})
 # Not PNG: torchvision's libpng path segfaults on some corrupt PNGs (found by fuzzing: one mangled
 # IDAT chunk kills the process, and with acks_late every worker that takes the job after it).
 # JPEG, WebP and GIF survived 1,200 random mutations each (tests/unit/test_decode_fuzz.py).
+# GIF only when it is a still: torchvision's decode_gif draws every frame onto the full canvas.
 _TORCHVISION_FORMATS = frozenset({"jpg", "webp", "gif"})
+_ORIENTATION_TAG = 0x0112
+_SWAPS_SIDES = frozenset({5, 6, 7, 8})
 # PIL's own bomb guard must not fire before ours (ours gives the job its error code and is stricter).
 Image.MAX_IMAGE_PIXELS = None
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision")
@@ -48,8 +53,10 @@ class EncodedImage:
 
     data: bytes
     format: str
-    width: int
+    width: int  # as displayed: sides swapped for an EXIF orientation that rotates by 90 degrees
     height: int
+    orientation: int = 1  # EXIF orientation (1-8), applied after decoding, on whatever device
+    frames: int = 1
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,8 @@ def fetch(store: Store, uri: str, sources: Mapping[str, str], max_bytes: int) ->
 
 
 def inspect(data: bytes, max_pixels: int) -> EncodedImage:
-    """Sniff the real format and read the size from the header; refuse what must not be decoded."""
+    """Sniff the real format, read size, orientation and frame count from the header; refuse what
+    must not be decoded. Frames count against the pixel limit: a decoder may draw each one."""
     if not data:
         raise UnsupportedImageFormat("the image is empty (0 bytes)")
     fmt = sniff_format(data)
@@ -87,37 +95,78 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
     try:
         with Image.open(io.BytesIO(data)) as img:  # parses the header only
             width, height = img.size
+            orientation = _orientation(img)
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"{fmt} header unreadable: {exc}") from None
     if width < 1 or height < 1:
         raise ImageDecodeError(f"{fmt} header gives an empty image ({width}x{height})")
     if width * height > max_pixels:
         raise ImageTooLarge(f"{width}x{height} is {width * height} pixels; the limit is {max_pixels}")
-    return EncodedImage(data, fmt, width, height)
+    count = frames.frame_count(data, fmt)
+    if width * height * count > max_pixels:
+        raise ImageTooLarge(
+            f"{count} frames of {width}x{height} are {width * height * count} pixels; the limit is {max_pixels}"
+        )
+    if orientation in _SWAPS_SIDES:
+        width, height = height, width
+    return EncodedImage(data, fmt, width, height, orientation, count)
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation the header carries (1 when none). Only EXIF read with the header counts:
+    a PNG whose eXIf chunk follows the pixel data is taken as it is stored."""
+    raw = img.info.get("exif")
+    if not raw:
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(raw)
+        value = int(exif.get(_ORIENTATION_TAG, 1))
+    except (*_DECODE_ERRORS, TypeError, struct.error):
+        return 1
+    return value if 1 <= value <= 8 else 1
 
 
 def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
-    """Decode checked bytes to a uint8 RGB CHW tensor, on `device` for JPEG when it is CUDA."""
+    """Decode checked bytes to a uint8 RGB CHW tensor (on `device` for JPEG when it is CUDA), first
+    frame only, then orient it. Orientation is applied here and never by a decoder, so every decoder
+    and every device gives the same picture (nvjpeg ignores EXIF orientation)."""
     tensor: torch.Tensor | None = None
-    if image.format in _TORCHVISION_FORMATS:
+    if image.format in _TORCHVISION_FORMATS and image.frames == 1:
         try:
             tensor = _decode_torchvision(image, device)
         except _DECODE_ERRORS:
-            tensor = None  # e.g. animated WebP: PIL below reads its first frame, or names the fault
+            tensor = None  # PIL below names the fault, or decodes what torchvision would not
     if tensor is None:
         tensor = _decode_pil(image)
-    if tuple(tensor.shape[-2:]) not in ((image.height, image.width), (image.width, image.height)):
+    tensor = orient(tensor, image.orientation)
+    if tuple(tensor.shape[-2:]) != (image.height, image.width):
         raise ImageDecodeError(f"decoded size {tuple(tensor.shape[-2:])} disagrees with the header")
     return DecodedImage(tensor, image.format, int(tensor.shape[1]), int(tensor.shape[2]))
+
+
+def orient(tensor: torch.Tensor, orientation: int) -> torch.Tensor:
+    """Apply an EXIF orientation to a CHW tensor: PIL's ImageOps.exif_transpose, as tensor views."""
+    hw = (-2, -1)
+    oriented = {
+        2: lambda t: t.flip(-1),
+        3: lambda t: t.flip(hw),
+        4: lambda t: t.flip(-2),
+        5: lambda t: t.transpose(*hw),
+        6: lambda t: torch.rot90(t, -1, hw),
+        7: lambda t: t.transpose(*hw).flip(hw),
+        8: lambda t: torch.rot90(t, 1, hw),
+    }.get(orientation)
+    return tensor if oriented is None else oriented(tensor).contiguous()
 
 
 def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
     if image.format == "jpg":
-        tensor = decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=True, device=device)
+        tensor = decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=False, device=device)
     else:
-        tensor = decode_image(raw, mode=ImageReadMode.RGB, apply_exif_orientation=True)
-    if tensor.ndim == 4:  # animated GIF: all frames come back; Fuyu takes one image
+        tensor = decode_image(raw, mode=ImageReadMode.RGB, apply_exif_orientation=False)
+    if tensor.ndim == 4:  # several frames after all: Fuyu takes one image
         tensor = tensor[0]
     if tensor.dtype != torch.uint8:  # 16-bit PNG: scale to 8 bits (PIL would clip instead)
         tensor = tvF.to_dtype(tensor, torch.uint8, scale=True)
@@ -128,11 +177,12 @@ def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
 
 
 def _decode_pil(image: EncodedImage) -> torch.Tensor:
+    """The first frame only: PIL decodes a GIF, APNG or WebP frame by frame, on demand."""
     try:
         with Image.open(io.BytesIO(image.data)) as img:
-            img.seek(0)  # animated: the first frame
+            img.seek(0)
             img.load()
-            rgb = _to_rgb(ImageOps.exif_transpose(img))
+            rgb = _to_rgb(img)
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {exc}") from None
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous()

@@ -28,3 +28,26 @@ def test_tiny_fuyu_on_cuda_matches_batch_and_single(quantization: str) -> None:
         GenerationInput(torch.full((3, 900, 1200), 90, dtype=torch.uint8), "is it broken", 6),
     ]
     assert backend.generate(items) == [backend.generate([i])[0] for i in items]
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_cuda_decode_applies_exif_orientation_like_the_cpu(orientation: int) -> None:
+    """nvjpeg ignores EXIF orientation; the worker orients after decoding, on every device alike."""
+    import io
+
+    from PIL import Image
+
+    from tests.support import imagegen
+    from workers import images
+
+    img = Image.open(io.BytesIO(imagegen.camera_photo(640, 480))).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=92, exif=exif.tobytes())
+    encoded = images.inspect(out.getvalue(), 40_000_000)
+    on_cpu = images.decode(encoded, "cpu").tensor
+    on_gpu = images.decode(encoded, "cuda").tensor
+    assert on_gpu.is_cuda and on_gpu.shape == on_cpu.shape == (3, encoded.height, encoded.width)
+    # nvjpeg and libjpeg-turbo use different IDCTs: within 2 levels on average, never a rotation off.
+    assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean().item() <= 2.0

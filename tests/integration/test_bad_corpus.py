@@ -42,6 +42,7 @@ def test_bad_images_each_get_their_code_and_spare_their_neighbours(
     good = tmp_path / "good.jpg"
     good.write_bytes(imagegen.photo(320, 240))
     tag = uuid.uuid4().hex[:6]
+    peak_before = _peak_rss_mb(worker)
     expected: dict[str, str | None] = {}
     for name, (_data, code) in badcorpus.images().items():
         expected[client.submit(tmp_path / name, "is it damaged?", job_id=f"bad-{tag}-{name}")] = code
@@ -52,6 +53,16 @@ def test_bad_images_each_get_their_code_and_spare_their_neighbours(
     for job_id, result in results.items():
         assert (result["status"] == "succeeded") is (expected[job_id] is None)
         assert result["error"] is None or result["error"]["message"]
+    # The frame bombs alone would have cost 1.2 GB (and 216 GB) if any decoder had drawn their frames.
+    assert _peak_rss_mb(worker) - peak_before < 400, "the worker's peak memory grew on the bad corpus"
+    assert worker.proc.poll() is None
+
+
+def _peak_rss_mb(worker: Worker) -> float:
+    for line in Path(f"/proc/{worker.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc status")
 
 
 def test_bad_prompts_are_refused_or_answered(client: Client, worker: Worker, tmp_path: Path) -> None:

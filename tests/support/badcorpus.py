@@ -61,6 +61,10 @@ def images() -> dict[str, tuple[bytes, str | None]]:
         "cmyk.jpg": (_cmyk_jpeg(), None),
         "animated.gif": (_animated("GIF"), None),
         "animated.webp": (_animated("WEBP"), None),
+        "animated.png": (_animated("PNG"), None),
+        # 300 1x1 frames on a 2000x2000 canvas: 2.3 KB that cost 1.2 GB when every frame was drawn.
+        "gif-bomb-300-frames.gif": (imagegen.gif_bomb(2000, 2000, 300), "image_too_large"),
+        "gif-bomb-2000-frames.gif": (imagegen.gif_bomb(6000, 6000, 2000), "image_too_large"),
     }
 
 

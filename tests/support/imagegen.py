@@ -76,3 +76,15 @@ def png_header_only(width: int, height: int) -> bytes:
         + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
         + chunk(b"IEND", b"")
     )
+
+
+def gif_bomb(width: int, height: int, frames: int) -> bytes:
+    """A GIF of `frames` 1x1 frames on a width x height canvas: a few bytes per frame, but a decoder
+    that draws every frame spends the whole canvas on each one."""
+    out = bytearray(b"GIF89a" + struct.pack("<HH", width, height) + b"\x80\x00\x00")
+    out += b"\x00\x00\x00\xff\xff\xff"  # global colour table: black, white
+    for i in range(frames):
+        out += b"\x21\xf9\x04\x00\x00\x00\x00\x00"  # graphic control: no disposal, no delay
+        out += b"\x2c" + struct.pack("<HHHH", i % width, (i // width) % height, 1, 1) + b"\x00"
+        out += b"\x02\x02\x4c\x01\x00"  # LZW (min code 2): clear, white, end
+    return bytes(out + b";")

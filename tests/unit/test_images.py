@@ -130,3 +130,67 @@ def test_the_bucket_prefix_bounds_reads_in_our_own_bucket() -> None:
     assert images.fetch(store, "s3://mrc/tenant-a/inputs/a.jpg", sources, 100) == b"data"
     with pytest.raises(ImageSourceForbidden):
         images.fetch(store, "s3://mrc/tenant-b/inputs/b.jpg", sources, 100)
+
+
+def _animation(fmt: str, count: int, size: tuple[int, int] = (32, 24)) -> bytes:
+    frames = [Image.new("RGB", size, (i * 40 % 256, 90, 200 - i)) for i in range(count)]
+    return _encode(frames[0], fmt, save_all=True, append_images=frames[1:], duration=50, loop=0)
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+@pytest.mark.parametrize("count", [1, 2, 9])
+def test_frame_count_is_read_from_the_container(fmt: str, count: int) -> None:
+    from shared.frames import frame_count
+    from shared.sniff import sniff_format
+
+    data = _animation(fmt, count)
+    with Image.open(io.BytesIO(data)) as img:
+        assert frame_count(data, sniff_format(data) or "") == img.n_frames == count
+
+
+@pytest.mark.parametrize(("canvas", "count"), [((2000, 2000), 300), ((6000, 6000), 2000)])
+def test_a_multi_frame_bomb_is_refused_before_any_decode(canvas: tuple[int, int], count: int) -> None:
+    data = imagegen.gif_bomb(*canvas, count)
+    assert len(data) < 50_000  # a few KB that would cost canvas x frames to draw
+    with pytest.raises(ImageTooLarge, match=f"{count} frames"):
+        images.inspect(data, LIMIT)
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+def test_frames_count_against_the_pixel_limit_in_every_animated_format(fmt: str) -> None:
+    data = _animation(fmt, 5, (100, 100))
+    assert images.inspect(data, 50_000).frames == 5
+    with pytest.raises(ImageTooLarge):
+        images.inspect(data, 49_999)
+
+
+def test_an_animation_within_the_limit_decodes_its_first_frame_only() -> None:
+    data = imagegen.gif_bomb(200, 100, 150)  # 3 MP in all: allowed, one 200x100 frame decoded
+    decoded = images.load(data, LIMIT)
+    assert (decoded.width, decoded.height) == (200, 100)
+    assert decoded.tensor[:, 0, 0].tolist() == [255, 255, 255] and decoded.tensor[:, 0, 1].sum() == 0
+
+
+def _oriented_pil(data: bytes) -> torch.Tensor:
+    from PIL import ImageOps
+
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = ImageOps.exif_transpose(img).convert("RGB")
+    return torch.from_numpy(__import__("numpy").asarray(rgb).copy()).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_matches_pil(fmt: str, orientation: int) -> None:
+    img = Image.open(io.BytesIO(imagegen.photo(60, 40, fmt="PNG"))).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = _encode(img, fmt, exif=exif.tobytes(), **({"lossless": True} if fmt == "WEBP" else {}))
+    encoded = images.inspect(data, LIMIT)
+    assert encoded.orientation == orientation
+    decoded = images.decode(encoded)
+    expected = _oriented_pil(data)
+    assert (encoded.height, encoded.width) == tuple(decoded.tensor.shape[-2:]) == tuple(expected.shape[-2:])
+    # JPEG: two IDCTs (libjpeg-turbo in torchvision and in PIL) may differ by a level or two.
+    tolerance = 2.0 if fmt == "JPEG" else 0.0
+    assert (decoded.tensor.float() - expected.float()).abs().mean().item() <= tolerance
