@@ -104,9 +104,8 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
         raise ImageTooLarge(f"{width}x{height} is {width * height} pixels; the limit is {max_pixels}")
     count = frames.frame_count(data, fmt)
     if width * height * count > max_pixels:
-        raise ImageTooLarge(
-            f"{count} frames of {width}x{height} are {width * height * count} pixels; the limit is {max_pixels}"
-        )
+        total = width * height * count
+        raise ImageTooLarge(f"{count} frames of {width}x{height}: {total} pixels; limit {max_pixels}")
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     return EncodedImage(data, fmt, width, height, orientation, count)
