@@ -1,7 +1,7 @@
 """`mrc`: the producer and ops command line (works without torch).
 
-Exit codes: 0 ok / job succeeded, 1 job failed or no result yet, 2 usage or validation error
-(nothing enqueued), 3 timeout.
+Exit codes: 0 ok / job succeeded, 1 job failed, 2 usage or validation error (nothing enqueued),
+3 timeout or no result yet, 4 backlog lane full with --no-block, 5 Redis or S3 unreachable.
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from shared import logs, names
-from shared.errors import MrcError, QueueFull, UsageError
-from shared.settings import Settings
+import redis
+from kombu.exceptions import OperationalError
+from pydantic import ValidationError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL = 0, 1, 2, 3, 4
+from shared import logs, names, reach
+from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.settings import Settings, describe_error, unknown_variables
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,7 +117,7 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
     from shared.records import connect
 
-    client = connect(settings.redis_url)
+    client = connect(settings.redis_url, settings.connect_timeout_s, retries=2)
     depths = {lane: sum(int(client.llen(key)) for key in names.queue_keys(lane)) for lane in names.LANES}
     hits, misses = (int(client.get(key) or 0) for key in names.cache_counter_keys())
     view: dict[str, Any] = {
@@ -175,17 +179,29 @@ _COMMANDS = {
     "queues": _cmd_queues,
     "dlq": _cmd_dlq,
 }
+# What each command needs to reach: (Redis, S3). Checked first, with a short timeout.
+_NEEDS = {
+    "submit": (True, True),
+    "status": (True, True),
+    "result": (False, True),
+    "queues": (True, False),
+    "dlq": (True, False),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = Settings()
-    except Exception as exc:
-        print(f"mrc: bad settings: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"mrc: bad settings: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
     logs.configure(settings.log_level)
+    for name in unknown_variables():
+        logs.get_logger().warning("MRC_UNKNOWN_SETTING", name=name)
+    need_redis, need_s3 = _NEEDS[args.command]
     try:
+        reach.check(settings, need_redis=need_redis, need_s3=need_s3)
         return _COMMANDS[args.command](args, settings)
     except UsageError as exc:
         print(f"mrc: {exc.message}", file=sys.stderr)
@@ -193,6 +209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except QueueFull as exc:
         print(f"mrc: {exc.message}", file=sys.stderr)
         return EXIT_QUEUE_FULL
+    except ServiceUnreachable as exc:
+        print(f"mrc: {exc.message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except StoreUnavailable as exc:  # S3 went away after the check
+        print(f"mrc: cannot reach S3: {exc.message.splitlines()[0][:300]}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (redis.RedisError, OperationalError) as exc:  # Redis went away after the check
+        where = reach.redis_address(settings.redis_url)
+        print(f"mrc: cannot reach Redis at {where}: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except MrcError as exc:
         print(f"mrc: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_FAILED

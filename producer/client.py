@@ -17,7 +17,7 @@ from shared import logs, names
 from shared.celery_app import make_celery
 from shared.errors import QueueFull, UsageError
 from shared.jobs import Job, Lane, prompt_problem
-from shared.records import TERMINAL, RedisJobRecords
+from shared.records import TERMINAL, RedisJobRecords, connect
 from shared.settings import Settings
 from shared.sniff import sniff_format
 from shared.store import S3Store, Store
@@ -50,7 +50,9 @@ class Client:
     ) -> None:
         self.settings = settings
         self.store = store or S3Store(settings)
-        self.records: RedisJobRecords = records or RedisJobRecords.from_url(settings.redis_url)
+        self.records: RedisJobRecords = records or RedisJobRecords(
+            connect(settings.redis_url, settings.connect_timeout_s, retries=3)
+        )
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()
         self._bucket_ready = False

@@ -41,6 +41,7 @@ def make_celery(settings: Settings) -> Celery:
             "retry_on_timeout": True,
             "health_check_interval": 30,
         },
+        broker_connection_timeout=settings.connect_timeout_s,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         task_default_queue=names.queue_name("interactive"),

@@ -104,13 +104,25 @@ class QueueFull(MrcError):
         self.depth, self.limit = depth, limit
 
 
+class ServiceUnreachable(MrcError):
+    """Redis or S3 cannot be reached or refuses us; nothing was done (exit 5 on the command line)."""
+
+    code = "service_unreachable"
+    retryable = True
+
+    def __init__(self, service: str, detail: str) -> None:
+        super().__init__(f"cannot reach {service}: {detail}"[:500])
+        self.service = service
+
+
 class UsageError(MrcError):
     """A caller passed bad arguments; nothing was enqueued."""
 
     code = "invalid_job"
 
 
-PRODUCER_CODES: tuple[str, ...] = ("queue_full",)  # never in a result: the job was not enqueued
+# Never in a result: the job was not enqueued.
+PRODUCER_CODES: tuple[str, ...] = ("queue_full", "service_unreachable")
 ERROR_CODES: tuple[str, ...] = (
     "invalid_job",
     "image_not_found",

@@ -16,16 +16,17 @@ from shared.jobs import State, now_rfc3339
 RECORD_TTL_S = 7 * 24 * 3600
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, connect_timeout: float = 5.0, retries: int = 10) -> redis.Redis:
     """A client that rides out a Redis restart: reconnects and retries with exponential backoff
-    (about 30 s in all) instead of failing the first command after the connection dropped."""
+    (about 30 s in all with the default 10 retries: right for a worker, too long for a person at a
+    command line, who gets fewer) instead of failing the first command after the connection dropped."""
     return redis.Redis.from_url(
         url,
         decode_responses=True,
         socket_timeout=10,
-        socket_connect_timeout=5,
+        socket_connect_timeout=connect_timeout,
         health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=5.0, base=0.1), retries=10),
+        retry=Retry(ExponentialBackoff(cap=5.0, base=0.1), retries=retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Quantization = Literal["nf4", "bf16", "fp16", "fp32"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 def _default_home() -> str:
@@ -36,55 +42,89 @@ class Settings(BaseSettings):
     home: str = Field(default_factory=_default_home)  # where the tiny Fuyu is built
 
     # --- worker ---
-    metrics_port: int = 9400
-    cache_ttl_s: int = 86400
+    metrics_port: int = Field(default=9400, ge=0, le=65535)
+    cache_ttl_s: int = Field(default=86400, ge=0)
     # A job taken by a worker that died is delivered again after this many seconds. It must exceed the
     # longest batch (batch_max_jobs x max_new_tokens_limit decode steps of Fuyu-8B is well under 5 min on
     # a 24 GB card), or a slow batch is delivered twice; larger only slows recovery from a dead worker.
-    visibility_timeout_s: int = 900
+    visibility_timeout_s: int = Field(default=900, ge=1)
     # How often each worker looks for messages whose visibility timeout ran out (kombu's default ~100 s).
-    restore_interval_s: float = 10.0
+    restore_interval_s: float = Field(default=10.0, gt=0)
     # Jobs per delivered batch (celery-batches flush_every, and the prefetch bound). Two model batches
     # worth, so the pool decodes the second and writes the first's results while the model runs.
-    batch_max_jobs: int = 16
-    model_batch_max_jobs: int = 8  # jobs per model batch, within the token budget
-    batch_wait_ms: int = 50  # celery-batches flush_interval: how long a lone job may wait for company
+    batch_max_jobs: int = Field(default=16, ge=1)
+    model_batch_max_jobs: int = Field(default=8, ge=1)  # jobs per model batch, within the token budget
+    # celery-batches flush_interval: how long a lone job may wait for company
+    batch_wait_ms: int = Field(default=50, ge=0)
     # Most padded sequence positions (jobs x longest job, image + prompt + new tokens) in one model batch.
-    batch_token_budget: int = 65536
-    fetch_threads: int = 4
-    max_attempts: int = 3  # deliveries of a job before a retryable fault becomes its result
-    retry_base_s: float = 1.0  # first retry delay; doubles per attempt, with +-50 % jitter
-    retry_max_s: float = 60.0
+    batch_token_budget: int = Field(default=65536, ge=1)
+    fetch_threads: int = Field(default=4, ge=1)
+    max_attempts: int = Field(default=3, ge=1)  # deliveries of a job before a retryable fault is final
+    retry_base_s: float = Field(default=1.0, ge=0)  # first retry delay; doubles per attempt, +-50 % jitter
+    retry_max_s: float = Field(default=60.0, ge=0)
     # Default deadlines per lane, in seconds after submission (0: none); past it a job is `expired`.
-    deadline_interactive_s: float = 0.0
-    deadline_backlog_s: float = 0.0
+    deadline_interactive_s: float = Field(default=0.0, ge=0)
+    deadline_backlog_s: float = Field(default=0.0, ge=0)
     # Refuse to become ready unless a fast SDPA kernel (flash, memory-efficient, cuDNN) runs attention.
     require_fast_attention: bool = False
     attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"  # transformers' attn_implementation
 
     # --- job limits ---
-    max_new_tokens_default: int = 64
-    max_new_tokens_limit: int = 512
-    max_prompt_chars: int = 8000
-    max_prompt_tokens: int = 512
+    max_new_tokens_default: int = Field(default=64, ge=1)
+    max_new_tokens_limit: int = Field(default=512, ge=1)
+    max_prompt_chars: int = Field(default=8000, ge=1)
+    max_prompt_tokens: int = Field(default=512, ge=1)
     truncate_prompts: bool = True
-    max_image_bytes: int = 32 * 1024 * 1024
-    max_image_pixels: int = 40_000_000
+    max_image_bytes: int = Field(default=32 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
     # Cap on each side (pixels) after Fuyu's resize-to-fit; fewer patches = faster. 0 = Fuyu's own limits.
-    max_image_side: int = 0
+    max_image_side: int = Field(default=0, ge=0)
 
     # --- producer ---
-    wait_poll_s: float = 0.1
+    wait_poll_s: float = Field(default=0.1, gt=0)
     # Backpressure: submissions to the backlog lane wait (or fail with queue_full) above this depth, so a
     # million-line backlog never sits in Redis memory at once. Interactive submissions never wait.
-    backlog_max_depth: int = 10_000
+    backlog_max_depth: int = Field(default=10_000, ge=1)
+    # How long a command or a starting worker waits for Redis or S3 before it says which one it cannot
+    # reach (exit 5), instead of retrying for half a minute.
+    connect_timeout_s: float = Field(default=3.0, gt=0, le=300)
 
-    log_level: str = "INFO"
+    log_level: LogLevel = "INFO"
 
     @field_validator("s3_prefix")
     @classmethod
     def _prefix_ends_with_slash(cls, value: str) -> str:
         return value if not value or value.endswith("/") else value + "/"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_usable(cls, value: str) -> str:
+        url = urlsplit(value)
+        if url.scheme not in _REDIS_SCHEMES:
+            raise ValueError("MRC_REDIS_URL must start with redis://, rediss:// or unix://")
+        try:
+            port = url.port  # raises for a port that is not a number in 0-65535
+        except ValueError:
+            raise ValueError("MRC_REDIS_URL has a port that is not a number from 1 to 65535") from None
+        if url.scheme != "unix" and (not url.hostname or port == 0):
+            raise ValueError("MRC_REDIS_URL needs a host, e.g. redis://127.0.0.1:6379/0")
+        database = url.path.strip("/") if url.scheme != "unix" else ""
+        if database and not database.isdigit():
+            raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
+        return value
+
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint_usable(cls, value: str) -> str:
+        url = urlsplit(value)
+        if value and (url.scheme not in ("http", "https") or not url.hostname):
+            raise ValueError("MRC_S3_ENDPOINT_URL must be empty (AWS) or an http(s)://host[:port] URL")
+        return value
 
     @field_validator("device")
     @classmethod
@@ -97,8 +137,8 @@ class Settings(BaseSettings):
     def _limits_consistent(self) -> Settings:
         if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_limit:
             raise ValueError("need 1 <= MRC_MAX_NEW_TOKENS_DEFAULT <= MRC_MAX_NEW_TOKENS_LIMIT")
-        if self.batch_max_jobs < 1 or self.batch_wait_ms < 0:
-            raise ValueError("MRC_BATCH_MAX_JOBS must be >= 1 and MRC_BATCH_WAIT_MS >= 0")
+        if self.retry_base_s > self.retry_max_s:
+            raise ValueError("need MRC_RETRY_BASE_S <= MRC_RETRY_MAX_S")
         return self
 
     @property
@@ -110,3 +150,31 @@ class Settings(BaseSettings):
         """Bucket -> the key prefix images must lie under: MRC_S3_PREFIX in our own bucket (so a job
         cannot read another tenant's objects there), anywhere in the further allowed buckets."""
         return {**{bucket: "" for bucket in self.allowed_buckets}, self.s3_bucket: self.s3_prefix}
+
+
+ENV_PREFIX = "MRC_"
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """MRC_ variables that name no setting: a misspelt one would otherwise be silently ignored."""
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    env = os.environ if environ is None else environ
+    return sorted(name for name in env if name.upper().startswith(ENV_PREFIX) and name.upper() not in known)
+
+
+def describe_error(exc: ValidationError) -> str:
+    """One line per bad setting, named as the operator set it: `MRC_X=value: why`."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error.get("loc", ()))
+        name = ENV_PREFIX + field.upper() if field else "settings"
+        value = error.get("input")
+        shown = f"={_redact(str(value))[:80]!r}" if field and isinstance(value, str | int | float) else ""
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        lines.append(f"{name}{shown}: {message}")
+    return "; ".join(lines)
+
+
+def _redact(value: str) -> str:
+    """A URL with its password hidden: settings errors go to logs, secrets must not."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", value)

@@ -37,12 +37,12 @@ def _is_missing(exc: ClientError) -> bool:
 class S3Store:
     """Objects in one bucket under one prefix; images may be read from other allowed buckets."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, attempts: int = 3) -> None:
         self.bucket = settings.s3_bucket
         self.prefix = settings.s3_prefix
         config = Config(
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=5,
+            retries={"total_max_attempts": attempts, "mode": "standard"},
+            connect_timeout=settings.connect_timeout_s,
             read_timeout=30,
             s3={"addressing_style": "path"} if settings.s3_endpoint_url else {},
         )
@@ -65,6 +65,14 @@ class S3Store:
             raise
         except BotoCoreError as exc:
             raise StoreUnavailable(f"S3 {method} failed: {exc}") from exc
+
+    def probe(self) -> None:
+        """One cheap request that needs the endpoint, the credentials and (if it exists) the bucket."""
+        try:
+            self._call("head_bucket", Bucket=self.bucket)
+        except ClientError as exc:
+            if not _is_missing(exc):  # a missing bucket is created when first needed
+                raise StoreUnavailable(f"S3 refused head_bucket: {exc}") from exc
 
     def ensure_bucket(self) -> None:
         try:

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery.signals import worker_ready
+from pydantic import ValidationError
 
-from shared import logs, names
+from shared import logs, names, reach
 from shared.celery_app import make_celery
+from shared.errors import ServiceUnreachable
 from shared.records import RedisJobRecords, connect
-from shared.settings import Settings
+from shared.settings import Settings, describe_error, unknown_variables
 from shared.store import S3Store
 from workers import attention, health, tasks
 from workers.backends.fuyu import FuyuBackend
@@ -72,12 +74,27 @@ def _route_celery_console(log: Any) -> None:
     celery_worker.safe_say = say
 
 
+EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     lanes = _lanes(args.lanes)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"mrc-worker: bad settings: {describe_error(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     logs.configure(settings.log_level)
     log = logs.get_logger()
+    for name in unknown_variables():
+        log.warning("MRC_UNKNOWN_SETTING", name=name)
+    try:  # before the model loads: minutes of loading for a worker that cannot work is no use
+        reach.check(settings)
+    except ServiceUnreachable as exc:
+        log.critical("MRC_FATAL", error=exc.message)
+        print(f"mrc-worker: {exc.message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
 
     metrics = Metrics()
     state = health.HealthState()

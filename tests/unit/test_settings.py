@@ -33,9 +33,36 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_DEVICE", "tpu"),
         ("MRC_MAX_NEW_TOKENS_DEFAULT", "0"),
         ("MRC_BATCH_MAX_JOBS", "0"),
+        ("MRC_MODEL_BATCH_MAX_JOBS", "0"),
+        ("MRC_MAX_ATTEMPTS", "0"),
+        ("MRC_FETCH_THREADS", "-1"),
+        ("MRC_LOG_LEVEL", "VERBOSE"),
+        ("MRC_METRICS_PORT", "65536"),
+        ("MRC_REDIS_URL", "redis://127.0.0.1:99999/0"),
+        ("MRC_REDIS_URL", "127.0.0.1:6379"),
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/zero"),
+        ("MRC_S3_ENDPOINT_URL", "minio:9000"),
+        ("MRC_RETRY_BASE_S", "120"),
     ],
 )
 def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_errors_name_the_variable_and_hide_passwords(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.settings import describe_error
+
+    monkeypatch.setenv("MRC_REDIS_URL", "http://:hunter2@redis.internal:6379/0")
+    with pytest.raises(ValidationError) as caught:
+        Settings()
+    text = describe_error(caught.value)
+    assert text.startswith("MRC_REDIS_URL=") and "hunter2" not in text and "\n" not in text
+
+
+def test_unknown_mrc_variables_are_listed() -> None:
+    from shared.settings import unknown_variables
+
+    env = {"MRC_BATCH_MAX_JOB": "4", "MRC_HOME": "/x", "MRC_LOG_LEVEL": "info", "HOME": "/root"}
+    assert unknown_variables(env) == ["MRC_BATCH_MAX_JOB"]
