@@ -70,20 +70,34 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, ensure_ascii=False))
 
 
-def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
-    from producer.client import Client
+def _submission(args: argparse.Namespace) -> Any:
+    from producer.client import Submission
 
-    client = Client(settings)
-    job_id = client.submit(
-        args.image,
-        args.prompt,
+    return Submission(
+        image=args.image,
+        prompt=args.prompt,
         job_id=args.job_id,
         lane=args.lane,
         max_new_tokens=args.max_new_tokens,
         ticket_id=args.ticket_id,
         deadline=args.deadline,
-        block=not args.no_block,
     )
+
+
+def _validate_submit(args: argparse.Namespace, settings: Settings) -> None:
+    """A bad submission is exit 2 whether or not Redis and S3 are up: checked before reaching them."""
+    from producer.client import Client
+
+    Client(settings).validate(_submission(args))
+
+
+def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.client import Client
+
+    client = Client(settings)
+    job = client.build_job(_submission(args))
+    client.enqueue(job, block=not args.no_block)
+    job_id = job.job_id
     if not args.wait:
         print(job_id)
         return EXIT_OK
@@ -156,7 +170,8 @@ def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
         for entry in client.records.dead_letters(args.limit):
             _print_json(entry)
     elif args.dlq_command == "requeue":
-        print(json.dumps({"requeued": client.requeue_dead_letters(args.limit)}))
+        requeued, invalid = client.requeue_dead_letters(args.limit)
+        print(json.dumps({"requeued": requeued, "invalid": invalid}))
     else:
         print(json.dumps({"purged": client.records.purge_dead_letters()}))
     return EXIT_OK
@@ -201,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.get_logger().warning("MRC_UNKNOWN_SETTING", name=name)
     need_redis, need_s3 = _NEEDS[args.command]
     try:
+        if args.command == "submit":
+            _validate_submit(args, settings)
         reach.check(settings, need_redis=need_redis, need_s3=need_s3)
         return _COMMANDS[args.command](args, settings)
     except UsageError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 import uuid
@@ -15,7 +16,7 @@ from celery import Celery
 
 from shared import logs, names
 from shared.celery_app import make_celery
-from shared.errors import QueueFull, UsageError
+from shared.errors import MrcError, QueueFull, UsageError
 from shared.jobs import Job, Lane, prompt_problem
 from shared.records import TERMINAL, RedisJobRecords, connect
 from shared.settings import Settings
@@ -76,14 +77,34 @@ class Client:
             raise UsageError(f"max_new_tokens must be between 1 and {limit}, got {value}")
         return value
 
-    # ---- images ----
-    def upload_image(self, path: Path) -> tuple[str, str]:
-        """Upload a local image to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
+    def validate(self, sub: Submission) -> None:
+        """Every check that needs neither Redis nor S3: a bad submission is refused before either."""
+        self._check_prompt(sub.prompt)
+        self._check_max_new_tokens(sub.max_new_tokens)
+        if sub.lane not in names.LANES:
+            raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
+        text = str(sub.image)
+        if text.startswith("s3://"):
+            try:
+                names.parse_s3_uri(text)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        elif _URL_RE.match(text):
+            raise UsageError("image_source_forbidden: only local files and s3:// URIs are accepted")
+        else:
+            self._check_local_image(Path(text))
+
+    def _check_local_image(self, path: Path) -> None:
         if not path.is_file():
             raise UsageError(f"image file not found: {path}")
         size = path.stat().st_size
         if size > self.settings.max_image_bytes:
             raise UsageError(f"image is {size} bytes; the limit is {self.settings.max_image_bytes}")
+
+    # ---- images ----
+    def upload_image(self, path: Path) -> tuple[str, str]:
+        """Upload a local image to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
+        self._check_local_image(path)
         data = path.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         ext = sniff_format(data) or "bin"
@@ -96,23 +117,14 @@ class Client:
         return names.s3_uri(self.store.bucket, key), digest
 
     def _resolve_image(self, image: str | Path) -> tuple[str, str | None]:
+        """The job's image URI (a local file is uploaded first); `validate` has checked the reference."""
         text = str(image)
-        if text.startswith("s3://"):
-            try:
-                names.parse_s3_uri(text)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-            return text, None
-        if _URL_RE.match(text):
-            raise UsageError("image_source_forbidden: only local files and s3:// URIs are accepted")
-        return self.upload_image(Path(text))
+        return (text, None) if text.startswith("s3://") else self.upload_image(Path(text))
 
     # ---- submit ----
     def build_job(self, sub: Submission) -> Job:
-        self._check_prompt(sub.prompt)
+        self.validate(sub)
         max_new = self._check_max_new_tokens(sub.max_new_tokens)
-        if sub.lane not in names.LANES:
-            raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
         uri, digest = self._resolve_image(sub.image)
         fields: dict[str, Any] = {
             "job_id": sub.job_id or uuid.uuid4().hex,
@@ -148,25 +160,45 @@ class Client:
             time.sleep(0.5)
 
     def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
-        """Send the job unless its id was already submitted; True when this call enqueued it."""
+        """Send the job unless its id was already submitted; True when this call enqueued it.
+
+        The same job under a used id is a duplicate (False); a different job under a used id is
+        refused (UsageError). An interruption at any point (Ctrl-C included) undoes the claim."""
         self.wait_for_room(job.lane, block, timeout)
-        if not self.records.claim(job.job_id, job.lane):
-            self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
-            return False
+        fingerprint = job.fingerprint()
+        if not self.records.claim(job.job_id, job.lane, fingerprint):
+            return self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
         try:
-            self.celery.send_task(
-                names.TASK_NAME,
-                kwargs={"job": job.to_message()},
-                task_id=job.job_id,
-                queue=names.queue_name(job.lane),
-            )
-        except Exception:
+            existing = self.store.get_result(job.job_id)  # a record expires; the result does not
+            if existing is not None:
+                self.records.release(job.job_id)
+                return self._duplicate(job, existing.get("job_fingerprint"))
+            self._send(job)
+        except BaseException:
             self.records.release(job.job_id)
             raise
+        self.records.confirm(job.job_id)
         self.log.info(
             "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
         )
         return True
+
+    def _send(self, job: Job) -> None:
+        self.celery.send_task(
+            names.TASK_NAME,
+            kwargs={"job": job.to_message()},
+            task_id=job.job_id,
+            queue=names.queue_name(job.lane),
+        )
+
+    def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
+        if fingerprint and fingerprint != job.fingerprint():
+            raise UsageError(
+                f"job id {job.job_id} is already used by a different job (another image, prompt or "
+                "max_new_tokens); choose a new id"
+            )
+        self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
+        return False
 
     def submit(self, image: str | Path, prompt: str, block: bool = True, **options: Any) -> str:
         job = self.build_job(Submission(image=image, prompt=prompt, **options))
@@ -179,22 +211,34 @@ class Client:
             self.enqueue(job)
         return [job.job_id for job in jobs]
 
-    def requeue_dead_letters(self, limit: int) -> int:
-        """Send dead-lettered jobs back with fresh attempts; their old failed result is replaced."""
-        count = 0
-        while count < limit:
-            entry = self.records.pop_dead_letter()
-            if entry is None:
+    def requeue_dead_letters(self, limit: int) -> tuple[int, int]:
+        """Send dead-lettered jobs back with fresh attempts, oldest first; their old failed result is
+        replaced when they finish. Each entry moves to a processing list first and leaves it only once
+        sent, so a failed send or a killed requeue loses nothing. An entry that is not a valid job is
+        kept (and counted) for a person to look at. Returns (requeued, invalid)."""
+        self.records.recover_dead_letters()
+        requeued = invalid = 0
+        for _ in range(min(limit, self.records.dead_letter_count())):
+            raw = self.records.take_dead_letter()
+            if raw is None:
                 break
-            job = Job.from_message(entry.get("job"))
-            self.records.reset_attempts(job.job_id)
-            self.celery.send_task(
-                names.TASK_NAME, kwargs={"job": job.to_message()}, task_id=job.job_id,
-                queue=names.queue_name(job.lane),
-            )  # fmt: skip
+            job = _dead_letter_job(raw)
+            if job is None:
+                self.records.return_dead_letter(raw, oldest=False)  # not seen again in this pass
+                self.log.warning("MRC_DLQ_INVALID", entry=raw[:200])
+                invalid += 1
+                continue
+            try:
+                self.records.reset_attempts(job.job_id)
+                self._send(job)
+            except BaseException:
+                self.records.set_state(job.job_id, "failed", dead_letter="1")
+                self.records.return_dead_letter(raw)
+                raise
+            self.records.ack_dead_letter(raw)
             self.log.info("MRC_DLQ_REQUEUED", job_id=job.job_id, lane=job.lane)
-            count += 1
-        return count
+            requeued += 1
+        return requeued, invalid
 
     # ---- read back ----
     def result(self, job_id: str) -> dict[str, Any] | None:
@@ -210,14 +254,50 @@ class Client:
         return {"job_id": job_id, "state": state, "result_uri": uri if state in TERMINAL else None}
 
     def wait(self, job_id: str, timeout: float) -> dict[str, Any]:
-        """Block until the job has a result; raise TimeoutError after `timeout` seconds."""
+        """Block until the job has a result; raise TimeoutError after `timeout` seconds.
+
+        The result object is the truth and the record a hint: S3 is read whenever the record says the
+        job ended (or has no record), and at least once a second whatever it says, so a result whose
+        record update was lost is still found. A job that ended without a stored result (S3 refused
+        it to the end) is reported from its record as failed, instead of a wait that times out."""
         deadline = time.monotonic() + timeout
+        next_look = 0.0
         while True:
-            state = self.records.get(job_id).get("state")
-            if state in TERMINAL or state is None:
+            record = self.records.get(job_id)
+            state = record.get("state")
+            if state in TERMINAL or state is None or time.monotonic() >= next_look:
+                next_look = time.monotonic() + 1.0
                 result = self.result(job_id)
                 if result is not None:
                     return result
+                if state == "failed" and record.get("error_code"):
+                    return _unstored_result(job_id, record)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
             time.sleep(self.settings.wait_poll_s)
+
+
+def _dead_letter_job(raw: str) -> Job | None:
+    try:
+        entry = json.loads(raw)
+        return Job.from_message(entry.get("job") if isinstance(entry, dict) else None)
+    except (ValueError, MrcError):
+        return None
+
+
+def _unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:
+    """What `wait` returns for a job whose result could not be stored: failed, from its record."""
+    return {
+        "schema": "mrc.result/1",
+        "job_id": job_id,
+        "status": "failed",
+        "text": None,
+        "error": {
+            "code": record.get("error_code", "internal_error"),
+            "message": record.get("error_message", "the job ended without a stored result"),
+            "retryable": True,
+        },
+        "lane": record.get("lane", "interactive"),
+        "result_stored": False,
+        "finished_at": record.get("updated_at"),
+    }

@@ -32,6 +32,8 @@ def make_celery(settings: Settings) -> Celery:
             "queue_order_strategy": "priority",
             "unacked_restore_interval": settings.restore_interval_s,
             "unacked_restore_throttle": 1,
+            "unacked_key": names.UNACKED_KEY,
+            "unacked_index_key": names.UNACKED_INDEX_KEY,
             # The restore mutex outlives a worker killed while holding it: then nobody restores for
             # this long (kombu's default, 300 s). A restore takes milliseconds, and each message's is
             # a WATCHed transaction, so two restorers cannot hand one message out twice.

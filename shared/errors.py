@@ -86,6 +86,10 @@ class InternalError(MrcError):
     code = "internal_error"
 
 
+class Abandoned(InternalError):
+    """The job killed every worker that ran it alone; it is dead-lettered so a person can requeue it."""
+
+
 class StoreUnavailable(MrcError):
     """The S3 endpoint could not be reached or answered with a server error."""
 
@@ -119,6 +123,12 @@ class UsageError(MrcError):
     """A caller passed bad arguments; nothing was enqueued."""
 
     code = "invalid_job"
+
+
+class WorkerUnusable(BaseException):
+    """The process can no longer run jobs (accelerator lost, CUDA context broken, a model that fails
+    every job): it must end without acking, so the jobs go to a healthy worker. A BaseException, so
+    the per-job handlers that turn an Exception into a job's error let it through."""
 
 
 # Never in a result: the job was not enqueued.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -87,6 +89,12 @@ class Job(BaseModel):
     def to_message(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True)
 
+    def fingerprint(self) -> str:
+        """What makes two submissions the same job (not who sent it or when): the image, the prompt
+        and the generation length. One job id holds one fingerprint for life."""
+        material = json.dumps([self.image_uri, self.prompt, self.max_new_tokens], ensure_ascii=False)
+        return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
     @classmethod
     def from_message(cls, data: object) -> Job:
         """Parse a message body; anything malformed or of an unknown schema is InvalidJob."""
@@ -160,6 +168,8 @@ class JobResult(BaseModel):
     timings_ms: Timings = Field(default_factory=Timings)
     submitted_at: str
     finished_at: str = Field(default_factory=now_rfc3339)
+    # Beyond the contract's fields: Job.fingerprint(), so a reused job id never overwrites this result.
+    job_fingerprint: str | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, mode="json")

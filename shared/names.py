@@ -25,6 +25,12 @@ def queue_keys(lane: str) -> list[str]:
     return [name if step == 0 else f"{name}{_PRIORITY_SEP}{step}" for step in _PRIORITY_STEPS]
 
 
+# kombu's Redis transport: the hash of taken, unacked messages and its time index (kombu's own names,
+# set explicitly in the transport options so every part of mrc reads the same keys).
+UNACKED_KEY: Final = "unacked"
+UNACKED_INDEX_KEY: Final = "unacked_index"
+
+
 def cache_counter_keys() -> tuple[str, str]:
     return f"{REDIS_PREFIX}cache:hits", f"{REDIS_PREFIX}cache:misses"
 
@@ -44,6 +50,11 @@ def worker_pattern() -> str:
 
 def dead_letter_key() -> str:
     return f"{REDIS_PREFIX}dlq"
+
+
+def dead_letter_processing_key() -> str:
+    """Entries `mrc dlq requeue` has taken but not yet sent: nothing is lost if it dies meanwhile."""
+    return f"{REDIS_PREFIX}dlq:processing"
 
 
 def result_key(prefix: str, job_id: str) -> str:

@@ -14,6 +14,18 @@ from shared import names
 from shared.jobs import State, now_rfc3339
 
 RECORD_TTL_S = 7 * 24 * 3600
+# A claim lives this long until its message is confirmed published: a producer killed between claim
+# and publish leaves a claim that frees its job id by itself, instead of blocking it for a week.
+CLAIM_TTL_S = 30
+
+# KEYS[1] the job's hash; ARGV: ttl, lane, submitted_at, fingerprint. Atomic: a claim is whole or absent.
+_CLAIM_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
+           'fingerprint', ARGV[4], 'published', '0')
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 def connect(url: str, connect_timeout: float = 5.0, retries: int = 10) -> redis.Redis:
@@ -35,31 +47,41 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 
 
 class JobRecords(Protocol):
-    def claim(self, job_id: str, lane: str) -> bool: ...
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool: ...
+    def confirm(self, job_id: str) -> None: ...
     def release(self, job_id: str) -> None: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
     def begin(self, job_id: str) -> int: ...
+    def solo_run(self, job_id: str) -> int: ...
     def dead_letter(self, entry: dict[str, object]) -> None: ...
 
 
 class RedisJobRecords:
     """One Redis hash per job. `claim` is atomic: the first submitter of a job id wins."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, claim_ttl_s: int = CLAIM_TTL_S) -> None:
         self._redis = client
+        self._claim_ttl_s = claim_ttl_s
+        self._claim = client.register_script(_CLAIM_SCRIPT)
 
     @classmethod
     def from_url(cls, url: str) -> RedisJobRecords:
         return cls(connect(url))
 
-    def claim(self, job_id: str, lane: str) -> bool:
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
+        """Take the job id for one submission; False when it is taken. Until `confirm`, the claim
+        expires after a short while (a producer that died before publishing frees the id)."""
+        args: list[str | int] = [self._claim_ttl_s, lane, now_rfc3339(), fingerprint]
+        return bool(self._claim(keys=[names.job_key(job_id)], args=args))
+
+    def confirm(self, job_id: str) -> None:
+        """The message is published: the claim becomes a record that lives as long as any other."""
         key = names.job_key(job_id)
-        if not self._redis.hsetnx(key, "state", "queued"):
-            return False
-        self._redis.hset(key, mapping={"lane": lane, "submitted_at": now_rfc3339()})
-        self._redis.expire(key, RECORD_TTL_S)
-        return True
+        with self._redis.pipeline() as pipe:
+            pipe.hset(key, "published", "1")
+            pipe.expire(key, RECORD_TTL_S)
+            pipe.execute()
 
     def release(self, job_id: str) -> None:
         """Undo a claim whose message never reached the queue."""
@@ -83,9 +105,32 @@ class RedisJobRecords:
     def dead_letters(self, limit: int = 100) -> list[dict[str, object]]:
         return [json.loads(raw) for raw in self._redis.lrange(names.dead_letter_key(), 0, limit - 1)]
 
-    def pop_dead_letter(self) -> dict[str, object] | None:
-        raw = self._redis.rpop(names.dead_letter_key())
-        return None if raw is None else dict(json.loads(raw))  # type: ignore[arg-type]
+    def dead_letter_count(self) -> int:
+        return int(self._redis.llen(names.dead_letter_key()))  # type: ignore[arg-type]
+
+    def take_dead_letter(self) -> str | None:
+        """Move the oldest entry to the processing list and return it as stored. It leaves that list
+        only by `ack_dead_letter` (sent) or `return_dead_letter` (not sent): never lost in between."""
+        raw = self._redis.lmove(names.dead_letter_key(), names.dead_letter_processing_key(), "RIGHT", "LEFT")
+        return None if raw is None else str(raw)
+
+    def ack_dead_letter(self, raw: str) -> None:
+        self._redis.lrem(names.dead_letter_processing_key(), 1, raw)
+
+    def return_dead_letter(self, raw: str, oldest: bool = True) -> None:
+        """Back to the dead-letter list: as the oldest (where it came from) or as the newest (to skip it
+        for the rest of a pass)."""
+        with self._redis.pipeline() as pipe:  # MULTI/EXEC: in one list or the other, never neither
+            pipe.lrem(names.dead_letter_processing_key(), 1, raw)
+            (pipe.rpush if oldest else pipe.lpush)(names.dead_letter_key(), raw)
+            pipe.execute()
+
+    def recover_dead_letters(self) -> int:
+        """Entries a requeue left in the processing list when it was killed go back, as the oldest."""
+        moved = 0
+        while self._redis.lmove(names.dead_letter_processing_key(), names.dead_letter_key(), "LEFT", "RIGHT"):
+            moved += 1
+        return moved
 
     def purge_dead_letters(self) -> int:
         count = int(self._redis.llen(names.dead_letter_key()))  # type: ignore[arg-type]
@@ -99,7 +144,13 @@ class RedisJobRecords:
             return sum(int(n) for n in pipe.execute())
 
     def reset_attempts(self, job_id: str) -> None:
-        self._redis.hset(names.job_key(job_id), mapping={"attempts": "0", "state": "queued"})
+        """A fresh start for a requeued dead letter: no attempts, no crash history."""
+        key = names.job_key(job_id)
+        with self._redis.pipeline() as pipe:
+            pipe.hset(key, mapping={"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1"})
+            pipe.hdel(key, "dead_letter", "error_code", "error_message")
+            pipe.expire(key, RECORD_TTL_S)
+            pipe.execute()
 
     def begin(self, job_id: str) -> int:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""
@@ -111,6 +162,11 @@ class RedisJobRecords:
             attempts = pipe.execute()[0]
         return int(attempts)
 
+    def solo_run(self, job_id: str) -> int:
+        """Count a run of the job alone; returns how many lone runs came before this one."""
+        key = names.job_key(job_id)
+        return int(self._redis.hincrby(key, "solo_runs", 1)) - 1  # type: ignore[arg-type]
+
 
 class MemoryJobRecords:
     """In-process twin of RedisJobRecords for unit tests."""
@@ -120,12 +176,16 @@ class MemoryJobRecords:
         self.dlq: list[dict[str, object]] = []
         self._lock = threading.Lock()
 
-    def claim(self, job_id: str, lane: str) -> bool:
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
         with self._lock:
             if job_id in self.records:
                 return False
-            self.records[job_id] = {"state": "queued", "lane": lane}
+            self.records[job_id] = {"state": "queued", "lane": lane, "fingerprint": fingerprint}
             return True
+
+    def confirm(self, job_id: str) -> None:
+        with self._lock:
+            self.records.setdefault(job_id, {})["published"] = "1"
 
     def release(self, job_id: str) -> None:
         with self._lock:
@@ -149,3 +209,10 @@ class MemoryJobRecords:
             attempts = int(record.get("attempts", "0")) + 1
             record.update({"state": "running", "attempts": str(attempts)})
             return attempts
+
+    def solo_run(self, job_id: str) -> int:
+        with self._lock:
+            record = self.records.setdefault(job_id, {})
+            earlier = int(record.get("solo_runs", "0"))
+            record["solo_runs"] = str(earlier + 1)
+            return earlier

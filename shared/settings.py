@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     # Most padded sequence positions (jobs x longest job, image + prompt + new tokens) in one model batch.
     batch_token_budget: int = Field(default=65536, ge=1)
     fetch_threads: int = Field(default=4, ge=1)
+    # Jobs in a row the model may fail (model_error) before the worker calls itself unusable: it exits
+    # without acking and its delivery goes to another worker, instead of failing the whole lane.
+    model_failure_streak: int = Field(default=5, ge=1)
     max_attempts: int = Field(default=3, ge=1)  # deliveries of a job before a retryable fault is final
     retry_base_s: float = Field(default=1.0, ge=0)  # first retry delay; doubles per attempt, +-50 % jitter
     retry_max_s: float = Field(default=60.0, ge=0)

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from queue import Empty
 from typing import Any
 
 import structlog
 from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
+
+from shared import names
 
 REJECTED_KEY = "mrc:rejected"  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
@@ -53,6 +56,42 @@ for i = 3, #KEYS do
 end
 return false
 """
+
+
+# KEYS[1] unacked hash, KEYS[2] its index, KEYS[3] the queue; ARGV[1] the tag, ARGV[2] the message.
+# Back to the head of its queue only if it is still unacked here: never twice, never lost.
+_GIVE_BACK_SCRIPT = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('RPUSH', KEYS[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def give_back(client: Any, task_ids: Collection[str]) -> int:
+    """Put the unacked messages of these tasks back at the head of their queues at once, instead of
+    after the visibility timeout: for a worker about to exit because it cannot run them."""
+    wanted = set(task_ids)
+    script = client.register_script(_GIVE_BACK_SCRIPT)
+    returned = 0
+    for tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
+        try:
+            payload, _exchange, routing_key = json.loads(bytes_to_str(raw))
+            task_id = payload["headers"]["id"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if task_id not in wanted:
+            continue
+        payload["headers"]["redelivered"] = True
+        # mrc's queues are bound by name (direct exchange): the routing key names the list
+        queue = (
+            routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")
+        )
+        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue]
+        returned += int(script(keys=keys, args=[tag, json.dumps(payload)]))
+    return returned
 
 
 def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from typing import Any
 from celery.signals import worker_ready
 from pydantic import ValidationError
 
-from shared import logs, names, reach
+from shared import logs, names, reach, transport
 from shared.celery_app import make_celery
 from shared.errors import ServiceUnreachable
 from shared.records import RedisJobRecords, connect
@@ -119,7 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipeline = Pipeline(
         backend, store, records, settings, metrics, requeue=tasks.make_requeue(app), cache=cache
     )
-    tasks.register(app, settings, pipeline)
+    fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
+
+    def on_fatal(reason: str) -> None:
+        state.set_not_ready(f"unusable: {reason}")
+        metrics.ready.set(0)
+
+    tasks.register(
+        app, settings, pipeline, lambda ids: transport.give_back(fatal_client, ids), on_fatal=on_fatal
+    )
 
     state.set_ready(backend.describe())
     metrics.ready.set(1)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.errors import InternalError, StoreUnavailable
+from shared.errors import Abandoned, InternalError, StoreUnavailable
 from shared.jobs import now_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
@@ -55,12 +55,20 @@ class Finisher:
             self._retry(slot, error.code, error.message)
             return
         result = outcomes.build_result(slot, self.backend)
+        if result.status == "failed" and self._would_overwrite(slot):
+            slot.outcome = "skipped"
+            self.log.warning("MRC_SKIPPED", job_id=slot.job_id, reason="result_exists",
+                             code=result.error.code if result.error else "")  # fmt: skip
+            return
         if not self._put(slot.job_id, result.to_json_dict()):
             if slot.job is not None and not last:
                 self._retry(slot, "internal_error", "the result could not be stored")
             else:
                 slot.outcome = "unwritten"
-                self.records.set_state(slot.job_id, "failed", dead_letter="1")
+                self.records.set_state(
+                    slot.job_id, "failed", dead_letter="1", error_code="internal_error",
+                    error_message="the result could not be stored",
+                )  # fmt: skip
                 self._dead_letter(slot, "internal_error", "the result could not be stored")
             return
         slot.outcome = result.status
@@ -68,8 +76,19 @@ class Finisher:
         outcomes.report(slot, result, self.backend, self.metrics, self.log)
         if result.status == "succeeded" and not slot.cache_hit:
             self._remember(slot)
-        if error is not None and error.retryable:
+        if error is not None and (error.retryable or isinstance(error, Abandoned)):
             self._dead_letter(slot, error.code, error.message)
+
+    def _would_overwrite(self, slot: Slot) -> bool:
+        """A failed outcome never replaces a succeeded result, and a message that is not a valid job
+        never replaces any result (its id may be a real job's)."""
+        try:
+            existing = self.store.get_result(slot.job_id)
+        except StoreUnavailable:
+            return False  # writing will meet the same outage, and retry
+        if existing is None:
+            return False
+        return slot.job is None or existing.get("status") == "succeeded"
 
     def _remember(self, slot: Slot) -> None:
         """Only succeeded answers are cached; a cache that is down costs GPU time, never a job."""

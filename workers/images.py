@@ -10,6 +10,7 @@ what torchvision cannot or should not (PNG, BMP, animated images: first frame on
 
 from __future__ import annotations
 
+import hashlib
 import io
 import struct
 import warnings
@@ -57,6 +58,7 @@ class EncodedImage:
     height: int
     orientation: int = 1  # EXIF orientation (1-8), applied after decoding, on whatever device
     frames: int = 1
+    sha256: str = ""  # of the bytes themselves: what the result reports and the cache keys on
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
         raise ImageTooLarge(f"{count} frames of {width}x{height}: {total} pixels; limit {max_pixels}")
     if orientation in _SWAPS_SIDES:
         width, height = height, width
-    return EncodedImage(data, fmt, width, height, orientation, count)
+    return EncodedImage(data, fmt, width, height, orientation, count, hashlib.sha256(data).hexdigest())
 
 
 def _orientation(img: Image.Image) -> int:

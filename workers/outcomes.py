@@ -49,7 +49,7 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
         attempts=slot.attempts,
         image=ImageInfo(
             uri=job.image_uri if job else "",
-            sha256=job.image_sha256 if job else None,
+            sha256=slot.encoded.sha256 if slot.encoded else None,  # of the bytes used, never a claim
             width=size.width if size else 0,
             height=size.height if size else 0,
         ),
@@ -60,6 +60,7 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             attention_backend=backend.describe().get("attention_backend"),
         ),
         cache_hit=slot.cache_hit,
+        job_fingerprint=job.fingerprint() if job else None,
         timings_ms=Timings(
             queued=round(queued_ms, 3),
             preprocess=round(slot.timings["preprocess"], 3),

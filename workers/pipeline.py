@@ -1,6 +1,9 @@
 """Runs the stages for one delivered batch and times them. Never raises for one job's fault.
 
-decode -> claim (+ deadline) -> prompt -> images (fetch, header checks) -> model -> results
+decode -> claim (admission) -> prompt -> images (fetch, header checks) -> cache -> model -> results
+
+Jobs whose last delivery died with them in hand run after the rest, one at a time, each through
+every stage, so a job that kills its worker cannot take its neighbours with it again.
 
 In the model stage, images are decoded in a thread pool in model-batch order, so while the model
 runs batch N the pool decodes batch N+1 and the accelerator is not left waiting for the CPU.
@@ -9,31 +12,25 @@ runs batch N the pool decodes batch N+1 and the accelerator is not left waiting 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
 
 from shared import logs
-from shared.errors import (
-    Expired,
-    InternalError,
-    InvalidJob,
-    ModelError,
-    MrcError,
-    OutOfMemory,
-)
-from shared.jobs import Job, parse_rfc3339
+from shared.errors import InternalError, InvalidJob, ModelError, MrcError, WorkerUnusable
+from shared.jobs import Job
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.store import Store
-from workers import batching, images, preprocess
+from workers import batching, images, inference, preprocess
+from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
 from workers.cache import ResultCache, cache_key
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
 from workers.slots import Message, Outcome, Slot
+
+Stage = Callable[[list[Slot]], None]
 
 # A fault in these stages is the job store's (Redis) or the result store's, not a job's: failing the jobs
 # would turn a transient outage into permanent failed results.
@@ -71,6 +68,9 @@ class Pipeline:
         self._busy_s = 0.0
         self.jobs_seen = 0
         self._first_batch_at: float | None = None
+        self.admission = Admission(records, store, settings, self.metrics, self.log)
+        self.runner = inference.Runner(backend, self._model_call)
+        self._failure_streak = 0  # jobs in a row the model failed (model_error), across batches
 
     @property
     def busy_ratio(self) -> float:
@@ -87,29 +87,15 @@ class Pipeline:
         start = time.time()
         slots = [Slot(m.request_id, m.body, start) for m in messages]
         self.jobs_seen += len(slots)
-        stages: list[tuple[str, Callable[[list[Slot]], None]]] = [
-            ("decode", self._decode),
-            ("claim", self._claim),
-            ("prompt", self._plan_prompts),
-            ("images", self._fetch_images),
-            ("cache", self._look_up_cache),
-            ("model", self._infer),
-            ("results", self._write_results),
-        ]
         spent: dict[str, float] = {}
-        for name, stage in stages:
-            began = time.perf_counter()
-            try:
-                stage(slots)
-            except Exception as exc:  # a bug in a stage fails the jobs still in flight, not the worker
-                self.log.exception("MRC_STAGE_FAILED", stage=name, error=repr(exc))
-                for slot in slots:
-                    if slot.live:
-                        slot.error = InternalError(f"stage {name} failed: {exc!r}"[:500])
-                if name in _INFRASTRUCTURE_STAGES:
-                    raise  # Redis or S3 gone: exit unacked and let another delivery run the jobs
-            spent[name] = time.perf_counter() - began
-            self.metrics.stage.labels(stage=name).observe(spent[name])
+        self._stage("decode", self._decode, slots, spent)
+        self._stage("claim", self.admission.admit, slots, spent)
+        self._run_jobs([s for s in slots if not s.suspect], spent)
+        for slot in slots:
+            if slot.suspect:
+                if slot.live:
+                    self.admission.start_alone(slot)
+                self._run_jobs([slot], spent)
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(
             "MRC_BATCH",
@@ -117,10 +103,37 @@ class Pipeline:
             succeeded=sum(s.outcome == "succeeded" for s in slots),
             failed=sum(s.outcome == "failed" for s in slots),
             skipped=sum(s.outcome == "skipped" for s in slots),
+            alone=sum(s.suspect for s in slots),
             seconds=round(time.time() - start, 4),
             stages=",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in spent.items()),
         )
         return [slot.outcome or "failed" for slot in slots]
+
+    def _run_jobs(self, slots: list[Slot], spent: dict[str, float]) -> None:
+        stages: list[tuple[str, Stage]] = [
+            ("prompt", self._plan_prompts),
+            ("images", self._fetch_images),
+            ("cache", self._look_up_cache),
+            ("model", self._infer),
+            ("results", self._write_results),
+        ]
+        for name, stage in stages:
+            self._stage(name, stage, slots, spent)
+
+    def _stage(self, name: str, stage: Stage, slots: list[Slot], spent: dict[str, float]) -> None:
+        began = time.perf_counter()
+        try:
+            stage(slots)
+        except Exception as exc:  # a bug in a stage fails the jobs still in flight, not the worker
+            self.log.exception("MRC_STAGE_FAILED", stage=name, error=repr(exc))
+            for slot in slots:
+                if slot.live:
+                    slot.error = InternalError(f"stage {name} failed: {exc!r}"[:500])
+            if name in _INFRASTRUCTURE_STAGES:
+                raise  # Redis or S3 gone: exit unacked and let another delivery run the jobs
+        seconds = time.perf_counter() - began
+        spent[name] = spent.get(name, 0.0) + seconds
+        self.metrics.stage.labels(stage=name).observe(seconds)
 
     # ---------------------------------------------------------------- stages
     def _decode(self, slots: list[Slot]) -> None:
@@ -134,43 +147,6 @@ class Pipeline:
                     raise InvalidJob(f"prompt exceeds {self.settings.max_prompt_chars} characters")
             except MrcError as exc:
                 slot.error = exc
-
-    def _claim(self, slots: list[Slot]) -> None:
-        now = datetime.now(UTC)
-        for slot in slots:
-            if slot.job is None:
-                continue
-            if self.records.get(slot.job_id).get("state") == "succeeded" and self._has_success(slot.job_id):
-                slot.outcome = "skipped"
-                self.metrics.duplicates.inc()
-                self.log.info("MRC_SKIPPED", job_id=slot.job_id, reason="already_succeeded")
-                continue
-            slot.attempts = self.records.begin(slot.job_id)
-            if slot.attempts > self.settings.max_attempts:
-                # Delivered again and again without ever reaching a result: the job (or a neighbour)
-                # keeps killing its worker. Stop the crash loop here.
-                slot.error = InternalError(
-                    f"abandoned after {slot.attempts - 1} deliveries that ended without a result"
-                )
-                continue
-            deadline = self._deadline(slot.job)
-            if slot.live and deadline is not None and deadline < now:
-                slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
-
-    def _deadline(self, job: Job) -> datetime | None:
-        """The job's own deadline, else its lane's default (MRC_DEADLINE_<LANE>_S after submission)."""
-        if job.deadline:
-            return parse_rfc3339(job.deadline)
-        seconds = (
-            self.settings.deadline_backlog_s
-            if job.lane == "backlog"
-            else self.settings.deadline_interactive_s
-        )
-        return parse_rfc3339(job.submitted_at) + timedelta(seconds=seconds) if seconds > 0 else None
-
-    def _has_success(self, job_id: str) -> bool:
-        result = self.store.get_result(job_id)
-        return bool(result and result.get("status") == "succeeded")
 
     def _plan_prompts(self, slots: list[Slot]) -> None:
         for slot in self._live(slots):
@@ -227,7 +203,7 @@ class Pipeline:
                     "truncate_prompts": self.settings.truncate_prompts,
                     "max_image_side": self.settings.max_image_side,
                 },
-                image_sha256=hashlib.sha256(slot.encoded.data).hexdigest(),
+                image_sha256=slot.encoded.sha256,
                 prompt=slot.job.prompt,
             )
             try:
@@ -257,6 +233,8 @@ class Pipeline:
         except MrcError as exc:
             return exc, time.perf_counter() - began
         except Exception as exc:
+            if inference.device_fatal(exc):  # nvjpeg on a broken CUDA context: not the image's fault
+                raise WorkerUnusable(f"decoding on {self.backend.device} failed: {exc!r}"[:500]) from exc
             return InternalError(f"image decode failed: {exc!r}"[:500]), time.perf_counter() - began
 
     def _cost(self, slot: Slot) -> int:
@@ -295,38 +273,42 @@ class Pipeline:
         self.metrics.busy_ratio.set(self.busy_ratio)
 
     def _generate(self, group: list[Slot]) -> None:
-        """Run one model batch; on failure split it, so a job that breaks the model fails alone."""
+        """Run one model batch (split on failure); each job gets its output or its own error."""
         inputs = []
         for slot in group:
             assert slot.decoded is not None and slot.plan is not None and slot.job is not None
             inputs.append(GenerationInput(slot.decoded.tensor, slot.plan.text, slot.job.max_new_tokens))
-        began = time.perf_counter()
-        prepared_s = 0.0
-        try:
-            prepared = self.backend.prepare(inputs)
-            prepared_s = time.perf_counter() - began
-            outputs = self.backend.run(prepared)
-            if len(outputs) != len(group):
-                raise InternalError(f"model returned {len(outputs)} outputs for {len(group)} inputs")
-        except Exception as exc:
-            self._busy(time.perf_counter() - began - prepared_s)
-            if len(group) > 1:
-                self.log.warning("MRC_BATCH_SPLIT", jobs=len(group), error=repr(exc)[:300])
-                first, second = batching.halves(range(len(group)))
-                self._generate([group[i] for i in first])
-                self._generate([group[i] for i in second])
-                return
-            group[0].error = exc if isinstance(exc, MrcError) else _model_error(exc)
-            return
-        run_s = time.perf_counter() - began - prepared_s
+        runs, errors = self.runner.run(inputs)
+        for run in runs:
+            for index, output in zip(run.members, run.outputs, strict=True):
+                slot = group[index]
+                slot.text = output.text
+                slot.output_tokens = output.output_tokens
+                slot.timings["preprocess"] += run.prepare_s * 1000
+                slot.timings["inference"] = run.run_s * 1000
+        for index, error in errors.items():
+            group[index].error = error
+        self._watch_failures(len(runs) > 0, [e for e in errors.values() if isinstance(e, ModelError)])
+
+    def _watch_failures(self, any_succeeded: bool, model_errors: list[ModelError]) -> None:
+        """A model that fails job after job is the worker's fault, not the jobs': stop taking work
+        (the delivery goes back to the queue) rather than fail every job in the lane."""
+        if any_succeeded:
+            self._failure_streak = 0
+        self._failure_streak += len(model_errors)
+        if self._failure_streak >= self.settings.model_failure_streak:
+            raise WorkerUnusable(
+                f"the model failed {self._failure_streak} jobs in a row; last: {model_errors[-1].message}"
+            )
+
+    def _model_call(self, jobs: int, prepare_s: float, run_s: float, failure: BaseException | None) -> None:
         self._busy(run_s)
-        self.log.info("MRC_MODEL_BATCH", jobs=len(group), prepare_ms=round(prepared_s * 1000, 1),
+        if failure is not None:
+            if jobs > 1:
+                self.log.warning("MRC_BATCH_SPLIT", jobs=jobs, error=repr(failure)[:300])
+            return
+        self.log.info("MRC_MODEL_BATCH", jobs=jobs, prepare_ms=round(prepare_s * 1000, 1),
                       run_ms=round(run_s * 1000, 1))  # fmt: skip
-        for slot, output in zip(group, outputs, strict=True):
-            slot.text = output.text
-            slot.output_tokens = output.output_tokens
-            slot.timings["preprocess"] += prepared_s * 1000
-            slot.timings["inference"] = run_s * 1000
 
     def _busy(self, seconds: float) -> None:
         self._busy_s += seconds
@@ -349,9 +331,3 @@ class Pipeline:
     @staticmethod
     def _live(slots: list[Slot]) -> list[Slot]:
         return [s for s in slots if s.live]
-
-
-def _model_error(exc: Exception) -> MrcError:
-    if "out of memory" in str(exc).lower():
-        return OutOfMemory(str(exc)[:500])
-    return ModelError(f"generation failed: {exc!r}"[:500])

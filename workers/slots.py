@@ -40,6 +40,8 @@ class Slot:
     output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
     finishing: bool = False
+    suspect: bool = False  # its last delivery died with it in hand: it runs alone
+    solo_runs: int = 0  # earlier runs of it alone that never finished
 
     cache_key: str | None = None
     cache_hit: bool = False

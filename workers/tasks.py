@@ -31,8 +31,17 @@ def to_messages(requests: Sequence[SimpleRequest]) -> list[Message]:
     return messages
 
 
-def register(app: Celery, settings: Settings, pipeline: Pipeline) -> Any:
-    """Register the batched task on `app`, bound to one pipeline (one model per process)."""
+def register(
+    app: Celery,
+    settings: Settings,
+    pipeline: Pipeline,
+    give_back: Callable[[list[str]], int] | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+) -> Any:
+    """Register the batched task on `app`, bound to one pipeline (one model per process).
+
+    `give_back` returns a delivery's messages to their queues at once when the process must end;
+    `on_fatal` marks the worker not ready before it does."""
     log = logs.get_logger()
 
     def infer(requests: Sequence[SimpleRequest]) -> None:
@@ -41,7 +50,10 @@ def register(app: Celery, settings: Settings, pipeline: Pipeline) -> Any:
             pipeline.run(messages)
         except BaseException as exc:
             log.critical("MRC_FATAL", error=repr(exc)[:500], jobs=len(messages))
-            # Exit without acking: Redis hands the batch out again after the visibility timeout.
+            if on_fatal is not None:
+                on_fatal(repr(exc)[:300])
+            _give_back(give_back, [m.request_id for m in messages], log)
+            # Exit without acking: what was not given back, Redis hands out after the visibility timeout.
             os._exit(EXIT_UNUSABLE)
 
     return app.task(
@@ -53,6 +65,17 @@ def register(app: Celery, settings: Settings, pipeline: Pipeline) -> Any:
         acks_late=True,
         ignore_result=True,
     )
+
+
+def _give_back(give_back: Callable[[list[str]], int] | None, request_ids: list[str], log: Any) -> None:
+    if give_back is None:
+        return
+    try:
+        returned = give_back(request_ids)
+    except Exception as exc:  # Redis may be what failed: the visibility timeout still returns them
+        log.error("MRC_GIVE_BACK_FAILED", jobs=len(request_ids), error=repr(exc)[:300])
+        return
+    log.warning("MRC_GIVEN_BACK", jobs=returned)
 
 
 def make_requeue(app: Celery) -> Callable[[str, object, float], None]:

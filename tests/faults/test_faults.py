@@ -202,8 +202,53 @@ def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster
     listed = [json.loads(line) for line in services.run_cli(env, "dlq", "list").stdout.splitlines()]
     assert sorted(e["job_id"] for e in listed) == sorted(j.job_id for j in jobs)
     assert {e["code"] for e in listed} == {"internal_error"} and {e["attempts"] for e in listed} == {2}
-    assert json.loads(services.run_cli(env, "dlq", "requeue").stdout) == {"requeued": 3}
+    assert json.loads(services.run_cli(env, "dlq", "requeue").stdout) == {"requeued": 3, "invalid": 0}
     results = cluster.wait_all(jobs, 60)
     assert {r["status"] for r in results.values()} == {"succeeded"}
     assert json.loads(services.run_cli(env, "queues", "--json").stdout)["dead_letter"] == 0
     assert json.loads(services.run_cli(env, "dlq", "purge").stdout) == {"purged": 0}
+
+
+def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(cluster: Cluster) -> None:
+    """The killer rides in one delivery with five neighbours. Each time it runs, its worker dies
+    (SIGKILL, as a segfaulting decoder or the OOM killer would). Its neighbours finish, each once; it
+    alone is abandoned after MRC_MAX_ATTEMPTS crashes, dead-lettered, and requeued by `mrc dlq`."""
+    env = {"MRC_MAX_ATTEMPTS": "3", "MRC_BATCH_WAIT_MS": "500"}
+    good = cluster.jobs(5, cluster.image(), prefix="good")
+    # 27 MP: its decode alone takes a good fraction of a second, time enough to kill its worker.
+    slow = cluster.image(imagegen.camera_photo(6000, 4500), "slow.jpg")
+    killer = cluster.jobs(1, slow, prefix="killer", max_new_tokens=512)[0]
+    cluster.send([*good[:2], killer, *good[2:]])
+    records = cluster.client.records
+    solo_seen, crashes = 0, 0
+    while cluster.client.result(killer.job_id) is None:
+        assert crashes <= 3, "the killer was never abandoned"
+        worker = cluster.worker(**env)
+
+        def armed(crashes: int = crashes, solo_seen: int = solo_seen) -> bool:
+            record = records.get(killer.job_id)
+            if crashes == 0:  # the first delivery: the whole batch runs, the killer among them
+                return record.get("state") == "running"
+            return int(record.get("solo_runs", "0")) > solo_seen  # later: only its lone run kills
+
+        deadline = time.monotonic() + 90
+        while not armed() and cluster.client.result(killer.job_id) is None:
+            assert time.monotonic() < deadline and worker.proc.poll() is None, "the killer never ran"
+            time.sleep(0.01)
+        if cluster.client.result(killer.job_id) is not None:
+            break
+        worker.stop(signal.SIGKILL)
+        crashes += 1
+        solo_seen = int(records.get(killer.job_id).get("solo_runs", "0"))
+    abandoned = cluster.client.result(killer.job_id)
+    assert crashes == 3, abandoned
+    assert abandoned is not None and abandoned["error"]["code"] == "internal_error"
+    assert "abandoned" in abandoned["error"]["message"]
+    _assert_once(cluster, cluster.wait_all(good, 60))
+    listed = [json.loads(line) for line in services.run_cli(cluster.env, "dlq", "list").stdout.splitlines()]
+    assert [e["job_id"] for e in listed] == [killer.job_id]
+    assert json.loads(services.run_cli(cluster.env, "dlq", "requeue").stdout) == {"requeued": 1, "invalid": 0}
+    services.wait_for(
+        lambda: (cluster.client.result(killer.job_id) or {}).get("status") == "succeeded",
+        90, "the requeued job to succeed", worker.proc,
+    )  # fmt: skip

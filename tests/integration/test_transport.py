@@ -99,3 +99,32 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
                 with contextlib.suppress(TimeoutError):
                     conn.drain_events(timeout=1)
     assert received == [0, 1, 2, 3, 4]
+
+
+def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> None:
+    """A worker that cannot go on (device lost) puts its delivery back at the head of the queue
+    instead of leaving it to the visibility timeout; messages of other deliveries stay put."""
+    from shared.transport import give_back
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    with _connect(redis_url) as conn:
+        producer = Producer(conn.channel())
+        for n in range(3):
+            producer.publish({"n": n}, exchange=QUEUE.exchange, routing_key="mrc.t", declare=[QUEUE],
+                             serializer="json", headers={"id": f"job-{n}"})  # fmt: skip
+    taken: list[Any] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=3)
+        callback = lambda body, message: taken.append(message)  # noqa: E731
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            deadline = time.monotonic() + 10
+            while len(taken) < 3 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+        assert _where(client) == (0, 3)
+        assert give_back(client, ["job-0", "job-2", "not-here"]) == 2
+        assert _where(client) == (2, 1) and int(client.zcard("unacked_index")) == 1
+        assert give_back(client, ["job-0"]) == 0, "given back once, never twice"
+        returned = [json.loads(raw)["headers"]["id"] for raw in client.lrange("mrc.t", 0, -1)]
+        assert sorted(returned) == ["job-0", "job-2"]

@@ -73,7 +73,7 @@ def test_result_serialises_with_the_contract_field_names() -> None:
     ).to_json_dict()
     assert list(result) == [
         "schema", "job_id", "status", "text", "error", "lane", "ticket_id", "attempts", "image", "prompt",
-        "model", "cache_hit", "timings_ms", "submitted_at", "finished_at",
+        "model", "cache_hit", "timings_ms", "submitted_at", "finished_at", "job_fingerprint",
     ]  # fmt: skip
     assert result["schema"] == "mrc.result/1"
 

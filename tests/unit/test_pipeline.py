@@ -164,13 +164,100 @@ def test_lane_default_deadline_expires_old_jobs(store: MemoryStore) -> None:
     assert store.get_result("old-backlog")["error"]["code"] == "expired"
 
 
-def test_a_job_that_keeps_killing_workers_is_abandoned(store: MemoryStore) -> None:
+def _crashed(records: MemoryJobRecords, *job_ids: str, solo_runs: int = 0) -> None:
+    """As a worker that died mid-batch leaves them: begun, running, never finished."""
+    for job_id in job_ids:
+        records.begin(job_id)
+        for _ in range(solo_runs):
+            records.solo_run(job_id)
+
+
+def test_jobs_of_a_crashed_delivery_run_alone_after_the_others(store: MemoryStore) -> None:
+    records, backend = MemoryJobRecords(), EchoBackend()
+    _crashed(records, "c1", "c2", "c3")
+    messages = [_job("c1"), _job("fresh-1"), _job("c2"), _job("fresh-2"), _job("c3")]
+    outcomes = _pipeline(store, backend, records).run(messages)
+    assert outcomes == ["succeeded"] * 5
+    assert backend.calls == [2, 1, 1, 1]  # the fresh pair together, then each suspect alone
+    assert [records.get(j)["solo_runs"] for j in ("c1", "c2", "c3")] == ["1", "1", "1"]
+
+
+def test_only_the_job_that_keeps_killing_workers_is_abandoned(store: MemoryStore) -> None:
     records = MemoryJobRecords()
-    for _ in range(3):  # three deliveries that died before writing anything
-        records.begin("crasher")
-    assert _pipeline(store, records=records, max_attempts=3).run([_job("crasher")]) == ["failed"]
-    error = store.get_result("crasher")["error"]
-    assert error["code"] == "internal_error" and "abandoned after 3 deliveries" in error["message"]
+    _crashed(records, "killer", solo_runs=2)  # it was running alone when the last two workers died
+    _crashed(records, "neighbour")  # in the same delivery, never alone
+    outcomes = _pipeline(store, records=records, max_attempts=3).run([_job("killer"), _job("neighbour")])
+    assert outcomes == ["failed", "succeeded"]
+    error = store.get_result("killer")["error"]
+    assert error["code"] == "internal_error" and "abandoned" in error["message"]
+    assert [e["job_id"] for e in records.dlq] == ["killer"]  # `mrc dlq requeue` can bring it back
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+    ],
+)
+def test_a_broken_device_ends_the_worker_instead_of_failing_jobs(
+    store: MemoryStore, error: Exception
+) -> None:
+    from shared.errors import WorkerUnusable
+
+    backend = EchoBackend(fail_on="refund", error=error)  # every call fails: the context is gone
+    with pytest.raises(WorkerUnusable):
+        _pipeline(store, backend).run([_job(f"d{i}") for i in range(4)])
+    assert backend.calls == [4]  # no split, no per-job retries: nothing a split could fix
+    assert not [k for (_b, k) in store.objects if k.startswith("results/")]
+
+
+def test_accelerator_errors_are_fatal_by_type() -> None:
+    import torch
+
+    from shared.errors import WorkerUnusable
+    from workers import inference
+
+    with pytest.raises(WorkerUnusable):
+        inference.classify(torch.AcceleratorError("CUDA-capable device(s) is/are busy or unavailable"))
+    assert inference.classify(torch.cuda.OutOfMemoryError("CUDA out of memory")).code == "out_of_memory"
+    assert inference.classify(ValueError("shapes do not match")).code == "model_error"
+
+
+def test_a_model_that_fails_every_job_in_a_row_makes_the_worker_unusable(store: MemoryStore) -> None:
+    from shared.errors import WorkerUnusable
+
+    backend = EchoBackend(fail_on="refund")  # every job asks about a refund: every call fails
+    with pytest.raises(WorkerUnusable, match="in a row"):
+        _pipeline(store, backend, model_failure_streak=5).run([_job(f"m{i}") for i in range(8)])
+    assert not [k for (_b, k) in store.objects if k.startswith("results/")]
+
+
+def test_a_different_job_under_a_used_id_never_overwrites_its_result(store: MemoryStore) -> None:
+    backend = EchoBackend()
+    assert _pipeline(store, backend).run([_job("used", prompt="first question")]) == ["succeeded"]
+    first = store.get_result("used")
+    # The record expired (a week later), then another job arrived under the same id.
+    assert _pipeline(store, backend).run([_job("used", prompt="another question")]) == ["skipped"]
+    assert store.get_result("used") == first and backend.calls == [1]
+    # The same job again after expiry: already done, not recomputed.
+    assert _pipeline(store, backend).run([_job("used", prompt="first question")]) == ["skipped"]
+
+
+def test_an_invalid_message_never_overwrites_a_result(store: MemoryStore) -> None:
+    assert _pipeline(store).run([_job("precious")]) == ["succeeded"]
+    before = store.get_result("precious")
+    assert _pipeline(store).run([Message("precious", {"broken": True})]) == ["skipped"]
+    assert store.get_result("precious") == before
+
+
+def test_the_result_reports_the_hash_of_the_bytes_used(store: MemoryStore) -> None:
+    import hashlib
+
+    _pipeline(store).run([_job("hashed", image_sha256="0" * 64)])
+    data = store.get_bytes("mrc", "inputs/good.jpg", 1 << 20)
+    assert store.get_result("hashed")["image"]["sha256"] == hashlib.sha256(data or b"").hexdigest()
 
 
 def test_redis_gone_during_claim_raises_instead_of_failing_the_jobs(store: MemoryStore) -> None:

@@ -1,0 +1,153 @@
+"""The producer's side of "never lose a job": interrupted submits, reused ids, dead-letter requeues
+and waits, against the session's real Redis and S3 (no worker: each test plays the worker's part)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer.client import Client, Submission
+from shared import names
+from shared.errors import UsageError
+from shared.records import RedisJobRecords, connect
+from tests.support import imagegen, services
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Client:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    return Client(services.settings_from_env(env))
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    path = tmp_path / "p.jpg"
+    path.write_bytes(imagegen.photo(64, 48))
+    return path
+
+
+def _id() -> str:
+    return f"pf-{uuid.uuid4().hex[:10]}"
+
+
+def _queued_ids(client: Client, lane: str = "interactive") -> list[str]:
+    raw = client.records._redis.lrange(names.queue_name(lane), 0, -1)
+    return [json.loads(item)["headers"]["id"] for item in raw]
+
+
+class Interrupted:
+    """A publish that is interrupted (Ctrl-C) or fails, then works again."""
+
+    def __init__(self, client: Client, error: BaseException) -> None:
+        self.real, self.error = client.celery.send_task, error
+        client.celery.send_task = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), ConnectionError("broker gone"), SystemExit(1)])
+def test_an_interrupted_submit_frees_its_job_id(client: Client, image: Path, error: BaseException) -> None:
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    interrupted = Interrupted(client, error)
+    with pytest.raises(type(error)):
+        client.enqueue(job)
+    assert client.records.get(job.job_id) == {}, "the claim was undone"
+    client.celery.send_task = interrupted.real  # type: ignore[method-assign]
+    assert client.enqueue(job) is True and job.job_id in _queued_ids(client)
+
+
+def test_a_claim_whose_producer_died_before_publishing_frees_itself(
+    client: Client, image: Path, env: dict[str, str]
+) -> None:
+    records = RedisJobRecords(connect(env["MRC_REDIS_URL"]), claim_ttl_s=1)
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    assert records.claim(job.job_id, job.lane, job.fingerprint())  # ...and the producer was SIGKILLed
+    assert client.enqueue(job) is False  # a live claim: could be a producer mid-publish
+    time.sleep(1.5)
+    assert client.enqueue(job) is True and job.job_id in _queued_ids(client)
+    assert int(client.records._redis.ttl(names.job_key(job.job_id))) > 24 * 3600, "confirmed for a week"
+
+
+def test_a_different_job_under_a_used_id_is_refused(client: Client, image: Path) -> None:
+    job_id = _id()
+    assert client.enqueue(client.build_job(Submission(image=image, prompt="refund?", job_id=job_id)))
+    assert not client.enqueue(client.build_job(Submission(image=image, prompt="refund?", job_id=job_id)))
+    with pytest.raises(UsageError, match="different job"):
+        client.enqueue(client.build_job(Submission(image=image, prompt="other?", job_id=job_id)))
+
+
+def test_a_used_id_stays_used_after_its_record_expired(client: Client, image: Path) -> None:
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    result = {"job_id": job.job_id, "status": "succeeded", "job_fingerprint": job.fingerprint()}
+    client.store.put_result(job.job_id, result)  # ran a week ago; the record is gone
+    assert client.enqueue(job) is False and client.records.get(job.job_id) == {}
+    other = job.model_copy(update={"prompt": "something else"})
+    with pytest.raises(UsageError, match="different job"):
+        client.enqueue(other)
+    assert job.job_id not in _queued_ids(client)
+
+
+def _dead_letter(client: Client, raw: str) -> None:
+    client.records._redis.lpush(names.dead_letter_key(), raw)
+
+
+def test_dlq_requeue_keeps_invalid_entries_and_sends_the_rest(client: Client, image: Path) -> None:
+    client.records.purge_dead_letters()
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    client.records.set_state(job.job_id, "failed", dead_letter="1")
+    entries = ["{not json", json.dumps({"job": {"job_id": "x"}}), json.dumps({"job": job.to_message()})]
+    for raw in entries:
+        _dead_letter(client, raw)
+    assert client.requeue_dead_letters(100) == (1, 2)
+    assert job.job_id in _queued_ids(client)
+    assert sorted(client.records._redis.lrange(names.dead_letter_key(), 0, -1)) == sorted(entries[:2])
+    assert client.records.get(job.job_id)["state"] == "queued"
+    assert client.records._redis.llen(names.dead_letter_processing_key()) == 0
+
+
+def test_dlq_requeue_that_cannot_send_loses_nothing(client: Client, image: Path) -> None:
+    client.records.purge_dead_letters()
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    raw = json.dumps({"job": job.to_message()})
+    _dead_letter(client, raw)
+    interrupted = Interrupted(client, ConnectionError("broker gone"))
+    with pytest.raises(ConnectionError):
+        client.requeue_dead_letters(10)
+    assert client.records._redis.lrange(names.dead_letter_key(), 0, -1) == [raw]
+    assert client.records.get(job.job_id)["state"] == "failed", "no record claims a queued message"
+    # A requeue killed between taking an entry and sending it leaves it in the processing list:
+    assert client.records.take_dead_letter() == raw
+    client.celery.send_task = interrupted.real  # type: ignore[method-assign]
+    assert client.requeue_dead_letters(10) == (1, 0)
+    assert job.job_id in _queued_ids(client)
+
+
+def test_wait_finds_a_result_whose_record_update_was_lost(client: Client) -> None:
+    job_id = _id()
+    client.records.claim(job_id, "interactive")
+    client.records.begin(job_id)  # the record says running...
+    client.store.put_result(job_id, {"job_id": job_id, "status": "succeeded"})  # ...the result is stored
+    began = time.monotonic()
+    assert client.wait(job_id, timeout=10)["status"] == "succeeded"
+    assert time.monotonic() - began < 3
+
+
+def test_wait_reports_a_job_whose_result_could_not_be_stored(client: Client, env: dict[str, str]) -> None:
+    job_id = _id()
+    client.records.claim(job_id, "interactive")
+    client.records.set_state(
+        job_id, "failed", dead_letter="1", error_code="internal_error",
+        error_message="the result could not be stored",
+    )  # fmt: skip
+    result = client.wait(job_id, timeout=10)
+    assert result["status"] == "failed" and result["error"]["code"] == "internal_error"
+    assert result["result_stored"] is False

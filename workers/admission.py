@@ -1,0 +1,106 @@
+"""Whether, and how, a delivered job runs: the job id's history decides.
+
+- A job id holds one job for life (its fingerprint: image, prompt, max_new_tokens). A different job
+  under a used id is refused and never overwrites the first one's result.
+- A job that already succeeded is not computed again; the result object is the truth when the Redis
+  record is gone (expired) or says the job ended.
+- A job whose previous delivery ended with the job in hand (record still `running`: the worker died)
+  is a suspect: it runs alone, after the rest of its delivery, so a job that kills workers takes only
+  itself down. One that killed every worker that ran it alone is abandoned (and dead-lettered).
+- A job past its deadline expires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from shared.errors import Abandoned, Expired, StoreUnavailable
+from shared.jobs import Job, parse_rfc3339
+from shared.records import JobRecords
+from shared.settings import Settings
+from shared.store import Store
+from workers.metrics import Metrics
+from workers.slots import Slot
+
+_ENDED_OR_UNKNOWN = (None, "succeeded", "failed")
+
+
+class Admission:
+    def __init__(
+        self, records: JobRecords, store: Store, settings: Settings, metrics: Metrics, log: Any
+    ) -> None:
+        self.records = records
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics
+        self.log = log
+
+    def admit(self, slots: Iterable[Slot]) -> None:
+        """Claim each parsed job for this delivery, or settle it (skipped, expired) without running."""
+        now = datetime.now(UTC)
+        for slot in slots:
+            if slot.job is None:
+                continue
+            record = self.records.get(slot.job_id)
+            if self._settled(slot, slot.job, record):
+                continue
+            slot.suspect = record.get("state") == "running"
+            slot.solo_runs = int(record.get("solo_runs", "0"))
+            slot.attempts = self.records.begin(slot.job_id)
+            deadline = self._deadline(slot.job)
+            if deadline is not None and deadline < now:
+                slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
+
+    def start_alone(self, slot: Slot) -> None:
+        """Before a suspect runs alone: count the run, and abandon a job that every lone run lost."""
+        if slot.solo_runs >= max(1, self.settings.max_attempts - 1):
+            slot.error = Abandoned(
+                f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
+                f"({slot.attempts - 1} deliveries in all); requeue it with `mrc dlq requeue` once fixed"
+            )
+        else:
+            self.records.solo_run(slot.job_id)
+
+    def _settled(self, slot: Slot, job: Job, record: dict[str, str]) -> bool:
+        fingerprint = job.fingerprint()
+        if record.get("fingerprint") not in (None, "", fingerprint):
+            return self._skip(slot, "job_id_reused")
+        if record.get("state") not in _ENDED_OR_UNKNOWN:
+            return False
+        try:
+            existing = self.store.get_result(slot.job_id)
+        except StoreUnavailable as exc:
+            slot.error = exc  # cannot tell whether it ran: retried, never run blind
+            return True
+        if existing is None:
+            return False
+        if existing.get("job_fingerprint") not in (None, fingerprint):
+            return self._skip(slot, "job_id_reused")
+        if existing.get("status") == "succeeded":
+            return self._skip(slot, "already_succeeded")
+        return False  # failed before: the same job may run again (a requeued dead letter)
+
+    def _skip(self, slot: Slot, reason: str) -> bool:
+        slot.outcome = "skipped"
+        self.metrics.duplicates.inc()
+        if reason == "job_id_reused":
+            self.log.warning(
+                "MRC_SKIPPED", job_id=slot.job_id, reason=reason,
+                message="a different job (image, prompt or max_new_tokens) under a used job id; not run",
+            )  # fmt: skip
+        else:
+            self.log.info("MRC_SKIPPED", job_id=slot.job_id, reason=reason)
+        return True
+
+    def _deadline(self, job: Job) -> datetime | None:
+        """The job's own deadline, else its lane's default (MRC_DEADLINE_<LANE>_S after submission)."""
+        if job.deadline:
+            return parse_rfc3339(job.deadline)
+        seconds = (
+            self.settings.deadline_backlog_s
+            if job.lane == "backlog"
+            else self.settings.deadline_interactive_s
+        )
+        return parse_rfc3339(job.submitted_at) + timedelta(seconds=seconds) if seconds > 0 else None
