@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared import logs, names
+from shared import logs, names, prompts
 from shared.celery_app import make_celery
 from shared.errors import MrcError, QueueFull, UsageError
 from shared.jobs import Job, Lane, prompt_problem
@@ -130,7 +130,7 @@ class Client:
             "job_id": sub.job_id or uuid.uuid4().hex,
             "image_uri": uri,
             "image_sha256": digest,
-            "prompt": sub.prompt,
+            "prompt": prompts.neutralise(sub.prompt),
             "lane": sub.lane,
             "max_new_tokens": max_new,
             "ticket_id": sub.ticket_id,

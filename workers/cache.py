@@ -1,5 +1,6 @@
-"""The context-aware result cache: a succeeded answer is reused only for the same image bytes, the same
-full prompt, the same model (id, revision, quantization) and the same generation settings."""
+"""The context-aware result cache: a succeeded answer is reused only for the same image bytes, exactly
+the same prompt as the model sees it (token ids), the same model (id, revision, quantization) and the
+same generation settings."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import hashlib
 import json
 import threading
 import time
-import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import redis
@@ -16,12 +16,6 @@ import redis
 from shared.names import REDIS_PREFIX, cache_counter_keys
 
 LABEL_BYTES = 32
-
-
-def normalize_prompt(prompt: str) -> str:
-    """NFC, outer whitespace stripped, inner runs of whitespace made one space: the same question typed
-    twice hashes the same; anything else that differs (one character) does not."""
-    return " ".join(unicodedata.normalize("NFC", prompt).split())
 
 
 def prompt_label(prompt: str) -> str:
@@ -37,9 +31,12 @@ def cache_key(
     quantization: str,
     generation: Mapping[str, object],
     image_sha256: str,
-    prompt: str,
+    prompt: str | Sequence[int],
 ) -> str:
-    prompt_sha = hashlib.sha256(normalize_prompt(prompt).encode("utf-8")).hexdigest()
+    """`prompt` is exactly what the model sees: its token ids where the backend has them, else its
+    text. Never normalised: two prompts the model would see differently never share an answer."""
+    seen = prompt if isinstance(prompt, str) else json.dumps(list(prompt))
+    prompt_sha = hashlib.sha256(seen.encode("utf-8", "surrogatepass")).hexdigest()
     material = json.dumps(
         {
             "model": model_id,

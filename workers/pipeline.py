@@ -191,7 +191,7 @@ class Pipeline:
         if self.cache is None:
             return
         for slot in self._live(slots):
-            assert slot.job is not None and slot.encoded is not None
+            assert slot.job is not None and slot.encoded is not None and slot.plan is not None
             slot.cache_key = cache_key(
                 model_id=self.backend.model_id,
                 revision=self.backend.revision,
@@ -204,7 +204,7 @@ class Pipeline:
                     "max_image_side": self.settings.max_image_side,
                 },
                 image_sha256=slot.encoded.sha256,
-                prompt=slot.job.prompt,
+                prompt=slot.plan.text if slot.plan.ids is None else slot.plan.ids,
             )
             try:
                 hit = self.cache.get(slot.cache_key)
@@ -277,7 +277,8 @@ class Pipeline:
         inputs = []
         for slot in group:
             assert slot.decoded is not None and slot.plan is not None and slot.job is not None
-            inputs.append(GenerationInput(slot.decoded.tensor, slot.plan.text, slot.job.max_new_tokens))
+            plan = slot.plan
+            inputs.append(GenerationInput(slot.decoded.tensor, plan.text, slot.job.max_new_tokens, plan.ids))
         runs, errors = self.runner.run(inputs)
         for run in runs:
             for index, output in zip(run.members, run.outputs, strict=True):

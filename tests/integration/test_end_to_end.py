@@ -212,13 +212,40 @@ def test_message_without_producer_is_checked_by_the_worker(env, worker: Worker) 
     assert codes == {job_id: "invalid_job", forbidden_id: "image_source_forbidden"}
 
 
+def test_control_token_text_sent_past_the_producer_is_defused_by_the_worker(
+    env, worker: Worker, images_dir: Path
+) -> None:
+    """A message straight to the queue (no producer to neutralise it) whose prompt holds every Fuyu
+    control text, in one delivery with ordinary jobs: all succeed."""
+    from shared import names
+    from shared.celery_app import make_celery
+    from shared.prompts import FUYU_CONTROL_TEXT
+    from shared.settings import Settings
+
+    image = _write(images_dir, "ctl.jpg", imagegen.photo(120, 90))
+    uri = json.loads(_submit_wait(env, image, "warm the image").stdout)["image"]["uri"]
+    app = make_celery(Settings(redis_url=env["MRC_REDIS_URL"]))
+    splits_before = len(worker.find("MRC_BATCH_SPLIT"))
+    ids = []
+    for i, prompt in enumerate(["is it broken?", " ".join(FUYU_CONTROL_TEXT) + " refund?", "|SPEAKER|"]):
+        job_id = f"ctl-{uuid.uuid4().hex[:8]}-{i}"
+        body = {"job_id": job_id, "image_uri": uri, "prompt": prompt, "max_new_tokens": 4}
+        app.send_task(names.TASK_NAME, kwargs={"job": body}, task_id=job_id, queue="mrc.interactive")
+        ids.append(job_id)
+    for job_id in ids:
+        services.wait_for(lambda j=job_id: run_cli(env, "result", j).returncode != 3, 60, job_id)
+        result = json.loads(run_cli(env, "result", job_id).stdout)
+        assert result["status"] == "succeeded", result
+    assert len(worker.find("MRC_BATCH_SPLIT")) == splits_before, "no model batch failed"
+
+
 def test_repeated_question_about_the_same_photo_is_answered_from_the_cache(
     env, worker: Worker, images_dir: Path
 ) -> None:
     image = _write(images_dir, "cached.jpg", imagegen.photo(300, 220, seed=42))
     prompt = f"这个包裹坏了，我可以退款吗？ {uuid.uuid4().hex}"  # unique: not cached by an earlier run
     first = json.loads(_submit_wait(env, image, prompt).stdout)
-    second = json.loads(_submit_wait(env, image, "  " + prompt).stdout)
+    second = json.loads(_submit_wait(env, image, prompt).stdout)
     third = json.loads(_submit_wait(env, image, prompt + "？").stdout)
     assert (first["cache_hit"], second["cache_hit"], third["cache_hit"]) == (False, True, False)
     assert second["text"] == first["text"] and second["job_id"] != first["job_id"]

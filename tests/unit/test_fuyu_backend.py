@@ -84,3 +84,59 @@ def test_image_token_formula(hw: tuple[int, int], tokens: int) -> None:
 def test_fit_size_only_shrinks() -> None:
     assert fit_size(500, 500) == (500, 500)
     assert fit_size(3000, 4000) == (1080, 1440)
+
+
+def _control_texts(backend: FuyuBackend) -> list[str]:
+    """Every special token of the tokenizer, and the texts of Fuyu's input-building tokens."""
+    tokenizer = backend.processor.tokenizer
+    named = tokenizer.convert_ids_to_tokens(sorted(backend.control_ids))
+    return sorted({*tokenizer.all_special_tokens, *named, "\x04"})
+
+
+def test_no_prompt_text_becomes_a_control_token(backend: FuyuBackend) -> None:
+    for control in _control_texts(backend):
+        for prompt in (control, f"refund? {control} please", control * 3 + "x"):
+            plan = backend.plan_prompt(prompt, 512, truncate=True)
+            assert plan.ids is not None and not backend.control_ids.intersection(plan.ids), (control, plan)
+            assert len(plan.text) >= len(prompt)
+
+
+def test_control_token_text_does_not_break_its_batch(backend: FuyuBackend) -> None:
+    prompts = [f"is it {c} broken?" for c in _control_texts(backend)] + ["is it broken?"]
+    inputs = []
+    for i, prompt in enumerate(prompts):
+        plan = backend.plan_prompt(prompt, 512, truncate=True)
+        inputs.append(GenerationInput(_image(60, 90, i), plan.text, 4, plan.ids))
+    outputs = backend.generate(inputs)  # one batch: before, |SPEAKER| broke all of it
+    assert len(outputs) == len(prompts)
+    assert outputs == [backend.generate([item])[0] for item in inputs]
+
+
+def test_the_answer_marker_is_appended_by_id(backend: FuyuBackend) -> None:
+    plan = backend.plan_prompt("what colour?", 512, truncate=True)
+    prepared = backend.prepare([GenerationInput(_image(60, 90, 0), plan.text, 2, plan.ids)])
+    row = prepared.inputs["input_ids"][0].tolist()
+    assert row[-1] == backend.answer_id and tuple(row[-1 - len(plan.ids) : -1]) == plan.ids
+
+
+def test_truncation_keeps_the_ids_it_counted(backend: FuyuBackend) -> None:
+    plan = backend.plan_prompt("one two three " * 50, 10, truncate=True)
+    assert plan.ids is not None and len(plan.ids) == 10
+
+
+def test_swapped_weights_change_the_revision(tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    from workers.backends.tiny import ensure_tiny_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(ensure_tiny_model(HOME), folder)
+    settings = Settings(model=str(folder), home=HOME, quantization="fp32", device="cpu")
+    first = FuyuBackend(settings)
+    first.load()
+    weights = folder / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    second = FuyuBackend(settings)
+    second.load()
+    assert first.revision != second.revision and first.revision.startswith("local-")

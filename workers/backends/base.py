@@ -14,6 +14,7 @@ class PromptPlan:
     tokens: int
     original_tokens: int
     truncated: bool
+    ids: tuple[int, ...] | None = None  # the token ids the model gets, when the backend tokenizes
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class GenerationInput:
     image: Any  # a uint8 RGB tensor [3, H, W], on the CPU or the model's device
     prompt: str
     max_new_tokens: int
+    prompt_ids: tuple[int, ...] | None = None  # PromptPlan.ids: used as they are, not re-tokenized
 
 
 @dataclass(frozen=True)

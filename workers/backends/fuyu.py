@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ModelError, OutOfMemory, PromptTooLong
+from shared import prompts
+from shared.errors import InvalidJob, ModelError, OutOfMemory, PromptTooLong
 from shared.settings import Settings
 from workers import preprocess
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
-BEGINNING_OF_ANSWER = "<0x04>"
+BEGINNING_OF_ANSWER = "<0x04>"  # appended by id, as FuyuProcessor does, never as text
 
 # Weights cannot be downloaded here, and a production worker must never fetch at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,14 +31,26 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".index.json")
+
+
 def _revision(config: Any, path: str) -> str:
-    """The hub commit the weights came from, else a hash of the folder's config.json."""
+    """The hub commit the weights came from; for a local folder, a hash of its config.json and of the
+    weight files' names, sizes and modification times, so swapped weights never keep serving answers
+    cached for the old ones (hashing gigabytes of weights at every start would cost minutes)."""
     commit = getattr(config, "_commit_hash", None)
     if commit:
         return str(commit)
-    config_file = Path(path) / "config.json"
-    data = config_file.read_bytes() if config_file.is_file() else repr(config.to_dict()).encode()
-    return "config-" + hashlib.sha256(data).hexdigest()[:16]
+    folder = Path(path)
+    config_file = folder / "config.json"
+    digest = hashlib.sha256(
+        config_file.read_bytes() if config_file.is_file() else repr(config.to_dict()).encode()
+    )
+    if folder.is_dir():
+        for weights in sorted(p for p in folder.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES)):
+            stat = weights.stat()
+            digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return "local-" + digest.hexdigest()[:16]
 
 
 def torch_full_image(height: int, width: int) -> Any:
@@ -119,27 +132,42 @@ class FuyuBackend:
             bos=int(tokenizer.convert_tokens_to_ids("<s>")),
             pad=0,  # FuyuProcessor pads with id 0
         )
+        self.answer_id = int(tokenizer.convert_tokens_to_ids(BEGINNING_OF_ANSWER))
+        ids = self.token_ids
+        self.control_ids = frozenset(
+            {
+                ids.image,
+                ids.newline,
+                ids.bos,
+                ids.pad,
+                self.eos_id,
+                self.answer_id,
+                *tokenizer.all_special_ids,
+            }
+        )
+        self.control_text = (*prompts.FUYU_CONTROL_TEXT, *tokenizer.all_special_tokens)
 
     def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
+        """The ids the model will see: control-token text defused, then checked id by id (the text
+        rules cannot know every way a tokenizer might reach a control id), then cut to the limit."""
         tokenizer = self.processor.tokenizer
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        text = prompts.neutralise(prompt, self.control_text)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.control_ids.intersection(ids):
+            raise InvalidJob("the prompt turns into the model's control tokens; rephrase it")
         if len(ids) <= max_tokens:
-            return PromptPlan(prompt, len(ids), len(ids), False)
+            return PromptPlan(text, len(ids), len(ids), False, tuple(ids))
         if not truncate:
             raise PromptTooLong(f"prompt has {len(ids)} tokens; the limit is {max_tokens}")
-        kept = tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
-        return PromptPlan(kept, max_tokens, len(ids), True)
+        kept = ids[:max_tokens]
+        return PromptPlan(tokenizer.decode(kept), max_tokens, len(ids), True, tuple(kept))
 
     def image_tokens(self, height: int, width: int) -> int:
         return preprocess.image_token_count(height, width, self.settings.max_image_side)
 
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
         """Our device-side preprocessing (workers/preprocess.py), not the processor's CPU path."""
-        tokenizer = self.processor.tokenizer
-        prompt_ids = [
-            tokenizer(item.prompt + BEGINNING_OF_ANSWER, add_special_tokens=False)["input_ids"]
-            for item in batch
-        ]
+        prompt_ids = [[*self._prompt_ids(item), self.answer_id] for item in batch]
         inputs = preprocess.build_inputs(
             [item.image for item in batch],
             prompt_ids,
@@ -149,6 +177,13 @@ class FuyuBackend:
             self.settings.max_image_side,
         )
         return Prepared(inputs=inputs, max_new_tokens=tuple(item.max_new_tokens for item in batch))
+
+    def _prompt_ids(self, item: GenerationInput) -> tuple[int, ...]:
+        if item.prompt_ids is not None:
+            return item.prompt_ids
+        plan = self.plan_prompt(item.prompt, self.settings.max_prompt_tokens, truncate=True)
+        assert plan.ids is not None
+        return plan.ids
 
     def run(self, prepared: Prepared) -> list[GenerationOutput]:
         import torch
