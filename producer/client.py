@@ -16,7 +16,7 @@ from celery import Celery
 
 from shared import logs, names, prompts
 from shared.celery_app import make_celery
-from shared.errors import MrcError, QueueFull, UsageError
+from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, prompt_problem
 from shared.records import TERMINAL, RedisJobRecords, connect
 from shared.settings import Settings
@@ -169,7 +169,7 @@ class Client:
         if not self.records.claim(job.job_id, job.lane, fingerprint):
             return self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
         try:
-            existing = self.store.get_result(job.job_id)  # a record expires; the result does not
+            checked, existing = self._earlier_result(job.job_id)
             if existing is not None:
                 self.records.release(job.job_id)
                 return self._duplicate(job, existing.get("job_fingerprint"))
@@ -177,11 +177,19 @@ class Client:
         except BaseException:
             self.records.release(job.job_id)
             raise
-        self.records.confirm(job.job_id)
+        self.records.confirm(job.job_id, checked)
         self.log.info(
             "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
         )
         return True
+
+    def _earlier_result(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """A result stored under this id before (its record expired; results do not). With S3 out of
+        reach the job is still sent, and its record tells the worker to look before it runs."""
+        try:
+            return True, self.store.get_result(job_id)
+        except StoreUnavailable:
+            return False, None
 
     def _send(self, job: Job) -> None:
         self.celery.send_task(

@@ -48,7 +48,7 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 
 class JobRecords(Protocol):
     def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool: ...
-    def confirm(self, job_id: str) -> None: ...
+    def confirm(self, job_id: str, checked: bool = True) -> None: ...
     def release(self, job_id: str) -> None: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
@@ -75,11 +75,12 @@ class RedisJobRecords:
         args: list[str | int] = [self._claim_ttl_s, lane, now_rfc3339(), fingerprint]
         return bool(self._claim(keys=[names.job_key(job_id)], args=args))
 
-    def confirm(self, job_id: str) -> None:
-        """The message is published: the claim becomes a record that lives as long as any other."""
+    def confirm(self, job_id: str, checked: bool = True) -> None:
+        """The message is published: the claim becomes a record that lives as long as any other.
+        `checked`: the producer found no earlier result under this id (else the worker looks)."""
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
-            pipe.hset(key, "published", "1")
+            pipe.hset(key, mapping={"published": "1", "checked": "1" if checked else "0"})
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
@@ -183,9 +184,9 @@ class MemoryJobRecords:
             self.records[job_id] = {"state": "queued", "lane": lane, "fingerprint": fingerprint}
             return True
 
-    def confirm(self, job_id: str) -> None:
+    def confirm(self, job_id: str, checked: bool = True) -> None:
         with self._lock:
-            self.records.setdefault(job_id, {})["published"] = "1"
+            self.records.setdefault(job_id, {}).update(published="1", checked="1" if checked else "0")
 
     def release(self, job_id: str) -> None:
         with self._lock:

@@ -142,6 +142,10 @@ class Settings(BaseSettings):
             raise ValueError("need 1 <= MRC_MAX_NEW_TOKENS_DEFAULT <= MRC_MAX_NEW_TOKENS_LIMIT")
         if self.retry_base_s > self.retry_max_s:
             raise ValueError("need MRC_RETRY_BASE_S <= MRC_RETRY_MAX_S")
+        if self.retry_max_s * 1.5 >= self.visibility_timeout_s:
+            # A retry waits out its countdown unacked in a worker: past the visibility timeout it
+            # would be handed out a second time. 1.5: the jitter's upper end.
+            raise ValueError("need MRC_RETRY_MAX_S x 1.5 < MRC_VISIBILITY_TIMEOUT_S")
         return self
 
     @property

@@ -3,7 +3,7 @@
 - A job id holds one job for life (its fingerprint: image, prompt, max_new_tokens). A different job
   under a used id is refused and never overwrites the first one's result.
 - A job that already succeeded is not computed again; the result object is the truth when the Redis
-  record is gone (expired) or says the job ended.
+  record is gone (expired), says the job ended, or was not checked against S3 by the producer.
 - A job whose previous delivery ended with the job in hand (record still `running`: the worker died)
   is a suspect: it runs alone, after the rest of its delivery, so a job that kills workers takes only
   itself down. One that killed every worker that ran it alone is abandoned (and dead-lettered).
@@ -40,9 +40,14 @@ class Admission:
     def admit(self, slots: Iterable[Slot]) -> None:
         """Claim each parsed job for this delivery, or settle it (skipped, expired) without running."""
         now = datetime.now(UTC)
+        seen: set[str] = set()
         for slot in slots:
             if slot.job is None:
                 continue
+            if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
+                self._skip(slot, "duplicate_in_delivery")
+                continue
+            seen.add(slot.job_id)
             record = self.records.get(slot.job_id)
             if self._settled(slot, slot.job, record):
                 continue
@@ -67,8 +72,8 @@ class Admission:
         fingerprint = job.fingerprint()
         if record.get("fingerprint") not in (None, "", fingerprint):
             return self._skip(slot, "job_id_reused")
-        if record.get("state") not in _ENDED_OR_UNKNOWN:
-            return False
+        if record.get("state") not in _ENDED_OR_UNKNOWN and record.get("checked") == "1":
+            return False  # submitted through the producer, which found no earlier result
         try:
             existing = self.store.get_result(slot.job_id)
         except StoreUnavailable as exc:

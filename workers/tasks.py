@@ -11,8 +11,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import celery_batches
 from celery import Celery
-from celery_batches import Batches, SimpleRequest
+from celery_batches import SimpleRequest
 
 from shared import logs, names
 from shared.settings import Settings
@@ -20,6 +21,38 @@ from workers.pipeline import Pipeline
 from workers.slots import Message
 
 EXIT_UNUSABLE = 70
+
+
+class Batches(celery_batches.Batches):  # type: ignore[misc]
+    """celery-batches, with ETA (countdown) requests kept outside the prefetch limit.
+
+    A retry is sent back with a countdown; the worker that receives it holds it unacked until its ETA.
+    Celery's own strategy raises the prefetch limit by one for each such message (and lowers it when it
+    runs); celery-batches does not, so as many pending retries as the prefetch limit stopped the worker
+    from taking any fresh job until the first ETA passed (up to MRC_RETRY_MAX_S)."""
+
+    def Strategy(self, task: Any, app: Celery, consumer: Any) -> Any:
+        handler = super().Strategy(task, app, consumer)
+        waiting: set[str] = set()
+        self._waiting_for_eta = waiting
+
+        def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> None:
+            headers = message.headers or {}
+            if headers.get("eta") and headers.get("id"):
+                waiting.add(str(headers["id"]))
+                consumer.qos.increment_eventually()  # read now: QoS is set up after the strategies
+            handler(message, body, ack, reject, callbacks, **kw)
+
+        self._consumer = consumer
+        return on_message
+
+    def flush(self, requests: Any) -> Any:
+        waiting: set[str] = getattr(self, "_waiting_for_eta", set())
+        for request in requests:
+            if request.id in waiting:
+                waiting.discard(request.id)
+                self._consumer.qos.decrement_eventually()
+        return super().flush(requests)
 
 
 def to_messages(requests: Sequence[SimpleRequest]) -> list[Message]:

@@ -252,3 +252,21 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
         lambda: (cluster.client.result(killer.job_id) or {}).get("status") == "succeeded",
         90, "the requeued job to succeed", worker.proc,
     )  # fmt: skip
+
+
+def test_pending_retries_never_stop_fresh_jobs_from_being_taken(cluster: Cluster) -> None:
+    """As many retries waiting for their countdown as the prefetch limit: fresh jobs still run now."""
+    env = {"MRC_BATCH_MAX_JOBS": "4", "MRC_RETRY_BASE_S": "30", "MRC_RETRY_MAX_S": "30",
+           "MRC_VISIBILITY_TIMEOUT_S": "120"}  # fmt: skip
+    retried = cluster.jobs(4, prefix="retried")
+    fresh = cluster.jobs(4, prefix="fresh")
+    worker = cluster.worker(**env)
+    cluster.proxy.stop()  # S3 down: each of the four fails its fetch and is retried in 15-45 s
+    cluster.send(retried)
+    services.wait_for(lambda: len(worker.find("MRC_RETRY")) >= 4, 60, "four retries", worker.proc)
+    cluster.proxy.start()
+    time.sleep(1)  # the retries are back in the worker's hands, waiting for their ETA
+    cluster.send(fresh)
+    cluster.wait_all(fresh, 12)  # well before the first retry's ETA (15 s at the earliest)
+    assert not any(cluster.results(retried).values()), "the retries ran early: the test proves nothing"
+    _assert_once(cluster, cluster.wait_all(retried, 90))

@@ -281,3 +281,9 @@ def test_a_cache_that_is_down_is_a_miss(store: MemoryStore) -> None:
         EchoBackend(), store, MemoryJobRecords(), Settings(), sleep=lambda _s: None, cache=DownCache()
     )
     assert pipeline.run([_job("uncached")]) == ["succeeded"]
+
+
+def test_two_copies_of_a_job_in_one_delivery_run_once(store: MemoryStore) -> None:
+    backend = EchoBackend()
+    assert _pipeline(store, backend).run([_job("twice"), _job("twice")]) == ["succeeded", "skipped"]
+    assert backend.calls == [1]
