@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from producer.client import Client
 from tests.support import services
 
 
@@ -19,3 +20,11 @@ def worker(env: dict[str, str], workdir: Path) -> Iterator[services.Worker]:
 @pytest.fixture
 def images_dir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture
+def client(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Client:
+    """An in-process producer client on the session's Redis and S3."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    return Client(services.settings_from_env(env))

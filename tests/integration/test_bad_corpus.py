@@ -11,17 +11,10 @@ import pytest
 
 from producer.client import Client
 from shared.errors import UsageError
-from tests.support import badcorpus, imagegen, services
+from tests.support import badcorpus, imagegen
 from tests.support.services import Worker
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def client(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Client:
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
-        monkeypatch.setenv(name, env[name])
-    return Client(services.settings_from_env(env))
 
 
 def _wait(client: Client, job_ids: list[str], timeout: float = 120) -> dict[str, dict]:

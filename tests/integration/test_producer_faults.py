@@ -21,13 +21,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Client:
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
-        monkeypatch.setenv(name, env[name])
-    return Client(services.settings_from_env(env))
-
-
-@pytest.fixture
 def image(tmp_path: Path) -> Path:
     path = tmp_path / "p.jpg"
     path.write_bytes(imagegen.photo(64, 48))
