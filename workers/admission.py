@@ -55,7 +55,7 @@ class Admission:
             slot.solo_runs = int(record.get("solo_runs", "0"))
             slot.attempts = self.records.begin(slot.job_id)
             deadline = self._deadline(slot.job)
-            if deadline is not None and deadline < now:
+            if slot.error is None and deadline is not None and deadline < now:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
 
     def start_alone(self, slot: Slot) -> None:
@@ -77,8 +77,8 @@ class Admission:
         try:
             existing = self.store.get_result(slot.job_id)
         except StoreUnavailable as exc:
-            slot.error = exc  # cannot tell whether it ran: retried, never run blind
-            return True
+            slot.error = exc  # cannot tell whether it ran: retried (attempts counted), never run blind
+            return False
         if existing is None:
             return False
         if existing.get("job_fingerprint") not in (None, fingerprint):

@@ -287,3 +287,18 @@ def test_two_copies_of_a_job_in_one_delivery_run_once(store: MemoryStore) -> Non
     backend = EchoBackend()
     assert _pipeline(store, backend).run([_job("twice"), _job("twice")]) == ["succeeded", "skipped"]
     assert backend.calls == [1]
+
+
+def test_a_result_check_that_meets_an_s3_outage_is_retried_and_counted(store: MemoryStore) -> None:
+    class Down(MemoryStore):
+        def get_result(self, job_id: str) -> dict[str, Any] | None:
+            raise StoreUnavailable("S3 down")
+
+    down = Down("mrc")
+    down.objects = dict(store.objects)
+    records, requeued = MemoryJobRecords(), Requeued()
+    pipeline = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
+    assert pipeline.run([_job("unchecked")]) == ["retry"]  # no record: the worker must look first
+    assert records.get("unchecked")["attempts"] == "1"
+    assert pipeline.run([_job("unchecked")]) == ["failed"]  # the budget ends; never run blind
+    assert [e["job_id"] for e in records.dlq] == ["unchecked"]
