@@ -17,11 +17,11 @@ from celery import Celery
 from shared import logs, names, prompts
 from shared.celery_app import make_celery
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
-from shared.jobs import Job, Lane, prompt_problem
+from shared.jobs import Job, Lane, limit_problem
 from shared.records import TERMINAL, RedisJobRecords, connect
 from shared.settings import Settings
 from shared.sniff import sniff_format
-from shared.store import S3Store, Store
+from shared.stores import ImageSource, ResultStore, open_stores
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _CONTENT_TYPES = {"jpg": "image/jpeg", "png": "image/png", "webp": "image/webp", "gif": "image/gif"}
@@ -45,42 +45,28 @@ class Client:
         self,
         settings: Settings,
         *,
-        store: Store | None = None,
+        images: ImageSource | None = None,
+        results: ResultStore | None = None,
         records: RedisJobRecords | None = None,
         celery: Celery | None = None,
     ) -> None:
         self.settings = settings
-        self.store = store or S3Store(settings)
+        if images is None or results is None:
+            images, results = open_stores(settings)
+        self.images: ImageSource = images
+        self.results: ResultStore = results
         self.records: RedisJobRecords = records or RedisJobRecords(
             connect(settings.redis_url, settings.connect_timeout_s, retries=3)
         )
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()
-        self._bucket_ready = False
 
     # ---- validation ----
-    def _check_prompt(self, prompt: str) -> None:
-        """Before any upload: the schema's own prompt rules, then this deployment's length limit."""
-        problem = prompt_problem(prompt)
-        if problem:
-            raise UsageError(problem)
-        if len(prompt) > self.settings.max_prompt_chars:
-            raise UsageError(
-                f"prompt has {len(prompt)} characters; the limit is {self.settings.max_prompt_chars}"
-            )
-
-    def _check_max_new_tokens(self, value: int | None) -> int:
-        if value is None:
-            return self.settings.max_new_tokens_default
-        limit = self.settings.max_new_tokens_limit
-        if not 1 <= value <= limit:
-            raise UsageError(f"max_new_tokens must be between 1 and {limit}, got {value}")
-        return value
-
     def validate(self, sub: Submission) -> None:
         """Every check that needs neither Redis nor S3: a bad submission is refused before either."""
-        self._check_prompt(sub.prompt)
-        self._check_max_new_tokens(sub.max_new_tokens)
+        problem = limit_problem(self.settings, sub.prompt, sub.max_new_tokens, sub.job_id)
+        if problem:
+            raise UsageError(problem)
         if sub.lane not in names.LANES:
             raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
         text = str(sub.image)
@@ -109,12 +95,8 @@ class Client:
         digest = hashlib.sha256(data).hexdigest()
         ext = sniff_format(data) or "bin"
         key = names.input_key(self.settings.s3_prefix, digest, ext)
-        if not self._bucket_ready:
-            self.store.ensure_bucket()
-            self._bucket_ready = True
-        if not self.store.exists(key):
-            self.store.put_bytes(key, data, _CONTENT_TYPES.get(ext, "application/octet-stream"))
-        return names.s3_uri(self.store.bucket, key), digest
+        uri = self.images.put_input(data, key, _CONTENT_TYPES.get(ext, "application/octet-stream"))
+        return uri, digest
 
     def _resolve_image(self, image: str | Path) -> tuple[str, str | None]:
         """The job's image URI (a local file is uploaded first); `validate` has checked the reference."""
@@ -124,7 +106,7 @@ class Client:
     # ---- submit ----
     def build_job(self, sub: Submission) -> Job:
         self.validate(sub)
-        max_new = self._check_max_new_tokens(sub.max_new_tokens)
+        max_new = self.settings.max_new_tokens_default if sub.max_new_tokens is None else sub.max_new_tokens
         uri, digest = self._resolve_image(sub.image)
         fields: dict[str, Any] = {
             "job_id": sub.job_id or uuid.uuid4().hex,
@@ -187,7 +169,7 @@ class Client:
         """A result stored under this id before (its record expired; results do not). With S3 out of
         reach the job is still sent, and its record tells the worker to look before it runs."""
         try:
-            return True, self.store.get_result(job_id)
+            return True, self.results.get_result(job_id)
         except StoreUnavailable:
             return False, None
 
@@ -250,12 +232,12 @@ class Client:
 
     # ---- read back ----
     def result(self, job_id: str) -> dict[str, Any] | None:
-        return self.store.get_result(job_id)
+        return self.results.get_result(job_id)
 
     def status(self, job_id: str) -> dict[str, Any]:
         record = self.records.get(job_id)
         state = record.get("state")
-        uri = names.s3_uri(self.store.bucket, names.result_key(self.settings.s3_prefix, job_id))
+        uri = self.results.result_uri(job_id)
         if state is None:
             result = self.result(job_id)
             state = str(result["status"]) if result else "unknown"

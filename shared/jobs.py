@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.errors import InvalidJob, MrcError
+from shared.settings import Settings
 
 JOB_SCHEMA = "mrc.job/1"
 RESULT_SCHEMA = "mrc.result/1"
@@ -19,6 +20,7 @@ Status = Literal["succeeded", "failed"]
 State = Literal["queued", "running", "succeeded", "failed", "unknown"]
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_JOB_ID_RULE = "1-128 of [A-Za-z0-9._:-], starting with a letter or digit"
 
 
 def now_rfc3339() -> str:
@@ -42,6 +44,24 @@ def prompt_problem(prompt: str) -> str | None:
     return None
 
 
+def limit_problem(
+    settings: Settings, prompt: str, max_new_tokens: int | None = None, job_id: str | None = None
+) -> str | None:
+    """What puts a job outside this deployment's limits, or None: the one check the producer (before
+    anything is uploaded or sent) and the worker (for whatever it receives) both apply."""
+    problem = prompt_problem(prompt)
+    if problem:
+        return problem
+    if len(prompt) > settings.max_prompt_chars:
+        return f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars}"
+    limit = settings.max_new_tokens_limit
+    if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
+        return f"max_new_tokens must be between 1 and {limit}, got {max_new_tokens}"
+    if job_id is not None and not JOB_ID_RE.match(job_id):
+        return f"job_id {job_id[:40]!r}: {_JOB_ID_RULE}"
+    return None
+
+
 class Job(BaseModel):
     """One unit of work as it travels through Redis: JSON, never pickle."""
 
@@ -62,7 +82,7 @@ class Job(BaseModel):
     @classmethod
     def _job_id_shape(cls, value: str) -> str:
         if not JOB_ID_RE.match(value):
-            raise ValueError("job_id: 1-128 of [A-Za-z0-9._:-], starting with a letter or digit")
+            raise ValueError(f"job_id: {_JOB_ID_RULE}")
         return value
 
     @field_validator("submitted_at", "deadline")

@@ -35,6 +35,16 @@ def cache_counter_keys() -> tuple[str, str]:
     return f"{REDIS_PREFIX}cache:hits", f"{REDIS_PREFIX}cache:misses"
 
 
+def cache_entry_key(key: str) -> str:
+    """A cached answer, under the sha256 key workers/cache.py builds."""
+    return f"{REDIS_PREFIX}cache:{key}"
+
+
+def rejected_key() -> str:
+    """Queue entries the transport could not read, set aside for a person (the last 1000)."""
+    return f"{REDIS_PREFIX}rejected"
+
+
 def job_key(job_id: str) -> str:
     """Redis hash with a job's state: queued / running / succeeded / failed."""
     return f"{REDIS_PREFIX}job:{job_id}"

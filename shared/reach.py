@@ -34,10 +34,10 @@ def check_redis(settings: Settings) -> None:
 
 
 def check_s3(settings: Settings) -> None:
-    from shared.store import S3Store
+    from shared.stores.s3 import S3Connection
 
     try:
-        S3Store(settings, attempts=1).probe()
+        S3Connection(settings, attempts=1).probe(settings.s3_bucket)
     except StoreUnavailable as exc:
         where = settings.s3_endpoint_url or "AWS"
         raise ServiceUnreachable(f"S3 at {where}", _first_line(exc.message)) from None

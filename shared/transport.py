@@ -28,7 +28,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from shared import names
 
-REJECTED_KEY = "mrc:rejected"  # the last 1000 unreadable queue entries, for inspection
+REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
 
 # KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now.

@@ -20,7 +20,7 @@ from shared.errors import Abandoned, Expired, StoreUnavailable
 from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
-from shared.store import Store
+from shared.stores import ResultStore
 from workers.metrics import Metrics
 from workers.slots import Slot
 
@@ -29,10 +29,10 @@ _ENDED_OR_UNKNOWN = (None, "succeeded", "failed")
 
 class Admission:
     def __init__(
-        self, records: JobRecords, store: Store, settings: Settings, metrics: Metrics, log: Any
+        self, records: JobRecords, results: ResultStore, settings: Settings, metrics: Metrics, log: Any
     ) -> None:
         self.records = records
-        self.store = store
+        self.results = results
         self.settings = settings
         self.metrics = metrics
         self.log = log
@@ -75,7 +75,7 @@ class Admission:
         if record.get("state") not in _ENDED_OR_UNKNOWN and record.get("checked") == "1":
             return False  # submitted through the producer, which found no earlier result
         try:
-            existing = self.store.get_result(slot.job_id)
+            existing = self.results.get_result(slot.job_id)
         except StoreUnavailable as exc:
             slot.error = exc  # cannot tell whether it ran: retried (attempts counted), never run blind
             return False

@@ -13,7 +13,9 @@ from typing import Any, Protocol
 
 import redis
 
-from shared.names import REDIS_PREFIX, cache_counter_keys
+from shared.names import cache_counter_keys, cache_entry_key
+from shared.settings import Settings
+from workers.backends.base import ModelBackend, PromptPlan
 
 LABEL_BYTES = 32
 
@@ -51,6 +53,27 @@ def cache_key(
     return hashlib.sha256(material.encode()).hexdigest()
 
 
+def job_cache_key(
+    backend: ModelBackend, settings: Settings, max_new_tokens: int, image_sha256: str, plan: PromptPlan
+) -> str:
+    """The key of one job: its model as loaded, every setting that changes the answer, its image
+    bytes and its prompt exactly as the model sees it (token ids where the backend has them)."""
+    return cache_key(
+        model_id=backend.model_id,
+        revision=backend.revision,
+        quantization=backend.quantization,
+        generation={
+            "decoding": "greedy",
+            "max_new_tokens": max_new_tokens,
+            "max_prompt_tokens": settings.max_prompt_tokens,
+            "truncate_prompts": settings.truncate_prompts,
+            "max_image_side": settings.max_image_side,
+        },
+        image_sha256=image_sha256,
+        prompt=plan.text if plan.ids is None else plan.ids,
+    )
+
+
 class ResultCache(Protocol):
     def get(self, key: str) -> dict[str, Any] | None: ...
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None: ...
@@ -65,12 +88,12 @@ class RedisResultCache:
         self._redis = client
 
     def get(self, key: str) -> dict[str, Any] | None:
-        raw = self._redis.get(f"{REDIS_PREFIX}cache:{key}")
+        raw = self._redis.get(cache_entry_key(key))
         self._redis.incr(self.MISSES if raw is None else self.HITS)
         return None if raw is None else dict(json.loads(raw))  # type: ignore[arg-type]
 
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
-        self._redis.set(f"{REDIS_PREFIX}cache:{key}", json.dumps(value, ensure_ascii=False), ex=ttl_s)
+        self._redis.set(cache_entry_key(key), json.dumps(value, ensure_ascii=False), ex=ttl_s)
 
 
 class MemoryResultCache:

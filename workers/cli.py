@@ -18,13 +18,13 @@ from shared.celery_app import make_celery
 from shared.errors import ServiceUnreachable
 from shared.records import RedisJobRecords, connect
 from shared.settings import Settings, describe_error, unknown_variables
-from shared.store import S3Store
-from workers import attention, health, tasks
-from workers.backends.fuyu import FuyuBackend
+from shared.stores import open_stores
+from workers import health, tasks
+from workers.backends import attention, make_backend
 from workers.cache import RedisResultCache
 from workers.heartbeat import Heartbeat
 from workers.metrics import Metrics
-from workers.pipeline import Pipeline
+from workers.pipeline import assemble
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = health.serve(settings.metrics_port, state, metrics)
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
 
-    backend = FuyuBackend(settings)
+    backend = make_backend(settings)
     began = time.perf_counter()
     backend.load()
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
@@ -111,14 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
         return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 
-    store = S3Store(settings)
-    store.ensure_bucket()
+    images_from, results = open_stores(settings)
+    results.ensure_bucket()
     records = RedisJobRecords.from_url(settings.redis_url)
     app = make_celery(settings)
     cache = RedisResultCache(connect(settings.redis_url))
-    pipeline = Pipeline(
-        backend, store, records, settings, metrics, requeue=tasks.make_requeue(app), cache=cache
-    )
+    pipeline = assemble(
+        backend, images_from, results, records, settings,
+        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache,
+    )  # fmt: skip
     fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
 
     def on_fatal(reason: str) -> None:

@@ -12,7 +12,7 @@ from shared.errors import Abandoned, InternalError, StoreUnavailable
 from shared.jobs import now_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
-from shared.store import Store
+from shared.stores import ResultStore
 from workers import outcomes
 from workers.backends.base import ModelBackend
 from workers.cache import ResultCache, prompt_label
@@ -27,7 +27,7 @@ class Finisher:
     def __init__(
         self,
         backend: ModelBackend,
-        store: Store,
+        results: ResultStore,
         records: JobRecords,
         settings: Settings,
         metrics: Metrics,
@@ -38,7 +38,7 @@ class Finisher:
     ) -> None:
         self.cache = cache
         self.backend = backend
-        self.store = store
+        self.results = results
         self.records = records
         self.settings = settings
         self.metrics = metrics
@@ -83,7 +83,7 @@ class Finisher:
         """A failed outcome never replaces a succeeded result, and a message that is not a valid job
         never replaces any result (its id may be a real job's)."""
         try:
-            existing = self.store.get_result(slot.job_id)
+            existing = self.results.get_result(slot.job_id)
         except StoreUnavailable:
             return False  # writing will meet the same outage, and retry
         if existing is None:
@@ -124,7 +124,7 @@ class Finisher:
     def _put(self, job_id: str, result: dict[str, Any]) -> bool:
         for delay in (*_WRITE_BACKOFF_S, None):
             try:
-                self.store.put_result(job_id, result)
+                self.results.put_result(job_id, result)
                 return True
             except StoreUnavailable as exc:
                 self.log.warning("MRC_STORE_RETRY", job_id=job_id, error=exc.message[:300])

@@ -32,7 +32,7 @@ from shared.errors import (
     UnsupportedImageFormat,
 )
 from shared.sniff import sniff_format
-from shared.store import Store
+from shared.stores import ImageSource
 
 SUPPORTED_FORMATS = frozenset({"jpg", "png", "webp", "gif", "bmp"})
 # Not PNG: torchvision's libpng path segfaults on some corrupt PNGs (found by fuzzing: one mangled
@@ -69,8 +69,8 @@ class DecodedImage:
     width: int
 
 
-def fetch(store: Store, uri: str, sources: Mapping[str, str], max_bytes: int) -> bytes:
-    """The bytes behind an s3:// URI in an allowed bucket (`sources`: bucket -> required key prefix);
+def fetch(source: ImageSource, uri: str, sources: Mapping[str, str], max_bytes: int) -> bytes:
+    """The bytes behind an s3:// URI in an allowed bucket (`sources`: bucket -> the key prefix required);
     nothing else is ever fetched."""
     try:
         bucket, key = names.parse_s3_uri(uri)
@@ -80,7 +80,7 @@ def fetch(store: Store, uri: str, sources: Mapping[str, str], max_bytes: int) ->
         raise ImageSourceForbidden(f"bucket {bucket!r} is not in the allowed buckets")
     if not names.key_allowed(key, sources[bucket]):
         raise ImageSourceForbidden(f"key {key[:80]!r} is outside the prefix {sources[bucket]!r}")
-    data = store.get_bytes(bucket, key, max_bytes)
+    data = source.get_bytes(bucket, key, max_bytes)
     if data is None:
         raise ImageNotFound(f"no object at {uri}")
     return data

@@ -11,21 +11,20 @@ runs batch N the pool decodes batch N+1 and the accelerator is not left waiting 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from shared import logs
-from shared.errors import InternalError, InvalidJob, ModelError, MrcError, WorkerUnusable
-from shared.jobs import Job
+from shared.errors import InternalError, ModelError, MrcError, WorkerUnusable
 from shared.records import JobRecords
 from shared.settings import Settings
-from shared.store import Store
-from workers import batching, images, inference, preprocess
+from shared.stores import ImageSource, ResultStore
+from workers import batching, images, inference, stages
 from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
-from workers.cache import ResultCache, cache_key
+from workers.cache import ResultCache, job_cache_key
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
 from workers.slots import Message, Outcome, Slot
@@ -38,27 +37,27 @@ _INFRASTRUCTURE_STAGES = frozenset({"claim", "results"})
 
 
 class Pipeline:
+    """Orders, times and overlaps the stages of one delivery; the parts come in ready-made
+    (`assemble` below builds them from the seams)."""
+
     def __init__(
         self,
         backend: ModelBackend,
-        store: Store,
-        records: JobRecords,
+        images_from: ImageSource,
+        admission: Admission,
+        finisher: Finisher,
         settings: Settings,
-        metrics: Metrics | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        requeue: Requeue | None = None,
+        metrics: Metrics,
         cache: ResultCache | None = None,
     ) -> None:
-        self.cache = cache if settings.cache_ttl_s > 0 else None
         self.backend = backend
-        self.store = store
-        self.records = records
+        self.images_from = images_from
+        self.admission = admission
+        self.finisher = finisher
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
+        self.cache = cache if settings.cache_ttl_s > 0 else None
         self.log = logs.get_logger()
-        self.finisher = Finisher(
-            backend, store, records, settings, self.metrics, self.log, requeue, sleep, self.cache
-        )
         self._pool = ThreadPoolExecutor(
             max_workers=settings.fetch_threads,
             thread_name_prefix="mrc-fetch",
@@ -68,7 +67,6 @@ class Pipeline:
         self._busy_s = 0.0
         self.jobs_seen = 0
         self._first_batch_at: float | None = None
-        self.admission = Admission(records, store, settings, self.metrics, self.log)
         self.runner = inference.Runner(backend, self._model_call)
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across batches
 
@@ -138,30 +136,25 @@ class Pipeline:
     # ---------------------------------------------------------------- stages
     def _decode(self, slots: list[Slot]) -> None:
         for slot in slots:
-            try:
-                slot.job = Job.from_message(slot.body)
-                limit = self.settings.max_new_tokens_limit
-                if slot.job.max_new_tokens > limit:
-                    raise InvalidJob(f"max_new_tokens {slot.job.max_new_tokens} exceeds {limit}")
-                if len(slot.job.prompt) > self.settings.max_prompt_chars:
-                    raise InvalidJob(f"prompt exceeds {self.settings.max_prompt_chars} characters")
-            except MrcError as exc:
-                slot.error = exc
+            job, _seconds = stages.timed(
+                "reading the message", partial(stages.parse, slot.body, self.settings)
+            )
+            if isinstance(job, MrcError):
+                slot.error = job
+            else:
+                slot.job = job
 
     def _plan_prompts(self, slots: list[Slot]) -> None:
         for slot in self._live(slots):
-            assert slot.job is not None
-            try:
-                slot.plan = self.backend.plan_prompt(
-                    slot.job.prompt, self.settings.max_prompt_tokens, self.settings.truncate_prompts
-                )
-            except MrcError as exc:
-                slot.error = exc
+            job = slot.job
+            assert job is not None
+            work = partial(stages.plan_prompt, job, self.backend, self.settings)
+            plan, _seconds = stages.timed("tokenizing the prompt", work)
+            if isinstance(plan, MrcError):
+                slot.error = plan
                 continue
-            except Exception as exc:  # a tokenizer fault on one prompt is that job's, not the batch's
-                slot.error = InternalError(f"prompt could not be tokenized: {exc!r}"[:500])
-                continue
-            if slot.plan.truncated:
+            slot.plan = plan
+            if plan.truncated:
                 self.metrics.prompt_truncated.inc()
 
     def _fetch_images(self, slots: list[Slot]) -> None:
@@ -174,17 +167,9 @@ class Pipeline:
                 slot.encoded = result
 
     def _fetch_one(self, slot: Slot) -> tuple[images.EncodedImage | MrcError, float]:
-        began = time.perf_counter()
-        assert slot.job is not None
-        try:
-            data = images.fetch(
-                self.store, slot.job.image_uri, self.settings.image_sources, self.settings.max_image_bytes
-            )
-            return images.inspect(data, self.settings.max_image_pixels), time.perf_counter() - began
-        except MrcError as exc:
-            return exc, time.perf_counter() - began
-        except Exception as exc:
-            return InternalError(f"image fetch failed: {exc!r}"[:500]), time.perf_counter() - began
+        job = slot.job
+        assert job is not None
+        return stages.timed("image fetch", partial(stages.fetch_image, job, self.images_from, self.settings))
 
     def _look_up_cache(self, slots: list[Slot]) -> None:
         """A hit skips decoding, preprocessing and the model; the job still gets its own result."""
@@ -192,19 +177,8 @@ class Pipeline:
             return
         for slot in self._live(slots):
             assert slot.job is not None and slot.encoded is not None and slot.plan is not None
-            slot.cache_key = cache_key(
-                model_id=self.backend.model_id,
-                revision=self.backend.revision,
-                quantization=self.backend.quantization,
-                generation={
-                    "decoding": "greedy",
-                    "max_new_tokens": slot.job.max_new_tokens,
-                    "max_prompt_tokens": self.settings.max_prompt_tokens,
-                    "truncate_prompts": self.settings.truncate_prompts,
-                    "max_image_side": self.settings.max_image_side,
-                },
-                image_sha256=slot.encoded.sha256,
-                prompt=slot.plan.text if slot.plan.ids is None else slot.plan.ids,
+            slot.cache_key = job_cache_key(
+                self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan
             )
             try:
                 hit = self.cache.get(slot.cache_key)
@@ -220,22 +194,9 @@ class Pipeline:
                 )
 
     def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
-        began = time.perf_counter()
-        assert slot.encoded is not None
-        try:
-            decoded = images.decode(slot.encoded, self.backend.device)
-            if self.backend.device == "cpu":
-                # On the CPU, shrink here, in parallel across the pool and off the model's critical path
-                # (the same operation the device pass would do; that pass then finds nothing to shrink).
-                shrunk = preprocess.resize_to_fit(decoded.tensor, self.settings.max_image_side)
-                decoded = dataclasses.replace(decoded, tensor=shrunk)
-            return decoded, time.perf_counter() - began
-        except MrcError as exc:
-            return exc, time.perf_counter() - began
-        except Exception as exc:
-            if inference.device_fatal(exc):  # nvjpeg on a broken CUDA context: not the image's fault
-                raise WorkerUnusable(f"decoding on {self.backend.device} failed: {exc!r}"[:500]) from exc
-            return InternalError(f"image decode failed: {exc!r}"[:500]), time.perf_counter() - began
+        encoded = slot.encoded
+        assert encoded is not None
+        return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
 
     def _cost(self, slot: Slot) -> int:
         assert slot.encoded is not None and slot.plan is not None and slot.job is not None
@@ -332,3 +293,24 @@ class Pipeline:
     @staticmethod
     def _live(slots: list[Slot]) -> list[Slot]:
         return [s for s in slots if s.live]
+
+
+def assemble(
+    backend: ModelBackend,
+    images_from: ImageSource,
+    results: ResultStore,
+    records: JobRecords,
+    settings: Settings,
+    *,
+    metrics: Metrics | None = None,
+    requeue: Requeue | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    cache: ResultCache | None = None,
+) -> Pipeline:
+    """A pipeline wired from the seams: the worker's composition root, and the tests'."""
+    metrics = metrics or Metrics()
+    cache = cache if settings.cache_ttl_s > 0 else None
+    log = logs.get_logger()
+    finisher = Finisher(backend, results, records, settings, metrics, log, requeue, sleep, cache)
+    admission = Admission(records, results, settings, metrics, log)
+    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache)

@@ -22,34 +22,11 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-PATCH = 30
-MAX_H, MAX_W = 1080, 1920
+from workers.backends.fuyu_geometry import PATCH, fit_size
+
 # The processor pads uint8 images with fill_value=1.0 before rescaling: padding pixels are 1, not 0.
 PAD_VALUE = 1
 MEAN = STD = 127.5  # 0.5 after rescaling by 1/255, fused as the processor fuses it
-
-
-def fit_size(height: int, width: int, max_side: int = 0) -> tuple[int, int]:
-    """Fuyu's resize-to-fit 1080x1920 (shrink only, aspect kept, int() truncation), plus a side cap."""
-    target_h, target_w = MAX_H, MAX_W
-    if max_side:
-        target_h, target_w = min(target_h, max_side), min(target_w, max_side)
-    if height <= target_h and width <= target_w:
-        return height, width
-    scale = min(target_h / height, target_w / width)
-    return max(1, int(height * scale)), max(1, int(width * scale))
-
-
-def grid(height: int, width: int, max_side: int = 0) -> tuple[int, int]:
-    """Patch rows and columns of an image after resize-to-fit."""
-    h, w = fit_size(height, width, max_side)
-    return math.ceil(h / PATCH), math.ceil(w / PATCH)
-
-
-def image_token_count(height: int, width: int, max_side: int = 0) -> int:
-    """Sequence positions an image takes: one per patch plus one newline per patch row."""
-    rows, cols = grid(height, width, max_side)
-    return rows * (cols + 1)
 
 
 def resize_to_fit(image: torch.Tensor, max_side: int = 0) -> torch.Tensor:

@@ -84,7 +84,7 @@ def test_a_different_job_under_a_used_id_is_refused(client: Client, image: Path)
 def test_a_used_id_stays_used_after_its_record_expired(client: Client, image: Path) -> None:
     job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
     result = {"job_id": job.job_id, "status": "succeeded", "job_fingerprint": job.fingerprint()}
-    client.store.put_result(job.job_id, result)  # ran a week ago; the record is gone
+    client.results.put_result(job.job_id, result)  # ran a week ago; the record is gone
     assert client.enqueue(job) is False and client.records.get(job.job_id) == {}
     other = job.model_copy(update={"prompt": "something else"})
     with pytest.raises(UsageError, match="different job"):
@@ -134,7 +134,7 @@ def test_wait_finds_a_result_whose_record_update_was_lost(client: Client) -> Non
     job_id = _id()
     client.records.claim(job_id, "interactive")
     client.records.begin(job_id)  # the record says running...
-    client.store.put_result(job_id, {"job_id": job_id, "status": "succeeded"})  # ...the result is stored
+    client.results.put_result(job_id, {"job_id": job_id, "status": "succeeded"})  # ...the result is stored
     began = time.monotonic()
     assert client.wait(job_id, timeout=10)["status"] == "succeeded"
     assert time.monotonic() - began < 3

@@ -1,4 +1,4 @@
-"""S3Store against an endpoint that misbehaves the way networks do: a body cut short mid-transfer."""
+"""The S3 stores against an endpoint that misbehaves the way networks do: a body cut short mid-transfer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from shared.errors import StoreUnavailable
 from shared.settings import Settings
-from shared.store import S3Store
+from shared.stores import open_stores
 from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
@@ -55,8 +55,8 @@ def test_a_body_cut_short_is_a_retryable_store_fault(
 ) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    store = S3Store(Settings(s3_endpoint_url=f"http://127.0.0.1:{short_server.port}"))
+    images_from, _results = open_stores(Settings(s3_endpoint_url=f"http://127.0.0.1:{short_server.port}"))
     with pytest.raises(StoreUnavailable) as caught:
-        store.get_bytes("mrc", "inputs/a.jpg", 1 << 20)
+        images_from.get_bytes("mrc", "inputs/a.jpg", 1 << 20)
     assert caught.value.retryable
     assert "1003" in caught.value.message or "short" in caught.value.message.lower()

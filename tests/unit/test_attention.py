@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from shared.settings import Settings
-from workers import attention
+from workers.backends import attention
 from workers.backends.fuyu import FuyuBackend
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")

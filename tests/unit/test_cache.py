@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from shared.records import MemoryJobRecords
 from shared.settings import Settings
-from shared.store import MemoryStore
+from shared.stores.memory import MemoryStore
 from tests.support import imagegen
 from workers.backends.echo import EchoBackend
 from workers.cache import MemoryResultCache, cache_key, prompt_label
-from workers.pipeline import Pipeline
+from workers.pipeline import Pipeline, assemble
 from workers.slots import Message
 
 BASE: dict[str, Any] = {
@@ -96,7 +96,9 @@ def store() -> MemoryStore:
 
 
 def _pipeline(store: MemoryStore, cache: MemoryResultCache, backend: EchoBackend, **kw: Any) -> Pipeline:
-    return Pipeline(backend, store, MemoryJobRecords(), Settings(**kw), sleep=lambda _s: None, cache=cache)
+    return assemble(
+        backend, store, store, MemoryJobRecords(), Settings(**kw), sleep=lambda _s: None, cache=cache
+    )
 
 
 def test_hit_skips_the_model_and_still_writes_its_own_result(store: MemoryStore) -> None:

@@ -12,11 +12,11 @@ import torch
 
 from shared.records import MemoryJobRecords
 from shared.settings import Settings
-from shared.store import MemoryStore
+from shared.stores.memory import MemoryStore
 from tests.support import imagegen
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
-from workers.pipeline import Pipeline
+from workers.pipeline import assemble
 from workers.slots import Message
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
@@ -75,7 +75,7 @@ def test_out_of_memory_splits_down_to_one_job(backend: FuyuBackend, monkeypatch:
 
     monkeypatch.setattr(backend.model, "generate", generate)
     records = MemoryJobRecords()
-    pipeline = Pipeline(backend, store, records, Settings(max_attempts=1), sleep=lambda _s: None)
+    pipeline = assemble(backend, store, store, records, Settings(max_attempts=1), sleep=lambda _s: None)
     assert pipeline.run(messages) == ["succeeded", "succeeded", "failed", "succeeded"]
     assert [entry["job_id"] for entry in records.dlq] == ["j2"]
     error = store.get_result("j2")["error"]

@@ -11,7 +11,7 @@ from shared.errors import ModelError, PromptTooLong
 from shared.settings import Settings
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
-from workers.preprocess import fit_size, image_token_count
+from workers.backends.fuyu_geometry import fit_size, image_token_count
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
 

@@ -13,7 +13,7 @@ from shared.errors import (
     ImageTooLarge,
     UnsupportedImageFormat,
 )
-from shared.store import MemoryStore
+from shared.stores.memory import MemoryStore
 from tests.support import imagegen
 from workers import images
 

@@ -9,10 +9,10 @@ import pytest
 from shared.errors import StoreUnavailable
 from shared.records import MemoryJobRecords
 from shared.settings import Settings
-from shared.store import MemoryStore
+from shared.stores.memory import MemoryStore
 from tests.support import imagegen
 from workers.backends.echo import EchoBackend
-from workers.pipeline import Pipeline
+from workers.pipeline import Pipeline, assemble
 from workers.slots import Message
 
 
@@ -41,8 +41,9 @@ def _pipeline(
     requeue: Requeued | None = None,
     **settings: Any,
 ) -> Pipeline:
-    return Pipeline(
+    return assemble(
         backend or EchoBackend(),
+        store,
         store,
         records or MemoryJobRecords(),
         Settings(**settings),
@@ -277,8 +278,8 @@ def test_a_cache_that_is_down_is_a_miss(store: MemoryStore) -> None:
         def get(self, key: str) -> dict[str, Any] | None:
             raise ConnectionError("cache down")
 
-    pipeline = Pipeline(
-        EchoBackend(), store, MemoryJobRecords(), Settings(), sleep=lambda _s: None, cache=DownCache()
+    pipeline = assemble(
+        EchoBackend(), store, store, MemoryJobRecords(), Settings(), sleep=lambda _s: None, cache=DownCache()
     )
     assert pipeline.run([_job("uncached")]) == ["succeeded"]
 

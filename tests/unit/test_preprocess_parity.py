@@ -21,6 +21,7 @@ from PIL import Image, ImageOps
 
 from tests.support import imagegen
 from workers import images, preprocess
+from workers.backends import fuyu_geometry
 from workers.backends.tiny import ensure_tiny_model
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
@@ -117,7 +118,7 @@ def test_tiny_model_generates_the_same_tokens_from_both(processor: Any) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 20000), st.integers(1, 20000), st.sampled_from([0, 0, 224, 512, 1000]))
 def test_fit_size_shrinks_only_and_keeps_the_aspect(height: int, width: int, max_side: int) -> None:
-    h, w = preprocess.fit_size(height, width, max_side)
+    h, w = fuyu_geometry.fit_size(height, width, max_side)
     limit_h, limit_w = (min(1080, max_side), min(1920, max_side)) if max_side else (1080, 1920)
     assert 1 <= h <= max(limit_h, 1) and 1 <= w <= max(limit_w, 1)
     if height <= limit_h and width <= limit_w:
@@ -138,7 +139,7 @@ def test_token_count_matches_the_built_inputs(height: int, width: int) -> None:
         [torch.zeros((3, height, width), dtype=torch.uint8)], [[7]], ids, torch.float32, "cpu"
     )
     row = built["input_ids"][0].tolist()
-    assert row.count(5) + row.count(6) == preprocess.image_token_count(height, width)
+    assert row.count(5) + row.count(6) == fuyu_geometry.image_token_count(height, width)
     assert built["pixel_values"].shape[0] == row.count(5)
 
 
@@ -148,7 +149,7 @@ def test_token_count_matches_the_processors_formula(processor: Any, height: int,
     scale = min(1.0, 1080 / height, 1920 / width)
     assume(int(height * scale) >= 1 and int(width * scale) >= 1)  # the processor fails on 0-pixel sides
     expected = processor._get_num_multimodal_tokens(image_sizes=[[height, width]]).num_image_tokens[0]
-    assert preprocess.image_token_count(height, width) == expected
+    assert fuyu_geometry.image_token_count(height, width) == expected
 
 
 def test_sixteen_bit_png_is_scaled_not_clipped() -> None:
@@ -164,4 +165,4 @@ def test_side_cap_cuts_image_tokens() -> None:
     capped = preprocess.build_inputs([image], [[7]], ids, torch.float32, "cpu", max_side=480)
     assert full["pixel_values"].shape[0] == 36 * 48
     assert capped["pixel_values"].shape[0] == 12 * 16  # 360x480 after the cap
-    assert preprocess.image_token_count(3000, 4000, 480) == 12 * 17
+    assert fuyu_geometry.image_token_count(3000, 4000, 480) == 12 * 17

@@ -13,7 +13,7 @@ class _NoTorch:
             raise ImportError("blocked: " + name)
         return None
 sys.meta_path.insert(0, _NoTorch())
-import producer.cli, producer.client, shared.store, shared.celery_app, shared.logs
+import producer.cli, producer.client, shared.stores.s3, shared.celery_app, shared.logs
 rc = producer.cli.main(["submit", "--image", "/no/such/file.jpg", "--prompt", "hi"])
 print("rc", rc)
 """

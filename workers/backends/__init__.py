@@ -1,1 +1,24 @@
-"""Model backends behind one protocol (base.py): the real Fuyu loader and an in-process echo model."""
+"""Model backends behind one protocol (base.ModelBackend), chosen from settings by `make_backend`.
+
+- `fuyu`: Fuyu-8B, or any Fuyu checkpoint, from a local folder or the offline HF cache; `tiny` builds
+  the toy Fuyu and loads it through the same code.
+- `echo`: no model at all (answers from the prompt): for the broker benchmarks and the unit tests.
+
+A new model is a module here with a class that has ModelBackend's methods, and one line below.
+"""
+
+from __future__ import annotations
+
+from shared.settings import Settings
+from workers.backends.base import ModelBackend
+
+
+def make_backend(settings: Settings) -> ModelBackend:
+    """The backend MRC_MODEL names: `echo`, else Fuyu (`tiny`, a local folder or a hub id)."""
+    if settings.model == "echo":
+        from workers.backends.echo import EchoBackend
+
+        return EchoBackend()
+    from workers.backends.fuyu import FuyuBackend
+
+    return FuyuBackend(settings)

@@ -54,6 +54,10 @@ class ModelBackend(Protocol):
     def image_tokens(self, height: int, width: int) -> int:
         """How many sequence positions an image of this size takes."""
 
+    def fit_image(self, image: Any) -> Any:
+        """Per-image work that can run before the batch, in the decode threads, off the model's
+        critical path (Fuyu on the CPU: its shrink-to-fit). May return the image as it is."""
+
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
         """Preprocess images and prompts into model inputs on the device."""
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 from shared.errors import PromptTooLong
+from workers.backends import fuyu_geometry
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
 
@@ -36,7 +37,10 @@ class EchoBackend:
         return PromptPlan(" ".join(words[:max_tokens]), max_tokens, len(words), True)
 
     def image_tokens(self, height: int, width: int) -> int:
-        return math.ceil(height / 30) * (math.ceil(width / 30) + 1)
+        return fuyu_geometry.image_token_count(height, width)
+
+    def fit_image(self, image: Any) -> Any:
+        return image
 
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
         return Prepared(inputs=list(batch), max_new_tokens=tuple(i.max_new_tokens for i in batch))

@@ -11,6 +11,7 @@ from shared import prompts
 from shared.errors import InvalidJob, ModelError, OutOfMemory, PromptTooLong
 from shared.settings import Settings
 from workers import preprocess
+from workers.backends import fuyu_geometry
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
 BEGINNING_OF_ANSWER = "<0x04>"  # appended by id, as FuyuProcessor does, never as text
@@ -163,7 +164,15 @@ class FuyuBackend:
         return PromptPlan(tokenizer.decode(kept), max_tokens, len(ids), True, tuple(kept))
 
     def image_tokens(self, height: int, width: int) -> int:
-        return preprocess.image_token_count(height, width, self.settings.max_image_side)
+        return fuyu_geometry.image_token_count(height, width, self.settings.max_image_side)
+
+    def fit_image(self, image: Any) -> Any:
+        """On the CPU, shrink in the decode threads, in parallel and off the model's critical path (the
+        same operation `prepare` would do, which then finds nothing to shrink). On a GPU the shrink
+        runs in `prepare`, on the device, where it is cheap."""
+        if self.device != "cpu":
+            return image
+        return preprocess.resize_to_fit(image, self.settings.max_image_side)
 
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
         """Our device-side preprocessing (workers/preprocess.py), not the processor's CPU path."""
@@ -217,7 +226,7 @@ class FuyuBackend:
 
     def warm_up(self) -> str:
         """One tiny batch through the model under the profiler; records and returns the attention kernel."""
-        from workers import attention
+        from workers.backends import attention
 
         image = torch_full_image(48, 64)
         batch = [GenerationInput(image=image, prompt="warm up", max_new_tokens=2)]

@@ -1,0 +1,158 @@
+"""The stores over boto3: S3 itself or any S3-compatible endpoint (MinIO, Ceph, moto's test server)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+from urllib3.exceptions import HTTPError
+
+from shared import names
+from shared.errors import ImageTooLarge, StoreUnavailable
+from shared.settings import Settings
+
+_MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
+_RESULT_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _is_missing(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code", "")) in _MISSING
+
+
+class S3Connection:
+    """One boto3 client and the error mapping every store shares: an outage, a server error or a broken
+    stream is StoreUnavailable (retryable); "no such key" stays a ClientError for the caller."""
+
+    def __init__(self, settings: Settings, attempts: int = 3) -> None:
+        config = Config(
+            retries={"total_max_attempts": attempts, "mode": "standard"},
+            connect_timeout=settings.connect_timeout_s,
+            read_timeout=30,
+            s3={"addressing_style": "path"} if settings.s3_endpoint_url else {},
+        )
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url or None,
+            region_name=settings.s3_region,
+            config=config,
+        )
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, method)(**kwargs)
+        except ClientError as exc:
+            if _is_missing(exc):
+                raise
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if status >= 500 or status == 0:
+                raise StoreUnavailable(f"S3 {method} failed: {exc}") from exc
+            raise
+        except BotoCoreError as exc:
+            raise StoreUnavailable(f"S3 {method} failed: {exc}") from exc
+
+    def get(self, bucket: str, key: str, max_bytes: int) -> bytes | None:
+        try:
+            obj = self.call("get_object", Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        size = obj.get("ContentLength")
+        if size is not None and int(size) > max_bytes:
+            obj["Body"].close()
+            raise ImageTooLarge(f"image is {size} bytes; the limit is {max_bytes}")
+        data = _read_body(obj["Body"], max_bytes + 1, f"s3://{bucket}/{key}")
+        if len(data) > max_bytes:
+            raise ImageTooLarge(f"image exceeds the byte limit of {max_bytes}")
+        if size is not None and len(data) != int(size):
+            # A connection closed mid-body: read() returns what arrived. The object is fine; retry.
+            raise StoreUnavailable(f"short read of s3://{bucket}/{key}: {len(data)} of {size} bytes")
+        return data
+
+    def exists(self, bucket: str, key: str) -> bool:
+        try:
+            self.call("head_object", Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if _is_missing(exc):
+                return False
+            raise
+        return True
+
+    def put(self, bucket: str, key: str, data: bytes, content_type: str) -> None:
+        self.call("put_object", Bucket=bucket, Key=key, Body=data, ContentType=content_type)
+
+    def ensure_bucket(self, bucket: str) -> None:
+        try:
+            self.call("head_bucket", Bucket=bucket)
+        except ClientError as exc:
+            if not _is_missing(exc):
+                raise
+            self.call("create_bucket", Bucket=bucket)
+
+    def probe(self, bucket: str) -> None:
+        """One cheap request that needs the endpoint, the credentials and (if it exists) the bucket."""
+        try:
+            self.call("head_bucket", Bucket=bucket)
+        except ClientError as exc:
+            if not _is_missing(exc):  # a missing bucket is created when first needed
+                raise StoreUnavailable(f"S3 refused head_bucket: {exc}") from exc
+
+
+def _read_body(body: Any, limit: int, where: str) -> bytes:
+    """Up to `limit` bytes of a streaming body, to its end; a broken stream is the store's fault."""
+    chunks: list[bytes] = []
+    got = 0
+    try:
+        while got < limit and (chunk := body.read(min(1 << 20, limit - got))):
+            chunks.append(chunk)
+            got += len(chunk)
+    except (BotoCoreError, HTTPError, OSError, ValueError) as exc:
+        raise StoreUnavailable(f"reading {where} failed: {exc!r}"[:500]) from exc
+    finally:
+        body.close()
+    return b"".join(chunks)
+
+
+class S3ImageSource:
+    def __init__(self, connection: S3Connection, settings: Settings) -> None:
+        self.connection = connection
+        self.bucket = settings.s3_bucket
+        self.prefix = settings.s3_prefix
+        self._bucket_ready = False
+
+    def get_bytes(self, bucket: str, key: str, max_bytes: int) -> bytes | None:
+        return self.connection.get(bucket, key, max_bytes)
+
+    def put_input(self, data: bytes, key: str, content_type: str) -> str:
+        if not self._bucket_ready:
+            self.connection.ensure_bucket(self.bucket)
+            self._bucket_ready = True
+        if not self.connection.exists(self.bucket, key):  # content-addressed: upload once
+            self.connection.put(self.bucket, key, data, content_type)
+        return names.s3_uri(self.bucket, key)
+
+
+class S3ResultStore:
+    def __init__(self, connection: S3Connection, settings: Settings) -> None:
+        self.connection = connection
+        self.bucket = settings.s3_bucket
+        self.prefix = settings.s3_prefix
+
+    def ensure_bucket(self) -> None:
+        self.connection.ensure_bucket(self.bucket)
+
+    def put_result(self, job_id: str, result: dict[str, Any]) -> str:
+        key = names.result_key(self.prefix, job_id)
+        body = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+        self.connection.put(self.bucket, key, body, "application/json")
+        return names.s3_uri(self.bucket, key)
+
+    def get_result(self, job_id: str) -> dict[str, Any] | None:
+        data = self.connection.get(self.bucket, names.result_key(self.prefix, job_id), _RESULT_MAX_BYTES)
+        return None if data is None else dict(json.loads(data))
+
+    def result_uri(self, job_id: str) -> str:
+        return names.s3_uri(self.bucket, names.result_key(self.prefix, job_id))

@@ -1,0 +1,59 @@
+"""What each per-job stage does to one job, apart from how the pipeline orders, overlaps and times
+them. Each takes what it needs and returns what it made; `timed` turns a job's fault into that job's
+error (a device fault excepted: that one ends the worker) and measures the work."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from shared.errors import InternalError, InvalidJob, MrcError, WorkerUnusable
+from shared.jobs import Job, limit_problem
+from shared.settings import Settings
+from shared.stores import ImageSource
+from workers import images, inference
+from workers.backends.base import ModelBackend, PromptPlan
+
+T = TypeVar("T")
+
+
+def timed(what: str, work: Callable[[], T]) -> tuple[T | MrcError, float]:
+    """Run one job's piece of work: its result or its error, and the seconds it took."""
+    began = time.perf_counter()
+    result: T | MrcError
+    try:
+        result = work()
+    except MrcError as exc:
+        result = exc
+    except Exception as exc:
+        if inference.device_fatal(exc):  # e.g. nvjpeg on a broken CUDA context: not the job's fault
+            raise WorkerUnusable(f"{what} failed on the device: {exc!r}"[:500]) from exc
+        result = InternalError(f"{what} failed: {exc!r}"[:500])
+    return result, time.perf_counter() - began
+
+
+def parse(body: object, settings: Settings) -> Job:
+    """The job in a message, within this deployment's limits (InvalidJob otherwise)."""
+    job = Job.from_message(body)
+    problem = limit_problem(settings, job.prompt, job.max_new_tokens)
+    if problem:
+        raise InvalidJob(problem)
+    return job
+
+
+def plan_prompt(job: Job, backend: ModelBackend, settings: Settings) -> PromptPlan:
+    return backend.plan_prompt(job.prompt, settings.max_prompt_tokens, settings.truncate_prompts)
+
+
+def fetch_image(job: Job, source: ImageSource, settings: Settings) -> images.EncodedImage:
+    """The job's image bytes, checked from the header (format, size, frames, orientation)."""
+    data = images.fetch(source, job.image_uri, settings.image_sources, settings.max_image_bytes)
+    return images.inspect(data, settings.max_image_pixels)
+
+
+def decode_image(encoded: images.EncodedImage, backend: ModelBackend) -> images.DecodedImage:
+    """Decoded (on the model's device where the decoder can), oriented, and fitted by the backend."""
+    decoded = images.decode(encoded, backend.device)
+    return dataclasses.replace(decoded, tensor=backend.fit_image(decoded.tensor))
