@@ -70,6 +70,12 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, ensure_ascii=False))
 
 
+def _print_result(result: dict[str, Any]) -> int:
+    """Print a result; its exit code: 0 succeeded, 1 failed."""
+    _print_json(result)
+    return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
+
+
 def _submission(args: argparse.Namespace) -> Any:
     from producer.client import Submission
 
@@ -106,8 +112,7 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     except TimeoutError as exc:
         print(f"mrc: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
-    _print_json(result)
-    return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
+    return _print_result(result)
 
 
 def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
@@ -124,8 +129,7 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
     if result is None:
         print(f"mrc: no result for {args.job_id} yet", file=sys.stderr)
         return EXIT_TIMEOUT
-    _print_json(result)
-    return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
+    return _print_result(result)
 
 
 def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:

@@ -15,10 +15,10 @@ from typing import Any
 from celery import Celery
 
 from shared import logs, names, prompts
-from shared.celery_app import make_celery
+from shared.celery_app import make_celery, send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, limit_problem
-from shared.records import TERMINAL, RedisJobRecords, connect
+from shared.records import TERMINAL, JobRecords, RedisJobRecords, connect
 from shared.settings import Settings
 from shared.sniff import sniff_format
 from shared.stores import ImageSource, ResultStore, open_stores
@@ -47,7 +47,7 @@ class Client:
         *,
         images: ImageSource | None = None,
         results: ResultStore | None = None,
-        records: RedisJobRecords | None = None,
+        records: JobRecords | None = None,
         celery: Celery | None = None,
     ) -> None:
         self.settings = settings
@@ -55,7 +55,7 @@ class Client:
             images, results = open_stores(settings)
         self.images: ImageSource = images
         self.results: ResultStore = results
-        self.records: RedisJobRecords = records or RedisJobRecords(
+        self.records: JobRecords = records or RedisJobRecords(
             connect(settings.redis_url, settings.connect_timeout_s, retries=3)
         )
         self.celery = celery or make_celery(settings)
@@ -174,12 +174,7 @@ class Client:
             return False, None
 
     def _send(self, job: Job) -> None:
-        self.celery.send_task(
-            names.TASK_NAME,
-            kwargs={"job": job.to_message()},
-            task_id=job.job_id,
-            queue=names.queue_name(job.lane),
-        )
+        send_job(self.celery, job.to_message(), job.lane)
 
     def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
         if fingerprint and fingerprint != job.fingerprint():

@@ -55,3 +55,15 @@ def make_celery(settings: Settings) -> Celery:
         worker_enable_remote_control=False,
     )
     return app
+
+
+def send_job(app: Celery, job: dict[str, object], lane: str, countdown: float | None = None) -> None:
+    """Put a job message on its lane's queue, its job id as the task id (how a job id is sent once)."""
+    lane = lane if lane in names.LANES else "interactive"
+    app.send_task(
+        names.TASK_NAME,
+        kwargs={"job": job},
+        task_id=str(job.get("job_id")),
+        queue=names.queue_name(lane),
+        countdown=countdown,
+    )

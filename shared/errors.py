@@ -80,6 +80,12 @@ class Expired(MrcError):
     code = "expired"
 
 
+class Cancelled(MrcError):
+    """The job's backlog run was cancelled before the job ran."""
+
+    code = "cancelled"
+
+
 class InternalError(MrcError):
     """A fault in mrc itself; the message says where."""
 
@@ -133,16 +139,14 @@ class WorkerUnusable(BaseException):
 
 # Never in a result: the job was not enqueued.
 PRODUCER_CODES: tuple[str, ...] = ("queue_full", "service_unreachable")
-ERROR_CODES: tuple[str, ...] = (
-    "invalid_job",
-    "image_not_found",
-    "image_source_forbidden",
-    "unsupported_image_format",
-    "image_decode_error",
-    "image_too_large",
-    "prompt_too_long",
-    "out_of_memory",
-    "model_error",
-    "expired",
-    "internal_error",
-)
+
+
+def _codes(root: type[MrcError]) -> list[str]:
+    found = [root.code]
+    for sub in root.__subclasses__():
+        found += _codes(sub)
+    return found
+
+
+# Every code a result may carry, derived from the classes above (each code once, in class order).
+ERROR_CODES: tuple[str, ...] = tuple(dict.fromkeys(c for c in _codes(MrcError) if c not in PRODUCER_CODES))

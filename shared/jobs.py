@@ -23,8 +23,13 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _JOB_ID_RULE = "1-128 of [A-Za-z0-9._:-], starting with a letter or digit"
 
 
+def rfc3339(moment: datetime | None = None, timespec: str = "milliseconds") -> str:
+    """An RFC 3339 UTC time with a Z, as results, records and log lines all write it."""
+    return (moment or datetime.now(UTC)).astimezone(UTC).isoformat(timespec=timespec).replace("+00:00", "Z")
+
+
 def now_rfc3339() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return rfc3339()
 
 
 def parse_rfc3339(value: str) -> datetime:

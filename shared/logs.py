@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from shared.jobs import rfc3339
+
 _ESCAPES = {"\\": "\\\\", "|": "\\|", "\n": "\\n", "\r": "\\r"}
 _UNESCAPES = {"\\": "\\", "|": "|", "n": "\n", "r": "\r"}
 # Everything else that must never reach a line raw: the other C0 controls (tab too), DEL, C1 controls (U+0085
@@ -94,7 +96,7 @@ class PipeRenderer:
 
 
 def _utc_ts() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return rfc3339(timespec="microseconds")
 
 
 def _add_ts(_logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -107,9 +109,7 @@ class PipeFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, object] = {
-            "ts": datetime.fromtimestamp(record.created, UTC)
-            .isoformat(timespec="microseconds")
-            .replace("+00:00", "Z"),
+            "ts": rfc3339(datetime.fromtimestamp(record.created, UTC), "microseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from typing import Protocol
 
 import redis
@@ -47,6 +46,8 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 
 
 class JobRecords(Protocol):
+    """Job state, claims and dead letters: what the producer and the worker keep in Redis."""
+
     def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool: ...
     def confirm(self, job_id: str, checked: bool = True) -> None: ...
     def release(self, job_id: str) -> None: ...
@@ -54,7 +55,16 @@ class JobRecords(Protocol):
     def get(self, job_id: str) -> dict[str, str]: ...
     def begin(self, job_id: str) -> int: ...
     def solo_run(self, job_id: str) -> int: ...
+    def reset_attempts(self, job_id: str) -> None: ...
+    def list_lengths(self, keys: list[str]) -> int: ...
     def dead_letter(self, entry: dict[str, object]) -> None: ...
+    def dead_letters(self, limit: int = 100) -> list[dict[str, object]]: ...
+    def dead_letter_count(self) -> int: ...
+    def take_dead_letter(self) -> str | None: ...
+    def ack_dead_letter(self, raw: str) -> None: ...
+    def return_dead_letter(self, raw: str, oldest: bool = True) -> None: ...
+    def recover_dead_letters(self) -> int: ...
+    def purge_dead_letters(self) -> int: ...
 
 
 class RedisJobRecords:
@@ -167,53 +177,3 @@ class RedisJobRecords:
         """Count a run of the job alone; returns how many lone runs came before this one."""
         key = names.job_key(job_id)
         return int(self._redis.hincrby(key, "solo_runs", 1)) - 1  # type: ignore[arg-type]
-
-
-class MemoryJobRecords:
-    """In-process twin of RedisJobRecords for unit tests."""
-
-    def __init__(self) -> None:
-        self.records: dict[str, dict[str, str]] = {}
-        self.dlq: list[dict[str, object]] = []
-        self._lock = threading.Lock()
-
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
-        with self._lock:
-            if job_id in self.records:
-                return False
-            self.records[job_id] = {"state": "queued", "lane": lane, "fingerprint": fingerprint}
-            return True
-
-    def confirm(self, job_id: str, checked: bool = True) -> None:
-        with self._lock:
-            self.records.setdefault(job_id, {}).update(published="1", checked="1" if checked else "0")
-
-    def release(self, job_id: str) -> None:
-        with self._lock:
-            self.records.pop(job_id, None)
-
-    def set_state(self, job_id: str, state: State, **fields: str) -> None:
-        with self._lock:
-            self.records.setdefault(job_id, {}).update({"state": state, **fields})
-
-    def get(self, job_id: str) -> dict[str, str]:
-        with self._lock:
-            return dict(self.records.get(job_id, {}))
-
-    def dead_letter(self, entry: dict[str, object]) -> None:
-        with self._lock:
-            self.dlq.append(dict(entry))
-
-    def begin(self, job_id: str) -> int:
-        with self._lock:
-            record = self.records.setdefault(job_id, {})
-            attempts = int(record.get("attempts", "0")) + 1
-            record.update({"state": "running", "attempts": str(attempts)})
-            return attempts
-
-    def solo_run(self, job_id: str) -> int:
-        with self._lock:
-            record = self.records.setdefault(job_id, {})
-            earlier = int(record.get("solo_runs", "0"))
-            record["solo_runs"] = str(earlier + 1)
-            return earlier

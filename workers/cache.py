@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -94,25 +92,3 @@ class RedisResultCache:
 
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
         self._redis.set(cache_entry_key(key), json.dumps(value, ensure_ascii=False), ex=ttl_s)
-
-
-class MemoryResultCache:
-    """In-process twin for unit tests (TTL honoured on read)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, tuple[float, dict[str, Any]]] = {}
-        self.hits = self.misses = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        with self._lock:
-            expires, value = self.entries.get(key, (0.0, {}))
-            if expires < time.monotonic():
-                self.misses += 1
-                return None
-            self.hits += 1
-            return dict(value)
-
-    def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
-        with self._lock:
-            self.entries[key] = (time.monotonic() + ttl_s, dict(value))

@@ -16,6 +16,7 @@ from celery import Celery
 from celery_batches import SimpleRequest
 
 from shared import logs, names
+from shared.celery_app import send_job
 from shared.settings import Settings
 from workers.pipeline import Pipeline
 from workers.slots import Message
@@ -115,15 +116,8 @@ def make_requeue(app: Celery) -> Callable[[str, object, float], None]:
     """Put a job back on its lane after `delay` seconds (a Celery countdown), same task id."""
 
     def requeue(request_id: str, body: object, delay: float) -> None:
-        job = body if isinstance(body, dict) else {}
-        lane = job.get("lane", "interactive")
-        lane = lane if lane in names.LANES else "interactive"
-        app.send_task(
-            names.TASK_NAME,
-            kwargs={"job": job},
-            task_id=request_id,
-            queue=names.queue_name(lane),
-            countdown=delay,
-        )
+        job = dict(body) if isinstance(body, dict) else {}
+        job.setdefault("job_id", request_id)
+        send_job(app, job, str(job.get("lane", "interactive")), countdown=delay)
 
     return requeue

@@ -6,12 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.records import MemoryJobRecords
+from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
 from workers.backends.echo import EchoBackend
-from workers.cache import MemoryResultCache, cache_key, prompt_label
+from workers.cache import cache_key, prompt_label
+from workers.memory_cache import MemoryResultCache
 from workers.pipeline import Pipeline, assemble
 from workers.slots import Message
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from shared.records import MemoryJobRecords
+from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen

@@ -58,6 +58,12 @@ def test_every_error_class_has_a_contract_code() -> None:
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, MrcError)]
     assert {c.code for c in classes} <= set(ERROR_CODES) | set(errors.PRODUCER_CODES)
     assert set(ERROR_CODES) <= {c.code for c in classes}
+    # docs/contract.md, "Error codes": exactly these, no more, no fewer.
+    assert set(ERROR_CODES) == {
+        "invalid_job", "image_not_found", "image_source_forbidden", "unsupported_image_format",
+        "image_decode_error", "image_too_large", "prompt_too_long", "out_of_memory", "model_error",
+        "expired", "cancelled", "internal_error",
+    }  # fmt: skip
 
 
 def test_result_serialises_with_the_contract_field_names() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from shared.errors import StoreUnavailable
-from shared.records import MemoryJobRecords
+from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
@@ -272,7 +272,7 @@ def test_redis_gone_during_claim_raises_instead_of_failing_the_jobs(store: Memor
 
 
 def test_a_cache_that_is_down_is_a_miss(store: MemoryStore) -> None:
-    from workers.cache import MemoryResultCache
+    from workers.memory_cache import MemoryResultCache
 
     class DownCache(MemoryResultCache):
         def get(self, key: str) -> dict[str, Any] | None:

@@ -1,0 +1,109 @@
+"""In-process twin of the Redis job records, for unit tests: the same operations on dicts and lists."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from shared.jobs import State
+
+
+class MemoryJobRecords:
+    """In-process twin of RedisJobRecords (shared/records.py)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, str]] = {}
+        self.dlq: list[dict[str, object]] = []  # oldest first
+        self.processing: list[str] = []
+        self._lock = threading.Lock()
+
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
+        with self._lock:
+            if job_id in self.records:
+                return False
+            self.records[job_id] = {"state": "queued", "lane": lane, "fingerprint": fingerprint}
+            return True
+
+    def confirm(self, job_id: str, checked: bool = True) -> None:
+        with self._lock:
+            self.records.setdefault(job_id, {}).update(published="1", checked="1" if checked else "0")
+
+    def release(self, job_id: str) -> None:
+        with self._lock:
+            self.records.pop(job_id, None)
+
+    def set_state(self, job_id: str, state: State, **fields: str) -> None:
+        with self._lock:
+            self.records.setdefault(job_id, {}).update({"state": state, **fields})
+
+    def get(self, job_id: str) -> dict[str, str]:
+        with self._lock:
+            return dict(self.records.get(job_id, {}))
+
+    def dead_letter(self, entry: dict[str, object]) -> None:
+        with self._lock:
+            self.dlq.append(dict(entry))
+
+    def begin(self, job_id: str) -> int:
+        with self._lock:
+            record = self.records.setdefault(job_id, {})
+            attempts = int(record.get("attempts", "0")) + 1
+            record.update({"state": "running", "attempts": str(attempts)})
+            return attempts
+
+    def solo_run(self, job_id: str) -> int:
+        with self._lock:
+            record = self.records.setdefault(job_id, {})
+            earlier = int(record.get("solo_runs", "0"))
+            record["solo_runs"] = str(earlier + 1)
+            return earlier
+
+    def reset_attempts(self, job_id: str) -> None:
+        with self._lock:
+            record = self.records.setdefault(job_id, {})
+            record.update({"attempts": "0", "solo_runs": "0", "state": "queued"})
+
+    def list_lengths(self, keys: list[str]) -> int:
+        return 0  # no queues in process
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, object]]:
+        with self._lock:
+            return [dict(e) for e in reversed(self.dlq[-limit:])]
+
+    def dead_letter_count(self) -> int:
+        with self._lock:
+            return len(self.dlq)
+
+    def take_dead_letter(self) -> str | None:
+        with self._lock:
+            if not self.dlq:
+                return None
+            raw = json.dumps(self.dlq.pop(0))
+            self.processing.append(raw)
+            return raw
+
+    def ack_dead_letter(self, raw: str) -> None:
+        with self._lock:
+            self.processing.remove(raw)
+
+    def return_dead_letter(self, raw: str, oldest: bool = True) -> None:
+        with self._lock:
+            self.processing.remove(raw)
+            entry = json.loads(raw)
+            if oldest:
+                self.dlq.insert(0, entry)
+            else:
+                self.dlq.append(entry)
+
+    def recover_dead_letters(self) -> int:
+        with self._lock:
+            moved = [json.loads(raw) for raw in self.processing]
+            self.processing.clear()
+            self.dlq[:0] = moved
+            return len(moved)
+
+    def purge_dead_letters(self) -> int:
+        with self._lock:
+            count = len(self.dlq)
+            self.dlq.clear()
+            return count
