@@ -117,7 +117,7 @@ class RedisJobRecords:
         return [json.loads(raw) for raw in self._redis.lrange(names.dead_letter_key(), 0, limit - 1)]
 
     def dead_letter_count(self) -> int:
-        return int(self._redis.llen(names.dead_letter_key()))  # type: ignore[arg-type]
+        return int(self._redis.llen(names.dead_letter_key()))
 
     def take_dead_letter(self) -> str | None:
         """Move the oldest entry to the processing list and return it as stored. It leaves that list
@@ -144,7 +144,7 @@ class RedisJobRecords:
         return moved
 
     def purge_dead_letters(self) -> int:
-        count = int(self._redis.llen(names.dead_letter_key()))  # type: ignore[arg-type]
+        count = int(self._redis.llen(names.dead_letter_key()))
         self._redis.delete(names.dead_letter_key())
         return count
 
@@ -176,4 +176,4 @@ class RedisJobRecords:
     def solo_run(self, job_id: str) -> int:
         """Count a run of the job alone; returns how many lone runs came before this one."""
         key = names.job_key(job_id)
-        return int(self._redis.hincrby(key, "solo_runs", 1)) - 1  # type: ignore[arg-type]
+        return int(self._redis.hincrby(key, "solo_runs", 1)) - 1

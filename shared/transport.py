@@ -105,7 +105,7 @@ def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
     return message
 
 
-class Channel(kombu_redis.Channel):  # type: ignore[misc]
+class Channel(kombu_redis.Channel):
     #: How long an idle consumer blocks before it looks at every list again. An interactive message
     #: wakes it at once; a backlog message waits at most this long.
     idle_wait_s = 0.2
@@ -183,5 +183,5 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
             pipe.execute()
 
 
-class Transport(kombu_redis.Transport):  # type: ignore[misc]
+class Transport(kombu_redis.Transport):
     Channel = Channel

@@ -8,10 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import services
+from scripts import devservices as services
 
 # The tiny Fuyu is built once per checkout and reused: building it is deterministic (seeded).
 MODEL_HOME = services.ROOT / ".cache" / "mrc"
+
+
+_MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "faults": "faults", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test is marked by its folder (`-m unit`, `-m "not faults"`), whatever its module says."""
+    for item in items:
+        folder = item.path.parent.name
+        if folder in _MARK_BY_FOLDER:
+            item.add_marker(_MARK_BY_FOLDER[folder])
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,7 @@ class RedisResultCache:
     def get(self, key: str) -> dict[str, Any] | None:
         raw = self._redis.get(cache_entry_key(key))
         self._redis.incr(self.MISSES if raw is None else self.HITS)
-        return None if raw is None else dict(json.loads(raw))  # type: ignore[arg-type]
+        return None if raw is None else dict(json.loads(raw))
 
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
         self._redis.set(cache_entry_key(key), json.dumps(value, ensure_ascii=False), ex=ttl_s)

@@ -176,7 +176,9 @@ class Pipeline:
         if self.cache is None:
             return
         for slot in self._live(slots):
-            assert slot.job is not None and slot.encoded is not None and slot.plan is not None
+            assert slot.job is not None
+            assert slot.encoded is not None
+            assert slot.plan is not None
             slot.cache_key = job_cache_key(
                 self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan
             )
@@ -199,7 +201,9 @@ class Pipeline:
         return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
 
     def _cost(self, slot: Slot) -> int:
-        assert slot.encoded is not None and slot.plan is not None and slot.job is not None
+        assert slot.encoded is not None
+        assert slot.plan is not None
+        assert slot.job is not None
         image = self.backend.image_tokens(slot.encoded.height, slot.encoded.width)
         return image + slot.plan.tokens + slot.job.max_new_tokens
 
@@ -237,7 +241,9 @@ class Pipeline:
         """Run one model batch (split on failure); each job gets its output or its own error."""
         inputs = []
         for slot in group:
-            assert slot.decoded is not None and slot.plan is not None and slot.job is not None
+            assert slot.decoded is not None
+            assert slot.plan is not None
+            assert slot.job is not None
             plan = slot.plan
             inputs.append(GenerationInput(slot.decoded.tensor, plan.text, slot.job.max_new_tokens, plan.ids))
         runs, errors = self.runner.run(inputs)

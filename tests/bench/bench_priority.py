@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from producer.client import Client, Submission  # noqa: E402
+from scripts import devservices as services  # noqa: E402
 from shared import logs  # noqa: E402
 from shared.jobs import parse_rfc3339  # noqa: E402
-from tests.support import imagegen, services  # noqa: E402
+from tests.support import imagegen  # noqa: E402
 
 
 def percentiles(values: list[float]) -> tuple[float, float, float]:

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from producer.client import Client
+from scripts import devservices as services
 from shared.jobs import Job
 from tests.conftest import MODEL_HOME
-from tests.support import imagegen, services
+from tests.support import imagegen
 from tests.support.proxy import Proxy
 
 

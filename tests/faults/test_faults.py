@@ -14,9 +14,10 @@ import uuid
 import pytest
 import redis as redis_lib
 
+from scripts import devservices as services
 from shared import names
 from tests.faults.conftest import Cluster
-from tests.support import imagegen, services
+from tests.support import imagegen
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -188,7 +189,8 @@ def test_two_workers_process_every_job_once(cluster: Cluster) -> None:
     cluster.send(jobs)
     _assert_once(cluster, cluster.wait_all(jobs, 120))
     per_worker = [len(w.find("MRC_SUCCESS")) for w in (a, b)]
-    assert sum(per_worker) == 60 and min(per_worker) > 0, per_worker
+    assert sum(per_worker) == 60, per_worker
+    assert min(per_worker) > 0, per_worker
 
 
 def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster: Cluster) -> None:
@@ -201,7 +203,8 @@ def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster
     env = cluster.env
     listed = [json.loads(line) for line in services.run_cli(env, "dlq", "list").stdout.splitlines()]
     assert sorted(e["job_id"] for e in listed) == sorted(j.job_id for j in jobs)
-    assert {e["code"] for e in listed} == {"internal_error"} and {e["attempts"] for e in listed} == {2}
+    assert {e["code"] for e in listed} == {"internal_error"}
+    assert {e["attempts"] for e in listed} == {2}
     assert json.loads(services.run_cli(env, "dlq", "requeue").stdout) == {"requeued": 3, "invalid": 0}
     results = cluster.wait_all(jobs, 60)
     assert {r["status"] for r in results.values()} == {"succeeded"}
@@ -233,7 +236,8 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
 
         deadline = time.monotonic() + 90
         while not armed() and cluster.client.result(killer.job_id) is None:
-            assert time.monotonic() < deadline and worker.proc.poll() is None, "the killer never ran"
+            assert time.monotonic() < deadline, "the killer never ran"
+            assert worker.proc.poll() is None, "the worker died on its own"
             time.sleep(0.01)
         if cluster.client.result(killer.job_id) is not None:
             break
@@ -242,7 +246,8 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
         solo_seen = int(records.get(killer.job_id).get("solo_runs", "0"))
     abandoned = cluster.client.result(killer.job_id)
     assert crashes == 3, abandoned
-    assert abandoned is not None and abandoned["error"]["code"] == "internal_error"
+    assert abandoned is not None
+    assert abandoned["error"]["code"] == "internal_error"
     assert "abandoned" in abandoned["error"]["message"]
     _assert_once(cluster, cluster.wait_all(good, 60))
     listed = [json.loads(line) for line in services.run_cli(cluster.env, "dlq", "list").stdout.splitlines()]

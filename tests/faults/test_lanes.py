@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
+from scripts import devservices as services
 from shared.errors import QueueFull
 from shared.jobs import parse_rfc3339
 from tests.faults.conftest import Cluster
-from tests.support import services
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -22,11 +22,14 @@ def test_backlog_depth_limit_blocks_or_refuses_but_never_interactive(cluster: Cl
     assert cluster.client.lane_depth("backlog") == 5
     with pytest.raises(QueueFull) as caught:
         cluster.client.enqueue(backlog[5], block=False)
-    assert (caught.value.depth, caught.value.limit) == (5, 5) and "5" in caught.value.message
+    assert (caught.value.depth, caught.value.limit) == (5, 5)
+    assert "5" in caught.value.message
     refused = services.run_cli(
         cluster.env, "submit", "--image", str(image), "--prompt", "q", "--lane", "backlog", "--no-block"
     )
-    assert refused.returncode == 4 and "queue full" in refused.stderr and refused.stdout == ""
+    assert refused.returncode == 4
+    assert "queue full" in refused.stderr
+    assert refused.stdout == ""
     interactive = cluster.jobs(2, image, prefix="it")
     cluster.send(interactive)  # never held back by the backlog
     blocked_done = threading.Event()

@@ -48,6 +48,7 @@ def test_cuda_decode_applies_exif_orientation_like_the_cpu(orientation: int) -> 
     encoded = images.inspect(out.getvalue(), 40_000_000)
     on_cpu = images.decode(encoded, "cpu").tensor
     on_gpu = images.decode(encoded, "cuda").tensor
-    assert on_gpu.is_cuda and on_gpu.shape == on_cpu.shape == (3, encoded.height, encoded.width)
+    assert on_gpu.is_cuda
+    assert on_gpu.shape == on_cpu.shape == (3, encoded.height, encoded.width)
     # nvjpeg and libjpeg-turbo use different IDCTs: within 2 levels on average, never a rotation off.
     assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean().item() <= 2.0

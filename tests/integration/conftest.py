@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from producer.client import Client
-from tests.support import services
+from scripts import devservices as services
 
 
 @pytest.fixture(scope="session")

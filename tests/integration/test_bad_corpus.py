@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from producer.client import Client
+from scripts.devservices import Worker
 from shared.errors import UsageError
 from tests.support import badcorpus, imagegen
-from tests.support.services import Worker
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,8 @@ def test_bad_prompts_are_refused_or_answered(client: Client, worker: Worker, tmp
         assert results[job_id]["status"] == "succeeded"
         assert results[job_id]["prompt"]["chars"] == len(prompt)
         lines = worker.find("MRC_SUCCESS", job_id=job_id)
-        assert len(lines) == 1 and lines[0]["prompt_head"] == prompt[:64]
+        assert len(lines) == 1
+        assert lines[0]["prompt_head"] == prompt[:64]
 
 
 def test_submit_many_from_python(client: Client, worker: Worker, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import ROOT
+from scripts.devservices import ROOT
 
 pytestmark = pytest.mark.integration
 

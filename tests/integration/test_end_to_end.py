@@ -10,9 +10,10 @@ from pathlib import Path
 import boto3
 import pytest
 
+from scripts import devservices as services
+from scripts.devservices import Worker, run_cli
 from shared.jobs import JobResult
-from tests.support import imagegen, services
-from tests.support.services import Worker, run_cli
+from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
 
@@ -53,19 +54,27 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         assert printed == stored
         JobResult.model_validate(stored)
         assert stored["schema"] == "mrc.result/1"
-        assert stored["status"] == "succeeded" and isinstance(stored["text"], str)
-        assert stored["error"] is None and stored["ticket_id"] == f"T-{i}" and stored["attempts"] == 1
-        assert stored["image"]["width"] == 640 + 100 * i and stored["image"]["height"] == 480
+        assert stored["status"] == "succeeded"
+        assert isinstance(stored["text"], str)
+        assert stored["error"] is None
+        assert stored["ticket_id"] == f"T-{i}"
+        assert stored["attempts"] == 1
+        assert stored["image"]["width"] == 640 + 100 * i
+        assert stored["image"]["height"] == 480
         assert stored["image"]["uri"].startswith(f"s3://{env['MRC_S3_BUCKET']}/inputs/")
-        assert stored["prompt"]["chars"] == len(prompt) and stored["prompt"]["tokens"] > 0
-        assert stored["model"]["id"] == "tiny-fuyu-v1" and stored["model"]["quantization"] == "nf4"
+        assert stored["prompt"]["chars"] == len(prompt)
+        assert stored["prompt"]["tokens"] > 0
+        assert stored["model"]["id"] == "tiny-fuyu-v1"
+        assert stored["model"]["quantization"] == "nf4"
         assert stored["model"]["attention_backend"] == "sdpa:flash_cpu"
         assert set(stored["timings_ms"]) == {"queued", "preprocess", "inference", "total"}
         assert stored["timings_ms"]["inference"] > 0
         success = worker.find("MRC_SUCCESS", job_id=job_id)
         assert len(success) == 1
-        assert float(success[0]["latency"]) > 0 and int(success[0]["input_len"]) > 0
-        assert int(success[0]["output_len"]) >= 0 and success[0]["prompt_head"] == prompt[:64]
+        assert float(success[0]["latency"]) > 0
+        assert int(success[0]["input_len"]) > 0
+        assert int(success[0]["output_len"]) >= 0
+        assert success[0]["prompt_head"] == prompt[:64]
         status = json.loads(run_cli(env, "status", job_id).stdout)
         assert status == {
             "job_id": job_id,
@@ -80,7 +89,8 @@ def test_submit_without_wait_prints_the_job_id_alone(env, worker: Worker, images
     done = run_cli(env, "submit", "--image", str(image), "--prompt", "what colour is the box?")
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
-    assert len(done.stdout.splitlines()) == 1 and job_id
+    assert len(done.stdout.splitlines()) == 1
+    assert job_id
     waited = run_cli(env, "result", job_id)
     for _ in range(100):
         if waited.returncode == 0:
@@ -104,10 +114,13 @@ def test_bad_image_fails_its_job_with_its_code(
     done = _submit_wait(env, _write(images_dir, name, data), "is this damaged?")
     assert done.returncode == 1, done.stderr
     result = json.loads(done.stdout)
-    assert result["status"] == "failed" and result["text"] is None
-    assert result["error"]["code"] == code and result["error"]["retryable"] is False
+    assert result["status"] == "failed"
+    assert result["text"] is None
+    assert result["error"]["code"] == code
+    assert result["error"]["retryable"] is False
     errors = worker.find("MRC_ERROR", job_id=result["job_id"])
-    assert len(errors) == 1 and errors[0]["code"] == code
+    assert len(errors) == 1
+    assert errors[0]["code"] == code
 
 
 def test_awkward_prompt_is_logged_on_one_line_and_round_trips(env, worker: Worker, images_dir: Path) -> None:
@@ -116,7 +129,8 @@ def test_awkward_prompt_is_logged_on_one_line_and_round_trips(env, worker: Worke
     assert done.returncode == 0, done.stderr
     job_id = json.loads(done.stdout)["job_id"]
     lines = [line for line in worker.log_path.read_text().splitlines() if f"job_id={job_id}" in line]
-    assert len(lines) == 1 and lines[0].startswith("MRC_SUCCESS|")
+    assert len(lines) == 1
+    assert lines[0].startswith("MRC_SUCCESS|")
     assert worker.find("MRC_SUCCESS", job_id=job_id)[0]["prompt_head"] == prompt
 
 
@@ -143,7 +157,8 @@ def test_same_job_id_twice_runs_once(env, worker: Worker, images_dir: Path) -> N
     job_id = f"dup-{uuid.uuid4().hex[:10]}"
     first = run_cli(env, "submit", "--image", str(image), "--prompt", "once", "--job-id", job_id)
     second = _submit_wait(env, image, "once", "--job-id", job_id)
-    assert first.returncode == 0 and second.returncode == 0
+    assert first.returncode == 0
+    assert second.returncode == 0
     assert first.stdout.strip() == job_id == json.loads(second.stdout)["job_id"]
     assert len(worker.find("MRC_SUCCESS", job_id=job_id)) == 1
 
@@ -158,9 +173,13 @@ def test_queues_view_lists_the_live_worker(env, worker: Worker) -> None:
     view = json.loads(run_cli(env, "queues", "--json").stdout)
     hostname = worker.find("MRC_WORKER_READY")[0]["hostname"]
     mine = [w for w in view["workers"] if w["hostname"] == hostname]
-    assert len(mine) == 1 and mine[0]["lanes"] == ["interactive", "backlog"]
-    assert mine[0]["model"] == "tiny-fuyu-v1" and mine[0]["quantization"] == "nf4" and mine[0]["jobs"] >= 0
-    assert set(view["lanes"]) == {"interactive", "backlog"} and view["backlog_limit"] == 10000
+    assert len(mine) == 1
+    assert mine[0]["lanes"] == ["interactive", "backlog"]
+    assert mine[0]["model"] == "tiny-fuyu-v1"
+    assert mine[0]["quantization"] == "nf4"
+    assert mine[0]["jobs"] >= 0
+    assert set(view["lanes"]) == {"interactive", "backlog"}
+    assert view["backlog_limit"] == 10000
     text = run_cli(env, "queues").stdout
     assert f"worker {hostname}: lanes interactive,backlog" in text
 
@@ -171,11 +190,14 @@ def test_health_endpoints(worker: Worker) -> None:
         assert r.status == 200
     with urllib.request.urlopen(base + "/readyz") as r:
         ready = json.loads(r.read())
-    assert ready["model"] == "tiny-fuyu-v1" and ready["quantization"] == "nf4" and ready["device"] == "cpu"
+    assert ready["model"] == "tiny-fuyu-v1"
+    assert ready["quantization"] == "nf4"
+    assert ready["device"] == "cpu"
     assert ready["attention_backend"]
     with urllib.request.urlopen(base + "/metrics") as r:
         text = r.read().decode()
-    assert "mrc_jobs_total" in text and "mrc_worker_ready 1.0" in text
+    assert "mrc_jobs_total" in text
+    assert "mrc_worker_ready 1.0" in text
 
 
 def test_message_without_producer_is_checked_by_the_worker(env, worker: Worker) -> None:
@@ -248,8 +270,11 @@ def test_repeated_question_about_the_same_photo_is_answered_from_the_cache(
     second = json.loads(_submit_wait(env, image, prompt).stdout)
     third = json.loads(_submit_wait(env, image, prompt + "？").stdout)
     assert (first["cache_hit"], second["cache_hit"], third["cache_hit"]) == (False, True, False)
-    assert second["text"] == first["text"] and second["job_id"] != first["job_id"]
+    assert second["text"] == first["text"]
+    assert second["job_id"] != first["job_id"]
     hit_line = worker.find("MRC_SUCCESS", job_id=second["job_id"])
-    assert len(hit_line) == 1 and hit_line[0]["cache_hit"] == "true"
+    assert len(hit_line) == 1
+    assert hit_line[0]["cache_hit"] == "true"
     view = json.loads(run_cli(env, "queues", "--json").stdout)
-    assert view["cache"]["hits"] >= 1 and 0 < view["cache"]["hit_rate"] < 1
+    assert view["cache"]["hits"] >= 1
+    assert 0 < view["cache"]["hit_rate"] < 1

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from producer.client import Client, Submission
+from scripts import devservices as services
 from shared import names
 from shared.errors import UsageError
 from shared.records import RedisJobRecords, connect
-from tests.support import imagegen, services
+from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +58,8 @@ def test_an_interrupted_submit_frees_its_job_id(
         client.enqueue(job)
     assert client.records.get(job.job_id) == {}, "the claim was undone"
     client.celery.send_task = interrupted.real  # type: ignore[method-assign]
-    assert client.enqueue(job) is True and _ran(client, job.job_id)
+    assert client.enqueue(job) is True
+    assert _ran(client, job.job_id)
 
 
 def test_a_claim_whose_producer_died_before_publishing_frees_itself(
@@ -85,11 +87,13 @@ def test_a_used_id_stays_used_after_its_record_expired(client: Client, image: Pa
     job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
     result = {"job_id": job.job_id, "status": "succeeded", "job_fingerprint": job.fingerprint()}
     client.results.put_result(job.job_id, result)  # ran a week ago; the record is gone
-    assert client.enqueue(job) is False and client.records.get(job.job_id) == {}
+    assert client.enqueue(job) is False
+    assert client.records.get(job.job_id) == {}
     other = job.model_copy(update={"prompt": "something else"})
     with pytest.raises(UsageError, match="different job"):
         client.enqueue(other)
-    assert client.records.get(job.job_id) == {} and client.result(job.job_id) == result
+    assert client.records.get(job.job_id) == {}
+    assert client.result(job.job_id) == result
 
 
 def _dead_letter(client: Client, raw: str) -> None:
@@ -148,5 +152,6 @@ def test_wait_reports_a_job_whose_result_could_not_be_stored(client: Client, env
         error_message="the result could not be stored",
     )  # fmt: skip
     result = client.wait(job_id, timeout=10)
-    assert result["status"] == "failed" and result["error"]["code"] == "internal_error"
+    assert result["status"] == "failed"
+    assert result["error"]["code"] == "internal_error"
     assert result["result_stored"] is False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import services
+from scripts import devservices as services
 
 pytestmark = pytest.mark.integration
 
@@ -43,3 +43,27 @@ def test_required_fast_attention_refuses_readiness_on_eager(env: dict[str, str],
         assert not worker.find("MRC_WORKER_READY")
     finally:
         assert worker.stop(signal.SIGTERM) == 0
+
+
+def test_the_backend_is_chosen_from_settings(env: dict[str, str], tmp_path: Path) -> None:
+    """MRC_MODEL=echo: a worker with no model at all (the broker benchmarks' worker), same path."""
+    from tests.support import imagegen
+
+    redis = services.start_redis(tmp_path / "redis")  # its own queue: no other worker takes the job
+    env = {**env, "MRC_MODEL": "echo", "MRC_REDIS_URL": redis.url}
+    worker = services.start_worker(env, tmp_path / "echo.log")
+    try:
+        assert worker.find("MRC_WORKER_READY")[0]["model"] == "echo"
+        image = tmp_path / "e.jpg"
+        image.write_bytes(imagegen.photo(90, 60))
+        job_id = f"echo-{tmp_path.name[-8:]}"
+        done = services.run_cli(
+            env, "submit", "--image", str(image), "--prompt", "echo me", "--job-id", job_id,
+            "--wait", "--timeout", "60",
+        )  # fmt: skip
+        result = json.loads(done.stdout)
+        assert result["text"] == "90x60: echo me"
+        assert result["model"]["id"] == "echo"
+    finally:
+        worker.stop()
+        redis.stop()

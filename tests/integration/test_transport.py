@@ -14,7 +14,7 @@ import pytest
 import redis as redis_lib
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from tests.support import services
+from scripts import devservices as services
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +124,8 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
                     conn.drain_events(timeout=1)
         assert _where(client) == (0, 3)
         assert give_back(client, ["job-0", "job-2", "not-here"]) == 2
-        assert _where(client) == (2, 1) and int(client.zcard("unacked_index")) == 1
+        assert _where(client) == (2, 1)
+        assert int(client.zcard("unacked_index")) == 1
         assert give_back(client, ["job-0"]) == 0, "given back once, never twice"
         returned = [json.loads(raw)["headers"]["id"] for raw in client.lrange("mrc.t", 0, -1)]
         assert sorted(returned) == ["job-0", "job-2"]

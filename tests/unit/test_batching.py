@@ -45,4 +45,5 @@ def test_by_lane_keeps_every_job_once_and_lanes_in_order(jobs: list[tuple[int, i
     groups = batching.form_batches_by_lane(costs, lanes, max_jobs, 20_000)
     assert sorted(i for g in groups for i in g) == list(range(len(jobs)))
     order = [lanes[g[0]] for g in groups]
-    assert order == sorted(order) and all(len({lanes[i] for i in g}) == 1 for g in groups)
+    assert order == sorted(order)
+    assert all(len({lanes[i] for i in g}) == 1 for g in groups)

@@ -63,13 +63,15 @@ def test_label_is_a_valid_prefix_of_at_most_32_bytes(prompt: str) -> None:
     except UnicodeEncodeError:
         return
     label = prompt_label(prompt)
-    assert len(label.encode("utf-8")) <= 32 and prompt.startswith(label)
+    assert len(label.encode("utf-8")) <= 32
+    assert prompt.startswith(label)
     assert len(prompt.encode("utf-8")) <= 32 or len(label.encode("utf-8")) > 28
 
 
 def test_label_never_cuts_a_chinese_character() -> None:
     label = prompt_label(BASE["prompt"])  # 3-byte characters: 32 bytes = 10 characters and 2 bytes
-    assert label == BASE["prompt"][:10] and len(label.encode()) == 30
+    assert label == BASE["prompt"][:10]
+    assert len(label.encode()) == 30
 
 
 def _run(
@@ -107,8 +109,10 @@ def test_hit_skips_the_model_and_still_writes_its_own_result(store: MemoryStore)
     pipeline = _pipeline(store, cache, backend)
     first = _run(pipeline, store, "c1", BASE["prompt"])
     second = _run(pipeline, store, "c2", BASE["prompt"])
-    assert first["cache_hit"] is False and second["cache_hit"] is True
-    assert second["text"] == first["text"] and second["status"] == "succeeded"
+    assert first["cache_hit"] is False
+    assert second["cache_hit"] is True
+    assert second["text"] == first["text"]
+    assert second["status"] == "succeeded"
     assert backend.calls == [1]
     assert [e[1]["label"] for e in cache.entries.values()] == [prompt_label(BASE["prompt"])]
 
@@ -143,4 +147,5 @@ def test_ttl_zero_switches_the_cache_off(store: MemoryStore) -> None:
     cache, backend = MemoryResultCache(), EchoBackend()
     pipeline = _pipeline(store, cache, backend, cache_ttl_s=0)
     _run(pipeline, store, "o1", "same")
-    assert _run(pipeline, store, "o2", "same")["cache_hit"] is False and cache.entries == {}
+    assert _run(pipeline, store, "o2", "same")["cache_hit"] is False
+    assert cache.entries == {}

@@ -79,8 +79,10 @@ def test_out_of_memory_splits_down_to_one_job(backend: FuyuBackend, monkeypatch:
     assert pipeline.run(messages) == ["succeeded", "succeeded", "failed", "succeeded"]
     assert [entry["job_id"] for entry in records.dlq] == ["j2"]
     error = store.get_result("j2")["error"]
-    assert error["code"] == "out_of_memory" and error["retryable"] is True
-    assert sizes[0] == 4 and sizes.count(1) == 4
+    assert error["code"] == "out_of_memory"
+    assert error["retryable"] is True
+    assert sizes[0] == 4
+    assert sizes.count(1) == 4
     monkeypatch.undo()
     alone = backend.generate([GenerationInput(_image_from(store, "small"), "q", 4)])[0].text
     assert {store.get_result(f"j{i}")["text"] for i in (0, 1, 3)} == {alone}

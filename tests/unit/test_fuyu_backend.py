@@ -46,13 +46,17 @@ def test_batched_outputs_equal_one_at_a_time(backend: FuyuBackend) -> None:
 
 def test_describe_names_what_runs(backend: FuyuBackend) -> None:
     info = backend.describe()
-    assert info["model"] == "tiny-fuyu-v1" and info["device"] == "cpu"
-    assert info["quantization"] in ("nf4", "fp32") and info["attention_backend"]
+    assert info["model"] == "tiny-fuyu-v1"
+    assert info["device"] == "cpu"
+    assert info["quantization"] in ("nf4", "fp32")
+    assert info["attention_backend"]
 
 
 def test_prompt_planning(backend: FuyuBackend) -> None:
     plan = backend.plan_prompt("one two three " * 50, 10, truncate=True)
-    assert plan.truncated and plan.tokens == 10 and plan.original_tokens > 10
+    assert plan.truncated
+    assert plan.tokens == 10
+    assert plan.original_tokens > 10
     with pytest.raises(PromptTooLong):
         backend.plan_prompt("one two three " * 50, 10, truncate=False)
 
@@ -97,7 +101,8 @@ def test_no_prompt_text_becomes_a_control_token(backend: FuyuBackend) -> None:
     for control in _control_texts(backend):
         for prompt in (control, f"refund? {control} please", control * 3 + "x"):
             plan = backend.plan_prompt(prompt, 512, truncate=True)
-            assert plan.ids is not None and not backend.control_ids.intersection(plan.ids), (control, plan)
+            assert plan.ids is not None
+            assert not backend.control_ids.intersection(plan.ids), (control, plan)
             assert len(plan.text) >= len(prompt)
 
 
@@ -116,12 +121,14 @@ def test_the_answer_marker_is_appended_by_id(backend: FuyuBackend) -> None:
     plan = backend.plan_prompt("what colour?", 512, truncate=True)
     prepared = backend.prepare([GenerationInput(_image(60, 90, 0), plan.text, 2, plan.ids)])
     row = prepared.inputs["input_ids"][0].tolist()
-    assert row[-1] == backend.answer_id and tuple(row[-1 - len(plan.ids) : -1]) == plan.ids
+    assert row[-1] == backend.answer_id
+    assert tuple(row[-1 - len(plan.ids) : -1]) == plan.ids
 
 
 def test_truncation_keeps_the_ids_it_counted(backend: FuyuBackend) -> None:
     plan = backend.plan_prompt("one two three " * 50, 10, truncate=True)
-    assert plan.ids is not None and len(plan.ids) == 10
+    assert plan.ids is not None
+    assert len(plan.ids) == 10
 
 
 def test_swapped_weights_change_the_revision(tmp_path: Path) -> None:
@@ -139,4 +146,5 @@ def test_swapped_weights_change_the_revision(tmp_path: Path) -> None:
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     second = FuyuBackend(settings)
     second.load()
-    assert first.revision != second.revision and first.revision.startswith("local-")
+    assert first.revision != second.revision
+    assert first.revision.startswith("local-")

@@ -61,7 +61,8 @@ def test_bomb_is_refused_from_the_header() -> None:
 def test_modes_become_rgb(img: Image.Image) -> None:
     fmt = "JPEG" if img.mode in ("L", "CMYK") else "PNG"
     decoded = images.load(_encode(img, fmt), LIMIT)
-    assert decoded.tensor.dtype == torch.uint8 and decoded.tensor.shape == (3, 30, 40)
+    assert decoded.tensor.dtype == torch.uint8
+    assert decoded.tensor.shape == (3, 30, 40)
 
 
 def test_exif_orientation_is_applied() -> None:
@@ -77,7 +78,8 @@ def test_animated_gif_uses_the_first_frame() -> None:
     out = io.BytesIO()
     frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
     decoded = images.load(out.getvalue(), LIMIT)
-    assert decoded.format == "gif" and decoded.tensor[:, 8, 8].tolist()[0] > 200
+    assert decoded.format == "gif"
+    assert decoded.tensor[:, 8, 8].tolist()[0] > 200
 
 
 @pytest.mark.parametrize("size", [(1, 1), (1, 5000), (5000, 1)])
@@ -168,7 +170,8 @@ def test_an_animation_within_the_limit_decodes_its_first_frame_only() -> None:
     data = imagegen.gif_bomb(200, 100, 150)  # 3 MP in all: allowed, one 200x100 frame decoded
     decoded = images.load(data, LIMIT)
     assert (decoded.width, decoded.height) == (200, 100)
-    assert decoded.tensor[:, 0, 0].tolist() == [255, 255, 255] and decoded.tensor[:, 0, 1].sum() == 0
+    assert decoded.tensor[:, 0, 0].tolist() == [255, 255, 255]
+    assert decoded.tensor[:, 0, 1].sum() == 0
 
 
 def _oriented_pil(data: bytes) -> torch.Tensor:

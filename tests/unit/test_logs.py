@@ -14,7 +14,8 @@ keys = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True).filter(lambda k: k
 @given(st.dictionaries(keys, st.text(), max_size=6), st.from_regex(r"[A-Z][A-Z_]{0,20}", fullmatch=True))
 def test_any_string_value_round_trips_on_one_line(fields: dict[str, str], event: str) -> None:
     line = logs.render(event, fields)
-    assert len(line.splitlines()) == 1 and not _BREAKERS.intersection(line)
+    assert len(line.splitlines()) == 1
+    assert not _BREAKERS.intersection(line)
     assert logs.parse_line(line) == (event, fields)
 
 
@@ -56,8 +57,11 @@ def test_configured_structlog_writes_pipe_lines() -> None:
         structlog.reset_defaults()
     event, fields = logs.parse_line(out.getvalue().strip())
     assert event == "MRC_SUCCESS"
-    assert fields["job_id"] == "j1" and fields["latency"] == "0.5" and fields["prompt_head"] == "a|b\nc"
-    assert fields["level"] == "info" and fields["ts"].endswith("Z")
+    assert fields["job_id"] == "j1"
+    assert fields["latency"] == "0.5"
+    assert fields["prompt_head"] == "a|b\nc"
+    assert fields["level"] == "info"
+    assert fields["ts"].endswith("Z")
 
 
 def test_stdlib_logging_is_formatted_too() -> None:
@@ -71,4 +75,6 @@ def test_stdlib_logging_is_formatted_too() -> None:
         structlog.reset_defaults()
         logging.getLogger().handlers.clear()
     event, fields = logs.parse_line(out.getvalue().strip())
-    assert event == "LIB_LOG" and fields["msg"] == "broken\npipe | here" and fields["level"] == "error"
+    assert event == "LIB_LOG"
+    assert fields["msg"] == "broken\npipe | here"
+    assert fields["level"] == "error"

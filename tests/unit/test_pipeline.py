@@ -72,7 +72,8 @@ def test_one_result_per_job_and_bad_jobs_fail_alone(store: MemoryStore) -> None:
         assert result is not None
         codes[result["job_id"]] = result["error"]["code"] if result["error"] else None
     assert len(codes) == len(messages)
-    assert codes["ok-1"] is None and codes["ok-2"] is None
+    assert codes["ok-1"] is None
+    assert codes["ok-2"] is None
     assert codes["bad-image"] == "image_decode_error"
     assert codes["missing"] == "image_not_found"
     assert codes["forbidden"] == "image_source_forbidden"
@@ -100,14 +101,18 @@ def test_out_of_memory_splits_then_retries_then_dead_letters(store: MemoryStore)
     pipeline = _pipeline(store, backend, records, requeued, max_attempts=3, retry_base_s=1.0)
     outcomes = pipeline.run([_job("a"), _job("huge", prompt="HUGE"), _job("b")])
     assert outcomes == ["succeeded", "retry", "succeeded"]
-    assert store.get_result("huge") is None and records.get("huge")["state"] == "queued"
-    assert [r[0] for r in requeued] == ["huge"] and 0.5 <= requeued[0][2] <= 1.5
+    assert store.get_result("huge") is None
+    assert records.get("huge")["state"] == "queued"
+    assert [r[0] for r in requeued] == ["huge"]
+    assert 0.5 <= requeued[0][2] <= 1.5
     assert pipeline.run([_job("huge", prompt="HUGE")]) == ["retry"]
     assert 1.0 <= requeued[1][2] <= 3.0  # the delay doubles, with jitter
     assert pipeline.run([_job("huge", prompt="HUGE")]) == ["failed"]
     result = store.get_result("huge")
-    assert result["error"]["code"] == "out_of_memory" and result["error"]["retryable"] is True
-    assert result["attempts"] == 3 and len(requeued) == 2
+    assert result["error"]["code"] == "out_of_memory"
+    assert result["error"]["retryable"] is True
+    assert result["attempts"] == 3
+    assert len(requeued) == 2
     assert [(e["job_id"], e["code"], e["attempts"]) for e in records.dlq] == [("huge", "out_of_memory", 3)]
 
 
@@ -145,7 +150,8 @@ def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) 
     pipeline = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
     assert pipeline.run([_job("lost-1")]) == ["retry"]
     assert pipeline.run([_job("lost-1")]) == ["unwritten"]
-    assert len(requeued) == 1 and [e["job_id"] for e in records.dlq] == ["lost-1"]
+    assert len(requeued) == 1
+    assert [e["job_id"] for e in records.dlq] == ["lost-1"]
 
 
 def test_attempts_count_deliveries(store: MemoryStore) -> None:
@@ -190,7 +196,8 @@ def test_only_the_job_that_keeps_killing_workers_is_abandoned(store: MemoryStore
     outcomes = _pipeline(store, records=records, max_attempts=3).run([_job("killer"), _job("neighbour")])
     assert outcomes == ["failed", "succeeded"]
     error = store.get_result("killer")["error"]
-    assert error["code"] == "internal_error" and "abandoned" in error["message"]
+    assert error["code"] == "internal_error"
+    assert "abandoned" in error["message"]
     assert [e["job_id"] for e in records.dlq] == ["killer"]  # `mrc dlq requeue` can bring it back
 
 
@@ -241,7 +248,8 @@ def test_a_different_job_under_a_used_id_never_overwrites_its_result(store: Memo
     first = store.get_result("used")
     # The record expired (a week later), then another job arrived under the same id.
     assert _pipeline(store, backend).run([_job("used", prompt="another question")]) == ["skipped"]
-    assert store.get_result("used") == first and backend.calls == [1]
+    assert store.get_result("used") == first
+    assert backend.calls == [1]
     # The same job again after expiry: already done, not recomputed.
     assert _pipeline(store, backend).run([_job("used", prompt="first question")]) == ["skipped"]
 

@@ -82,14 +82,16 @@ def test_single_image_inputs_equal_the_processor(processor: Any, width: int, hei
         _reference(processor, [data], ["Can I get a refund?"]),
         _ours(processor, [data], ["Can I get a refund?"]),
     )
-    assert diff["mean"] <= TOLERANCE["mean"] and diff["max"] <= TOLERANCE["max"], diff
+    assert diff["mean"] <= TOLERANCE["mean"], diff
+    assert diff["max"] <= TOLERANCE["max"], diff
 
 
 def test_mixed_batch_equals_the_processor(processor: Any) -> None:
     datas = [imagegen.photo(w, h, seed=i, fmt=f) for i, (w, h, f) in enumerate(CASES[:6])]
     prompts = ["what is this?", "这个包裹坏了吗？", "refund | now", "a", "b c d e f g", "😀"]
     diff = _compare(_reference(processor, datas, prompts), _ours(processor, datas, prompts))
-    assert diff["mean"] <= TOLERANCE["mean"] and diff["max"] <= TOLERANCE["max"], diff
+    assert diff["mean"] <= TOLERANCE["mean"], diff
+    assert diff["max"] <= TOLERANCE["max"], diff
 
 
 def test_exif_rotated_photo_equals_the_processor(processor: Any) -> None:
@@ -120,11 +122,13 @@ def test_tiny_model_generates_the_same_tokens_from_both(processor: Any) -> None:
 def test_fit_size_shrinks_only_and_keeps_the_aspect(height: int, width: int, max_side: int) -> None:
     h, w = fuyu_geometry.fit_size(height, width, max_side)
     limit_h, limit_w = (min(1080, max_side), min(1920, max_side)) if max_side else (1080, 1920)
-    assert 1 <= h <= max(limit_h, 1) and 1 <= w <= max(limit_w, 1)
+    assert 1 <= h <= max(limit_h, 1)
+    assert 1 <= w <= max(limit_w, 1)
     if height <= limit_h and width <= limit_w:
         assert (h, w) == (height, width)
     else:
-        assert h <= height and w <= width
+        assert h <= height
+        assert w <= width
         # One side reaches its limit, give or take the processor's float truncation (999.99... -> 999).
         assert h >= limit_h - 1 or w >= limit_w - 1 or min(h, w) == 1
         if min(h, w) > 1:  # int() truncation moves each side by under one pixel

@@ -22,7 +22,8 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("MRC_QUANTIZATION", "bf16")
     monkeypatch.setenv("MRC_ALLOWED_BUCKETS", '["photos"]')
     s = Settings()
-    assert s.s3_prefix == "tenant-a/" and s.quantization == "bf16"
+    assert s.s3_prefix == "tenant-a/"
+    assert s.quantization == "bf16"
     assert s.readable_buckets == frozenset({"mrc", "photos"})
 
 
@@ -58,7 +59,9 @@ def test_errors_name_the_variable_and_hide_passwords(monkeypatch: pytest.MonkeyP
     with pytest.raises(ValidationError) as caught:
         Settings()
     text = describe_error(caught.value)
-    assert text.startswith("MRC_REDIS_URL=") and "hunter2" not in text and "\n" not in text
+    assert text.startswith("MRC_REDIS_URL=")
+    assert "hunter2" not in text
+    assert "\n" not in text
 
 
 def test_unknown_mrc_variables_are_listed() -> None:

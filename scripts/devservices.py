@@ -1,6 +1,8 @@
-"""Start and stop the real services the tests talk to: redis-server, moto's S3 server, mrc-worker.
+"""Start and stop real local services on free loopback ports: redis-server, moto's S3 server and
+mrc-worker processes. `make demo` and the test suite both use it; nothing here is needed in
+production, where Redis, S3 and the workers are deployed services.
 
-A service that cannot start fails the test session: nothing is silently skipped.
+A service that cannot start raises: nothing is silently skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from shared.logs import parse_line
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
