@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.support.services import ROOT
+from scripts.devservices import ROOT
 
 SCRIPT = """
 import io, random, sys
