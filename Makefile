@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration lint bench clean
+.PHONY: install demo test test-unit test-integration test-kombu lint bench clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) tests/kombu/run_suite.py
+
+# kombu's own Redis transport tests against ours (downloads kombu's released source; skipped offline).
+test-kombu: install
+	$(PY) tests/kombu/run_suite.py
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

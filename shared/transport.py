@@ -11,7 +11,15 @@ a BLMOVE that moves nothing (tail to tail of the same list), for at most `idle_w
 
 Hardened: a queue entry that is not a JSON message envelope is set aside and logged instead of raising
 out of the consumer loop (which stops the whole worker: one garbage LPUSH would take every worker on
-the lane down, one after another).
+the lane down, one after another). Redis's Lua JSON decoder accepts entries Python's does not (`0x10`,
+`inf`, `nan`, leading zeros), so the script may have recorded such an entry as unacked: setting it
+aside removes that record, and a restore skips (and sets aside) any record it cannot read instead of
+stopping, so one bad entry never keeps a dead worker's jobs from coming back.
+
+As kombu does: an unacked record is written only for consumers that ack (`no_ack` consumers and
+`ack_emulation=False` get none), and messages are decoded with kombu's JSON loader (typed header
+values such as datetimes and UUIDs come back typed). What differs from kombu on purpose is listed,
+with the reason, in tests/kombu/expected_differences.txt, which `make test-kombu` keeps true.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from typing import Any
 
 import structlog
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
+from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from shared import names
@@ -31,15 +41,18 @@ from shared import names
 REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
 
-# KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now.
+# KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now,
+# ARGV[2..] "1" where the list's consumer acks (its message gets an unacked record), else "0".
 # The stored entry has kombu's own layout, [payload, exchange, routing_key], so kombu's restore reads
-# it; the payload is spliced in as the raw text so nothing in it is re-encoded.
+# it; the payload is spliced in as the raw text so nothing in it is re-encoded. Returns the list, the
+# entry and the tag it recorded (false if none), so Python can undo a record for an entry it rejects.
 POP_SCRIPT = """
 for i = 3, #KEYS do
   local item = redis.call('RPOP', KEYS[i])
   if item then
+    local recorded = false
     local ok, msg = pcall(cjson.decode, item)
-    if ok and type(msg) == 'table' and type(msg.properties) == 'table' then
+    if ARGV[i - 1] == '1' and ok and type(msg) == 'table' and type(msg.properties) == 'table' then
       local tag = msg.properties.delivery_tag
       local info = msg.properties.delivery_info
       if type(tag) == 'string' and type(info) == 'table' then
@@ -49,9 +62,10 @@ for i = 3, #KEYS do
         redis.call('ZADD', KEYS[2], ARGV[1], tag)
         local entry = '[' .. item .. ',' .. cjson.encode(ex) .. ',' .. cjson.encode(rk) .. ']'
         redis.call('HSET', KEYS[1], tag, entry)
+        recorded = tag
       end
     end
-    return {KEYS[i], item}
+    return {KEYS[i], item, recorded}
   end
 end
 return false
@@ -95,38 +109,120 @@ def give_back(client: Any, task_ids: Collection[str]) -> int:
 
 
 def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
-    """The message envelope in a queue entry, or None when the entry is not one."""
+    """The message envelope in a queue entry, or None when the entry is not one. kombu's loader:
+    typed values (datetime, UUID, Decimal) in headers come back typed, as kombu delivers them."""
     try:
-        message = json.loads(bytes_to_str(raw))
-    except (ValueError, UnicodeDecodeError):
+        message = kombu_json.loads(bytes_to_str(raw))
+    except (ValueError, TypeError, UnicodeDecodeError):
         return None
     if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
         return None
     return message
 
 
+def parse_unacked(raw: bytes | str) -> list[Any] | None:
+    """An unacked record ([payload, exchange, routing_key]) as kombu's restore reads it, or None."""
+    try:
+        record = kombu_json.loads(bytes_to_str(raw))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, list) or len(record) != 3 or not isinstance(record[0], dict):
+        return None
+    return record
+
+
+def _log_rejected(queue: str, item: bytes | str, reason: str) -> None:
+    raw = item if isinstance(item, bytes) else item.encode()
+    structlog.get_logger().error(
+        "MRC_MESSAGE_REJECTED", queue=queue, reason=reason, size=len(raw),
+        preview=raw[:120].decode("utf-8", "replace"),
+    )  # fmt: skip
+
+
+def _set_aside(client: Any, queue: str, item: bytes | str, reason: str, tag: str | None = None) -> None:
+    """Keep an unreadable entry for a person (the last 1000) and drop any unacked record of it."""
+    raw = item if isinstance(item, bytes) else item.encode()
+    _log_rejected(queue, raw, reason)
+    with client.pipeline() as pipe:  # MULTI/EXEC: kept and unrecorded together
+        pipe.lpush(REJECTED_KEY, raw)
+        pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
+        if tag is not None:
+            pipe.hdel(names.UNACKED_KEY, tag)
+            pipe.zrem(names.UNACKED_INDEX_KEY, tag)
+        pipe.execute()
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis QoS, minus the second write of records the pop script made, and with a restore
+    that sets aside a record it cannot read instead of raising (which stopped every later restore)."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        recorded: set[str] = getattr(self.channel, "recorded_by_pop", set())
+        if delivery_tag in recorded:
+            recorded.discard(delivery_tag)
+            kombu_virtual.QoS.append(self, message, delivery_tag)  # in-memory bookkeeping only
+        else:  # a message taken some other way (basic_get): record it as kombu does
+            super().append(message, delivery_tag)
+
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        """kombu's restore, one WATCHed transaction per message, except for the record it cannot
+        read: that one is set aside (kept for a person, its unacked record removed) and the restore
+        goes on with the next."""
+
+        def restore_transaction(pipe: Any) -> None:
+            raw = pipe.hget(self.unacked_key, tag)
+            pipe.multi()
+            self._remove_from_indices(tag, pipe)
+            if raw:
+                record = parse_unacked(raw)
+                if record is None:
+                    _log_rejected("unacked", raw, "unacked record is not a readable message")
+                    pipe.lpush(REJECTED_KEY, raw)
+                    pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
+                else:
+                    payload, exchange, routing_key = record
+                    self.channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+
+        with self.channel.conn_or_acquire(client) as conn:
+            conn.transaction(restore_transaction, self.unacked_key)
+
+
 class Channel(kombu_redis.Channel):
     #: How long an idle consumer blocks before it looks at every list again. An interactive message
     #: wakes it at once; a backlog message waits at most this long.
     idle_wait_s = 0.2
+    QoS = QoS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.global_keyprefix:
             raise ValueError("mrc's Redis transport does not support global_keyprefix")
         self._waiting = False  # the command in flight is the idle wait, not a pop
+        self.recorded_by_pop: set[str] = set()  # tags the pop script recorded as unacked
+        self._no_ack_queues: set[str] = set()
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        (self._no_ack_queues.add if no_ack else self._no_ack_queues.discard)(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _records(self, queue: str) -> bool:
+        """Whether kombu would keep an unacked record for a message taken from `queue`: only for a
+        consumer that acks, and only with ack emulation on."""
+        return bool(self.ack_emulation) and queue not in self._no_ack_queues
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
-        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        pairs = [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps for queue in queues]
+        keys = [key for key, _ in pairs]
+        flags = ["1" if self._records(queue) else "0" for _, queue in pairs]
         connection = self.client.connection
         if self._waiting:  # kombu's `timeout` (its BRPOP's, 1 s) is replaced by the shorter idle wait
             connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", self.idle_wait_s)
         else:
             unacked = [self.unacked_key, self.unacked_index_key]
-            connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time())
+            connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags)
         self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
 
@@ -145,13 +241,17 @@ class Channel(kombu_redis.Channel):
             if not reply:
                 self._waiting = True
                 raise Empty()
-            dest, item = reply
+            dest, item, recorded = reply
             dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+            tag = bytes_to_str(recorded) if recorded else None
             self._queue_cycle.rotate(dest)
             message = parse_envelope(item)
             if message is None:
-                self._set_aside(dest, item)
+                with self.conn_or_acquire() as client:
+                    _set_aside(client, dest, item, "not a JSON message envelope", tag)
             else:
+                if tag is not None:
+                    self.recorded_by_pop.add(tag)
                 self.connection._deliver(message, dest)
             return True
         finally:
@@ -167,20 +267,9 @@ class Channel(kombu_redis.Channel):
                     message = parse_envelope(item)
                     if message is not None:
                         return message
-                    self._set_aside(queue, item)
+                    _set_aside(client, queue, item, "not a JSON message envelope")
             self._maybe_update_queues_expire(client, queue)
             raise Empty()
-
-    def _set_aside(self, queue: str, item: bytes | str) -> None:
-        raw = item if isinstance(item, bytes) else item.encode()
-        structlog.get_logger().error(
-            "MRC_MESSAGE_REJECTED", queue=queue, reason="not a JSON message envelope", size=len(raw),
-            preview=raw[:120].decode("utf-8", "replace"),
-        )  # fmt: skip
-        with self.conn_or_acquire() as client, client.pipeline() as pipe:
-            pipe.lpush(REJECTED_KEY, raw)
-            pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
-            pipe.execute()
 
 
 class Transport(kombu_redis.Transport):

@@ -275,3 +275,31 @@ def test_pending_retries_never_stop_fresh_jobs_from_being_taken(cluster: Cluster
     cluster.wait_all(fresh, 12)  # well before the first retry's ETA (15 s at the earliest)
     assert not any(cluster.results(retried).values()), "the retries ran early: the test proves nothing"
     _assert_once(cluster, cluster.wait_all(retried, 90))
+
+
+# Entries Redis's Lua JSON decoder accepts and Python's rejects: hex, inf, nan, leading zeros.
+_LUA_ONLY_JSON = ["0x10", "inf", "nan", "010"]
+
+
+def test_entries_only_lua_can_read_never_block_restoring_a_dead_workers_job(cluster: Cluster) -> None:
+    """A crashed worker's job sits in the unacked hash; queue entries that Lua reads (so the pop
+    script records them as unacked) but Python cannot are set aside without an unacked record, and
+    the crashed job is restored and run. Before, the first restore raised on them and stopped."""
+    client = redis_lib.Redis.from_url(cluster.env["MRC_REDIS_URL"], decode_responses=True)
+    job = cluster.jobs(1, prefix="orphan")[0]
+    cluster.send([job])
+    raw = client.rpop(names.queue_name("interactive"))  # a worker took it, then died (SIGKILL)
+    tag = json.loads(raw)["properties"]["delivery_tag"]
+    entry = json.dumps([json.loads(raw), "mrc.interactive", "mrc.interactive"])  # kombu's layout
+    client.hset(names.UNACKED_KEY, tag, entry)
+    client.zadd(names.UNACKED_INDEX_KEY, {tag: time.time() - 3600})
+    info = '{"exchange": "mrc.interactive", "routing_key": "mrc.interactive"}'
+    for i, number in enumerate(_LUA_ONLY_JSON):
+        properties = f'{{"delivery_tag": "lua-only-{i}", "delivery_info": {info}}}'
+        client.lpush(names.queue_name("interactive"), f'{{"body": {number}, "properties": {properties}}}')
+    worker = cluster.worker()
+    _assert_once(cluster, cluster.wait_all([job], 60))
+    services.wait_for(lambda: client.llen(names.rejected_key()) == len(_LUA_ONLY_JSON), 30, "set aside")
+    assert client.hlen(names.UNACKED_KEY) == 0
+    assert client.zcard(names.UNACKED_INDEX_KEY) == 0
+    assert worker.proc.poll() is None

@@ -129,3 +129,42 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
         assert give_back(client, ["job-0"]) == 0, "given back once, never twice"
         returned = [json.loads(raw)["headers"]["id"] for raw in client.lrange("mrc.t", 0, -1)]
         assert sorted(returned) == ["job-0", "job-2"]
+
+
+def test_no_ack_consumers_get_no_unacked_record_and_no_redelivery(redis_url: str) -> None:
+    client = redis_lib.Redis.from_url(redis_url)
+    _publish(redis_url, {"n": 1})
+    received: list[Any] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        with Consumer(
+            channel, [QUEUE], accept=["json"], no_ack=True, callbacks=[lambda b, m: received.append(b)]
+        ):
+            conn.drain_events(timeout=5)
+        assert received == [{"n": 1}]
+        assert _where(client) == (0, 0), "kombu keeps no record for a no_ack consumer: neither do we"
+        time.sleep(1.2)  # past the visibility timeout: nothing to hand out again
+        channel.qos.restore_visible(num=10, interval=1)
+        assert _where(client) == (0, 0)
+
+
+def test_typed_header_values_come_back_typed(redis_url: str) -> None:
+    import datetime
+    import uuid as uuid_lib
+    from decimal import Decimal
+
+    sent = {
+        "when": datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC),
+        "ref": uuid_lib.UUID("12345678-1234-5678-1234-567812345678"),
+        "amount": Decimal("12.50"),
+    }
+    with _connect(redis_url) as conn:
+        Producer(conn.channel()).publish({"n": 1}, exchange=QUEUE.exchange, routing_key="mrc.t",
+                                         declare=[QUEUE], serializer="json", headers=sent)  # fmt: skip
+    got: list[Any] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        callback = lambda body, message: (got.append(message.headers), message.ack())  # noqa: E731
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            conn.drain_events(timeout=5)
+    assert {key: got[0][key] for key in sent} == sent
