@@ -168,8 +168,8 @@ class Client:
     def _earlier_result(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
         """A result stored under this id before (its record expired; results do not). With S3 out of
         reach the job is still sent, and its record tells the worker to look before it runs."""
-        try:
-            return True, self.results.get_result(job_id)
+        try:  # a HEAD first: the answer is almost always "none"
+            return True, self.results.get_result(job_id) if self.results.has_result(job_id) else None
         except StoreUnavailable:
             return False, None
 

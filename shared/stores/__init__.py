@@ -40,6 +40,9 @@ class ResultStore(Protocol):
     def get_result(self, job_id: str) -> dict[str, Any] | None:
         """The job's result object, or None."""
 
+    def has_result(self, job_id: str) -> bool:
+        """Whether the job has a result object (a HEAD: cheaper than reading it)."""
+
     def result_uri(self, job_id: str) -> str:
         """Where the job's result is, whether or not it exists yet."""
 

@@ -49,5 +49,9 @@ class MemoryStore:
         data = self.get_bytes(self.bucket, names.result_key(self.prefix, job_id), 1 << 30)
         return None if data is None else dict(json.loads(data))
 
+    def has_result(self, job_id: str) -> bool:
+        with self._lock:
+            return (self.bucket, names.result_key(self.prefix, job_id)) in self.objects
+
     def result_uri(self, job_id: str) -> str:
         return names.s3_uri(self.bucket, names.result_key(self.prefix, job_id))

@@ -154,5 +154,8 @@ class S3ResultStore:
         data = self.connection.get(self.bucket, names.result_key(self.prefix, job_id), _RESULT_MAX_BYTES)
         return None if data is None else dict(json.loads(data))
 
+    def has_result(self, job_id: str) -> bool:
+        return self.connection.exists(self.bucket, names.result_key(self.prefix, job_id))
+
     def result_uri(self, job_id: str) -> str:
         return names.s3_uri(self.bucket, names.result_key(self.prefix, job_id))
