@@ -246,7 +246,7 @@ class Client:
         record update was lost is still found. A job that ended without a stored result (S3 refused
         it to the end) is reported from its record as failed, instead of a wait that times out."""
         deadline = time.monotonic() + timeout
-        next_look = 0.0
+        next_look = time.monotonic() + 1.0  # the record is read first: S3 only if it says "ended"
         while True:
             record = self.records.get(job_id)
             state = record.get("state")
