@@ -102,12 +102,12 @@ class RedisJobRecords:
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
             mapping: dict[str, str] = {"state": state, "updated_at": now_rfc3339(), **fields}
-            pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
+            pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
     def get(self, job_id: str) -> dict[str, str]:
-        record: dict[str, str] = self._redis.hgetall(names.job_key(job_id))  # type: ignore[assignment]
+        record: dict[str, str] = self._redis.hgetall(names.job_key(job_id))  # type: ignore[assignment]  # sync client
         return dict(record)
 
     def dead_letter(self, entry: dict[str, object]) -> None:

@@ -224,7 +224,7 @@ class Channel(kombu_redis.Channel):
             unacked = [self.unacked_key, self.unacked_index_key]
             connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags)
         self._in_poll = connection
-        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]  # kombu declares it otherwise
 
     def _brpop_read(self, **options: Any) -> bool:
         waiting, self._waiting = self._waiting, False
@@ -255,7 +255,7 @@ class Channel(kombu_redis.Channel):
                 self.connection._deliver(message, dest)
             return True
         finally:
-            self._in_poll = None  # type: ignore[assignment]
+            self._in_poll = None  # type: ignore[assignment]  # kombu declares it otherwise
             self._flush_brpop_reauth()
 
     def _get(self, queue: str, timeout: Any = None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from workers.slots import Message
 EXIT_UNUSABLE = 70
 
 
-class Batches(celery_batches.Batches):  # type: ignore[misc]
+class Batches(celery_batches.Batches):  # type: ignore[misc]  # celery_batches is untyped
     """celery-batches, with ETA (countdown) requests kept outside the prefetch limit.
 
     A retry is sent back with a countdown; the worker that receives it holds it unacked until its ETA.

@@ -19,12 +19,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after sys.path is set
 
-from shared.settings import Settings  # noqa: E402
-from workers.backends.base import GenerationInput  # noqa: E402
-from workers.backends.fuyu import FuyuBackend  # noqa: E402
-from workers.backends.tiny import ensure_tiny_model  # noqa: E402
+from shared.settings import Settings  # noqa: E402 - after sys.path is set
+from workers.backends.base import GenerationInput  # noqa: E402 - after sys.path is set
+from workers.backends.fuyu import FuyuBackend  # noqa: E402 - after sys.path is set
+from workers.backends.tiny import ensure_tiny_model  # noqa: E402 - after sys.path is set
 
 ROOFLINE_B32 = (20.0, 26.0)  # images/s, H200, batch 32, 1024^2, 64 + 64 tokens (derived, STACK-NOTES.md)
 

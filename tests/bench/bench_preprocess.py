@@ -20,12 +20,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from PIL import Image, ImageOps  # noqa: E402
+import torch  # noqa: E402 - after sys.path is set
+from PIL import Image, ImageOps  # noqa: E402 - after sys.path is set
 
-from tests.support import imagegen  # noqa: E402
-from workers import images, preprocess  # noqa: E402
-from workers.backends.tiny import ensure_tiny_model  # noqa: E402
+from tests.support import imagegen  # noqa: E402 - after sys.path is set
+from workers import images, preprocess  # noqa: E402 - after sys.path is set
+from workers.backends.tiny import ensure_tiny_model  # noqa: E402 - after sys.path is set
 
 PROMPT = "The parcel arrived crushed. Can I get a refund?"
 

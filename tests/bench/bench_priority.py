@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from producer.client import Client, Submission  # noqa: E402
-from scripts import devservices as services  # noqa: E402
-from shared import logs  # noqa: E402
-from shared.jobs import parse_rfc3339  # noqa: E402
-from tests.support import imagegen  # noqa: E402
+from producer.client import Client, Submission  # noqa: E402 - after sys.path is set
+from scripts import devservices as services  # noqa: E402 - after sys.path is set
+from shared import logs  # noqa: E402 - after sys.path is set
+from shared.jobs import parse_rfc3339  # noqa: E402 - after sys.path is set
+from tests.support import imagegen  # noqa: E402 - after sys.path is set
 
 
 def percentiles(values: list[float]) -> tuple[float, float, float]:

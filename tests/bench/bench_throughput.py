@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts import devservices as services  # noqa: E402
-from shared import logs  # noqa: E402
-from shared.settings import Settings  # noqa: E402
-from tests.support import imagegen  # noqa: E402
+from scripts import devservices as services  # noqa: E402 - after sys.path is set
+from shared import logs  # noqa: E402 - after sys.path is set
+from shared.settings import Settings  # noqa: E402 - after sys.path is set
+from tests.support import imagegen  # noqa: E402 - after sys.path is set
 
 MAX_NEW = 64
 PROMPT = "The parcel arrived crushed and the label is torn. Can I get a refund?"

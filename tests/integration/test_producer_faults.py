@@ -42,7 +42,7 @@ class Interrupted:
 
     def __init__(self, client: Client, error: BaseException) -> None:
         self.real, self.error = client.celery.send_task, error
-        client.celery.send_task = self  # type: ignore[method-assign]
+        client.celery.send_task = self  # type: ignore[method-assign]  # the fault injected
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise self.error
@@ -57,7 +57,7 @@ def test_an_interrupted_submit_frees_its_job_id(
     with pytest.raises(type(error)):
         client.enqueue(job)
     assert client.records.get(job.job_id) == {}, "the claim was undone"
-    client.celery.send_task = interrupted.real  # type: ignore[method-assign]
+    client.celery.send_task = interrupted.real  # type: ignore[method-assign]  # the fault injected
     assert client.enqueue(job) is True
     assert _ran(client, job.job_id)
 
@@ -129,7 +129,7 @@ def test_dlq_requeue_that_cannot_send_loses_nothing(
     assert client.records.get(job.job_id)["state"] == "failed", "no record claims a queued message"
     # A requeue killed between taking an entry and sending it leaves it in the processing list:
     assert client.records.take_dead_letter() == raw
-    client.celery.send_task = interrupted.real  # type: ignore[method-assign]
+    client.celery.send_task = interrupted.real  # type: ignore[method-assign]  # the fault injected
     assert client.requeue_dead_letters(10) == (1, 0)
     assert _ran(client, job.job_id)
 

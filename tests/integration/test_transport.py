@@ -78,7 +78,7 @@ def test_a_message_popped_by_a_consumer_that_dies_is_restored(redis_url: str) ->
         channel = conn.channel()
         channel.qos.restore_visible(num=10, interval=1)
         assert _where(client) == (1, 0)
-        callback = lambda body, message: (received.append(body), message.ack())  # noqa: E731
+        callback = lambda body, message: (received.append(body), message.ack())  # noqa: E731 - a one-line callback
         with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
             conn.drain_events(timeout=5)
     assert received == [{"n": 1}]
@@ -89,7 +89,7 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
     received: list[int] = []
     with _connect(redis_url) as conn:
         channel = conn.channel()
-        callback = lambda body, message: (received.append(body["n"]), message.ack())  # noqa: E731
+        callback = lambda body, message: (received.append(body["n"]), message.ack())  # noqa: E731 - a one-line callback
         with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
             with pytest.raises(TimeoutError):
                 conn.drain_events(timeout=0.5)  # empty: the channel alternates pop and idle wait
@@ -116,7 +116,7 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
     with _connect(redis_url) as conn:
         channel = conn.channel()
         channel.basic_qos(prefetch_count=3)
-        callback = lambda body, message: taken.append(message)  # noqa: E731
+        callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
         with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
             deadline = time.monotonic() + 10
             while len(taken) < 3 and time.monotonic() < deadline:
@@ -164,7 +164,7 @@ def test_typed_header_values_come_back_typed(redis_url: str) -> None:
     got: list[Any] = []
     with _connect(redis_url) as conn:
         channel = conn.channel()
-        callback = lambda body, message: (got.append(message.headers), message.ack())  # noqa: E731
+        callback = lambda body, message: (got.append(message.headers), message.ack())  # noqa: E731 - a one-line callback
         with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
             conn.drain_events(timeout=5)
     assert {key: got[0][key] for key in sent} == sent
