@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     batch_wait_ms: int = Field(default=50, ge=0)
     # Most padded sequence positions (jobs x longest job, image + prompt + new tokens) in one model batch.
     batch_token_budget: int = Field(default=65536, ge=1)
+    # Most padding a model batch may carry, as a share of its prefill positions and, separately, of its
+    # decode steps. Padding is paid in full on the CPU (and with a mask, SDPA loses its causal path):
+    # jobs that would pad more run in separate batches. 1.0 = no bound.
+    batch_max_padding: float = Field(default=0.10, ge=0.0, le=1.0)
     fetch_threads: int = Field(default=4, ge=1)
     # Jobs in a row the model may fail (model_error) before the worker calls itself unusable: it exits
     # without acking and its delivery goes to another worker, instead of failing the whole lane.

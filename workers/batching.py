@@ -3,23 +3,54 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
-def form_batches(costs: Sequence[int], max_jobs: int, token_budget: int) -> list[list[int]]:
-    """Group job indices into batches of at most `max_jobs` whose padded cost stays within `token_budget`.
+@dataclass(frozen=True)
+class Cost:
+    """What one job costs a model batch: its input positions (image + prompt) and its decode steps."""
 
-    Jobs are sorted by cost first, so neighbours in a batch have similar sequence lengths and little
-    padding. The padded cost of a batch is its size times its longest member. A job costlier than the
-    budget alone still gets a batch of its own (it must run somewhere).
+    input_tokens: int
+    new_tokens: int
+
+
+def waste(values: Sequence[int]) -> float:
+    """Fraction of a batch's padded positions that are padding, when every row is padded to the
+    longest: prefill padding for input lengths, idle decode steps for new-token counts."""
+    if not values:
+        return 0.0
+    return 1.0 - sum(values) / (max(values) * len(values))
+
+
+def fits(group: Sequence[Cost], max_jobs: int, token_budget: int, max_waste: float) -> bool:
+    """Whether these jobs may share one model batch: few enough, within the token budget (rows x the
+    longest input plus the most new tokens), and padded by at most `max_waste` of their prefill
+    positions and of their decode steps (a 512-token job never makes its neighbours decode 512 steps)."""
+    if len(group) > max_jobs:
+        return False
+    inputs = [c.input_tokens for c in group]
+    news = [c.new_tokens for c in group]
+    if len(group) > 1 and (max(inputs) + max(news)) * len(group) > token_budget:
+        return False
+    return waste(inputs) <= max_waste and waste(news) <= max_waste
+
+
+def form_batches(
+    costs: Sequence[Cost], max_jobs: int, token_budget: int, max_waste: float = 1.0
+) -> list[list[int]]:
+    """Group job indices into model batches that `fits` allows.
+
+    Jobs are sorted by new tokens, then input length, so equal jobs sit together and most batches
+    need no padding at all. A job that fits no batch (costlier than the budget) runs alone: it must
+    run somewhere.
     """
     if max_jobs < 1:
         raise ValueError("max_jobs must be >= 1")
-    order = sorted(range(len(costs)), key=lambda i: (costs[i], i))
+    order = sorted(range(len(costs)), key=lambda i: (costs[i].new_tokens, costs[i].input_tokens, i))
     batches: list[list[int]] = []
     current: list[int] = []
     for index in order:
-        longest = max([costs[i] for i in current] + [costs[index]])
-        if current and (len(current) >= max_jobs or longest * (len(current) + 1) > token_budget):
+        if current and not fits([costs[i] for i in [*current, index]], max_jobs, token_budget, max_waste):
             batches.append(current)
             current = []
         current.append(index)
@@ -29,14 +60,14 @@ def form_batches(costs: Sequence[int], max_jobs: int, token_budget: int) -> list
 
 
 def form_batches_by_lane(
-    costs: Sequence[int], lanes: Sequence[int], max_jobs: int, token_budget: int
+    costs: Sequence[Cost], lanes: Sequence[int], max_jobs: int, token_budget: int, max_waste: float = 1.0
 ) -> list[list[int]]:
     """form_batches within each lane, lanes in ascending order: an interactive ticket that shares a
     delivery with backlog jobs runs in the first model batch, and its result is written first."""
     groups: list[list[int]] = []
     for lane in sorted(set(lanes)):
         members = [i for i, value in enumerate(lanes) if value == lane]
-        for group in form_batches([costs[i] for i in members], max_jobs, token_budget):
+        for group in form_batches([costs[i] for i in members], max_jobs, token_budget, max_waste):
             groups.append([members[j] for j in group])
     return groups
 
@@ -45,11 +76,3 @@ def halves(items: Sequence[int]) -> tuple[list[int], list[int]]:
     """Split a batch in two for a retry after an out-of-memory fault."""
     mid = len(items) // 2
     return list(items[:mid]), list(items[mid:])
-
-
-def padding_waste(costs: Sequence[int]) -> float:
-    """Fraction of a batch's padded positions that are padding."""
-    if not costs:
-        return 0.0
-    padded = max(costs) * len(costs)
-    return 1.0 - sum(costs) / padded

@@ -200,12 +200,12 @@ class Pipeline:
         assert encoded is not None
         return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
 
-    def _cost(self, slot: Slot) -> int:
+    def _cost(self, slot: Slot) -> batching.Cost:
         assert slot.encoded is not None
         assert slot.plan is not None
         assert slot.job is not None
         image = self.backend.image_tokens(slot.encoded.height, slot.encoded.width)
-        return image + slot.plan.tokens + slot.job.max_new_tokens
+        return batching.Cost(image + slot.plan.tokens, slot.job.max_new_tokens)
 
     def _infer(self, slots: list[Slot]) -> None:
         live = self._live(slots)
@@ -215,8 +215,13 @@ class Pipeline:
             self._first_batch_at = time.perf_counter()
         costs = [self._cost(s) for s in live]
         lanes = [0 if s.job is not None and s.job.lane == "interactive" else 1 for s in live]
+        settings = self.settings
         groups = batching.form_batches_by_lane(
-            costs, lanes, self.settings.model_batch_max_jobs, self.settings.batch_token_budget
+            costs,
+            lanes,
+            settings.model_batch_max_jobs,
+            settings.batch_token_budget,
+            settings.batch_max_padding,
         )
         # Queue every decode now, in batch order: the pool works ahead while the model runs.
         pending = [[(live[i], self._pool.submit(self._decode_one, live[i])) for i in g] for g in groups]
@@ -230,7 +235,7 @@ class Pipeline:
                 else:
                     slot.decoded = decoded
                     members.append(slot)
-            self.metrics.padding.observe(batching.padding_waste([costs[i] for i in group]))
+            self.metrics.padding.observe(batching.waste([costs[i].input_tokens for i in group]))
             if members:
                 self._generate(members)
             # This batch's results are written by the pool while the model runs the next batch.

@@ -75,7 +75,8 @@ def test_out_of_memory_splits_down_to_one_job(backend: FuyuBackend, monkeypatch:
 
     monkeypatch.setattr(backend.model, "generate", generate)
     records = MemoryJobRecords()
-    pipeline = assemble(backend, store, store, records, Settings(max_attempts=1), sleep=lambda _s: None)
+    settings = Settings(max_attempts=1, batch_max_padding=1.0)  # all four in one batch, huge included
+    pipeline = assemble(backend, store, store, records, settings, sleep=lambda _s: None)
     assert pipeline.run(messages) == ["succeeded", "succeeded", "failed", "succeeded"]
     assert [entry["job_id"] for entry in records.dlq] == ["j2"]
     error = store.get_result("j2")["error"]
