@@ -266,8 +266,9 @@ class Pipeline:
     def _watch_failures(self, any_succeeded: bool, model_errors: list[ModelError]) -> None:
         """A model that fails job after job is the worker's fault, not the jobs': stop taking work
         (the delivery goes back to the queue) rather than fail every job in the lane."""
-        if any_succeeded:
+        if any_succeeded:  # the model works: this batch's failures are its jobs'
             self._failure_streak = 0
+            return
         self._failure_streak += len(model_errors)
         if self._failure_streak >= self.settings.model_failure_streak:
             raise WorkerUnusable(

@@ -311,3 +311,10 @@ def test_a_result_check_that_meets_an_s3_outage_is_retried_and_counted(store: Me
     assert records.get("unchecked")["attempts"] == "1"
     assert pipeline.run([_job("unchecked")]) == ["failed"]  # the budget ends; never run blind
     assert [e["job_id"] for e in records.dlq] == ["unchecked"]
+
+
+def test_failures_beside_a_success_do_not_count_towards_the_streak(store: MemoryStore) -> None:
+    backend = EchoBackend(fail_on="POISON")
+    messages = [_job(f"p{i}", prompt="POISON") for i in range(6)] + [_job("fine")]
+    outcomes = _pipeline(store, backend, model_failure_streak=5).run(messages)
+    assert outcomes == ["failed"] * 6 + ["succeeded"]  # the model works; six jobs broke it
