@@ -42,6 +42,7 @@ bench: install
 	$(PY) tests/bench/bench_preprocess.py
 	$(PY) tests/bench/bench_throughput.py
 	$(PY) tests/bench/bench_priority.py
+	$(PY) tests/bench/bench_broker.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -51,6 +51,12 @@ class MemoryJobRecords:
             record.update({"state": "running", "attempts": str(attempts)})
             return attempts
 
+    def get_many(self, job_ids: list[str]) -> list[dict[str, str]]:
+        return [self.get(job_id) for job_id in job_ids]
+
+    def begin_many(self, job_ids: list[str]) -> list[int]:
+        return [self.begin(job_id) for job_id in job_ids]
+
     def solo_run(self, job_id: str) -> int:
         with self._lock:
             record = self.records.setdefault(job_id, {})

@@ -53,7 +53,9 @@ class JobRecords(Protocol):
     def release(self, job_id: str) -> None: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
+    def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
     def begin(self, job_id: str) -> int: ...
+    def begin_many(self, job_ids: list[str]) -> list[int]: ...
     def solo_run(self, job_id: str) -> int: ...
     def reset_attempts(self, job_id: str) -> None: ...
     def list_lengths(self, keys: list[str]) -> int: ...
@@ -163,15 +165,30 @@ class RedisJobRecords:
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
+    def get_many(self, job_ids: list[str]) -> list[dict[str, str]]:
+        """The records of a delivery's jobs in one round trip."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(names.job_key(job_id))
+            return [dict(record) for record in pipe.execute()]
+
     def begin(self, job_id: str) -> int:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""
-        key = names.job_key(job_id)
+        return self.begin_many([job_id])[0]
+
+    def begin_many(self, job_ids: list[str]) -> list[int]:
+        """`begin` for a delivery's jobs in one round trip (one MULTI/EXEC)."""
+        if not job_ids:
+            return []
+        stamp = now_rfc3339()
         with self._redis.pipeline() as pipe:
-            pipe.hincrby(key, "attempts", 1)
-            pipe.hset(key, mapping={"state": "running", "updated_at": now_rfc3339()})
-            pipe.expire(key, RECORD_TTL_S)
-            attempts = pipe.execute()[0]
-        return int(attempts)
+            for job_id in job_ids:
+                key = names.job_key(job_id)
+                pipe.hincrby(key, "attempts", 1)
+                pipe.hset(key, mapping={"state": "running", "updated_at": stamp})
+                pipe.expire(key, RECORD_TTL_S)
+            replies = pipe.execute()
+        return [int(replies[3 * i]) for i in range(len(job_ids))]
 
     def solo_run(self, job_id: str) -> int:
         """Count a run of the job alone; returns how many lone runs came before this one."""

@@ -38,22 +38,27 @@ class Admission:
         self.log = log
 
     def admit(self, slots: Iterable[Slot]) -> None:
-        """Claim each parsed job for this delivery, or settle it (skipped, expired) without running."""
+        """Claim each parsed job for this delivery, or settle it (skipped, expired) without running.
+        The delivery's records are read in one round trip and its attempts counted in another."""
         now = datetime.now(UTC)
+        parsed = [slot for slot in slots if slot.job is not None]
+        records = self.records.get_many([slot.job_id for slot in parsed])
         seen: set[str] = set()
-        for slot in slots:
-            if slot.job is None:
-                continue
+        running: list[Slot] = []
+        for slot, record in zip(parsed, records, strict=True):
+            assert slot.job is not None
             if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
                 self._skip(slot, "duplicate_in_delivery")
                 continue
             seen.add(slot.job_id)
-            record = self.records.get(slot.job_id)
             if self._settled(slot, slot.job, record):
                 continue
             slot.suspect = record.get("state") == "running"
             slot.solo_runs = int(record.get("solo_runs", "0"))
-            slot.attempts = self.records.begin(slot.job_id)
+            running.append(slot)
+        for slot, attempts in zip(running, self.records.begin_many([s.job_id for s in running]), strict=True):
+            assert slot.job is not None
+            slot.attempts = attempts
             deadline = self._deadline(slot.job)
             if slot.error is None and deadline is not None and deadline < now:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")

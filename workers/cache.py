@@ -74,6 +74,7 @@ def job_cache_key(
 
 class ResultCache(Protocol):
     def get(self, key: str) -> dict[str, Any] | None: ...
+    def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]: ...
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None: ...
 
 
@@ -86,9 +87,19 @@ class RedisResultCache:
         self._redis = client
 
     def get(self, key: str) -> dict[str, Any] | None:
-        raw = self._redis.get(cache_entry_key(key))
-        self._redis.incr(self.MISSES if raw is None else self.HITS)
-        return None if raw is None else dict(json.loads(raw))
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        """A delivery's look-ups in one round trip, and the hit/miss counters in one more."""
+        if not keys:
+            return []
+        raws = self._redis.mget([cache_entry_key(key) for key in keys])
+        hits = sum(raw is not None for raw in raws)
+        with self._redis.pipeline(transaction=False) as pipe:
+            pipe.incrby(self.HITS, hits)
+            pipe.incrby(self.MISSES, len(keys) - hits)
+            pipe.execute()
+        return [None if raw is None else dict(json.loads(raw)) for raw in raws]
 
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
         self._redis.set(cache_entry_key(key), json.dumps(value, ensure_ascii=False), ex=ttl_s)

@@ -22,6 +22,9 @@ class MemoryResultCache:
             self.hits += 1
             return dict(value)
 
+    def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        return [self.get(key) for key in keys]
+
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
         with self._lock:
             self.entries[key] = (time.monotonic() + ttl_s, dict(value))

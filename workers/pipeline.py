@@ -172,21 +172,24 @@ class Pipeline:
         return stages.timed("image fetch", partial(stages.fetch_image, job, self.images_from, self.settings))
 
     def _look_up_cache(self, slots: list[Slot]) -> None:
-        """A hit skips decoding, preprocessing and the model; the job still gets its own result."""
+        """A hit skips decoding, preprocessing and the model; the job still gets its own result.
+        The delivery's look-ups go to the cache together (one round trip, not one per job)."""
         if self.cache is None:
             return
-        for slot in self._live(slots):
+        live = self._live(slots)
+        for slot in live:
             assert slot.job is not None
             assert slot.encoded is not None
             assert slot.plan is not None
             slot.cache_key = job_cache_key(
                 self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan
             )
-            try:
-                hit = self.cache.get(slot.cache_key)
-            except Exception as exc:  # a cache that is down costs GPU time, never a job
-                self.log.warning("MRC_CACHE_READ_FAILED", job_id=slot.job_id, error=repr(exc)[:300])
-                hit = None
+        try:
+            hits = self.cache.get_many([str(slot.cache_key) for slot in live])
+        except Exception as exc:  # a cache that is down costs GPU time, never a job
+            self.log.warning("MRC_CACHE_READ_FAILED", jobs=len(live), error=repr(exc)[:300])
+            hits = [None] * len(live)
+        for slot, hit in zip(live, hits, strict=True):
             self.metrics.cache.labels(result="hit" if hit else "miss").inc()
             if hit is not None:
                 slot.text, slot.output_tokens, slot.cache_hit = (
