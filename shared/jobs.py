@@ -154,6 +154,8 @@ class ModelInfo(BaseModel):
     id: str
     quantization: str
     attention_backend: str | None = None
+    # "causal" when the job's model batch had no padding (no attention mask), "masked" when it had.
+    attention_path: str | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -107,7 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
     kernel = backend.warm_up()
-    log.info("MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3), attention_kernel=kernel)
+    log.info(
+        "MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3), attention_kernel=kernel,
+        attention_kernel_padded=backend.describe().get("attention_backend_padded", ""),
+    )  # fmt: skip
     if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
         return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 

@@ -58,6 +58,7 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             id=backend.model_id,
             quantization=backend.quantization,
             attention_backend=backend.describe().get("attention_backend"),
+            attention_path=slot.attention_path,
         ),
         cache_hit=slot.cache_hit,
         job_fingerprint=job.fingerprint() if job else None,

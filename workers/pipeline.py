@@ -256,7 +256,10 @@ class Pipeline:
             inputs.append(GenerationInput(slot.decoded.tensor, plan.text, slot.job.max_new_tokens, plan.ids))
         runs, errors = self.runner.run(inputs)
         for run in runs:
+            lengths = {self._cost(group[index]).input_tokens for index in run.members}
+            path = "causal" if len(lengths) == 1 else "masked"  # rows of unequal length are padded
             for index, output in zip(run.members, run.outputs, strict=True):
+                group[index].attention_path = path
                 slot = group[index]
                 slot.text = output.text
                 slot.output_tokens = output.output_tokens

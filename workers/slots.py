@@ -42,6 +42,7 @@ class Slot:
     finishing: bool = False
     suspect: bool = False  # its last delivery died with it in hand: it runs alone
     solo_runs: int = 0  # earlier runs of it alone that never finished
+    attention_path: str | None = None  # causal (its model batch had no padding) or masked
 
     cache_key: str | None = None
     cache_hit: bool = False

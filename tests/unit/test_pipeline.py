@@ -318,3 +318,15 @@ def test_failures_beside_a_success_do_not_count_towards_the_streak(store: Memory
     messages = [_job(f"p{i}", prompt="POISON") for i in range(6)] + [_job("fine")]
     outcomes = _pipeline(store, backend, model_failure_streak=5).run(messages)
     assert outcomes == ["failed"] * 6 + ["succeeded"]  # the model works; six jobs broke it
+
+
+def test_each_result_says_which_attention_path_its_batch_took(store: MemoryStore) -> None:
+    store.put_bytes("inputs/wide.jpg", imagegen.photo(300, 48), "image/jpeg")
+    equal = [_job("eq-1"), _job("eq-2")]
+    _pipeline(store).run(equal)
+    assert {store.get_result(j)["model"]["attention_path"] for j in ("eq-1", "eq-2")} == {"causal"}
+    mixed = [_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")]
+    _pipeline(store, batch_max_padding=1.0).run(mixed)  # one padded batch
+    assert {store.get_result(j)["model"]["attention_path"] for j in ("mx-1", "mx-2")} == {"masked"}
+    _pipeline(store).run([_job("sp-1"), _job("sp-2", image="s3://mrc/inputs/wide.jpg")])  # split instead
+    assert {store.get_result(j)["model"]["attention_path"] for j in ("sp-1", "sp-2")} == {"causal"}

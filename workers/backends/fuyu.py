@@ -92,6 +92,7 @@ class FuyuBackend:
         self.model: Any = None
         self.processor: Any = None
         self.attention_kernel = "not_measured"
+        self.attention_kernel_padded = "not_measured"
         self.revision = "unloaded"
 
     def _path(self) -> str:
@@ -225,12 +226,15 @@ class FuyuBackend:
         return GenerationOutput(text=text, output_tokens=len(row))
 
     def warm_up(self) -> str:
-        """One tiny batch through the model under the profiler; records and returns the attention kernel."""
+        """Two tiny batches through the model under the profiler, as real batches run: one without
+        padding (the causal path, what most batches take) and one padded (with an attention mask).
+        Records both kernels; returns the unpadded one's."""
         from workers.backends import attention
 
-        image = torch_full_image(48, 64)
-        batch = [GenerationInput(image=image, prompt="warm up", max_new_tokens=2)]
-        self.attention_kernel = attention.attest(lambda: self.generate(batch), self.device)
+        even = [GenerationInput(image=torch_full_image(48, 64), prompt="warm up", max_new_tokens=2)] * 2
+        uneven = [even[0], GenerationInput(image=torch_full_image(96, 128), prompt="warm", max_new_tokens=2)]
+        self.attention_kernel = attention.attest(lambda: self.generate(even), self.device)
+        self.attention_kernel_padded = attention.attest(lambda: self.generate(uneven), self.device)
         return self.attention_kernel
 
     def describe(self) -> dict[str, str]:
@@ -240,4 +244,5 @@ class FuyuBackend:
             "quantization": self.quantization,
             "device": self.device,
             "attention_backend": f"{implementation}:{self.attention_kernel}",
+            "attention_backend_padded": f"{implementation}:{self.attention_kernel_padded}",
         }
