@@ -139,13 +139,18 @@ def _log_rejected(queue: str, item: bytes | str, reason: str) -> None:
     )  # fmt: skip
 
 
+def _keep(pipe: Any, raw: bytes | str) -> None:
+    """Queue the write of an unreadable entry to the rejected list (the last 1000 are kept)."""
+    pipe.lpush(REJECTED_KEY, raw)
+    pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
+
+
 def _set_aside(client: Any, queue: str, item: bytes | str, reason: str, tag: str | None = None) -> None:
     """Keep an unreadable entry for a person (the last 1000) and drop any unacked record of it."""
     raw = item if isinstance(item, bytes) else item.encode()
     _log_rejected(queue, raw, reason)
     with client.pipeline() as pipe:  # MULTI/EXEC: kept and unrecorded together
-        pipe.lpush(REJECTED_KEY, raw)
-        pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
+        _keep(pipe, raw)
         if tag is not None:
             pipe.hdel(names.UNACKED_KEY, tag)
             pipe.zrem(names.UNACKED_INDEX_KEY, tag)
@@ -177,8 +182,7 @@ class QoS(kombu_redis.QoS):
                 record = parse_unacked(raw)
                 if record is None:
                     _log_rejected("unacked", raw, "unacked record is not a readable message")
-                    pipe.lpush(REJECTED_KEY, raw)
-                    pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
+                    _keep(pipe, raw)
                 else:
                     payload, exchange, routing_key = record
                     self.channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost)

@@ -56,7 +56,7 @@ class Pipeline:
         self.finisher = finisher
         self.settings = settings
         self.metrics = metrics
-        self.cache = cache if settings.cache_ttl_s > 0 else None
+        self.cache = cache  # None when the cache is off (assemble decides)
         self.log = logs.get_logger()
         self._pool = ThreadPoolExecutor(
             max_workers=settings.fetch_threads,
