@@ -183,6 +183,21 @@ def test_pickled_and_garbage_messages_are_rejected_and_the_worker_lives(cluster:
     _assert_once(cluster, cluster.wait_all(jobs, 60))
 
 
+def test_a_batch_longer_than_the_visibility_timeout_stays_with_its_live_worker(cluster: Cluster) -> None:
+    """The visibility timeout hands out again the messages of a worker that went silent, not those
+    of one still computing: a second worker must not run the first one's long batch again."""
+    short = {"MRC_VISIBILITY_TIMEOUT_S": "2", "MRC_RETRY_BASE_S": "0.2", "MRC_RETRY_MAX_S": "1"}
+    jobs = cluster.jobs(12, max_new_tokens=512)
+    first = cluster.worker(**short)
+    _wait_event(first, "MRC_CONSUMING")
+    cluster.send(jobs)
+    started = time.monotonic()
+    cluster.worker(**short)  # looks for stale messages every second
+    results = cluster.wait_all(jobs, 180)
+    assert time.monotonic() - started > 2 + 4, "the batch ended too soon to test"
+    _assert_once(cluster, results)
+
+
 def test_two_workers_process_every_job_once(cluster: Cluster) -> None:
     a, b = cluster.worker(), cluster.worker()
     jobs = cluster.jobs(60, cluster.image(imagegen.photo(480, 360)), max_new_tokens=32)

@@ -168,3 +168,57 @@ def test_typed_header_values_come_back_typed(redis_url: str) -> None:
         with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
             conn.drain_events(timeout=5)
     assert {key: got[0][key] for key in sent} == sent
+
+
+def _hold(conn: Connection) -> tuple[Any, list[Any]]:
+    """Consume from QUEUE and hold every message unacked; returns the channel and the messages."""
+    held: list[Any] = []
+    channel = conn.channel()
+    channel.basic_qos(prefetch_count=10)
+    Consumer(channel, [QUEUE], accept=["json"], callbacks=[lambda b, m: held.append(m)]).consume()
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=1)
+    assert held, "nothing delivered"
+    return channel, held
+
+
+def test_a_live_consumer_keeps_a_message_past_the_visibility_timeout(redis_url: str) -> None:
+    """The timeout measures silence, not age: a batch that runs longer than it is not handed to a
+    second worker while the first one lives; once the holder stops beating, it comes back."""
+    client = redis_lib.Redis.from_url(redis_url)
+    _publish(redis_url, {"n": 1})
+    holder = _connect(redis_url)
+    channel, held = _hold(holder)
+    with _connect(redis_url) as other:
+        restorer = other.channel()
+        for _ in range(6):  # 3 s: three visibility timeouts
+            time.sleep(0.5)
+            restorer.qos.restore_visible(num=10, interval=1)
+            assert _where(client) == (0, 1), "restored from a live consumer"
+        channel.qos.stop_heartbeat()  # the holder hangs, or its process is gone
+        time.sleep(1.3)
+        restorer.qos.restore_visible(num=10, interval=1)
+        assert _where(client) == (1, 0), "a silent holder's message comes back after the timeout"
+    assert held[0].payload == {"n": 1}
+    channel.close()
+    holder.release()
+
+
+def test_a_heartbeat_after_the_listing_wins_over_the_restore(redis_url: str) -> None:
+    """The restore re-reads the unacked time inside its transaction: a message listed as stale but
+    refreshed before its turn stays with its consumer."""
+    client = redis_lib.Redis.from_url(redis_url)
+    _publish(redis_url, {"n": 1})
+    dead = _pop_without_reading(redis_url, stock=False)
+    dead.client.connection.disconnect()
+    (tag,) = [t.decode() for t in client.hkeys("unacked")]
+    with _connect(redis_url) as conn:
+        qos = conn.channel().qos
+        listed_at = time.time() - 1  # as if listed a second ago with the timeout run out
+        client.zadd("unacked_index", {tag: time.time()})  # the beat that came in since
+        qos._restore(tag, stale_before=listed_at)
+        assert _where(client) == (0, 1)
+        qos._restore(tag, stale_before=time.time() + 1)
+        assert _where(client) == (1, 0)
