@@ -159,7 +159,7 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
             print(
                 f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
                 f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
-                f"busy {w.get('busy_ratio')}"
+                f"busy {w.get('busy_ratio')}, batch caps {w.get('batch_caps', '-')}"
             )
         rate = view["cache"]["hit_rate"]
         print(f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else ""))

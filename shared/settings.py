@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     # decode steps. Padding is paid in full on the CPU (and with a mask, SDPA loses its causal path):
     # jobs that would pad more run in separate batches. 1.0 = no bound.
     batch_max_padding: float = Field(default=0.10, ge=0.0, le=1.0)
+    # Time model batches of 1, 2, 4, ... probe images per input-length bucket at warm-up and cap each
+    # bucket where the per-job cost stops falling (workers/batch_sizes.py); off: every bucket may take
+    # MRC_MODEL_BATCH_MAX_JOBS.
+    batch_calibrate: bool = True
     fetch_threads: int = Field(default=4, ge=1)
     # Jobs in a row the model may fail (model_error) before the worker calls itself unusable: it exits
     # without acking and its delivery goes to another worker, instead of failing the whole lane.

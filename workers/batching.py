@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# The most jobs a batch may hold: one number, or one per group, from its input lengths (the measured
+# table of workers/batch_sizes.py: long inputs may be capped lower than short ones).
+MaxJobs = int | Callable[[Sequence[int]], int]
 
 
 @dataclass(frozen=True)
@@ -22,13 +26,14 @@ def waste(values: Sequence[int]) -> float:
     return 1.0 - sum(values) / (max(values) * len(values))
 
 
-def fits(group: Sequence[Cost], max_jobs: int, token_budget: int, max_waste: float) -> bool:
-    """Whether these jobs may share one model batch: few enough, within the token budget (rows x the
-    longest input plus the most new tokens), and padded by at most `max_waste` of their prefill
-    positions and of their decode steps (a 512-token job never makes its neighbours decode 512 steps)."""
-    if len(group) > max_jobs:
-        return False
+def fits(group: Sequence[Cost], max_jobs: MaxJobs, token_budget: int, max_waste: float) -> bool:
+    """Whether these jobs may share one model batch: few enough (for their input lengths), within the
+    token budget (rows x the longest input plus the most new tokens), and padded by at most
+    `max_waste` of their prefill positions and of their decode steps (a 512-token job never makes its
+    neighbours decode 512 steps)."""
     inputs = [c.input_tokens for c in group]
+    if len(group) > (max_jobs(inputs) if callable(max_jobs) else max_jobs):
+        return False
     news = [c.new_tokens for c in group]
     if len(group) > 1 and (max(inputs) + max(news)) * len(group) > token_budget:
         return False
@@ -36,7 +41,7 @@ def fits(group: Sequence[Cost], max_jobs: int, token_budget: int, max_waste: flo
 
 
 def form_batches(
-    costs: Sequence[Cost], max_jobs: int, token_budget: int, max_waste: float = 1.0
+    costs: Sequence[Cost], max_jobs: MaxJobs, token_budget: int, max_waste: float = 1.0
 ) -> list[list[int]]:
     """Group job indices into model batches that `fits` allows.
 
@@ -44,7 +49,7 @@ def form_batches(
     need no padding at all. A job that fits no batch (costlier than the budget) runs alone: it must
     run somewhere.
     """
-    if max_jobs < 1:
+    if isinstance(max_jobs, int) and max_jobs < 1:
         raise ValueError("max_jobs must be >= 1")
     order = sorted(range(len(costs)), key=lambda i: (costs[i].new_tokens, costs[i].input_tokens, i))
     batches: list[list[int]] = []
@@ -60,7 +65,7 @@ def form_batches(
 
 
 def form_batches_by_lane(
-    costs: Sequence[Cost], lanes: Sequence[int], max_jobs: int, token_budget: int, max_waste: float = 1.0
+    costs: Sequence[Cost], lanes: Sequence[int], max_jobs: MaxJobs, token_budget: int, max_waste: float = 1.0
 ) -> list[list[int]]:
     """form_batches within each lane, lanes in ascending order: an interactive ticket that shares a
     delivery with backlog jobs runs in the first model batch, and its result is written first."""

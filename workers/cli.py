@@ -19,8 +19,9 @@ from shared.errors import ServiceUnreachable
 from shared.records import RedisJobRecords, connect
 from shared.settings import Settings, describe_error, unknown_variables
 from shared.stores import open_stores
-from workers import health, tasks
+from workers import batch_sizes, health, tasks
 from workers.backends import attention, make_backend
+from workers.backends.base import ModelBackend
 from workers.cache import RedisResultCache
 from workers.heartbeat import Heartbeat
 from workers.metrics import Metrics
@@ -77,6 +78,21 @@ def _route_celery_console(log: Any) -> None:
 EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
 
 
+def _batch_sizes(backend: ModelBackend, settings: Settings, log: Any) -> batch_sizes.BatchSizes:
+    """Measure what a model batch is worth per input length (or not, when switched off), and say so."""
+    upper, side = settings.model_batch_max_jobs, settings.max_image_side
+    if not settings.batch_calibrate:
+        sizes = batch_sizes.BatchSizes.fixed(upper, side)
+    else:
+        began = time.perf_counter()
+        sizes = batch_sizes.calibrate(
+            batch_sizes.probe_runner(backend), upper, settings.batch_token_budget, side
+        )
+        log.info("MRC_BATCH_CALIBRATED", seconds=round(time.perf_counter() - began, 3))
+    log.info("MRC_BATCH_SIZES", caps=sizes.summary(), calibrated=sizes.calibrated, table=sizes.table())
+    return sizes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     lanes = _lanes(args.lanes)
@@ -114,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
         return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 
+    sizes = _batch_sizes(backend, settings, log)
     images_from, results = open_stores(settings)
     results.ensure_bucket()
     records = RedisJobRecords.from_url(settings.redis_url)
@@ -121,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = RedisResultCache(connect(settings.redis_url))
     pipeline = assemble(
         backend, images_from, results, records, settings,
-        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache,
+        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, batch_sizes=sizes,
     )  # fmt: skip
     fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
 
@@ -133,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         app, settings, pipeline, lambda ids: transport.give_back(fatal_client, ids), on_fatal=on_fatal
     )
 
-    state.set_ready(backend.describe())
+    state.set_ready({**backend.describe(), "batch_sizes": sizes.table()})
     metrics.ready.set(1)
     hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
@@ -159,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             **backend.describe(),
             "jobs": pipeline.jobs_seen,
             "busy_ratio": round(pipeline.busy_ratio, 4),
+            "batch_caps": sizes.summary(),
+            "batch_sizes": sizes.table(),
         },
     )
     heartbeat.start()

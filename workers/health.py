@@ -17,10 +17,10 @@ class HealthState:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ready: dict[str, str] | None = None
+        self._ready: dict[str, Any] | None = None
         self.reason = "starting"
 
-    def set_ready(self, info: dict[str, str]) -> None:
+    def set_ready(self, info: dict[str, Any]) -> None:
         with self._lock:
             self._ready = dict(info)
 
@@ -29,7 +29,7 @@ class HealthState:
             self._ready = None
             self.reason = reason
 
-    def readiness(self) -> dict[str, str] | None:
+    def readiness(self) -> dict[str, Any] | None:
         with self._lock:
             return None if self._ready is None else dict(self._ready)
 

@@ -24,6 +24,7 @@ from shared.stores import ImageSource, ResultStore
 from workers import batching, images, inference, stages
 from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
+from workers.batch_sizes import BatchSizes
 from workers.cache import ResultCache, job_cache_key
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
@@ -49,8 +50,13 @@ class Pipeline:
         settings: Settings,
         metrics: Metrics,
         cache: ResultCache | None = None,
+        batch_sizes: BatchSizes | None = None,
     ) -> None:
         self.backend = backend
+        # None: every input length may fill MRC_MODEL_BATCH_MAX_JOBS (not measured)
+        self.batch_sizes = batch_sizes or BatchSizes.fixed(
+            settings.model_batch_max_jobs, settings.max_image_side
+        )
         self.images_from = images_from
         self.admission = admission
         self.finisher = finisher
@@ -222,7 +228,7 @@ class Pipeline:
         groups = batching.form_batches_by_lane(
             costs,
             lanes,
-            settings.model_batch_max_jobs,
+            lambda inputs: self.batch_sizes.cap(max(inputs)),
             settings.batch_token_budget,
             settings.batch_max_padding,
         )
@@ -258,6 +264,7 @@ class Pipeline:
         for run in runs:
             lengths = {self._cost(group[index]).input_tokens for index in run.members}
             path = "causal" if len(lengths) == 1 else "masked"  # rows of unequal length are padded
+            self.batch_sizes.observe(max(lengths), len(run.members), run.prepare_s + run.run_s)
             for index, output in zip(run.members, run.outputs, strict=True):
                 group[index].attention_path = path
                 slot = group[index]
@@ -324,6 +331,7 @@ def assemble(
     requeue: Requeue | None = None,
     sleep: Callable[[float], None] = time.sleep,
     cache: ResultCache | None = None,
+    batch_sizes: BatchSizes | None = None,
 ) -> Pipeline:
     """A pipeline wired from the seams: the worker's composition root, and the tests'."""
     metrics = metrics or Metrics()
@@ -331,4 +339,4 @@ def assemble(
     log = logs.get_logger()
     finisher = Finisher(backend, results, records, settings, metrics, log, requeue, sleep, cache)
     admission = Admission(records, results, settings, metrics, log)
-    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache)
+    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache, batch_sizes)

@@ -1,15 +1,25 @@
 """GPU only: a randomly initialised Fuyu-8B-sized model (the real config, no weights needed), NF4 and bf16,
-loaded through mrc's own loader (workers/backends/fuyu.py); batches of 1, 8 and 32 images of 1024x1024 with
-64-token prompts and 64 new tokens. Prints images/s, peak GPU memory and the fraction of the roofline
-(~20-26 images/s at batch 32 on an H200, STACK-NOTES.md).
+loaded through mrc's own loader (workers/backends/fuyu.py).
 
-    MRC_DEVICE=cuda .venv/bin/python tests/bench/bench_gpu.py [--modes nf4,bf16] [--batches 1,8,32]
+Rows per mode:
+  decode   batches of 1, 8 and 32 images of 1024x1024, 64-token prompts, exactly 64 new tokens each
+           (the end-of-text token is ignored: a random model that stops early would inflate images/s);
+           images/s, generated tokens/s, peak GPU memory, fraction of the roofline (~20-26 images/s
+           at batch 32 on an H200, docs/benchmarks.md)
+  prefill  the prefill-heavy workload through the real pipeline's preprocessing on the device: JPEG
+           bytes of 12 MP phone photos, full-HD screenshots and small images decoded by workers/images.py
+           (nvjpeg) and prepared by the backend, 16 new tokens, batch 1 vs the calibrated batch sizes
+  calib    the batch-size table the worker would choose at warm-up (workers/batch_sizes.py)
+Every figure is also written to --json.
+
+    MRC_DEVICE=cuda .venv/bin/python tests/bench/bench_gpu.py [--modes nf4,bf16] [--batches 1,8,32] [--json F]
     .venv/bin/python tests/bench/bench_gpu.py --tiny     # smoke test of the script itself, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -56,7 +66,48 @@ def prompt_of(backend: FuyuBackend, tokens: int) -> str:
     return str(backend.processor.tokenizer.decode(ids))
 
 
-def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: int) -> None:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prefill_row(backend: FuyuBackend, device: str, batch: int, repeats: int) -> dict[str, float]:
+    """The prefill-heavy workload, through the worker's own decode and preprocessing on the device."""
+    from tests.support import imagegen
+    from workers import images
+
+    datas = [
+        imagegen.camera_photo(4032, 3024, seed=1),
+        imagegen.screenshot(1920, 1080, seed=2),
+        imagegen.camera_photo(4000, 3000, seed=3),
+        imagegen.camera_photo(320, 240, seed=4),
+    ]
+    prompts = ["Refund?", prompt_of(backend, 16), prompt_of(backend, 64)]
+    jobs = [(datas[i % 4], prompts[i % 3]) for i in range(max(8, batch * 2))]
+
+    def once() -> int:
+        done = 0
+        for start in range(0, len(jobs), batch):
+            group = jobs[start : start + batch]
+            tensors = [images.load(data, 10**9, device=device).tensor for data, _ in group]
+            items = [
+                GenerationInput(t, p, 16, exact_steps=True) for t, (_, p) in zip(tensors, group, strict=True)
+            ]
+            backend.generate(items)
+            done += len(items)
+        return done
+
+    once()
+    _sync(device)
+    began = time.perf_counter()
+    done = sum(once() for _ in range(repeats))
+    _sync(device)
+    return {"batch": batch, "images_per_s": done / (time.perf_counter() - began)}
+
+
+def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: int) -> dict[str, object]:
+    from workers import batch_sizes
+
     backend = FuyuBackend(Settings(model=str(folder), quantization=mode, device=device))
     began = time.perf_counter()
     backend.load()
@@ -69,25 +120,53 @@ def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: 
     print(
         f"[{mode}] loaded in {load_s:.1f} s, attention {backend.describe()['attention_backend']} ({kernel})"
     )
+    figures: dict[str, object] = {
+        "mode": mode,
+        "load_s": load_s,
+        "attention": backend.describe(),
+        "decode": [],
+    }
     for batch in batches:
-        items = [GenerationInput(image, prompt, 64) for _ in range(batch)]
+        items = [GenerationInput(image, prompt, 64, exact_steps=True) for _ in range(batch)]
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         backend.generate(items)  # warm this shape
         began = time.perf_counter()
+        tokens = 0
         for _ in range(repeats):
-            backend.generate(items)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        rate = batch * repeats / (time.perf_counter() - began)
+            tokens += sum(out.output_tokens for out in backend.generate(items))
+        _sync(device)
+        seconds = time.perf_counter() - began
+        rate = batch * repeats / seconds
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else float("nan")
-        line = f"[{mode}] batch {batch:>2}: {rate:7.2f} images/s, peak GPU memory {peak:6.1f} GiB"
+        line = (
+            f"[{mode}] batch {batch:>2}: {rate:7.2f} images/s, {tokens / seconds:8.1f} generated tokens/s "
+            f"({tokens / (batch * repeats):.0f} per image), peak GPU memory {peak:6.1f} GiB"
+        )
+        row = {"batch": batch, "images_per_s": rate, "tokens_per_s": tokens / seconds, "peak_gib": peak}
         if batch == 32:
             line += f", roofline fraction {rate / ROOFLINE_B32[1]:.2f}-{rate / ROOFLINE_B32[0]:.2f}"
+            row["roofline_fraction"] = [rate / ROOFLINE_B32[1], rate / ROOFLINE_B32[0]]
+        figures["decode"].append(row)  # type: ignore[attr-defined]
         print(line, flush=True)
+    began = time.perf_counter()
+    settings = backend.settings
+    sizes = batch_sizes.calibrate(
+        batch_sizes.probe_runner(backend), max(batches), settings.batch_token_budget, settings.max_image_side
+    )
+    figures["calibration"] = {"seconds": time.perf_counter() - began, "table": sizes.table()}
+    print(f"[{mode}] calibrated caps {sizes.summary()} in {time.perf_counter() - began:.1f} s", flush=True)
+    cap = sizes.cap(10**6)
+    figures["prefill"] = [prefill_row(backend, device, b, repeats) for b in sorted({1, cap})]
+    for row in figures["prefill"]:  # type: ignore[attr-defined]
+        print(
+            f"[{mode}] prefill-heavy, batch {row['batch']:>2}: {row['images_per_s']:7.2f} images/s",
+            flush=True,
+        )
     del backend
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+    return figures
 
 
 def main() -> None:
@@ -96,6 +175,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="smoke-test the script on the tiny config (CPU)")
+    parser.add_argument("--json", type=Path, help="write every figure to this file")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if device == "cpu" and not args.tiny:
@@ -107,8 +187,13 @@ def main() -> None:
         print(
             f"random {'tiny' if args.tiny else 'Fuyu-8B'} model built in {time.perf_counter() - began:.0f} s"
         )
+        results = []
         for mode in args.modes.split(","):
-            run_mode(folder, mode, [int(b) for b in args.batches.split(",")], device, args.repeats)
+            results.append(
+                run_mode(folder, mode, [int(b) for b in args.batches.split(",")], device, args.repeats)
+            )
+            if args.json:  # after each mode: a run cut short by its timeout keeps what it measured
+                args.json.write_text(json.dumps({"device": device, "modes": results}, indent=2, default=str))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

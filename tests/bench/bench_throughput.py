@@ -1,53 +1,48 @@
-"""Throughput of the whole system against the bare model and against the naive pipeline, one run.
+"""Throughput and latency of the whole system against the bare model and the naive pipeline, over a
+matrix of workloads (tests/bench/workloads.py), each row measured side by side in one run.
 
-Real redis-server, moto S3 server, worker processes, tiny Fuyu (NF4, CPU). Jobs: N tickets with
-camera-like photos of mixed sizes, a prompt, MAX_NEW new tokens.
-  bare       the backend looping over the same preprocessed batches in this process (model time only)
+Real redis-server, moto S3 server, worker processes, tiny Fuyu (NF4, CPU).
+  bare       the backend looping over the same model batches in this process (model time only)
+  bare+dec   the same loop with image decoding and preprocessing inside it (no queue, no S3)
   system     mrc-worker: batched task, decode pool, device preprocessing, S3 results
-  unbatched  mrc-worker with MRC_BATCH_MAX_JOBS=1 (one job per batch)
+  unbatched  mrc-worker with MRC_BATCH_MAX_JOBS=1 (one job per delivery)
   naive      one Celery task per job, PIL + FuyuProcessor, generate at batch 1, result to S3
+The trickle row sends jobs one by one below capacity and reports latency (p50, p99) for system and
+naive. For each system run it prints where the worker's time went (stages, time between deliveries).
 
-    .venv/bin/python tests/bench/bench_throughput.py [--jobs 48] [--batch 8]
+    .venv/bin/python tests/bench/bench_throughput.py [--jobs 48] [--batch 8] [--rows decode-heavy,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from scripts import devservices as services  # noqa: E402 - after sys.path is set
 from shared import logs  # noqa: E402 - after sys.path is set
+from shared.jobs import parse_rfc3339  # noqa: E402 - after sys.path is set
 from shared.settings import Settings  # noqa: E402 - after sys.path is set
-from tests.support import imagegen  # noqa: E402 - after sys.path is set
+from tests.bench.naive_runner import naive  # noqa: E402 - after sys.path is set
+from tests.bench.workloads import WORKLOADS, Workload  # noqa: E402 - after sys.path is set
 
-MAX_NEW = 64
-PROMPT = "The parcel arrived crushed and the label is torn. Can I get a refund?"
-SIZES = [(1024, 768), (1024, 1024), (768, 1024), (1280, 720)]
-
-
-def make_images(work: Path, count: int) -> list[Path]:
-    paths = []
-    for i in range(count):
-        w, h = SIZES[i % len(SIZES)]
-        path = work / f"img{i}.jpg"
-        path.write_bytes(imagegen.camera_photo(w, h, seed=i))
-        paths.append(path)
-    return paths
+GOALS = {"decode-heavy": 4.0, "prefill-heavy": 1.5, "mixed-new-tokens": 1.0}  # system / naive
 
 
-def bare(env: dict[str, str], paths: list[Path], batch: int) -> tuple[float, float, float]:
-    """jobs/s of backend.run over prepared batches (model only), jobs/s of the same loop with decoding and
-    preprocessing inside it (no queue, no S3), and the mean model batch cost in ms."""
-    from workers import images
+def bare(wl: Workload, paths: list[Path], jobs: int, batch: int, env: dict[str, str]) -> dict[str, float]:
+    """jobs/s of backend.run over the model batches the system's batcher forms (model only), and of
+    the same loop with decoding and preprocessing inside it."""
+    from workers import batching, images
     from workers.backends.base import GenerationInput
     from workers.backends.fuyu import FuyuBackend
 
@@ -55,100 +50,166 @@ def bare(env: dict[str, str], paths: list[Path], batch: int) -> tuple[float, flo
     backend = FuyuBackend(settings)
     backend.load()
     backend.warm_up()
-    tensors = [images.load(p.read_bytes(), 10**9).tensor for p in paths]
-    # The system forms batches by size: do the same, so both run the same compositions.
-    order = sorted(range(len(paths)), key=lambda i: (tensors[i].shape[1] * tensors[i].shape[2], i))
-    groups = [order[i : i + batch] for i in range(0, len(order), batch)]
-    prepared = [backend.prepare([GenerationInput(tensors[i], PROMPT, MAX_NEW) for i in g]) for g in groups]
+    datas = [p.read_bytes() for p in paths]
+    specs = [wl.job(i) for i in range(jobs)]
+    tensors = {n: images.load(datas[n], 10**9).tensor for n in {s[0] for s in specs}}
+    costs = []
+    for n, prompt, new in specs:
+        plan = backend.plan_prompt(prompt, settings.max_prompt_tokens, truncate=True)
+        image = backend.image_tokens(tensors[n].shape[1], tensors[n].shape[2])
+        costs.append(batching.Cost(image + plan.tokens, new))
+    groups = batching.form_batches(costs, batch, settings.batch_token_budget, settings.batch_max_padding)
+
+    def inputs(group: list[int], fresh: bool) -> list[GenerationInput]:
+        return [
+            GenerationInput(
+                images.load(datas[specs[i][0]], 10**9).tensor if fresh else tensors[specs[i][0]],
+                specs[i][1],
+                specs[i][2],
+            )
+            for i in group
+        ]
+
+    prepared = [backend.prepare(inputs(g, fresh=False)) for g in groups]
     began = time.perf_counter()
     for p in prepared:
         backend.run(p)
-    seconds = time.perf_counter() - began
-    datas = [p.read_bytes() for p in paths]
+    model_only = jobs / (time.perf_counter() - began)
     began = time.perf_counter()
     for g in groups:
-        decoded = [images.load(datas[i], 10**9).tensor for i in g]
-        backend.generate([GenerationInput(t, PROMPT, MAX_NEW) for t in decoded])
-    with_pre = len(paths) / (time.perf_counter() - began)
-    return len(paths) / seconds, with_pre, seconds / len(groups) * 1000
+        backend.generate(inputs(g, fresh=True))
+    return {
+        "bare": model_only,
+        "bare+dec": jobs / (time.perf_counter() - began),
+        "model_batches": len(groups),
+    }
 
 
-def system(env: dict[str, str], paths: list[Path], work: Path, batch: int, tag: str) -> float:
+def _breakdown(worker: services.Worker, wall: float) -> str:
+    """Where the worker's time went: its stage timings summed over deliveries, and the rest."""
+    stages: dict[str, float] = {}
+    in_batches = 0.0
+    for line in worker.find("MRC_BATCH"):
+        in_batches += float(line["seconds"])
+        for part in line.get("stages", "").split(","):
+            if ":" in part:
+                name, ms = part.split(":")
+                stages[name] = stages.get(name, 0.0) + float(ms) / 1000
+    model = worker.find("MRC_MODEL_BATCH")
+    sizes = [int(m["jobs"]) for m in model]
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
+    mean = statistics.mean(sizes) if sizes else 0
+    return (
+        f"wall {wall:.2f} s = in deliveries {in_batches:.2f} s ({parts}) + between deliveries "
+        f"{max(0.0, wall - in_batches):.2f} s; {len(sizes)} model batches of {mean:.1f} jobs"
+    )
+
+
+def system(
+    wl: Workload, paths: list[Path], jobs: int, work: Path, env: dict[str, str], batch: int, tag: str
+) -> dict[str, Any]:
     from producer.client import Client, Submission
 
-    # Deliveries of two model batches: the pool decodes one while the model runs the other.
-    worker_env = {
+    worker_env = {  # deliveries of two model batches: the pool decodes one while the model runs the other
         **env,
         "MRC_BATCH_MAX_JOBS": str(2 * batch),
         "MRC_MODEL_BATCH_MAX_JOBS": str(batch),
-        "MRC_BATCH_WAIT_MS": "50",
+        "MRC_BATCH_WAIT_MS": env.get("MRC_BATCH_WAIT_MS", "50"),
     }
-    worker = services.start_worker(worker_env, work / f"worker-{tag}.log")
+    worker = services.start_worker(worker_env, work / f"worker-{wl.name}-{tag}.log")
     try:
         client = Client(services.settings_from_env(env))
-        jobs = [
-            client.build_job(Submission(image=p, prompt=PROMPT, max_new_tokens=MAX_NEW, job_id=f"{tag}-{i}"))
-            for i, p in enumerate(paths)
-        ]
+        built = []
+        for i in range(jobs):
+            n, prompt, new = wl.job(i)
+            submission = Submission(
+                image=paths[n], prompt=prompt, max_new_tokens=new, job_id=f"{wl.name}-{tag}-{i}"
+            )
+            built.append(client.build_job(submission))
         began = time.perf_counter()
-        for job in jobs:
+        for job in built:
             client.enqueue(job)
-        for job in jobs:
+            if wl.trickle_per_s:
+                time.sleep(1 / wl.trickle_per_s)
+        latencies = []
+        for job in built:
             result = client.wait(job.job_id, 900)
             assert result["status"] == "succeeded", result
             assert not result.get("cache_hit"), "a cached answer is not a measurement"
-        return len(jobs) / (time.perf_counter() - began)
+            finished = parse_rfc3339(result["finished_at"]) - parse_rfc3339(result["submitted_at"])
+            latencies.append(finished.total_seconds())
+        wall = time.perf_counter() - began
+        sizes = worker.find("MRC_BATCH_SIZES")
+        return {
+            "rate": jobs / wall,
+            "latencies": latencies,
+            "breakdown": _breakdown(worker, wall),
+            "batch_sizes": sizes[0].get("caps", "") if sizes else "",
+        }
     finally:
         worker.stop()
 
 
-def naive(env: dict[str, str], paths: list[Path], work: Path) -> float:
-    import boto3
-    from celery import Celery
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    from producer.client import Client
 
-    client = Client(services.settings_from_env(env))
-    keys = [client.upload_image(p)[0].split("/", 3)[3] for p in paths]
-    log = work / "naive.log"
-    with log.open("wb") as out:
-        command = [str(services.BIN / "celery"), "-A", "tests.bench.naive_worker", "worker", "--pool", "solo"]
-        command += ["-c", "1", "-Q", "naive", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-        proc = subprocess.Popen(
-            [*command, "-l", "INFO"],
-            env={**env, "NAIVE_PRELOAD": "1", "PYTHONPATH": str(ROOT)},
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+def run_row(
+    wl: Workload, jobs: int, batch: int, work: Path, env: dict[str, str], parts: set[str]
+) -> dict[str, Any]:
+    paths = wl.make_images(work)
+    row: dict[str, Any] = {"workload": wl.name, "jobs": jobs}
+    if "bare" in parts and not wl.trickle_per_s:
+        row.update(bare(wl, paths, jobs, batch, env))
+    if "system" in parts:
+        measured = system(wl, paths, jobs, work, env, batch, "sys")
+        row["system"] = measured["rate"]
+        row["system_p50"], row["system_p99"] = (
+            _pct(measured["latencies"], 0.5),
+            _pct(measured["latencies"], 0.99),
         )
-    try:
-        time.sleep(1)
-        services.wait_for(lambda: b"ready" in log.read_bytes(), 180, "naive worker", proc)
-        app = Celery("naive", broker=env["MRC_REDIS_URL"])
-        app.conf.update(task_serializer="json")
-        s3 = boto3.client("s3", endpoint_url=env["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
-        bucket = env["MRC_S3_BUCKET"]
-        began = time.perf_counter()
-        for i, key in enumerate(keys):
-            app.send_task("naive.infer", args=[f"n{i}", bucket, key, PROMPT, MAX_NEW], queue="naive")
-        for i in range(len(keys)):
-            while True:
-                try:
-                    s3.head_object(Bucket=bucket, Key=f"naive/n{i}.json")
-                    break
-                except Exception:
-                    time.sleep(0.05)
-        return len(keys) / (time.perf_counter() - began)
-    finally:
-        services.stop(proc)
+        row["breakdown"], row["batch_sizes"] = measured["breakdown"], measured["batch_sizes"]
+        print(f"  [{wl.name}] system: {measured['breakdown']}; caps {measured['batch_sizes']}", flush=True)
+    if "unbatched" in parts and not wl.trickle_per_s:
+        row["unbatched"] = system(wl, paths, jobs, work, env, 1, "one")["rate"]
+    if "naive" in parts:
+        rate, latencies = naive(env, [wl.job(i) for i in range(jobs)], paths, work, wl.trickle_per_s)
+        row["naive"], row["naive_p50"], row["naive_p99"] = rate, _pct(latencies, 0.5), _pct(latencies, 0.99)
+    return row
+
+
+def _cell(row: dict[str, Any]) -> Any:
+    return lambda key: f"{row[key]:.2f}" if key in row else "-"
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    print("\n| workload | system jobs/s | naive | unbatched | bare | bare+dec | system/naive (goal) | "
+          "system/bare+dec (goal 0.85) | p50 / p99 s system | p50 / p99 s naive |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        f = _cell(r)
+        ratio = (
+            f"{r['system'] / r['naive']:.2f} ({GOALS.get(r['workload'], 1.0)})"
+            if "naive" in r and "system" in r
+            else "-"
+        )
+        vs_bare = f"{r['system'] / r['bare+dec']:.2f}" if "bare+dec" in r and "system" in r else "-"
+        lat_sys = f"{r['system_p50']:.2f} / {r['system_p99']:.2f}" if "system_p50" in r else "-"
+        lat_naive = f"{r['naive_p50']:.2f} / {r['naive_p99']:.2f}" if "naive_p50" in r else "-"
+        print(f"| {r['workload']} | {f('system')} | {f('naive')} | {f('unbatched')} | {f('bare')} | "
+              f"{f('bare+dec')} | {ratio} | {vs_bare} | {lat_sys} | {lat_naive} |")  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="mrc throughput: system vs bare model vs naive pipeline")
+    parser = argparse.ArgumentParser(
+        description="mrc throughput: system vs bare model vs naive, per workload"
+    )
     parser.add_argument("--jobs", type=int, default=48)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="MRC_MODEL_BATCH_MAX_JOBS for the system runs")
+    parser.add_argument("--rows", default=",".join(WORKLOADS), help="workloads to run (all by default)")
     parser.add_argument("--parts", default="bare,system,unbatched,naive", help="which runs (all by default)")
+    parser.add_argument("--json", type=Path, help="also write every figure to this file")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (worker logs)")
     parser.add_argument("--worker-env", action="append", default=[], help="KEY=VALUE for the mrc-worker runs")
     args = parser.parse_args()
@@ -157,44 +218,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mrc-bench-"))
     redis = services.start_redis(work / "redis")
     s3 = services.start_s3(work / "s3")
+    rows = []
     try:
         env = services.base_env(redis.url, s3.url, "mrc-bench", ROOT / ".cache" / "mrc")
-        # Every run sees the same images and prompt: with the cache on, later runs would be answered
-        # from the earlier ones' results.
+        # The same images recur across runs: with the cache on, later runs would be answered from
+        # the earlier ones' results.
         env["MRC_CACHE_TTL_S"] = "0"
         env.update(dict(item.split("=", 1) for item in args.worker_env))
         os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        paths = make_images(work, args.jobs)
-        rates: dict[str, float] = {}
-        if "bare" in parts:
-            rates["bare"], rates["bare+preprocessing"], batch_ms = bare(env, paths, args.batch)
-            print(
-                f"bare backend: {rates['bare']:7.2f} jobs/s (model batch of {args.batch}: {batch_ms:.0f} ms)"
-            )
-            print(
-                f"bare + decode + preprocess, one loop: {rates['bare+preprocessing']:7.2f} jobs/s", flush=True
-            )
-        if "system" in parts:
-            rates["system"] = system(env, paths, work, args.batch, "sys")
-            print(f"system:       {rates['system']:7.2f} jobs/s", flush=True)
-        if "unbatched" in parts:
-            rates["unbatched"] = system(env, paths, work, 1, "one")
-            print(f"batching off: {rates['unbatched']:7.2f} jobs/s", flush=True)
-        if "naive" in parts:
-            rates["naive"] = naive(env, paths, work)
-            print(f"naive:        {rates['naive']:7.2f} jobs/s", flush=True)
-        pairs = (
-            ("system", "bare"),
-            ("system", "bare+preprocessing"),
-            ("system", "unbatched"),
-            ("system", "naive"),
-        )
-        for mine, other in pairs:
-            if mine in rates and other in rates:
-                print(f"{mine} / {other} = {rates[mine] / rates[other]:.2f}")
-        print(
-            f"(jobs={args.jobs}, batch={args.batch}, max_new_tokens={MAX_NEW}, sizes={SIZES}, tiny Fuyu NF4)"
-        )
+        for name in args.rows.split(","):
+            wl = WORKLOADS[name]
+            jobs = min(args.jobs, 32) if wl.trickle_per_s else args.jobs
+            print(f"{name}: {jobs} jobs ...", flush=True)
+            rows.append(run_row(wl, jobs, args.batch, work, env, parts))
+        report(rows)
+        print(f"(batch={args.batch}, tiny Fuyu NF4 on the CPU, worker env {args.worker_env or 'defaults'})")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
     finally:
         redis.stop()
         s3.stop()

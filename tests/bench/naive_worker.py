@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -48,7 +49,9 @@ def infer(job_id: str, bucket: str, key: str, prompt: str, max_new_tokens: int) 
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     text = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    body = json.dumps({"job_id": job_id, "status": "succeeded", "text": text}).encode()
+    body = json.dumps(
+        {"job_id": job_id, "status": "succeeded", "text": text, "finished_at": time.time()}
+    ).encode()
     _s3().put_object(Bucket=bucket, Key=f"naive/{job_id}.json", Body=body)
 
 

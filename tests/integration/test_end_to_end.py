@@ -180,8 +180,11 @@ def test_queues_view_lists_the_live_worker(env, worker: Worker) -> None:
     assert mine[0]["jobs"] >= 0
     assert set(view["lanes"]) == {"interactive", "backlog"}
     assert view["backlog_limit"] == 10000
+    caps = worker.find("MRC_BATCH_SIZES")[0]["caps"]
+    assert mine[0]["batch_caps"] == caps
     text = run_cli(env, "queues").stdout
     assert f"worker {hostname}: lanes interactive,backlog" in text
+    assert f"batch caps {caps}" in text
 
 
 def test_health_endpoints(worker: Worker) -> None:
@@ -194,6 +197,16 @@ def test_health_endpoints(worker: Worker) -> None:
     assert ready["quantization"] == "nf4"
     assert ready["device"] == "cpu"
     assert ready["attention_backend"]
+    # The batch-size table measured at warm-up: per input-length bucket, per-job cost of batch 1, 2,
+    # 4, ... and the cap chosen where it stops falling (never above MRC_MODEL_BATCH_MAX_JOBS).
+    table = ready["batch_sizes"]
+    assert [row["probe_tokens"] for row in table] == sorted(row["probe_tokens"] for row in table)
+    for row in table:
+        measured = {int(size): ms for size, ms in row["measured_ms_per_job"].items()}
+        assert 1 in measured and all(ms > 0 for ms in measured.values())
+        assert 1 <= row["cap"] <= 8 and (row["cap"] in measured or row["cap"] == 8)
+        best = min(measured.values())
+        assert measured.get(row["cap"], best) <= best * 1.05 + 1e-9
     with urllib.request.urlopen(base + "/metrics") as r:
         text = r.read().decode()
     assert "mrc_jobs_total" in text

@@ -83,3 +83,13 @@ def test_by_lane_keeps_every_job_once_and_lanes_in_order(jobs: list[tuple[int, i
     order = [lanes[g[0]] for g in groups]
     assert order == sorted(order)
     assert all(len({lanes[i] for i in g}) == 1 for g in groups)
+
+
+def test_a_measured_cap_per_input_length_bounds_each_batch() -> None:
+    """Long inputs capped at 1 (a compute-bound prefill), short ones at 4: neither rule leaks."""
+    costs = [Cost(100, 16)] * 6 + [Cost(2000, 16)] * 3
+    groups = batching.form_batches(costs, lambda inputs: 1 if max(inputs) > 1000 else 4, 10**6, max_waste=0.1)
+    assert sorted(len(g) for g in groups) == [1, 1, 1, 2, 4]
+    for group in groups:
+        if any(costs[i].input_tokens > 1000 for i in group):
+            assert len(group) == 1

@@ -23,6 +23,9 @@ class GenerationInput:
     prompt: str
     max_new_tokens: int
     prompt_ids: tuple[int, ...] | None = None  # PromptPlan.ids: used as they are, not re-tokenized
+    # Generate exactly max_new_tokens, past the end-of-text token: for timing (calibration, benchmarks),
+    # where a model that stops early would make a batch look cheaper than real ones.
+    exact_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class Prepared:
 
     inputs: Any
     max_new_tokens: tuple[int, ...]
+    exact_steps: bool = False
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,11 @@ class FuyuBackend:
             self.device,
             self.settings.max_image_side,
         )
-        return Prepared(inputs=inputs, max_new_tokens=tuple(item.max_new_tokens for item in batch))
+        return Prepared(
+            inputs=inputs,
+            max_new_tokens=tuple(item.max_new_tokens for item in batch),
+            exact_steps=all(item.exact_steps for item in batch),
+        )
 
     def _prompt_ids(self, item: GenerationInput) -> tuple[int, ...]:
         if item.prompt_ids is not None:
@@ -199,11 +203,13 @@ class FuyuBackend:
         import torch
 
         inputs = prepared.inputs
+        steps = max(prepared.max_new_tokens)
         try:
             with torch.inference_mode():
                 out = self.model.generate(
                     **inputs,
-                    max_new_tokens=max(prepared.max_new_tokens),
+                    max_new_tokens=steps,
+                    min_new_tokens=steps if prepared.exact_steps else None,
                     do_sample=False,
                     pad_token_id=self.token_ids.pad,
                     eos_token_id=self.eos_id,

@@ -1,0 +1,69 @@
+"""Runs the naive pipeline (naive_worker.py) over a workload's jobs: its rate and per-job latencies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from scripts import devservices as services
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def naive(
+    env: dict[str, str],
+    specs: list[tuple[int, str, int]],
+    paths: list[Path],
+    work: Path,
+    trickle_per_s: float,
+) -> tuple[float, list[float]]:
+    """specs: (image index, prompt, max_new_tokens) per job. Latency: send to the result's own
+    finish time (written by the task), like the system's submitted_at -> finished_at."""
+    import boto3
+    from celery import Celery
+
+    from producer.client import Client
+
+    client = Client(services.settings_from_env(env))
+    keys = [client.upload_image(p)[0].split("/", 3)[3] for p in paths]
+    log = work / "naive.log"
+    with log.open("wb") as out:
+        command = [str(services.BIN / "celery"), "-A", "tests.bench.naive_worker", "worker", "--pool", "solo"]
+        command += ["-c", "1", "-Q", "naive", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        proc = subprocess.Popen(
+            [*command, "-l", "INFO"],
+            env={**env, "NAIVE_PRELOAD": "1", "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    tag = f"{time.monotonic_ns()}"
+    try:
+        time.sleep(1)
+        services.wait_for(lambda: b"ready" in log.read_bytes(), 180, "naive worker", proc)
+        app = Celery("naive", broker=env["MRC_REDIS_URL"])
+        app.conf.update(task_serializer="json")
+        s3 = boto3.client("s3", endpoint_url=env["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
+        bucket = env["MRC_S3_BUCKET"]
+        sent: list[float] = []
+        began = time.perf_counter()
+        for i, (n, prompt, new) in enumerate(specs):
+            sent.append(time.time())
+            app.send_task("naive.infer", args=[f"n{tag}-{i}", bucket, keys[n], prompt, new], queue="naive")
+            if trickle_per_s:
+                time.sleep(1 / trickle_per_s)
+        latencies = []
+        for i in range(len(specs)):
+            while True:
+                try:
+                    body = s3.get_object(Bucket=bucket, Key=f"naive/n{tag}-{i}.json")["Body"].read()
+                    latencies.append(json.loads(body)["finished_at"] - sent[i])
+                    break
+                except s3.exceptions.NoSuchKey:
+                    time.sleep(0.05)
+        return len(specs) / (time.perf_counter() - began), latencies
+    finally:
+        services.stop(proc)

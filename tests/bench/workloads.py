@@ -1,0 +1,71 @@
+"""The workloads bench_throughput.py races the system on: the favourable one and those where it may lose."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support import imagegen
+
+SHORT = "Refund?"
+PROMPT = "The parcel arrived crushed and the label is torn. Can I get a refund?"
+LONG = (
+    "I ordered a ceramic vase three weeks ago. The box in this photo is how it arrived: the corner is "
+    "crushed, the tape was cut and re-taped, and the packing slip inside lists a different order number. "
+    "Is the damage visible here consistent with rough handling in transit, and should I ask for a refund "
+    "or a replacement?"
+)
+PHOTOS_1MP = (("photo", 1024, 768), ("photo", 1024, 1024), ("photo", 768, 1024), ("photo", 1280, 720))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    images: tuple[tuple[str, int, int], ...]  # (kind, width, height), cycled over the jobs
+    prompts: tuple[str, ...]  # cycled, offset from the images so pairs vary
+    max_new: tuple[int, ...]  # cycled
+    trickle_per_s: float = 0.0  # 0: every job at once; else one job every 1/rate seconds
+    distinct_images: int = 8  # images made per workload (making 12 MP JPEGs takes seconds each)
+
+    def job(self, i: int) -> tuple[int, str, int]:
+        """(image index, prompt, max_new_tokens) of job i."""
+        return (
+            i % min(self.distinct_images, len(self.images) * 4),
+            self.prompts[(i // len(self.images)) % len(self.prompts)],
+            self.max_new[(i * 7) % len(self.max_new)],
+        )
+
+    def make_images(self, work: Path) -> list[Path]:
+        paths = []
+        for n in range(min(self.distinct_images, len(self.images) * 4)):
+            kind, width, height = self.images[n % len(self.images)]
+            data = (
+                imagegen.screenshot(width, height, seed=n)
+                if kind == "screenshot"
+                else imagegen.camera_photo(width, height, seed=n)
+            )
+            path = work / f"{self.name}-{n}.{'png' if kind == 'screenshot' else 'jpg'}"
+            path.write_bytes(data)
+            paths.append(path)
+        return paths
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        # Today's favourable row: ~1 MP photos, one prompt, 64 new tokens (decode dominates).
+        Workload("decode-heavy", PHOTOS_1MP, (PROMPT,), (64,)),
+        # Phone photos (12 MP, 4032x3024), full-HD screenshots and small uploads, prompts of three
+        # lengths, 16 new tokens: long inputs of unequal length, prefill dominates.
+        Workload(
+            "prefill-heavy",
+            (("photo", 4000, 3000), ("screenshot", 1920, 1080), ("photo", 4032, 3024), ("photo", 320, 240)),
+            (SHORT, PROMPT, LONG),
+            (16,),
+        ),
+        # One stream, max_new_tokens from 16 to 256: a long generation must not make its neighbours wait.
+        Workload("mixed-new-tokens", PHOTOS_1MP, (PROMPT,), (16, 32, 64, 128, 256)),
+        # Jobs one by one, below capacity: what an interactive ticket waits (p50, p99), not jobs/s.
+        Workload("trickle", PHOTOS_1MP, (PROMPT,), (64,), trickle_per_s=2.0),
+    )
+}
