@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     # Most padding a model batch may carry, as a share of its prefill positions and, separately, of its
     # decode steps. Padding is paid in full on the CPU (and with a mask, SDPA loses its causal path):
     # jobs that would pad more run in separate batches. 1.0 = no bound.
-    batch_max_padding: float = Field(default=0.10, ge=0.0, le=1.0)
+    batch_max_padding: float = Field(default=0.20, ge=0.0, le=1.0)  # measured: docs/benchmarks.md
     # Time model batches of 1, 2, 4, ... probe images per input-length bucket at warm-up and cap each
     # bucket where the per-job cost stops falling (workers/batch_sizes.py); off: every bucket may take
     # MRC_MODEL_BATCH_MAX_JOBS.

@@ -110,9 +110,9 @@ def system(
 ) -> dict[str, Any]:
     from producer.client import Client, Submission
 
-    worker_env = {  # deliveries of two model batches: the pool decodes one while the model runs the other
+    worker_env = {  # deliveries of two model batches (unless --worker-env says otherwise)
         **env,
-        "MRC_BATCH_MAX_JOBS": str(2 * batch),
+        "MRC_BATCH_MAX_JOBS": str(2 * batch) if batch == 1 else env.get("MRC_BATCH_MAX_JOBS", str(2 * batch)),
         "MRC_MODEL_BATCH_MAX_JOBS": str(batch),
         "MRC_BATCH_WAIT_MS": env.get("MRC_BATCH_WAIT_MS", "50"),
     }
@@ -127,7 +127,9 @@ def system(
             )
             built.append(client.build_job(submission))
         began = time.perf_counter()
+        sent: dict[str, float] = {}
         for job in built:
+            sent[job.job_id] = time.time()  # not the job's submitted_at: built before the trickle began
             client.enqueue(job)
             if wl.trickle_per_s:
                 time.sleep(1 / wl.trickle_per_s)
@@ -136,8 +138,7 @@ def system(
             result = client.wait(job.job_id, 900)
             assert result["status"] == "succeeded", result
             assert not result.get("cache_hit"), "a cached answer is not a measurement"
-            finished = parse_rfc3339(result["finished_at"]) - parse_rfc3339(result["submitted_at"])
-            latencies.append(finished.total_seconds())
+            latencies.append(parse_rfc3339(result["finished_at"]).timestamp() - sent[job.job_id])
         wall = time.perf_counter() - began
         sizes = worker.find("MRC_BATCH_SIZES")
         return {
