@@ -43,6 +43,7 @@ bench: install
 	$(PY) tests/bench/bench_throughput.py
 	$(PY) tests/bench/bench_priority.py
 	$(PY) tests/bench/bench_broker.py
+	$(PY) tests/bench/bench_enqueue.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info

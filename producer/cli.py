@@ -16,6 +16,7 @@ import redis
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
+from producer import backlog_cli
 from shared import logs, names, reach
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.settings import Settings, describe_error, unknown_variables
@@ -52,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("result", help="print the result JSON of a job (exit 1 failed, 3 none yet)")
     p.add_argument("job_id")
+
+    backlog_cli.add_parser(sub)
 
     p = sub.add_parser("queues", help="queue depths per lane")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -196,7 +199,13 @@ _COMMANDS = {
     "status": _cmd_status,
     "result": _cmd_result,
     "queues": _cmd_queues,
+    "backlog": backlog_cli.run,
     "dlq": _cmd_dlq,
+}
+# Usage checks that need neither Redis nor S3: a bad command is exit 2 whether or not they are up.
+_CHECKS: dict[str, Any] = {
+    "submit": _validate_submit,
+    "backlog": lambda args, settings: backlog_cli.check(args),
 }
 # What each command needs to reach: (Redis, S3). Checked first, with a short timeout.
 _NEEDS = {
@@ -204,6 +213,7 @@ _NEEDS = {
     "status": (True, True),
     "result": (False, True),
     "queues": (True, False),
+    "backlog": (True, True),
     "dlq": (True, False),
 }
 
@@ -220,8 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logs.get_logger().warning("MRC_UNKNOWN_SETTING", name=name)
     need_redis, need_s3 = _NEEDS[args.command]
     try:
-        if args.command == "submit":
-            _validate_submit(args, settings)
+        _CHECKS.get(args.command, lambda a, s: None)(args, settings)
         reach.check(settings, need_redis=need_redis, need_s3=need_s3)
         return _COMMANDS[args.command](args, settings)
     except UsageError as exc:

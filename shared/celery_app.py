@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 
 from shared import names
@@ -57,13 +59,29 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_job(app: Celery, job: dict[str, object], lane: str, countdown: float | None = None) -> None:
-    """Put a job message on its lane's queue, its job id as the task id (how a job id is sent once)."""
+def send_job(
+    app: Celery,
+    job: dict[str, object],
+    lane: str,
+    countdown: float | None = None,
+    producer: Any = None,
+    declare: list[Any] | None = None,
+) -> None:
+    """Put a job message on its lane's queue, its job id as the task id (how a job id is sent once).
+    `producer`: publish through this kombu producer (`mrc backlog` captures the messages instead);
+    `declare=[]`: the queue is known to exist (a bulk send declares it once, not per message)."""
     lane = lane if lane in names.LANES else "interactive"
+    job_id = str(job.get("job_id"))
     app.send_task(
         names.TASK_NAME,
         kwargs={"job": job},
-        task_id=str(job.get("job_id")),
+        task_id=job_id,
         queue=names.queue_name(lane),
         countdown=countdown,
+        producer=producer,
+        declare=declare,
+        # Celery would repr the whole job (prompt included) into the headers, at two thirds of a
+        # bulk enqueue's time; the job id says which job it is.
+        argsrepr="()",
+        kwargsrepr=f"{{'job': {job_id!r}}}",
     )

@@ -71,6 +71,11 @@ def result_key(prefix: str, job_id: str) -> str:
     return f"{prefix}results/{job_id}.json"
 
 
+def run_key(prefix: str, run_id: str, name: str) -> str:
+    """A backlog run's file: `<prefix>runs/<run_id>/<name>` (results.jsonl, errors.jsonl, index/...)."""
+    return f"{prefix}runs/{run_id}/{name}"
+
+
 def input_key(prefix: str, sha256: str, ext: str) -> str:
     return f"{prefix}inputs/{sha256}.{ext}"
 

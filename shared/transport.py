@@ -24,10 +24,11 @@ with the reason, in tests/kombu/expected_differences.txt, which `make test-kombu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from queue import Empty
 from typing import Any
 
@@ -297,6 +298,35 @@ class Channel(kombu_redis.Channel):
         self._waiting = False  # the command in flight is the idle wait, not a pop
         self.recorded_by_pop: set[str] = set()  # tags the pop script recorded as unacked
         self._no_ack_queues: set[str] = set()
+        self._captured: list[tuple[str, str]] | None = None
+        self._tables: dict[str, Any] | None = None
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[tuple[str, str]]]:
+        """Publishes in this block are encoded exactly as kombu sends them, but not sent: each becomes
+        (list key, message text) for the caller to push itself, e.g. in one Lua step with its job's
+        record (`mrc backlog`: a job is queued and recorded together, or neither). The exchange's
+        bindings are read once per block instead of once per message."""
+        captured: list[tuple[str, str]] = []
+        self._captured, self._tables = captured, {}
+        try:
+            yield captured
+        finally:
+            self._captured, self._tables = None, None
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        if self._captured is None:
+            super()._put(queue, message, **kwargs)
+            return
+        pri = self._get_message_priority(message, reverse=False)
+        self._captured.append((self._q_for_pri(queue, pri), kombu_json.dumps(message)))
+
+    def get_table(self, exchange: str) -> Any:
+        if self._tables is None:
+            return super().get_table(exchange)
+        if exchange not in self._tables:
+            self._tables[exchange] = super().get_table(exchange)
+        return self._tables[exchange]
 
     def close(self) -> None:
         if self._qos is not None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from shared.errors import Abandoned, Expired, StoreUnavailable
+from shared.errors import Abandoned, Cancelled, Expired, StoreUnavailable
 from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
@@ -45,6 +45,8 @@ class Admission:
         records = self.records.get_many([slot.job_id for slot in parsed])
         seen: set[str] = set()
         running: list[Slot] = []
+        # `mrc backlog cancel` marks the run's queued jobs; they end failed (`cancelled`), not run
+        cancelled = {s.job_id for s, r in zip(parsed, records, strict=True) if r.get("cancelled") == "1"}
         for slot, record in zip(parsed, records, strict=True):
             assert slot.job is not None
             if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
@@ -60,7 +62,9 @@ class Admission:
             assert slot.job is not None
             slot.attempts = attempts
             deadline = self._deadline(slot.job)
-            if slot.error is None and deadline is not None and deadline < now:
+            if slot.error is None and slot.job_id in cancelled:
+                slot.error = Cancelled("its backlog run was cancelled before the job ran")
+            elif slot.error is None and deadline is not None and deadline < now:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
 
     def start_alone(self, slot: Slot) -> None:

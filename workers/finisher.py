@@ -72,7 +72,10 @@ class Finisher:
                 self._dead_letter(slot, "internal_error", "the result could not be stored")
             return
         slot.outcome = result.status
-        self.records.set_state(slot.job_id, result.status)
+        # The code in the record too: `mrc backlog status` counts failures by code without S3 reads.
+        self.records.set_state(
+            slot.job_id, result.status, **({"error_code": result.error.code} if result.error else {})
+        )
         outcomes.report(slot, result, self.backend, self.metrics, self.log)
         if result.status == "succeeded" and not slot.cache_hit:
             self._remember(slot)

@@ -6,6 +6,7 @@ with classes that have these methods, and a branch in `open_stores`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from shared.settings import Settings
@@ -45,6 +46,32 @@ class ResultStore(Protocol):
 
     def result_uri(self, job_id: str) -> str:
         """Where the job's result is, whether or not it exists yet."""
+
+
+class RunFiles(Protocol):
+    """Text objects of backlog runs in our bucket (keys relative to the bucket, prefix included)."""
+
+    bucket: str
+    prefix: str
+
+    def put_text(self, key: str, text: str) -> str:
+        """Write one small object; returns its URI."""
+
+    def get_text(self, key: str) -> str | None:
+        """One object's text, or None."""
+
+    def list_keys(self, prefix: str, bucket: str | None = None) -> Iterator[str]:
+        """Every key under `prefix` (in our bucket, or `bucket`), in key order, page by page (never the
+        whole listing at once)."""
+
+    def write_lines(self, key: str, lines: Iterable[str]) -> str:
+        """Stream lines (each ending in a newline) into one object without holding them all."""
+
+
+def open_run_files(settings: Settings, attempts: int = 3) -> RunFiles:
+    from shared.stores.s3 import S3Connection, S3RunFiles
+
+    return S3RunFiles(S3Connection(settings, attempts), settings)
 
 
 def open_stores(settings: Settings, attempts: int = 3) -> tuple[ImageSource, ResultStore]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from shared import names
@@ -55,3 +56,20 @@ class MemoryStore:
 
     def result_uri(self, job_id: str) -> str:
         return names.s3_uri(self.bucket, names.result_key(self.prefix, job_id))
+
+    # RunFiles
+    def put_text(self, key: str, text: str) -> str:
+        self.put_bytes(key, text.encode())
+        return names.s3_uri(self.bucket, key)
+
+    def get_text(self, key: str) -> str | None:
+        data = self.get_bytes(self.bucket, key, 1 << 30)
+        return None if data is None else data.decode()
+
+    def list_keys(self, prefix: str, bucket: str | None = None) -> Iterator[str]:
+        with self._lock:
+            keys = sorted(k for b, k in self.objects if b == (bucket or self.bucket) and k.startswith(prefix))
+        yield from keys
+
+    def write_lines(self, key: str, lines: Iterable[str]) -> str:
+        return self.put_text(key, "".join(lines))

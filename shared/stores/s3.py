@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import boto3
@@ -16,6 +17,8 @@ from shared.settings import Settings
 
 _MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
 _RESULT_MAX_BYTES = 16 * 1024 * 1024
+_TEXT_MAX_BYTES = 256 * 1024 * 1024
+_PART_BYTES = 8 * 1024 * 1024  # multipart parts: S3 wants >= 5 MiB for every part but the last
 
 
 def _is_missing(exc: ClientError) -> bool:
@@ -159,3 +162,79 @@ class S3ResultStore:
 
     def result_uri(self, job_id: str) -> str:
         return names.s3_uri(self.bucket, names.result_key(self.prefix, job_id))
+
+
+class S3RunFiles:
+    """A backlog run's files: small objects, listings by page, and streamed multipart writes."""
+
+    page_size = 1000  # keys per listing request (S3's own maximum)
+
+    def __init__(self, connection: S3Connection, settings: Settings) -> None:
+        self.connection = connection
+        self.bucket = settings.s3_bucket
+        self.prefix = settings.s3_prefix
+
+    def put_text(self, key: str, text: str) -> str:
+        self.connection.put(self.bucket, key, text.encode(), "application/x-ndjson")
+        return names.s3_uri(self.bucket, key)
+
+    def get_text(self, key: str) -> str | None:
+        data = self.connection.get(self.bucket, key, _TEXT_MAX_BYTES)
+        return None if data is None else data.decode()
+
+    def list_keys(self, prefix: str, bucket: str | None = None) -> Iterator[str]:
+        token: str | None = None
+        while True:
+            page = self.connection.call(
+                "list_objects_v2",
+                Bucket=bucket or self.bucket,
+                Prefix=prefix,
+                MaxKeys=self.page_size,
+                **({"ContinuationToken": token} if token else {}),
+            )
+            for item in page.get("Contents", []):
+                yield str(item["Key"])
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def write_lines(self, key: str, lines: Iterable[str]) -> str:
+        """One object from a stream of lines: parts of 8 MiB are uploaded as they fill, so a run of
+        millions of lines never sits in memory; an object smaller than one part is a plain PUT."""
+        buffer = bytearray()
+        upload_id: str | None = None
+        parts: list[dict[str, Any]] = []
+        try:
+            for line in lines:
+                buffer += line.encode()
+                if len(buffer) >= _PART_BYTES:
+                    if upload_id is None:
+                        created = self.connection.call(
+                            "create_multipart_upload",
+                            Bucket=self.bucket,
+                            Key=key,
+                            ContentType="application/x-ndjson",
+                        )
+                        upload_id = str(created["UploadId"])
+                    parts.append(self._part(key, upload_id, len(parts) + 1, bytes(buffer)))
+                    buffer.clear()
+            if upload_id is None:
+                self.connection.put(self.bucket, key, bytes(buffer), "application/x-ndjson")
+            else:
+                if buffer:
+                    parts.append(self._part(key, upload_id, len(parts) + 1, bytes(buffer)))
+                self.connection.call(
+                    "complete_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )  # fmt: skip
+        except BaseException:
+            if upload_id is not None:  # no half-written object, and no parts left to pay for
+                self.connection.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            raise
+        return names.s3_uri(self.bucket, key)
+
+    def _part(self, key: str, upload_id: str, number: int, data: bytes) -> dict[str, Any]:
+        reply = self.connection.call(
+            "upload_part", Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
+        )
+        return {"PartNumber": number, "ETag": reply["ETag"]}

@@ -1,0 +1,394 @@
+"""Backlog runs: a manifest in, its jobs on the backlog lane, a results file out. Resumable.
+
+The manifest is read as a stream in chunks of `CHUNK_LINES` lines. For each chunk: lines are checked,
+local images uploaded (once each, concurrently), the jobs recorded and queued in one Lua step each
+(one round trip per chunk, shared/runs.py), and then the chunk's index is written to S3:
+`runs/<run_id>/index/<chunk>.jsonl`, one entry per line (its job id, or why it is invalid).
+
+Resuming (the same manifest under the same run id, or `--resume`) skips every chunk whose index exists
+and re-runs the others, where a job id that already has a record is never queued again: nothing is
+enqueued twice and nothing is missing, wherever the previous producer was killed. The index is also
+what `status`, `report` and `cancel` read, in manifest order, without holding the run in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producer import manifest
+from producer.client import Client
+from producer.manifest import Invalid, Line
+from shared import names, prompts
+from shared.celery_app import send_job
+from shared.errors import MrcError, QueueFull, UsageError
+from shared.jobs import Job, parse_rfc3339
+from shared.records import TERMINAL, connect
+from shared.runs import Queued, RunRecords
+from shared.stores import RunFiles, open_run_files
+
+CHUNK_LINES = 5000
+_UPLOAD_THREADS = 8
+_READ_THREADS = 16
+_REUSED = "custom_id already used in this run by another job (image, prompt or max_new_tokens)"
+
+
+@dataclass
+class Progress:
+    """What an enqueue has done so far (this process), for the progress display and the summary."""
+
+    run_id: str
+    lines: int = 0
+    valid: int = 0
+    invalid: int = 0
+    enqueued: int = 0
+    already: int = 0  # queued, running or done before (a resume, or a second run of one manifest)
+    uploaded: int = 0
+    waiting_for_room: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def snapshot(self) -> dict[str, Any]:
+        data = asdict(self)
+        elapsed = max(1e-9, time.monotonic() - data.pop("started"))
+        data["lines_per_s"] = round(self.lines / elapsed, 1)
+        return data
+
+
+OnProgress = Callable[[Progress], None]
+
+
+class Backlog:
+    def __init__(self, client: Client, runs: RunRecords | None = None, files: RunFiles | None = None) -> None:
+        self.client = client
+        self.settings = client.settings
+        self.runs = runs or RunRecords(
+            connect(self.settings.redis_url, self.settings.connect_timeout_s, retries=3)
+        )
+        self.files = files or open_run_files(self.settings)
+
+    # ------------------------------------------------------------------ enqueue
+    def enqueue(
+        self,
+        lines: Iterable[tuple[int, bytes]],
+        run_id: str,
+        source: str,
+        *,
+        block: bool = True,
+        rate: float | None = None,
+        on_progress: OnProgress | None = None,
+    ) -> Progress:
+        """Enqueue a manifest's lines under `run_id`; returns what this call did."""
+        if not manifest.RUN_ID_RE.match(run_id):
+            raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
+        record = self.runs.start(run_id, source)
+        if record.get("state") == "cancelled":
+            raise UsageError(f"run {run_id} was cancelled; start a new run id")
+        self.client.results.ensure_bucket()
+        done = {_chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
+        progress = Progress(run_id)
+        throttle = _Throttle(rate)
+        for number, chunk in _chunks(lines):
+            if number in done:  # enqueued by an earlier pass: its index says what it held
+                index = self.files.get_text(self._key(run_id, f"index/{number:08d}.jsonl")) or ""
+                invalid = index.count('"invalid":')
+                progress.lines += len(chunk)
+                progress.invalid += invalid
+                progress.already += index.count("\n") - invalid
+            else:
+                if self.runs.get(run_id).get("state") == "cancelled":
+                    raise UsageError(f"run {run_id} was cancelled while it was being enqueued")
+                self._enqueue_chunk(run_id, number, chunk, progress, block, throttle, on_progress)
+            if on_progress:
+                on_progress(progress)
+        self.runs.update(run_id, state="enqueued")
+        return progress
+
+    def _enqueue_chunk(
+        self,
+        run_id: str,
+        number: int,
+        chunk: list[tuple[int, bytes]],
+        progress: Progress,
+        block: bool,
+        throttle: _Throttle,
+        on_progress: OnProgress | None,
+    ) -> None:
+        parsed = [p for n, raw in chunk if (p := manifest.parse(n, raw, run_id, self.settings)) is not None]
+        images = self._upload([p.image for p in parsed if isinstance(p, Line)], progress)
+        entries: list[dict[str, Any]] = []
+        jobs: list[tuple[Line, Job]] = []
+        for item in parsed:
+            if isinstance(item, Line) and isinstance(images.get(item.image, item.image), str):
+                try:
+                    jobs.append((item, self._job(item, images)))
+                    continue
+                except (MrcError, ValueError) as exc:
+                    item = Invalid(item.number, str(getattr(exc, "message", exc))[:300], item.custom_id)
+            elif isinstance(item, Line):
+                item = Invalid(item.number, str(images[item.image]), item.custom_id)
+            entries.append(_invalid_entry(item))
+        for start in range(0, len(jobs), 500):
+            part = jobs[start : start + 500]
+            throttle.take(len(part))
+            self._wait_for_room(len(part), progress, block, on_progress)
+            replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]))
+            for (line, job), reply in zip(part, replies, strict=True):
+                if reply == 1:
+                    progress.enqueued += 1
+                elif reply == job.fingerprint():
+                    progress.already += 1
+                else:
+                    entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
+                    continue
+                entries.append({"line": line.number, "custom_id": line.custom_id, "job_id": job.job_id})
+        entries.sort(key=lambda e: int(e["line"]))
+        invalid = sum(1 for e in entries if "invalid" in e)
+        body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
+        self.files.put_text(self._key(run_id, f"index/{number:08d}.jsonl"), body)
+        self.runs.count(run_id, lines=len(chunk), valid=len(entries) - invalid, invalid=invalid)
+        progress.lines += len(chunk)
+        progress.valid += len(entries) - invalid
+        progress.invalid += invalid
+
+    def _job(self, line: Line, images: dict[str, str | Exception]) -> Job:
+        image = line.image if line.image.startswith("s3://") else images[line.image]
+        assert isinstance(image, str)
+        new = self.settings.max_new_tokens_default if line.max_new_tokens is None else line.max_new_tokens
+        return Job.from_message(
+            {
+                "job_id": line.job_id,
+                "image_uri": image,
+                "prompt": prompts.neutralise(line.prompt),
+                "lane": "backlog",
+                "max_new_tokens": new,
+                "ticket_id": line.ticket_id,
+            }
+        )
+
+    def _upload(self, images: list[str], progress: Progress) -> dict[str, str | Exception]:
+        """Local paths of a chunk uploaded once each, concurrently: path -> URI, or the error."""
+        local = sorted({image for image in images if not image.startswith("s3://")})
+
+        def upload(path: str) -> str | Exception:
+            try:
+                return self.client.upload_image(Path(path))[0]
+            except (MrcError, OSError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(_UPLOAD_THREADS) as pool:
+            uris = dict(zip(local, pool.map(upload, local), strict=True))
+        progress.uploaded += sum(1 for uri in uris.values() if isinstance(uri, str))
+        return uris
+
+    def _capture(self, jobs: list[Job]) -> list[Queued]:
+        """Each job's message exactly as Celery and kombu would publish it, captured instead of sent."""
+        app = self.client.celery
+        with app.connection_for_write() as connection:
+            channel = connection.default_channel
+            producer = app.amqp.Producer(channel)
+            with channel.capturing() as captured:
+                for n, job in enumerate(jobs):
+                    send_job(
+                        app, job.to_message(), job.lane, producer=producer, declare=None if n == 0 else []
+                    )
+        return [
+            Queued(job.job_id, job.lane, job.fingerprint(), key, message)
+            for job, (key, message) in zip(jobs, captured, strict=True)
+        ]
+
+    def _wait_for_room(
+        self, count: int, progress: Progress, block: bool, on_progress: OnProgress | None
+    ) -> None:
+        limit = self.settings.backlog_max_depth
+        while (depth := self.client.lane_depth("backlog")) + count > max(limit, count):
+            if not block:
+                raise QueueFull(depth, limit)
+            progress.waiting_for_room = True
+            if on_progress:
+                on_progress(progress)
+            time.sleep(0.5)
+        progress.waiting_for_room = False
+
+    # ------------------------------------------------------------------ read back
+    def entries(self, run_id: str) -> Iterator[dict[str, Any]]:
+        """The run's index in manifest order: {"line", "custom_id", "job_id"} or {"line", "invalid"}."""
+        for key in self.files.list_keys(self._key(run_id, "index/")):
+            text = self.files.get_text(key) or ""
+            for row in text.splitlines():
+                yield json.loads(row)
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        run = self._run(run_id)
+        states: Counter[str] = Counter()
+        codes: Counter[str] = Counter()
+        recent = invalid = 0
+        since = time.time() - 60
+        for batch in _batched(self.entries(run_id), 1000):
+            invalid += sum(1 for e in batch if "invalid" in e)
+            ids = [e["job_id"] for e in batch if "job_id" in e]
+            for state, code, updated in self.runs.states(ids):
+                states[state or "unknown"] += 1
+                if state == "failed":
+                    codes[code or "unknown"] += 1
+                if state in TERMINAL and updated and parse_rfc3339(updated).timestamp() >= since:
+                    recent += 1
+        jobs = sum(states.values())
+        left = states["queued"] + states["running"]
+        rate = recent / 60
+        return {
+            "run_id": run_id,
+            "state": "done" if jobs and not left and run.get("state") == "enqueued" else run.get("state"),
+            "created_at": run.get("created_at"),
+            "lines": int(run.get("lines", 0)),
+            "jobs": jobs,
+            "queued": states["queued"],
+            "running": states["running"],
+            "succeeded": states["succeeded"],
+            "failed": states["failed"],
+            "failed_by_code": dict(codes),
+            "unknown": states["unknown"],  # records expired (after 7 days): the results say
+            "invalid_lines": invalid,
+            "rate_per_s": round(rate, 2),
+            "eta_s": round(left / rate, 1) if rate > 0 else None,
+        }
+
+    def cancel(self, run_id: str) -> int:
+        """Stop a run: jobs not started yet end failed with `cancelled`; returns how many."""
+        self._run(run_id)
+        self.runs.update(run_id, state="cancelled")  # an enqueue in progress stops at its next chunk
+        cancelled = 0
+        for batch in _batched(self.entries(run_id), 1000):
+            cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
+        self.runs.count(run_id, cancelled=cancelled)
+        return cancelled
+
+    def report(self, run_id: str) -> dict[str, Any]:
+        """Write results.jsonl (one line per valid manifest line, in order) and errors.jsonl (invalid
+        lines and failed jobs), streaming; returns their URIs and the counts."""
+        run = self._run(run_id)
+        counts: Counter[str] = Counter()
+        codes: Counter[str] = Counter()
+        last_finish: list[str] = []
+        with tempfile.SpooledTemporaryFile(8 << 20, mode="w+", encoding="utf-8") as errors:
+
+            def rows() -> Iterator[str]:
+                with ThreadPoolExecutor(_READ_THREADS) as pool:
+                    for batch in _batched(self.entries(run_id), 1000):
+                        results = pool.map(self._result_of, batch)
+                        for entry, result in zip(batch, results, strict=True):
+                            if "invalid" in entry:
+                                counts["invalid"] += 1
+                                errors.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                                continue
+                            row = _result_row(entry, result, self.client.results.result_uri(entry["job_id"]))
+                            counts[row["status"]] += 1
+                            if row["status"] == "failed":
+                                codes[(row["error"] or {}).get("code", "unknown")] += 1
+                                errors.write(
+                                    json.dumps({"line": entry["line"], **row}, ensure_ascii=False) + "\n"
+                                )
+                            if result and result.get("finished_at"):
+                                last_finish[:] = [max([result["finished_at"], *last_finish])]
+                            yield json.dumps(row, ensure_ascii=False) + "\n"
+
+            results_uri = self.files.write_lines(self._key(run_id, "results.jsonl"), rows())
+            errors.seek(0)
+            errors_uri = self.files.write_lines(self._key(run_id, "errors.jsonl"), errors)
+        wall = None
+        if last_finish and run.get("created_at"):
+            wall = (parse_rfc3339(last_finish[0]) - parse_rfc3339(run["created_at"])).total_seconds()
+        done = counts["succeeded"] + counts["failed"]
+        return {
+            "run_id": run_id,
+            "results": results_uri,
+            "errors": errors_uri,
+            "counts": dict(counts),
+            "failed_by_code": dict(codes),
+            "wall_s": round(wall, 1) if wall is not None else None,
+            "images_per_s": round(done / wall, 2) if wall else None,
+        }
+
+    def _result_of(self, entry: dict[str, Any]) -> dict[str, Any] | None:
+        return None if "job_id" not in entry else self.client.result(entry["job_id"])
+
+    def _run(self, run_id: str) -> dict[str, str]:
+        run = self.runs.get(run_id)
+        if not run:
+            raise UsageError(f"no backlog run {run_id[:70]!r} (or its record expired)")
+        return run
+
+    def _key(self, run_id: str, name: str) -> str:
+        return names.run_key(self.settings.s3_prefix, run_id, name)
+
+
+def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) -> dict[str, Any]:
+    base = {"custom_id": entry["custom_id"], "job_id": entry["job_id"]}
+    if result is None:
+        return {**base, "status": "pending", "text": None, "error": None, "result_uri": None}
+    return {
+        **base,
+        "status": result["status"],
+        "text": result.get("text"),
+        "error": result.get("error"),
+        "result_uri": uri,
+    }
+
+
+def _invalid_entry(item: Invalid) -> dict[str, Any]:
+    entry: dict[str, Any] = {"line": item.number, "invalid": item.reason}
+    if item.custom_id is not None:
+        entry["custom_id"] = item.custom_id
+    return entry
+
+
+def _chunk_number(key: str) -> int:
+    return int(key.rsplit("/", 1)[-1].split(".", 1)[0])
+
+
+def _chunks(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, list[tuple[int, bytes]]]]:
+    """Chunks of CHUNK_LINES manifest lines, numbered by position (line 1-5000 is chunk 0): the same
+    manifest always cuts into the same chunks, which is what a resume relies on."""
+    chunk: list[tuple[int, bytes]] = []
+    number = 0
+    for n, raw in lines:
+        if (n - 1) // CHUNK_LINES != number and chunk:
+            yield number, chunk
+            chunk = []
+        number = (n - 1) // CHUNK_LINES
+        chunk.append((n, raw))
+    if chunk:
+        yield number, chunk
+
+
+def _batched(items: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    batch: list[dict[str, Any]] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class _Throttle:
+    """At most `rate` lines a second (None: no limit), in steps of a part."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate = rate
+        self.next = time.monotonic()
+
+    def take(self, count: int) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        if self.next > now:
+            time.sleep(self.next - now)
+        self.next = max(now, self.next) + count / self.rate

@@ -1,0 +1,217 @@
+"""`mrc backlog`: the command-line shell over producer/backlog.py.
+
+mrc backlog MANIFEST.jsonl|- [--run-id ID] [--wait [--timeout S]] [--rate N] [--strict] [--no-block]
+mrc backlog --from-s3 s3://bucket/prefix --prompt TEXT [--run-id ID] [--wait]
+mrc backlog --resume RUN_ID [--wait]
+mrc backlog status RUN_ID [--json] | report RUN_ID | cancel RUN_ID
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from producer import manifest
+from shared.errors import UsageError
+from shared.settings import Settings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+SUBCOMMANDS = ("status", "report", "cancel")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "backlog",
+        help="bulk-enqueue a manifest on the backlog lane (resumable); status|report|cancel RUN_ID",
+        description="MANIFEST: one JSON object a line: custom_id, image (s3:// URI or local path), prompt, "
+        "optional max_new_tokens and ticket_id; '-' reads stdin. Or: status|report|cancel RUN_ID.",
+    )
+    p.add_argument("target", nargs="*", help="MANIFEST.jsonl, '-', or status|report|cancel RUN_ID")
+    p.add_argument("--run-id", help="the run's id (default: generated; printed first)")
+    p.add_argument("--resume", metavar="RUN_ID", help="enqueue what a run's manifest still lacks")
+    p.add_argument("--from-s3", metavar="S3_URI", help="build the manifest from a bucket listing")
+    p.add_argument("--prompt", help="the prompt for every image, with --from-s3")
+    p.add_argument("--wait", action="store_true", help="wait for every job, then write the report")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds --wait waits (default 24 h)")
+    p.add_argument("--rate", type=_rate, metavar="N[/s]", help="enqueue at most N lines a second")
+    p.add_argument("--strict", action="store_true", help="any invalid line: enqueue nothing (exit 2)")
+    p.add_argument("--no-block", action="store_true", help="backlog lane full: exit 4 instead of waiting")
+    p.add_argument("--json", action="store_true", help="status: print JSON")
+    p.add_argument(
+        "--interval", type=float, default=10.0, help="seconds between progress lines off a terminal"
+    )
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text.removesuffix("/s"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (say 500 or 500/s)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("the rate must be above 0")
+    return value
+
+
+def check(args: argparse.Namespace) -> None:
+    """Usage errors, before Redis or S3 are reached."""
+    target = args.target
+    if target and target[0] in SUBCOMMANDS:
+        if len(target) != 2:
+            raise UsageError(f"usage: mrc backlog {target[0]} RUN_ID")
+        return
+    sources = sum([bool(target), bool(args.resume), bool(args.from_s3)])
+    if sources != 1 or len(target) > 1:
+        raise UsageError("give one of: a MANIFEST (or -), --resume RUN_ID, --from-s3 S3_URI")
+    if args.from_s3 and not args.prompt:
+        raise UsageError("--from-s3 needs --prompt")
+    if target and target[0] != "-" and not Path(target[0]).is_file():
+        raise UsageError(f"manifest not found: {target[0]}")
+    for run_id in (args.run_id, args.resume):
+        if run_id and not manifest.RUN_ID_RE.match(run_id):
+            raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.backlog import Backlog
+    from producer.client import Client
+    from producer.progress import Display
+
+    backlog = Backlog(Client(settings))
+    target = args.target
+    if target and target[0] in SUBCOMMANDS:
+        return _subcommand(backlog, target[0], target[1], args)
+    run_id = args.resume or args.run_id or manifest.new_run_id()
+    with tempfile.TemporaryFile() as spool:
+        lines, source = _source(backlog, args, run_id, spool)
+        if args.strict:
+            _strict(lines(), run_id, settings)
+        print(run_id, flush=True)
+        display = Display(interval_s=args.interval)
+        try:
+            progress = backlog.enqueue(
+                lines(), run_id, source, block=not args.no_block, rate=args.rate,
+                on_progress=lambda p: display.show(p.snapshot()),
+            )  # fmt: skip
+        finally:
+            display.close()
+    if not args.wait:
+        return EXIT_FAILED if progress.invalid else EXIT_OK
+    return _wait_and_report(backlog, run_id, args.timeout, args.interval)
+
+
+Lines = Callable[[], Iterator[tuple[int, bytes]]]
+
+
+def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes]) -> tuple[Lines, str]:
+    """A way to read the manifest's (line number, raw line) stream from the start (twice with
+    --strict), and its name for the run's record: a file, stdin (spooled to `spool`), a bucket
+    listing, or, with --resume, the source the run recorded."""
+    source = args.target[0] if args.target else args.from_s3
+    prompt = args.prompt
+    if args.resume:
+        run = backlog.runs.get(args.resume)
+        source, prompt = run.get("manifest"), prompt or run.get("prompt")
+        if not source:
+            raise UsageError(f"no backlog run {args.resume!r} to resume")
+    if source.startswith("s3://"):
+        bucket, _, prefix = source[5:].partition("/")
+        if not prompt:
+            raise UsageError("--prompt is needed to resume a --from-s3 run")
+        backlog.runs.start(run_id, source)
+        backlog.runs.update(run_id, prompt=prompt)
+
+        def listing() -> Iterator[tuple[int, bytes]]:
+            keys = backlog.files.list_keys(prefix, bucket=bucket)
+            return enumerate(manifest.from_listing(keys, bucket, prompt), start=1)
+
+        return listing, source
+    if source == "-":
+        if args.resume:
+            raise UsageError("a run read from stdin resumes with: mrc backlog - --run-id RUN_ID")
+        shutil.copyfileobj(sys.stdin.buffer, spool)
+        return lambda: _from(spool), "-"
+    path = Path(source).resolve()
+    if not path.is_file():
+        raise UsageError(f"manifest not found: {path}")
+
+    def from_file() -> Iterator[tuple[int, bytes]]:
+        with path.open("rb") as handle:
+            yield from manifest.read_lines(handle)
+
+    return from_file, str(path)
+
+
+def _from(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    spool.seek(0)
+    return manifest.read_lines(spool)
+
+
+def _strict(lines: Iterator[tuple[int, bytes]], run_id: str, settings: Settings) -> None:
+    """Check every line first; any invalid one is a usage error (nothing enqueued)."""
+    bad = 0
+    for number, raw in lines:
+        item = manifest.parse(number, raw, run_id, settings)
+        if isinstance(item, manifest.Invalid):
+            bad += 1
+            if bad <= 20:
+                print(f"mrc: line {item.number}: {item.reason}", file=sys.stderr)
+    if bad:
+        raise UsageError(f"--strict: {bad} invalid line(s); nothing enqueued")
+
+
+def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespace) -> int:
+    if command == "status":
+        status = backlog.status(run_id)
+        if args.json:
+            print(json.dumps(status))
+        else:
+            from producer.progress import describe
+
+            print(describe(status))
+        return EXIT_OK
+    if command == "cancel":
+        print(json.dumps({"run_id": run_id, "cancelled": backlog.cancel(run_id)}))
+        return EXIT_OK
+    summary = backlog.report(run_id)
+    print(json.dumps(summary))
+    return _exit_for(summary)
+
+
+def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float) -> int:
+    from producer.progress import Display
+
+    display = Display(interval_s=interval)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            began = time.monotonic()
+            status = backlog.status(run_id)
+            display.show(status)
+            if status["queued"] + status["running"] == 0:
+                break
+            if time.monotonic() >= deadline:
+                print(f"mrc: run {run_id} not done after {timeout:g} s", file=sys.stderr)
+                return EXIT_TIMEOUT
+            # A status reads the whole index: on a big run, poll no more often than it takes.
+            time.sleep(max(1.0, 2 * (time.monotonic() - began)))
+    finally:
+        display.close()
+    summary = backlog.report(run_id)
+    print(json.dumps(summary))
+    return _exit_for(summary)
+
+
+def _exit_for(summary: dict[str, Any]) -> int:
+    counts = summary["counts"]
+    if counts.get("failed") or counts.get("invalid"):
+        return EXIT_FAILED
+    if counts.get("pending"):
+        return EXIT_TIMEOUT
+    return EXIT_OK

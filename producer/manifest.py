@@ -1,0 +1,146 @@
+"""Backlog manifests: one JSON object a line, read as a stream, each line checked on its own.
+
+A line: `{"custom_id": ..., "image": "s3://bucket/key" or a local path, "prompt": ...,
+"max_new_tokens": optional int, "ticket_id": optional str}`. A line that breaks a rule becomes an
+`Invalid` with its line number and the reason; it never stops the lines after it.
+
+Job ids: `<run_id>.<custom_id>` when the custom id fits the job-id alphabet and length, else
+`<run_id>:<sha256 of the custom id, 32 hex>`. Run ids hold no `.` or `:`, so the two forms never meet,
+and the same manifest under the same run id always names the same jobs (what makes a run resumable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from shared import names
+from shared.jobs import JOB_ID_RE
+from shared.settings import Settings
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RUN_ID_RULE = "1-64 of [A-Za-z0-9_-], starting with a letter or digit"
+_FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id"}
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+MAX_LINE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Line:
+    """A manifest line that passed every check that needs neither Redis nor S3."""
+
+    number: int  # 1-based, as an editor shows it
+    custom_id: str
+    job_id: str
+    image: str  # an s3:// URI or a local path
+    prompt: str
+    max_new_tokens: int | None
+    ticket_id: str | None
+
+
+@dataclass(frozen=True)
+class Invalid:
+    number: int
+    reason: str
+    custom_id: str | None = None
+
+
+def new_run_id() -> str:
+    return f"run-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def job_id_for(run_id: str, custom_id: str) -> str:
+    readable = f"{run_id}.{custom_id}"
+    if JOB_ID_RE.match(readable):
+        return readable
+    return f"{run_id}:{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
+
+
+def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) for every line, blank ones included (they are skipped later)."""
+    yield from enumerate(stream, start=1)
+
+
+def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | Invalid | None:
+    """One raw line checked; None for a blank line."""
+    if len(raw) > MAX_LINE_BYTES:
+        return Invalid(number, f"line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+    text = raw.strip()
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Invalid(number, f"not JSON: {exc}"[:200])
+    if not isinstance(data, dict):
+        return Invalid(number, "not a JSON object")
+    custom = data.get("custom_id")
+    custom_id = custom if isinstance(custom, str) else None
+    problem = _problem(data, settings)
+    if problem:
+        return Invalid(number, problem, custom_id)
+    assert custom_id is not None
+    return Line(
+        number=number,
+        custom_id=custom_id,
+        job_id=job_id_for(run_id, custom_id),
+        image=data["image"],
+        prompt=data["prompt"],
+        max_new_tokens=data.get("max_new_tokens"),
+        ticket_id=data.get("ticket_id"),
+    )
+
+
+def _problem(data: dict[str, Any], settings: Settings) -> str | None:
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        return f"unknown field(s): {', '.join(unknown)[:100]}"
+    for field in ("custom_id", "image", "prompt"):
+        if field not in data:
+            return f"missing field: {field}"
+        if not isinstance(data[field], str):
+            return f"{field} must be a string"
+    if not 1 <= len(data["custom_id"]) <= 512:
+        return "custom_id must be 1-512 characters"
+    new = data.get("max_new_tokens")
+    if new is not None and (isinstance(new, bool) or not isinstance(new, int)):
+        return "max_new_tokens must be an integer"
+    ticket = data.get("ticket_id")
+    if ticket is not None and (not isinstance(ticket, str) or len(ticket) > 256):
+        return "ticket_id must be a string of at most 256 characters"
+    from shared.jobs import limit_problem
+
+    problem = limit_problem(settings, data["prompt"], new)
+    if problem:
+        return problem
+    return _image_problem(data["image"], settings)
+
+
+def _image_problem(image: str, settings: Settings) -> str | None:
+    if image.startswith("s3://"):
+        try:
+            bucket, _key = names.parse_s3_uri(image)
+        except ValueError as exc:
+            return str(exc)
+        if bucket not in settings.readable_buckets:
+            return f"image_source_forbidden: bucket {bucket!r} is not one the workers may read"
+        return None
+    if _URL_RE.match(image):
+        return "image_source_forbidden: only local files and s3:// URIs are accepted"
+    if not image or "\x00" in image:
+        return "image must be an s3:// URI or a local path"
+    return None  # a local path: checked (exists, size) when it is uploaded
+
+
+def from_listing(keys: Iterable[str], bucket: str, prompt: str) -> Iterator[bytes]:
+    """Manifest lines for every object of a bucket listing: custom_id = the key."""
+    for key in keys:
+        if key.endswith("/"):
+            continue  # a "folder" placeholder object
+        yield json.dumps({"custom_id": key, "image": f"s3://{bucket}/{key}", "prompt": prompt}).encode()

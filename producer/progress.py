@@ -1,0 +1,81 @@
+"""Progress of a backlog run on stderr: a live display on a terminal, a plain line every few seconds
+otherwise (cron logs keep one readable line per interval, no control characters)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def describe(data: dict[str, Any]) -> str:
+    """One line from an enqueue snapshot or a run status."""
+    if "enqueued" in data:  # enqueuing
+        parts = [
+            f"lines {data['lines']}",
+            f"enqueued {data['enqueued']}",
+            f"already there {data['already']}",
+            f"invalid {data['invalid']}",
+            f"uploaded {data['uploaded']}",
+            f"{data['lines_per_s']} lines/s",
+        ]
+        if data.get("waiting_for_room"):
+            parts.append("waiting for room on the backlog lane (at its depth limit)")
+        return "enqueue: " + ", ".join(parts)
+    failed = data.get("failed_by_code") or {}
+    codes = f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items()))})" if failed else ""
+    return (
+        f"run {data['run_id']}: {data['succeeded']}/{data['jobs']} done, {data['failed']} failed{codes}, "
+        f"{data['queued']} queued, {data['running']} running, {data['invalid_lines']} invalid lines, "
+        f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}"
+    )
+
+
+class Display:
+    """Shows snapshots as they come: live (rich) when `stream` is a terminal, else at most one line
+    per `interval_s` (and the last one on close)."""
+
+    def __init__(
+        self, stream: TextIO | None = None, interval_s: float = 10.0, live: bool | None = None
+    ) -> None:
+        self.stream = stream or sys.stderr
+        self.interval_s = interval_s
+        self.live = self.stream.isatty() if live is None else live
+        self._last_line = ""
+        self._printed = ""
+        self._printed_at = 0.0
+        self._status: Any = None
+        if self.live:
+            from rich.console import Console
+
+            self._status = Console(file=self.stream).status("starting")
+            self._status.start()
+
+    def show(self, data: dict[str, Any]) -> None:
+        line = describe(data)
+        self._last_line = line
+        if self._status is not None:
+            self._status.update(line)
+        elif time.monotonic() - self._printed_at >= self.interval_s:
+            self._print(line)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+        if self._last_line and self._last_line != self._printed:
+            self._print(self._last_line)
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+        self._printed, self._printed_at = line, time.monotonic()

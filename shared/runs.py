@@ -1,0 +1,118 @@
+"""Backlog runs in Redis: the run's own record, and its jobs queued, cancelled and counted in bulk.
+
+A backlog job is recorded and queued in one Lua step (`ENQUEUE_SCRIPT`): a producer killed at any
+moment leaves each job either recorded and queued, or neither. That is what lets `mrc backlog
+--resume` enqueue exactly what is missing: a job id with a record is never sent again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from shared import names
+from shared.jobs import now_rfc3339
+from shared.records import RECORD_TTL_S
+
+RUN_TTL_S = 30 * 24 * 3600  # a run's record outlives its jobs' (7 days): status still says what it was
+
+# KEYS[1] the job's hash, KEYS[2] its queue's list. ARGV: record ttl, lane, submitted_at, fingerprint,
+# run id, message. Returns 1 when queued here, else the fingerprint the id already holds ('' if none).
+# The record is `checked = 0`: the worker looks for an earlier result before it runs the job, so a
+# bulk enqueue needs no S3 request per line.
+ENQUEUE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('HGET', KEYS[1], 'fingerprint') or ''
+end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
+           'fingerprint', ARGV[4], 'published', '1', 'checked', '0', 'run_id', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('LPUSH', KEYS[2], ARGV[6])
+return 1
+"""
+
+# KEYS[1] the job's hash. A job still queued is marked cancelled (the worker fails it with `cancelled`
+# instead of running it); one running or ended is left alone. Returns 1 when marked.
+CANCEL_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'state') == 'queued' then
+  redis.call('HSET', KEYS[1], 'cancelled', '1')
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Queued:
+    """One job ready to go: its record fields and the message text the transport captured."""
+
+    job_id: str
+    lane: str
+    fingerprint: str
+    list_key: str
+    message: str
+
+
+def run_key(run_id: str) -> str:
+    return f"{names.REDIS_PREFIX}run:{run_id}"
+
+
+class RunRecords:
+    def __init__(self, client: redis.Redis) -> None:
+        self._redis = client
+        self._enqueue = client.register_script(ENQUEUE_SCRIPT)
+        self._cancel = client.register_script(CANCEL_SCRIPT)
+
+    # ---- the run ----
+    def get(self, run_id: str) -> dict[str, str]:
+        return dict(self._redis.hgetall(run_key(run_id)))  # type: ignore[arg-type]  # decode_responses
+
+    def start(self, run_id: str, manifest: str) -> dict[str, str]:
+        """Create the run's record unless it exists (a resume keeps the first one); returns it."""
+        key = run_key(run_id)
+        with self._redis.pipeline() as pipe:
+            pipe.hsetnx(key, "created_at", now_rfc3339())
+            pipe.hsetnx(key, "manifest", manifest)
+            pipe.hsetnx(key, "state", "enqueuing")
+            pipe.expire(key, RUN_TTL_S)
+            pipe.execute()
+        return self.get(run_id)
+
+    def update(self, run_id: str, **fields: str) -> None:
+        self._redis.hset(run_key(run_id), mapping=fields)  # type: ignore[arg-type]  # str values
+
+    def count(self, run_id: str, **increments: int) -> None:
+        with self._redis.pipeline(transaction=False) as pipe:
+            for field, amount in increments.items():
+                if amount:
+                    pipe.hincrby(run_key(run_id), field, amount)
+            pipe.execute()
+
+    # ---- its jobs ----
+    def enqueue_many(self, run_id: str, jobs: Sequence[Queued]) -> list[int | str]:
+        """Record and queue each job in one step, in one round trip; 1 where queued here, else the
+        fingerprint its id already holds."""
+        if not jobs:
+            return []
+        stamp = now_rfc3339()
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                args: list[str | int] = [RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message]
+                self._enqueue(keys=[names.job_key(job.job_id), job.list_key], args=args, client=pipe)
+            replies = pipe.execute()
+        return [reply if isinstance(reply, str) else int(reply) for reply in replies]
+
+    def cancel_many(self, job_ids: Sequence[str]) -> int:
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                self._cancel(keys=[names.job_key(job_id)], client=pipe)
+            return sum(int(r) for r in pipe.execute())
+
+    def states(self, job_ids: Sequence[str]) -> list[tuple[str | None, str | None, str | None]]:
+        """(state, error_code, updated_at) per job, in one round trip."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(names.job_key(job_id), ["state", "error_code", "updated_at"])
+            return [(r[0], r[1], r[2]) for r in pipe.execute()]

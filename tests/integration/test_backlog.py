@@ -1,0 +1,203 @@
+"""`mrc backlog` against real Redis, S3 and workers: manifests in, results files out, resumable."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import redis as redis_lib
+
+from producer import manifest
+from producer.backlog import Backlog
+from producer.client import Client
+from scripts import devservices as services
+from shared import names
+from shared.stores import open_run_files
+from tests.conftest import MODEL_HOME
+from tests.support import imagegen
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Redis and S3 of this test's own, with no worker: what is queued stays queued."""
+    redis = services.start_redis(tmp_path / "redis")
+    s3 = services.start_s3(tmp_path / "s3")
+    env = services.base_env(redis.url, s3.url, "mrc-backlog", MODEL_HOME)
+    env["MRC_BACKLOG_MAX_DEPTH"] = "100000"
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    yield env
+    redis.stop()
+    s3.stop()
+
+
+def _write(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _queued_ids(env: dict[str, str]) -> list[str]:
+    client = redis_lib.Redis.from_url(env["MRC_REDIS_URL"])
+    raw = [m for key in names.queue_keys("backlog") for m in client.lrange(key, 0, -1)]
+    return [json.loads(m)["headers"]["id"] for m in raw]
+
+
+def _file(env: dict[str, str], run_id: str, name: str) -> list[dict[str, Any]]:
+    files = open_run_files(services.settings_from_env(env))
+    text = files.get_text(names.run_key("", run_id, name)) or ""
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _photo(client: Client, folder: Path, seed: int) -> tuple[Path, str]:
+    """A local photo, and the same photo uploaded: (path, its s3:// URI)."""
+    photo = folder / f"photo-{seed}.jpg"
+    photo.write_bytes(imagegen.photo(320, 240, seed=seed))
+    return photo, client.upload_image(photo)[0]
+
+
+def test_a_manifest_runs_and_its_results_follow_the_manifest(
+    env: dict[str, str], worker: services.Worker, client: Client, tmp_path: Path
+) -> None:
+    photo, in_s3 = _photo(client, tmp_path, seed=3)
+    rows: list[Any] = [
+        {"custom_id": "t-1", "image": str(photo), "prompt": "Is the box damaged?"},
+        "{not json",
+        {"custom_id": "t-2", "image": in_s3, "prompt": "Refund?", "max_new_tokens": 4, "ticket_id": "T2"},
+        {"custom_id": "t-3", "image": "https://example.com/x.jpg", "prompt": "Refund?"},
+        {"custom_id": "ticket #4 (photo)", "image": str(photo), "prompt": "What is torn?"},
+        {"custom_id": "t-5", "image": in_s3},
+        {"custom_id": "t-6", "image": str(tmp_path / "missing.jpg"), "prompt": "Refund?"},
+        {"custom_id": "t-7", "image": in_s3, "prompt": "Where is the label?"},
+    ]
+    manifest_file = _write(tmp_path / "m.jsonl", rows)
+    done = services.run_cli(env, "backlog", str(manifest_file), "--run-id", "e2e", "--wait",
+                            "--interval", "0.5", "--timeout", "300", timeout=400)  # fmt: skip
+    assert done.returncode == 1, done.stderr  # invalid lines make the run's exit 1
+    assert done.stdout.splitlines()[0] == "e2e"
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["counts"] == {"succeeded": 4, "invalid": 4}
+    assert "done" in done.stderr  # progress lines, plain off a terminal
+
+    results = _file(env, "e2e", "results.jsonl")
+    assert [r["custom_id"] for r in results] == ["t-1", "t-2", "ticket #4 (photo)", "t-7"]
+    for row in results:
+        stored = client.result(row["job_id"])
+        assert stored is not None
+        assert (row["status"], row["text"]) == (stored["status"], stored["text"])
+        assert row["result_uri"] == client.results.result_uri(row["job_id"])
+    assert client.result(results[1]["job_id"])["ticket_id"] == "T2"
+    assert client.result(results[1]["job_id"])["lane"] == "backlog"
+    errors = _file(env, "e2e", "errors.jsonl")
+    assert [e["line"] for e in errors] == [2, 4, 6, 7]
+    assert "not JSON" in errors[0]["invalid"]
+    assert "image_source_forbidden" in errors[1]["invalid"]
+    assert "missing field: prompt" in errors[2]["invalid"]
+    assert "not found" in errors[3]["invalid"]
+
+    again = services.run_cli(env, "backlog", str(manifest_file), "--run-id", "e2e", "--interval", "0")
+    assert again.returncode == 1
+    assert "enqueued 0" in again.stderr
+    assert "invalid 4" in again.stderr
+
+
+def test_resume_after_the_producer_is_killed_enqueues_exactly_what_is_missing(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    total = 12_000
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://mrc-backlog/in/{i}.jpg", "prompt": f"Q{i}?"}
+        for i in range(total)
+    ]
+    manifest_file = _write(tmp_path / "big.jsonl", rows)
+    command = [str(services.BIN / "mrc"), "backlog", str(manifest_file), "--run-id", "big", "--rate", "3000"]
+    proc = subprocess.Popen(command, env=own, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    files = open_run_files(services.settings_from_env(own))
+    services.wait_for(lambda: any(files.list_keys("runs/big/index/")), 60, "the first chunk", proc)
+    time.sleep(0.4)  # into the second chunk: some of its jobs queued, its index not yet written
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = _queued_ids(own)
+    assert 5000 < len(before) < total, "the kill came too early or too late to test anything"
+
+    resumed = services.run_cli(own, "backlog", "--resume", "big", "--interval", "0")
+    assert resumed.returncode == 0, resumed.stderr
+    queued = _queued_ids(own)
+    assert len(queued) == total, "a job queued twice, or one missing"
+    assert set(queued) == {f"big.c{i}" for i in range(total)}
+    status = json.loads(services.run_cli(own, "backlog", "status", "big", "--json").stdout)
+    assert (status["jobs"], status["queued"], status["invalid_lines"]) == (total, total, 0)
+
+
+def test_strict_refuses_a_manifest_with_a_bad_line(own: dict[str, str], tmp_path: Path) -> None:
+    rows = [{"custom_id": "a", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}, "oops"]
+    out = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--strict")
+    assert out.returncode == 2
+    assert "line 2" in out.stderr
+    assert _queued_ids(own) == []
+
+
+def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
+    s3 = boto3.client("s3", endpoint_url=own["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
+    s3.create_bucket(Bucket="mrc-backlog")
+    for i in range(300):
+        s3.put_object(Bucket="mrc-backlog", Key=f"complaints/2026/{i:04d}.jpg", Body=b"x")
+    s3.put_object(Bucket="mrc-backlog", Key="complaints/2025/old.jpg", Body=b"x")
+    out = services.run_cli(own, "backlog", "--from-s3", "s3://mrc-backlog/complaints/2026/",
+                           "--prompt", "Refund?", "--run-id", "listing", "--interval", "0")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    queued = _queued_ids(own)
+    assert len(queued) == 300
+    assert manifest.job_id_for("listing", "complaints/2026/0007.jpg") in queued  # custom_id = the key
+    # The listing is read page by page: the same run through pages of 50 keys finds them all again.
+    backlog = Backlog(Client(services.settings_from_env(own)))
+    backlog.files.page_size = 50  # type: ignore[attr-defined]  # the S3 implementation's page size
+    assert sum(1 for _ in backlog.files.list_keys("complaints/2026/")) == 300
+
+
+def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp_path: Path) -> None:
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(10)]
+    manifest_file = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(manifest_file), "--run-id", "stop").returncode == 0
+    out = services.run_cli(own, "backlog", "cancel", "stop")
+    assert json.loads(out.stdout) == {"run_id": "stop", "cancelled": 10}
+    worker = services.start_worker({**own, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
+    try:
+        client = Client(services.settings_from_env(own))
+        for i in range(10):
+            result = client.wait(f"stop.c{i}", 60)
+            assert result["status"] == "failed"
+            assert result["error"]["code"] == "cancelled"
+    finally:
+        worker.stop()
+    report = services.run_cli(own, "backlog", "report", "stop")
+    assert report.returncode == 1
+    assert json.loads(report.stdout)["failed_by_code"] == {"cancelled": 10}
+    again = services.run_cli(own, "backlog", str(manifest_file), "--run-id", "stop")
+    assert again.returncode == 2
+    assert "cancelled" in again.stderr
+
+
+def test_a_backlog_run_does_not_hold_back_interactive_tickets(
+    env: dict[str, str], worker: services.Worker, client: Client, tmp_path: Path
+) -> None:
+    photo, uri = _photo(client, tmp_path, seed=9)
+    rows = [
+        {"custom_id": f"c{i}", "image": uri, "prompt": f"Backlog {i}?", "max_new_tokens": 16}
+        for i in range(200)
+    ]
+    out = services.run_cli(env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "prio")
+    assert out.returncode == 0, out.stderr
+    ticket = client.submit(photo, "Urgent: can I get a refund?", job_id=f"urgent-{time.monotonic_ns()}")
+    assert client.wait(ticket, 120)["status"] == "succeeded"
+    status = json.loads(services.run_cli(env, "backlog", "status", "prio", "--json").stdout)
+    assert status["queued"] >= 100, f"the ticket waited behind the backlog: {status}"
+    services.run_cli(env, "backlog", "cancel", "prio")  # the rest end at once, not in later tests' way

@@ -1,0 +1,125 @@
+"""Backlog manifests: each line checked on its own, job ids stable per run and custom id."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from producer import backlog, manifest
+from producer.manifest import Invalid, Line
+from producer.progress import Display, describe
+from shared.jobs import JOB_ID_RE
+from shared.settings import Settings
+
+SETTINGS = Settings(allowed_buckets=["photos"])
+
+
+def _line(**fields: object) -> bytes:
+    base = {"custom_id": "c1", "image": "s3://photos/a.jpg", "prompt": "Refund?"}
+    return json.dumps({**base, **fields}).encode()
+
+
+def test_a_good_line_becomes_a_job_under_the_run() -> None:
+    item = manifest.parse(3, _line(max_new_tokens=16, ticket_id="T-9"), "run-1", SETTINGS)
+    assert isinstance(item, Line)
+    assert (item.number, item.custom_id, item.job_id) == (3, "c1", "run-1.c1")
+    assert (item.max_new_tokens, item.ticket_id) == (16, "T-9")
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (json.dumps({"custom_id": "c", "image": "s3://photos/a.jpg"}).encode(), "missing field: prompt"),
+        (_line(prompt=7), "prompt must be a string"),
+        (_line(custom_id=""), "custom_id must be"),
+        (_line(max_new_tokens="16"), "max_new_tokens must be an integer"),
+        (_line(max_new_tokens=True), "max_new_tokens must be an integer"),
+        (_line(max_new_tokens=0), "max_new_tokens"),
+        (_line(prompt="x" * 9000), "prompt"),
+        (_line(prompt="x" * 100_000), "the limit is 65536"),
+        (_line(prompt="a\x00b"), "NUL"),
+        (_line(image="http://example.com/a.jpg"), "image_source_forbidden"),
+        (_line(image="s3://elsewhere/a.jpg"), "image_source_forbidden"),
+        (_line(image="s3://photos/../x.jpg"), "'..'"),
+        (_line(colour="red"), "unknown field"),
+        (_line(ticket_id=5), "ticket_id"),
+    ],
+)
+def test_a_bad_line_is_invalid_with_its_number_and_reason(raw: bytes, reason: str) -> None:
+    item = manifest.parse(7, raw, "run-1", SETTINGS)
+    assert isinstance(item, Invalid)
+    assert item.number == 7
+    assert reason.lower() in item.reason.lower(), item.reason
+
+
+def test_blank_lines_are_skipped_and_numbers_follow_the_file() -> None:
+    stream = io.BytesIO(b"\n" + _line() + b"\n   \n" + _line(custom_id="c2") + b"\n")
+    parsed = [manifest.parse(n, raw, "r", SETTINGS) for n, raw in manifest.read_lines(stream)]
+    assert [p.number for p in parsed if p is not None] == [2, 4]
+
+
+@pytest.mark.parametrize("custom_id", ["ticket 42/photo", "x" * 200, "ü-ñ", "a b"])
+def test_custom_ids_outside_the_job_id_alphabet_are_hashed_stably(custom_id: str) -> None:
+    first = manifest.job_id_for("run-1", custom_id)
+    assert JOB_ID_RE.match(first)
+    assert first == manifest.job_id_for("run-1", custom_id)
+    assert first.startswith("run-1:")
+    assert first != manifest.job_id_for("run-2", custom_id)
+
+
+def test_the_readable_and_hashed_forms_never_meet() -> None:
+    """A custom id that looks like a hash stays readable ('.'); a hashed one takes ':'."""
+    hashed = manifest.job_id_for("r", "needs hashing!")
+    literal = manifest.job_id_for("r", hashed.split(":", 1)[1])
+    assert literal != hashed
+
+
+def test_run_ids_may_not_hold_the_separators() -> None:
+    assert manifest.RUN_ID_RE.match(manifest.new_run_id())
+    for bad in ("a.b", "a:b", "", "-x", "x" * 65):
+        assert not manifest.RUN_ID_RE.match(bad)
+
+
+def test_chunks_are_cut_by_line_position_whatever_was_blank() -> None:
+    lines = [(n, b"x") for n in range(1, backlog.CHUNK_LINES * 2 + 3)]
+    chunks = list(backlog._chunks(lines))
+    assert [number for number, _ in chunks] == [0, 1, 2]
+    assert chunks[1][1][0][0] == backlog.CHUNK_LINES + 1
+    assert sum(len(c) for _, c in chunks) == len(lines)
+
+
+def test_a_listing_becomes_manifest_lines_without_folders() -> None:
+    rows = [json.loads(r) for r in manifest.from_listing(["p/a.jpg", "p/", "p/b.png"], "photos", "Why?")]
+    assert rows == [
+        {"custom_id": "p/a.jpg", "image": "s3://photos/p/a.jpg", "prompt": "Why?"},
+        {"custom_id": "p/b.png", "image": "s3://photos/p/b.png", "prompt": "Why?"},
+    ]
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_interval() -> None:
+    out = io.StringIO()
+    display = Display(out, interval_s=3600, live=False)
+    snapshot = backlog.Progress("r").snapshot()
+    display.show({**snapshot, "lines": 1})
+    display.show({**snapshot, "lines": 2, "waiting_for_room": True})
+    display.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2  # the first at once, the last on close; none in between
+    assert "lines 1" in lines[0]
+    assert "waiting for room" in lines[1]
+    assert all(ch.isprintable() for ch in out.getvalue().replace("\n", ""))
+
+
+def test_status_line_names_failures_by_code() -> None:
+    status = {
+        "run_id": "r", "jobs": 10, "succeeded": 7, "failed": 2, "queued": 1, "running": 0,
+        "invalid_lines": 1, "rate_per_s": 2.5, "eta_s": 4000, "failed_by_code": {"image_decode_error": 2},
+    }  # fmt: skip
+    line = describe(status)
+    assert "7/10 done" in line
+    assert "image_decode_error 2" in line
+    assert "ETA 1h06m" in line
