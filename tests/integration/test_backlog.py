@@ -201,3 +201,28 @@ def test_a_backlog_run_does_not_hold_back_interactive_tickets(
     status = json.loads(services.run_cli(env, "backlog", "status", "prio", "--json").stdout)
     assert status["queued"] >= 100, f"the ticket waited behind the backlog: {status}"
     services.run_cli(env, "backlog", "cancel", "prio")  # the rest end at once, not in later tests' way
+
+
+def test_a_results_file_bigger_than_a_part_is_streamed_in_parts(own: dict[str, str]) -> None:
+    """results.jsonl of a big run: uploaded part by part as lines come (multipart), read back whole;
+    a stream that fails half-way leaves no object (and no parts) behind."""
+    files = open_run_files(services.settings_from_env(own))
+    Client(services.settings_from_env(own)).results.ensure_bucket()
+    line = json.dumps({"custom_id": "c", "text": "x" * 1000}) + "\n"
+    count = 20_000  # ~20 MB: three parts of 8 MiB
+    files.write_lines("runs/big/results.jsonl", (line for _ in range(count)))
+    text = files.get_text("runs/big/results.jsonl") or ""
+    assert text.count("\n") == count
+    assert text == line * count
+
+    def broken() -> Iterator[str]:
+        for n in range(count):
+            if n == 15_000:
+                raise OSError("the producer's disk went away")
+            yield line
+
+    with pytest.raises(OSError):
+        files.write_lines("runs/big/broken.jsonl", broken())
+    assert files.get_text("runs/big/broken.jsonl") is None
+    s3 = boto3.client("s3", endpoint_url=own["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
+    assert not s3.list_multipart_uploads(Bucket="mrc-backlog").get("Uploads")

@@ -14,7 +14,10 @@ class _NoTorch:
         return None
 sys.meta_path.insert(0, _NoTorch())
 import producer.cli, producer.client, shared.stores.s3, shared.celery_app, shared.logs
+import producer.backlog, producer.backlog_cli, producer.manifest, producer.progress, shared.runs
 rc = producer.cli.main(["submit", "--image", "/no/such/file.jpg", "--prompt", "hi"])
+print("rc", rc)
+rc = producer.cli.main(["backlog", "/no/such/manifest.jsonl"])
 print("rc", rc)
 """
 
@@ -24,5 +27,6 @@ def test_producer_imports_and_validates_without_torch() -> None:
         [sys.executable, "-c", BLOCK], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "rc 2"
+    assert done.stdout.split() == ["rc", "2", "rc", "2"]
     assert "image file not found" in done.stderr
+    assert "manifest not found" in done.stderr
