@@ -221,7 +221,7 @@ def test_a_results_file_bigger_than_a_part_is_streamed_in_parts(own: dict[str, s
                 raise OSError("the producer's disk went away")
             yield line
 
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="disk went away"):
         files.write_lines("runs/big/broken.jsonl", broken())
     assert files.get_text("runs/big/broken.jsonl") is None
     s3 = boto3.client("s3", endpoint_url=own["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
