@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     # MRC_MODEL_BATCH_MAX_JOBS.
     batch_calibrate: bool = True
     fetch_threads: int = Field(default=4, ge=1)
+    # /healthz answers 503 after this long without progress while there is work (workers/liveness.py).
+    # Above the longest model batch: one `generate` call is one step of progress.
+    stuck_after_s: float = Field(default=300.0, gt=0)
     # Jobs in a row the model may fail (model_error) before the worker calls itself unusable: it exits
     # without acking and its delivery goes to another worker, instead of failing the whole lane.
     model_failure_streak: int = Field(default=5, ge=1)

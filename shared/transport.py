@@ -28,7 +28,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from queue import Empty
 from typing import Any
 
@@ -39,6 +39,10 @@ from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from shared import names
+
+# Called at every poll of a consumer's channel (the worker's liveness: an idle consumer polls every
+# `Channel.idle_wait_s`); None outside a worker.
+on_poll: Callable[[], None] | None = None
 
 REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
@@ -343,6 +347,8 @@ class Channel(kombu_redis.Channel):
         return bool(self.ack_emulation) and queue not in self._no_ack_queues
 
     def _brpop_start(self, timeout: float | None = None) -> None:
+        if on_poll is not None:
+            on_poll()
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return

@@ -24,6 +24,7 @@ from workers.backends import attention, make_backend
 from workers.backends.base import ModelBackend
 from workers.cache import RedisResultCache
 from workers.heartbeat import Heartbeat
+from workers.liveness import Liveness
 from workers.metrics import Metrics
 from workers.pipeline import assemble
 
@@ -114,7 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     metrics = Metrics()
     state = health.HealthState()
-    server = health.serve(settings.metrics_port, state, metrics)
+    lane_keys = [key for lane in lanes for key in names.queue_keys(lane)]
+    depth_client = connect(settings.redis_url, settings.connect_timeout_s, retries=0)
+    liveness = Liveness(
+        settings.stuck_after_s, lambda: sum(int(depth_client.llen(key)) for key in lane_keys) > 0
+    )
+    transport.on_poll = liveness.polled
+    server = health.serve(settings.metrics_port, state, metrics, liveness=liveness)
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
 
     backend = make_backend(settings)
@@ -140,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend, images_from, results, records, settings,
         metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, batch_sizes=sizes,
     )  # fmt: skip
+    liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since))
     fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
 
     def on_fatal(reason: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from workers.liveness import Liveness
 from workers.metrics import Metrics
 
 
@@ -34,7 +35,7 @@ class HealthState:
             return None if self._ready is None else dict(self._ready)
 
 
-def _handler(state: HealthState, metrics: Metrics) -> type[BaseHTTPRequestHandler]:
+def _handler(state: HealthState, metrics: Metrics, liveness: Liveness | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
@@ -49,7 +50,8 @@ def _handler(state: HealthState, metrics: Metrics) -> type[BaseHTTPRequestHandle
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
-                self._json(200, {"status": "alive"})
+                alive, details = liveness.report() if liveness is not None else (True, {"status": "alive"})
+                self._json(200 if alive else 503, details)
             elif path == "/readyz":
                 ready = state.readiness()
                 if ready is None:
@@ -67,9 +69,11 @@ def _handler(state: HealthState, metrics: Metrics) -> type[BaseHTTPRequestHandle
     return Handler
 
 
-def serve(port: int, state: HealthState, metrics: Metrics, host: str = "0.0.0.0") -> ThreadingHTTPServer:
+def serve(
+    port: int, state: HealthState, metrics: Metrics, host: str = "0.0.0.0", liveness: Liveness | None = None
+) -> ThreadingHTTPServer:
     """Start serving in a daemon thread; port 0 picks a free port (read it from server_address)."""
-    server = ThreadingHTTPServer((host, port), _handler(state, metrics))
+    server = ThreadingHTTPServer((host, port), _handler(state, metrics, liveness))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="mrc-health", daemon=True).start()
     return server

@@ -75,6 +75,10 @@ class Pipeline:
         self._first_batch_at: float | None = None
         self.runner = inference.Runner(backend, self._model_call)
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across batches
+        # For /healthz (workers/liveness.py): when the batch in hand last moved, and since when it is
+        # in hand (None between batches). Monotonic clock.
+        self.progress_at = time.monotonic()
+        self.batch_since: float | None = None
 
     @property
     def busy_ratio(self) -> float:
@@ -88,6 +92,13 @@ class Pipeline:
 
     # ---------------------------------------------------------------- run
     def run(self, messages: Sequence[Message]) -> list[Outcome]:
+        self.batch_since = self.progress_at = time.monotonic()
+        try:
+            return self._run(messages)
+        finally:
+            self.batch_since, self.progress_at = None, time.monotonic()
+
+    def _run(self, messages: Sequence[Message]) -> list[Outcome]:
         start = time.time()
         slots = [Slot(m.request_id, m.body, start) for m in messages]
         self.jobs_seen += len(slots)
@@ -136,6 +147,7 @@ class Pipeline:
             if name in _INFRASTRUCTURE_STAGES:
                 raise  # Redis or S3 gone: exit unacked and let another delivery run the jobs
         seconds = time.perf_counter() - began
+        self.progress_at = time.monotonic()
         spent[name] = spent.get(name, 0.0) + seconds
         self.metrics.stage.labels(stage=name).observe(seconds)
 
@@ -289,6 +301,7 @@ class Pipeline:
             )
 
     def _model_call(self, jobs: int, prepare_s: float, run_s: float, failure: BaseException | None) -> None:
+        self.progress_at = time.monotonic()
         self._busy(run_s)
         if failure is not None:
             if jobs > 1:

@@ -14,6 +14,23 @@ class Proxy:
         self._server: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._hanging = False
+        self._held: list[socket.socket] = []
+
+    def hang(self) -> None:
+        """Accept connections and never answer (a wedged endpoint): requests wait for their timeout."""
+        self._hanging = True
+        self._cut()
+
+    def unhang(self) -> None:
+        """Forward again; the connections held while hanging are cut, so their requests fail now."""
+        self._hanging = False
+        with self._lock:
+            held, self._held = self._held, []
+        for conn in held:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
 
     def start(self) -> None:
         server = socket.socket()
@@ -28,6 +45,9 @@ class Proxy:
         server, self._server = self._server, None
         if server is not None:
             server.close()
+        self._cut()
+
+    def _cut(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
         for conn in conns:
@@ -41,6 +61,10 @@ class Proxy:
                 client, _ = server.accept()
             except OSError:
                 return
+            if self._hanging:
+                with self._lock:
+                    self._held.append(client)
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
             except OSError:

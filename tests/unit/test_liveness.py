@@ -1,0 +1,65 @@
+"""The liveness rule behind /healthz, on a fake clock."""
+
+from __future__ import annotations
+
+from workers.liveness import Liveness
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _liveness(waiting: object = False) -> tuple[Liveness, Clock, dict[str, object]]:
+    clock = Clock()
+    state: dict[str, object] = {"progress": clock.now, "batch": None}
+
+    def ask() -> bool | None:
+        if isinstance(waiting, Exception):
+            raise waiting
+        return waiting  # type: ignore[return-value]
+
+    live = Liveness(10, ask, lambda: (state["progress"], state["batch"]), clock=clock)  # type: ignore[arg-type, return-value]
+    return live, clock, state
+
+
+def test_idle_with_nothing_to_do_is_alive_however_long() -> None:
+    live, clock, _ = _liveness(waiting=False)
+    clock.now += 3600
+    alive, details = live.report()
+    assert alive
+    assert details["idle"] is True
+
+
+def test_no_poll_while_jobs_wait_is_stuck() -> None:
+    live, clock, _ = _liveness(waiting=True)
+    clock.now += 5
+    assert live.report()[0]
+    clock.now += 6
+    alive, details = live.report()
+    assert not alive
+    assert "does not poll" in str(details["reason"])
+    live.polled()
+    assert live.report()[0]
+
+
+def test_a_batch_without_progress_is_stuck_even_with_an_empty_queue() -> None:
+    live, clock, state = _liveness(waiting=False)
+    state["batch"] = clock.now
+    clock.now += 11
+    alive, details = live.report()
+    assert not alive
+    assert details["batch_for_s"] == 11.0
+    state["progress"] = clock.now  # a model batch ended
+    assert live.report()[0]
+
+
+def test_redis_away_is_not_called_stuck() -> None:
+    live, clock, _ = _liveness(waiting=ConnectionError("refused"))
+    clock.now += 60
+    alive, details = live.report()
+    assert alive
+    assert details["work_waiting"] is None

@@ -1,0 +1,73 @@
+"""Whether the worker's consumer is alive or stuck: what `/healthz` answers.
+
+Alive is making progress: the consumer polls Redis every fraction of a second while idle (the
+transport calls `polled`), and a batch in hand moves from stage to stage and model batch to model
+batch (the pipeline's `progress_at`). Stuck is no progress for `MRC_STUCK_AFTER_S` while there is
+work: a batch in hand, or jobs waiting on the worker's lanes. An idle worker with nothing to do is
+not stuck however long it waits; a worker that cannot tell whether work waits (Redis away) is not
+called stuck either, since restarting it would not bring Redis back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+Progress = Callable[[], tuple[float, float | None]]  # (last progress, batch in hand since | None)
+
+
+class Liveness:
+    def __init__(
+        self,
+        stuck_after_s: float,
+        waiting: Callable[[], bool | None],
+        progress: Progress | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stuck_after_s = stuck_after_s
+        self._waiting = waiting  # jobs waiting on the lanes: True, False, or None when unknown
+        self._progress = progress or (lambda: (0.0, None))
+        self._clock = clock
+        self._last_poll = clock()
+        self._lock = threading.Lock()
+        self._waiting_cache: tuple[float, bool | None] = (-1e18, None)
+
+    def watch(self, progress: Progress) -> None:
+        """Follow this pipeline's progress (known once it is built, after the HTTP server started)."""
+        self._progress = progress
+
+    def polled(self) -> None:
+        self._last_poll = self._clock()
+
+    def report(self) -> tuple[bool, dict[str, Any]]:
+        """(alive, details) for /healthz."""
+        now = self._clock()
+        progress_at, batch_since = self._progress()
+        last = max(self._last_poll, progress_at)
+        silent = now - last
+        details: dict[str, Any] = {"silent_s": round(silent, 1), "stuck_after_s": self.stuck_after_s}
+        if batch_since is not None:
+            details["batch_for_s"] = round(now - batch_since, 1)
+        if silent <= self.stuck_after_s:
+            return True, {"status": "alive", **details}
+        if batch_since is not None:
+            return False, {"status": "stuck", "reason": "a batch in hand made no progress", **details}
+        waiting = self._waiting_now(now)
+        if waiting:
+            return False, {"status": "stuck", "reason": "jobs wait and the consumer does not poll", **details}
+        return True, {"status": "alive", "idle": True, "work_waiting": waiting, **details}
+
+    def _waiting_now(self, now: float) -> bool | None:
+        with self._lock:
+            at, value = self._waiting_cache
+            if now - at < 2.0:
+                return value
+        try:
+            value = self._waiting()
+        except Exception:  # Redis away: cannot tell, so not stuck
+            value = None
+        with self._lock:
+            self._waiting_cache = (now, value)
+        return value
