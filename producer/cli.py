@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"mrc: bad settings: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, fmt=settings.log_format)
     for name in unknown_variables():
         logs.get_logger().warning("MRC_UNKNOWN_SETTING", name=name)
     need_redis, need_s3 = _NEEDS[args.command]

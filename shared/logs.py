@@ -9,6 +9,7 @@ U+2028 and U+2029, and ESC lets a value repaint an operator's terminal.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -66,6 +67,15 @@ def _text(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def _json_line(event: str, fields: Mapping[str, object]) -> str:
+    """Numbers, booleans and null stay typed; anything else is its text, as in the pipe format."""
+    data: dict[str, object] = {"event": event}
+    for key, value in fields.items():
+        plain = value is None or isinstance(value, bool | int | float | str)
+        data[key] = value if plain else _text(value)
+    return json.dumps(data, ensure_ascii=True, allow_nan=False, default=str)
+
+
 def render(event: str, fields: Mapping[str, object]) -> str:
     """One log line. Keys are assumed to be plain identifiers; values are escaped."""
     ordered = [k for k in _FIRST_KEYS if k in fields] + [k for k in fields if k not in _FIRST_KEYS]
@@ -104,8 +114,19 @@ def _add_ts(_logger: object, _method: str, event_dict: MutableMapping[str, Any])
     return event_dict
 
 
+class JsonRenderer:
+    """structlog processor for `MRC_LOG_FORMAT=json`: the same event and keys, one JSON object a line
+    (`event` first). ASCII-only, so no character in a value can break the line."""
+
+    def __call__(self, _logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> str:
+        event = str(event_dict.pop("event", "MRC_LOG"))
+        return _json_line(event, event_dict)
+
+
 class PipeFormatter(logging.Formatter):
     """Puts third-party stdlib logging (Celery, kombu, botocore) into the same line format."""
+
+    json = False
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, object] = {
@@ -116,11 +137,14 @@ class PipeFormatter(logging.Formatter):
         }
         if record.exc_info:
             fields["exc"] = self.formatException(record.exc_info)
+        if self.json:
+            return _json_line("LIB_LOG", fields)
         return render("LIB_LOG", fields)
 
 
-def configure(level: str = "INFO", stream: TextIO | None = None) -> None:
-    """Set up structlog and stdlib logging to write pipe-delimited lines to stderr."""
+def configure(level: str = "INFO", stream: TextIO | None = None, fmt: str = "pipe") -> None:
+    """Set up structlog and stdlib logging to write one line per event to stderr: pipe-delimited
+    (the default), or JSON (`fmt="json"`, for ELK or Loki)."""
     out = stream or sys.stderr
     numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     structlog.configure(
@@ -128,14 +152,16 @@ def configure(level: str = "INFO", stream: TextIO | None = None) -> None:
             structlog.processors.add_log_level,
             _add_ts,
             structlog.processors.format_exc_info,
-            PipeRenderer(),
+            JsonRenderer() if fmt == "json" else PipeRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(out)
-    handler.setFormatter(PipeFormatter())
+    formatter = PipeFormatter()
+    formatter.json = fmt == "json"
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     logging.captureWarnings(True)

@@ -104,6 +104,7 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(default=3.0, gt=0, le=300)
 
     log_level: LogLevel = "INFO"
+    log_format: Literal["pipe", "json"] = "pipe"
 
     @field_validator("s3_prefix")
     @classmethod

@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"mrc-worker: bad settings: {describe_error(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, fmt=settings.log_format)
     log = logs.get_logger()
     for name in unknown_variables():
         log.warning("MRC_UNKNOWN_SETTING", name=name)

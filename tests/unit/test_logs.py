@@ -78,3 +78,31 @@ def test_stdlib_logging_is_formatted_too() -> None:
     assert event == "LIB_LOG"
     assert fields["msg"] == "broken\npipe | here"
     assert fields["level"] == "error"
+
+
+def test_json_format_has_the_same_events_and_keys_one_line_each() -> None:
+    import io
+    import json
+
+    out = io.StringIO()
+    logs.configure("INFO", stream=out, fmt="json")
+    try:
+        log = logs.get_logger()
+        log.info("MRC_SUCCESS", job_id="j|1\nx", latency=0.25, output_len=12, cache_hit=False, note=None)
+        log.warning("MRC_RETRY", job_id="j2", code="store_unavailable", prompt_head="a\u2028b")
+        import logging
+
+        logging.getLogger("celery.test").warning("library says %s", "hi")
+    finally:
+        logs.configure("INFO")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    first, second, third = (json.loads(line) for line in lines)
+    assert first["event"] == "MRC_SUCCESS"
+    assert (first["job_id"], first["latency"]) == ("j|1\nx", 0.25)
+    assert (first["output_len"], first["cache_hit"]) == (12, False)
+    assert first["level"] == "info"
+    assert first["ts"].endswith("Z")
+    assert second["prompt_head"] == "a\u2028b"
+    assert "\u2028" not in lines[1]  # escaped: no character in a value breaks the line
+    assert (third["event"], third["logger"], third["msg"]) == ("LIB_LOG", "celery.test", "library says hi")
