@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from shared import logs, names, reach, transport
 from shared.celery_app import make_celery
 from shared.errors import ServiceUnreachable
+from shared.lane_metrics import LaneCollector
 from shared.records import RedisJobRecords, connect
 from shared.settings import Settings, describe_error, unknown_variables
 from shared.stores import open_stores
@@ -23,6 +24,7 @@ from workers import batch_sizes, health, tasks
 from workers.backends import attention, make_backend
 from workers.backends.base import ModelBackend
 from workers.cache import RedisResultCache
+from workers.gpu_metrics import GpuCollector
 from workers.heartbeat import Heartbeat
 from workers.liveness import Liveness
 from workers.metrics import Metrics
@@ -156,6 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tasks.register(
         app, settings, pipeline, lambda ids: transport.give_back(fatal_client, ids), on_fatal=on_fatal
+    )
+    metrics.registry.register(LaneCollector(depth_client))
+    metrics.registry.register(GpuCollector(backend.device))
+    metrics.watch(
+        buffered=lambda: tasks.buffered(app),
+        batch_for=lambda: None if pipeline.batch_since is None else time.monotonic() - pipeline.batch_since,
     )
 
     state.set_ready({**backend.describe(), "batch_sizes": sizes.table()})

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900)
+
+
+def prompt_bucket(tokens: int) -> str:
+    """The latency heatmap's prompt axis: 0-50, 50-100, 100+ tokens."""
+    return "0-50" if tokens < 50 else "50-100" if tokens < 100 else "100+"
+
+
+def image_bucket(width: int, height: int) -> str:
+    """The latency heatmap's image axis: under 1 MP, 1-4 MP, over 4 MP."""
+    pixels = width * height
+    return "<1MP" if pixels < 1_000_000 else "1-4MP" if pixels <= 4_000_000 else ">4MP"
 
 
 class Metrics:
@@ -17,8 +30,45 @@ class Metrics:
             "mrc_jobs_total", "Jobs finished, by outcome", ["status", "code", "lane"], registry=r
         )
         self.latency = Histogram(
-            "mrc_job_latency_seconds", "Submit-to-result time", ["lane"], buckets=_LATENCY_BUCKETS, registry=r
+            "mrc_job_latency_seconds",
+            "Submit-to-result time, by lane, prompt length (tokens) and image size (megapixels)",
+            ["lane", "prompt_tokens", "image_mp"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
+        self.job_stage = Histogram(
+            "mrc_job_stage_seconds",
+            "Per-job time by stage: queued (submit to start), preprocess (fetch, decode, prepare), "
+            "inference (its model batch), total",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.model_batch_jobs = Histogram(
+            "mrc_model_batch_jobs", "Jobs per model batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+        )
+        self.model_batch_tokens = Histogram(
+            "mrc_model_batch_tokens",
+            "Padded input positions per model batch (rows x the longest input)",
+            buckets=(256, 1024, 4096, 8192, 16384, 32768, 65536, 131072),
+            registry=r,
+        )
+        self.buffered = Gauge(
+            "mrc_worker_buffered_jobs",
+            "Jobs the worker holds and has not started (celery-batches' buffer)",
+            registry=r,
+        )
+        self.in_batch = Gauge(
+            "mrc_batch_in_progress", "1 while a delivered batch is being processed", registry=r
+        )
+        self.in_batch_s = Gauge(
+            "mrc_batch_in_progress_seconds",
+            "How long the batch in hand has run (0 between batches)",
+            registry=r,
+        )
+        ProcessCollector(
+            namespace="mrc", registry=r
+        )  # mrc_process_cpu_seconds_total, _resident_memory_bytes, ...
         self.batch_jobs = Histogram(
             "mrc_batch_jobs", "Jobs per delivered batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
@@ -55,3 +105,9 @@ class Metrics:
         self.cache = Counter("mrc_cache_requests_total", "Result cache look-ups", ["result"], registry=r)
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
         self.duplicates = Counter("mrc_jobs_skipped_total", "Deliveries skipped as already done", registry=r)
+
+    def watch(self, buffered: Callable[[], float], batch_for: Callable[[], float | None]) -> None:
+        """Gauges read at scrape time from the live worker."""
+        self.buffered.set_function(buffered)
+        self.in_batch.set_function(lambda: 0.0 if batch_for() is None else 1.0)
+        self.in_batch_s.set_function(lambda: batch_for() or 0.0)

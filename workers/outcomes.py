@@ -16,7 +16,7 @@ from shared.jobs import (
     parse_rfc3339,
 )
 from workers.backends.base import ModelBackend
-from workers.metrics import Metrics
+from workers.metrics import Metrics, image_bucket, prompt_bucket
 
 if TYPE_CHECKING:
     from workers.slots import Slot
@@ -75,7 +75,13 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
 
 def report(slot: Slot, result: JobResult, backend: ModelBackend, metrics: Metrics, log: Any) -> None:
     latency = result.timings_ms.total / 1000
-    metrics.latency.labels(lane=result.lane).observe(latency)
+    prompt = prompt_bucket(result.prompt.tokens)
+    image = image_bucket(result.image.width or 0, result.image.height or 0)
+    metrics.latency.labels(lane=result.lane, prompt_tokens=prompt, image_mp=image).observe(latency)
+    timings = result.timings_ms
+    for stage, ms in (("queued", timings.queued), ("preprocess", timings.preprocess),
+                      ("inference", timings.inference), ("total", timings.total)):  # fmt: skip
+        metrics.job_stage.labels(stage=stage).observe(ms / 1000)
     code = result.error.code if result.error else ""
     metrics.jobs.labels(status=result.status, code=code, lane=result.lane).inc()
     if result.status == "succeeded":

@@ -256,7 +256,10 @@ class Pipeline:
                 else:
                     slot.decoded = decoded
                     members.append(slot)
-            self.metrics.padding.observe(batching.waste([costs[i].input_tokens for i in group]))
+            inputs = [costs[i].input_tokens for i in group]
+            self.metrics.padding.observe(batching.waste(inputs))
+            self.metrics.model_batch_jobs.observe(len(group))
+            self.metrics.model_batch_tokens.observe(max(inputs) * len(group))
             if members:
                 self._generate(members)
             # This batch's results are written by the pool while the model runs the next batch.

@@ -101,6 +101,13 @@ def register(
     )
 
 
+def buffered(app: Celery) -> int:
+    """Jobs the batched task holds and has not handed to the pipeline yet (celery-batches' queues)."""
+    task = app.tasks.get(names.TASK_NAME)
+    queues = [getattr(task, "_buffer", None), getattr(task, "_pending", None)]
+    return sum(q.qsize() for q in queues if q is not None)
+
+
 def _give_back(give_back: Callable[[list[str]], int] | None, request_ids: list[str], log: Any) -> None:
     if give_back is None:
         return

@@ -213,6 +213,24 @@ def test_health_endpoints(worker: Worker) -> None:
         text = r.read().decode()
     assert "mrc_jobs_total" in text
     assert "mrc_worker_ready 1.0" in text
+    for series in (
+        'mrc_queue_depth{lane="interactive"}',
+        'mrc_queue_in_flight{lane="backlog"}',
+        'mrc_queue_oldest_age_seconds{lane="interactive"}',
+        "mrc_dead_letter_depth",
+        "mrc_queue_metrics_up 1.0",
+        "mrc_process_cpu_seconds_total",
+        "mrc_process_resident_memory_bytes",
+        "mrc_worker_buffered_jobs",
+        "mrc_batch_in_progress",
+        "mrc_model_batch_jobs_bucket",
+        "mrc_model_batch_tokens_bucket",
+        'mrc_job_stage_seconds_bucket{le="0.05",stage="queued"}',
+    ):
+        assert series in text, series
+    assert 'prompt_tokens="0-50"' in text  # the latency heatmap's labels (jobs ran in earlier tests)
+    assert "image_mp=" in text
+    assert "mrc_gpu_" not in text  # no GPU here: the series are absent, not an error
 
 
 def test_message_without_producer_is_checked_by_the_worker(env, worker: Worker) -> None:

@@ -1,0 +1,105 @@
+"""Per-lane queue metrics read from Redis at scrape time: depth, in flight (taken by a worker, not
+acked), and the age of the oldest waiting job. Exported by every worker's /metrics and by
+`mrc queues --serve-metrics PORT` (an exporter for autoscalers that needs no worker and no torch).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from shared import names
+from shared.jobs import parse_rfc3339
+
+_CACHE_S = 1.0  # scrapes from several Prometheus replicas within a second read Redis once
+
+
+def lane_view(client: redis.Redis) -> dict[str, dict[str, float]]:
+    """{lane: {"depth", "in_flight", "oldest_age_s"}} plus the dead-letter depth under "dead_letter"."""
+    view: dict[str, dict[str, float]] = {}
+    in_flight = _in_flight(client)
+    now = datetime.now(UTC)
+    for lane in names.LANES:
+        keys = names.queue_keys(lane)
+        depth = sum(int(client.llen(key)) for key in keys)
+        oldest = None
+        for key in keys:
+            raw = client.lindex(key, -1)  # the tail is popped first: the oldest waiting message
+            submitted = _submitted_at(raw) if raw else None
+            if submitted is not None and (oldest is None or submitted < oldest):
+                oldest = submitted
+        age = (now - oldest).total_seconds() if oldest is not None and depth else 0.0
+        view[lane] = {"depth": depth, "in_flight": in_flight.get(lane, 0), "oldest_age_s": max(0.0, age)}
+    view["dead_letter"] = {"depth": int(client.llen(names.dead_letter_key()))}
+    return view
+
+
+def _in_flight(client: redis.Redis) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, TypeError, IndexError):
+            continue
+        lane = str(routing_key).removeprefix("mrc.")
+        counts[lane] = counts.get(lane, 0) + 1
+    return counts
+
+
+def _submitted_at(raw: bytes | str) -> datetime | None:
+    """The job's submitted_at from a queued Celery message (body: base64 JSON [args, kwargs, embed])."""
+    try:
+        message = json.loads(raw)
+        body = json.loads(base64.b64decode(message["body"]))
+        return parse_rfc3339(str(body[1]["job"]["submitted_at"]))
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+
+
+class LaneCollector(Collector):
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._cached: tuple[float, dict[str, Any] | None] = (-1e18, None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        view = self._view()
+        depth = GaugeMetricFamily("mrc_queue_depth", "Jobs waiting on the lane", labels=["lane"])
+        flight = GaugeMetricFamily(
+            "mrc_queue_in_flight", "Jobs taken by a worker, not yet acked", labels=["lane"]
+        )
+        age = GaugeMetricFamily(
+            "mrc_queue_oldest_age_seconds", "Age of the oldest waiting job (0 when none)", labels=["lane"]
+        )
+        dead = GaugeMetricFamily("mrc_dead_letter_depth", "Entries on the dead-letter list")
+        up = GaugeMetricFamily("mrc_queue_metrics_up", "1 when the lane metrics could be read from Redis")
+        up.add_metric([], 0.0 if view is None else 1.0)
+        if view is not None:
+            for lane in names.LANES:
+                depth.add_metric([lane], view[lane]["depth"])
+                flight.add_metric([lane], view[lane]["in_flight"])
+                age.add_metric([lane], view[lane]["oldest_age_s"])
+            dead.add_metric([], view["dead_letter"]["depth"])
+            yield from (depth, flight, age, dead)
+        yield up
+
+    def _view(self) -> dict[str, Any] | None:
+        with self._lock:
+            at, view = self._cached
+            if time.monotonic() - at < _CACHE_S:
+                return view
+            try:
+                view = lane_view(self._client)
+            except redis.RedisError:
+                view = None  # a scrape never fails for Redis: mrc_queue_metrics_up says so
+            self._cached = (time.monotonic(), view)
+            return view
