@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("queues", help="queue depths per lane")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="print again every SECONDS until Ctrl-C")
+    p.add_argument(
+        "--serve-metrics",
+        type=int,
+        metavar="PORT",
+        help="serve the per-lane metrics (depth, in flight, oldest age, dead letters) on PORT at /metrics "
+        "until stopped: an exporter for autoscalers that needs no worker",
+    )
 
     p = sub.add_parser("dlq", help="the dead-letter list: jobs that failed after all their attempts")
     dlq = p.add_subparsers(dest="dlq_command", required=True)
@@ -139,10 +148,46 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
     from shared.records import connect
 
     client = connect(settings.redis_url, settings.connect_timeout_s, retries=2)
-    depths = {lane: sum(int(client.llen(key)) for key in names.queue_keys(lane)) for lane in names.LANES}
+    if args.serve_metrics is not None:
+        return _serve_lane_metrics(client, args.serve_metrics)
+    while True:
+        _print_queues(client, settings, args.json)
+        if not args.watch:
+            return EXIT_OK
+        time.sleep(args.watch)
+
+
+def _serve_lane_metrics(client: Any, port: int) -> int:
+    import signal
+    import threading
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from shared.lane_metrics import LaneCollector
+
+    registry = CollectorRegistry()
+    registry.register(LaneCollector(client))
+    server, _thread = start_http_server(port, registry=registry)
+    logs.get_logger().info("MRC_HTTP_LISTENING", port=server.server_address[1], what="lane metrics")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    return EXIT_OK
+
+
+def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
+    from shared.lane_metrics import lane_view
+
+    lanes = lane_view(client)
+    depths = {lane: int(lanes[lane]["depth"]) for lane in names.LANES}
     hits, misses = (int(client.get(key) or 0) for key in names.cache_counter_keys())
     view: dict[str, Any] = {
         "lanes": depths,
+        "in_flight": {lane: int(lanes[lane]["in_flight"]) for lane in names.LANES},
+        "oldest_age_s": {lane: round(lanes[lane]["oldest_age_s"], 1) for lane in names.LANES},
+        "rejected": int(client.llen(names.rejected_key())),
         "backlog_limit": settings.backlog_max_depth,
         "dead_letter": int(client.llen(names.dead_letter_key())),
         "workers": _workers(client),
@@ -152,11 +197,14 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         },
     }
-    if args.json:
+    if as_json:
         _print_json(view)
     else:
         for lane, depth in depths.items():
-            print(f"{lane:<12} {depth}")
+            print(
+                f"{lane:<12} {depth}  in flight {view['in_flight'][lane]}, "
+                f"oldest waiting {view['oldest_age_s'][lane]} s"
+            )
         print(f"{'dead-letter':<12} {view['dead_letter']}")
         for w in view["workers"]:
             print(
@@ -166,7 +214,7 @@ def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
             )
         rate = view["cache"]["hit_rate"]
         print(f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else ""))
-    return EXIT_OK
+    sys.stdout.flush()
 
 
 def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:

@@ -226,3 +226,50 @@ def test_a_results_file_bigger_than_a_part_is_streamed_in_parts(own: dict[str, s
     assert files.get_text("runs/big/broken.jsonl") is None
     s3 = boto3.client("s3", endpoint_url=own["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
     assert not s3.list_multipart_uploads(Bucket="mrc-backlog").get("Uploads")
+
+
+def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/x.jpg", "prompt": "Q?"} for i in range(5)]
+    assert services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows))).returncode == 0
+    port = services.free_port()
+    proc = subprocess.Popen(
+        [str(services.BIN / "mrc"), "queues", "--serve-metrics", str(port)],
+        env=own, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def scrape() -> str:
+            import urllib.request
+
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                return str(reply.read().decode())
+
+        services.wait_for(lambda: _can(scrape), 30, "the exporter", proc)
+        text = scrape()
+        assert 'mrc_queue_depth{lane="backlog"} 5.0' in text
+        assert 'mrc_queue_in_flight{lane="backlog"} 0.0' in text
+        age = next(
+            line
+            for line in text.splitlines()
+            if line.startswith('mrc_queue_oldest_age_seconds{lane="backlog"}')
+        )
+        assert float(age.split()[-1]) >= 0
+        assert "mrc_queue_metrics_up 1.0" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    view = json.loads(services.run_cli(own, "queues", "--json").stdout)
+    assert view["lanes"]["backlog"] == 5
+    assert view["in_flight"] == {"interactive": 0, "backlog": 0}
+    assert view["oldest_age_s"]["backlog"] >= 0
+
+
+def _can(probe: Any) -> bool:
+    try:
+        probe()
+    except OSError:
+        return False
+    return True
