@@ -99,6 +99,8 @@ class Metrics:
         self.retries = Counter(
             "mrc_retries_total", "Jobs put back for a retryable fault", ["code"], registry=r
         )
+        for code in ("internal_error", "out_of_memory"):  # the retryable codes: series from 0, not absent
+            self.retries.labels(code=code)
         self.dead_letters = Counter(
             "mrc_dead_letters_total", "Jobs moved to the dead-letter list", registry=r
         )
