@@ -236,7 +236,21 @@ class Client:
         if state is None:
             result = self.result(job_id)
             state = str(result["status"]) if result else "unknown"
-        return {"job_id": job_id, "state": state, "result_uri": uri if state in TERMINAL else None}
+        status: dict[str, Any] = {
+            "job_id": job_id,
+            "state": state,
+            "result_uri": uri if state in TERMINAL else None,
+        }
+        # Beyond the contract's three keys: what a person looking at a job wants next.
+        for key, name in (
+            ("lane", "lane"), ("attempts", "attempts"), ("submitted_at", "submitted_at"),
+            ("started_at", "started_at"), ("updated_at", "updated_at"), ("worker", "worker"),
+            ("retry_reason", "last_retry_reason"), ("error_code", "error_code"), ("run_id", "run_id"),
+            ("cancelled", "cancelled"),
+        ):  # fmt: skip
+            if record.get(key):
+                status[name] = int(record[key]) if key == "attempts" else record[key]
+        return status
 
     def wait(self, job_id: str, timeout: float) -> dict[str, Any]:
         """Block until the job has a result; raise TimeoutError after `timeout` seconds.

@@ -54,8 +54,12 @@ class MemoryJobRecords:
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]:
         return [self.get(job_id) for job_id in job_ids]
 
-    def begin_many(self, job_ids: list[str]) -> list[int]:
-        return [self.begin(job_id) for job_id in job_ids]
+    def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]:
+        attempts = [self.begin(job_id) for job_id in job_ids]
+        with self._lock:
+            for job_id in job_ids:
+                self.records[job_id]["worker"] = worker
+        return attempts
 
     def solo_run(self, job_id: str) -> int:
         with self._lock:

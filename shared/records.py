@@ -55,7 +55,7 @@ class JobRecords(Protocol):
     def get(self, job_id: str) -> dict[str, str]: ...
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
     def begin(self, job_id: str) -> int: ...
-    def begin_many(self, job_ids: list[str]) -> list[int]: ...
+    def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]: ...
     def solo_run(self, job_id: str) -> int: ...
     def reset_attempts(self, job_id: str) -> None: ...
     def list_lengths(self, keys: list[str]) -> int: ...
@@ -176,8 +176,9 @@ class RedisJobRecords:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""
         return self.begin_many([job_id])[0]
 
-    def begin_many(self, job_ids: list[str]) -> list[int]:
-        """`begin` for a delivery's jobs in one round trip (one MULTI/EXEC)."""
+    def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]:
+        """`begin` for a delivery's jobs in one round trip (one MULTI/EXEC); `worker` names who runs
+        them (shown by `mrc status`)."""
         if not job_ids:
             return []
         stamp = now_rfc3339()
@@ -185,7 +186,10 @@ class RedisJobRecords:
             for job_id in job_ids:
                 key = names.job_key(job_id)
                 pipe.hincrby(key, "attempts", 1)
-                pipe.hset(key, mapping={"state": "running", "updated_at": stamp})
+                pipe.hset(
+                    key,
+                    mapping={"state": "running", "updated_at": stamp, "started_at": stamp, "worker": worker},
+                )
                 pipe.expire(key, RECORD_TTL_S)
             replies = pipe.execute()
         return [int(replies[3 * i]) for i in range(len(job_ids))]

@@ -29,8 +29,15 @@ _ENDED_OR_UNKNOWN = (None, "succeeded", "failed")
 
 class Admission:
     def __init__(
-        self, records: JobRecords, results: ResultStore, settings: Settings, metrics: Metrics, log: Any
+        self,
+        records: JobRecords,
+        results: ResultStore,
+        settings: Settings,
+        metrics: Metrics,
+        log: Any,
+        worker: str = "",
     ) -> None:
+        self.worker = worker  # this worker's name, kept in the records of the jobs it runs
         self.records = records
         self.results = results
         self.settings = settings
@@ -58,7 +65,9 @@ class Admission:
             slot.suspect = record.get("state") == "running"
             slot.solo_runs = int(record.get("solo_runs", "0"))
             running.append(slot)
-        for slot, attempts in zip(running, self.records.begin_many([s.job_id for s in running]), strict=True):
+        for slot, attempts in zip(
+            running, self.records.begin_many([s.job_id for s in running], self.worker), strict=True
+        ):
             assert slot.job is not None
             slot.attempts = attempts
             deadline = self._deadline(slot.job)

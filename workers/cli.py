@@ -139,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
         return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 
+    hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     sizes = _batch_sizes(backend, settings, log)
     images_from, results = open_stores(settings)
     results.ensure_bucket()
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = RedisResultCache(connect(settings.redis_url))
     pipeline = assemble(
         backend, images_from, results, records, settings,
-        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, batch_sizes=sizes,
+        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, batch_sizes=sizes, worker=hostname,
     )  # fmt: skip
     liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since))
     fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
@@ -168,7 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     state.set_ready({**backend.describe(), "batch_sizes": sizes.table()})
     metrics.ready.set(1)
-    hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
     _route_celery_console(log)
     worker_ready.connect(lambda **_: log.info("MRC_CONSUMING", hostname=hostname), weak=False)

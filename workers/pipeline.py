@@ -348,11 +348,12 @@ def assemble(
     sleep: Callable[[float], None] = time.sleep,
     cache: ResultCache | None = None,
     batch_sizes: BatchSizes | None = None,
+    worker: str = "",
 ) -> Pipeline:
     """A pipeline wired from the seams: the worker's composition root, and the tests'."""
     metrics = metrics or Metrics()
     cache = cache if settings.cache_ttl_s > 0 else None
     log = logs.get_logger()
     finisher = Finisher(backend, results, records, settings, metrics, log, requeue, sleep, cache)
-    admission = Admission(records, results, settings, metrics, log)
+    admission = Admission(records, results, settings, metrics, log, worker)
     return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache, batch_sizes)

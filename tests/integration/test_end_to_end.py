@@ -76,11 +76,16 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         assert int(success[0]["output_len"]) >= 0
         assert success[0]["prompt_head"] == prompt[:64]
         status = json.loads(run_cli(env, "status", job_id).stdout)
-        assert status == {
+        assert {k: status[k] for k in ("job_id", "state", "result_uri")} == {
             "job_id": job_id,
             "state": "succeeded",
             "result_uri": f"s3://{env['MRC_S3_BUCKET']}/results/{job_id}.json",
         }
+        # and what a person wants next: attempts, times, and which worker ran it
+        assert status["attempts"] == 1
+        assert status["lane"] == "interactive"
+        assert status["worker"] == worker.find("MRC_WORKER_READY")[0]["hostname"]
+        assert status["submitted_at"] <= status["started_at"] <= status["updated_at"]
         assert json.loads(run_cli(env, "result", job_id).stdout) == stored
 
 
