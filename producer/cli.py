@@ -210,7 +210,9 @@ def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
             print(
                 f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
                 f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
-                f"busy {w.get('busy_ratio')}, batch caps {w.get('batch_caps', '-')}"
+                f"busy {w.get('busy_ratio')}, batch caps {w.get('batch_caps', '-')}, buffered "
+                f"{w.get('buffered', '-')}, batch in progress {w.get('batch_in_progress_s') or '-'} s, "
+                f"attention {w.get('attention_backend', '-')}"
             )
         rate = view["cache"]["hit_rate"]
         print(f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else ""))

@@ -194,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "busy_ratio": round(pipeline.busy_ratio, 4),
             "batch_caps": sizes.summary(),
             "batch_sizes": sizes.table(),
+            "buffered": tasks.buffered(app),
+            "batch_in_progress_s": (
+                None if pipeline.batch_since is None else round(time.monotonic() - pipeline.batch_since, 1)
+            ),
         },
     )
     heartbeat.start()

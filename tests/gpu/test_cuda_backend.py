@@ -52,3 +52,17 @@ def test_cuda_decode_applies_exif_orientation_like_the_cpu(orientation: int) -> 
     assert on_gpu.shape == on_cpu.shape == (3, encoded.height, encoded.width)
     # nvjpeg and libjpeg-turbo use different IDCTs: within 2 levels on average, never a rotation off.
     assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean().item() <= 2.0
+
+
+def test_gpu_telemetry_series_exist_on_a_gpu() -> None:
+    """torch's memory accounting always; NVML's utilisation where the driver's library loads."""
+    from workers.gpu_metrics import GpuCollector
+
+    torch.zeros(1024, device="cuda")
+    names = {family.name for family in GpuCollector("cuda:0").collect()}
+    assert {
+        "mrc_gpu_memory_allocated_bytes",
+        "mrc_gpu_memory_reserved_bytes",
+        "mrc_gpu_memory_peak_bytes",
+    } <= names
+    assert "mrc_gpu_sm_utilization_ratio" in names, "NVML did not load on a CUDA machine"
