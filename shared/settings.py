@@ -34,7 +34,22 @@ class Settings(BaseSettings):
     s3_region: str = "us-east-1"
     # Buckets besides s3_bucket that jobs may read images from; anything else is image_source_forbidden.
     allowed_buckets: list[str] = Field(default_factory=list)
+    # S3-compatible stores (MinIO, Ceph, R2): boto3 >= 1.36 sends CRC checksums on every request by
+    # default, which some of them reject; "when_required" sends them only where S3 requires one.
+    s3_checksums: Literal["when_required", "when_supported"] = "when_required"
+    # "auto": path-style with a custom endpoint (MinIO, Ceph), virtual-hosted on AWS.
+    s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
 
+    # --- HTTP intake (mrc-api) ---
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=0, le=65535)
+    # Comma-separated `SHA256HEX` or `SHA256HEX@lane+lane` (the hex sha256 of each key); empty: no auth.
+    api_keys: str = ""
+    api_max_body_bytes: int = Field(default=0, ge=0)  # 0: MRC_MAX_IMAGE_BYTES + 1 MiB for the form
+    api_rate_per_s: float = Field(default=50.0, ge=0)  # per key (or per client address without keys); 0: off
+    api_rate_burst: int = Field(default=100, ge=1)
+    api_result_wait_max_s: float = Field(default=30.0, ge=0)  # the longest ?wait= a request may hold
+    events_max: int = Field(default=100_000, ge=100)  # completion events kept in the Redis stream
     # --- model (CONTRACT.md) ---
     model: str = "adept/fuyu-8b"
     quantization: Quantization = "nf4"
@@ -44,9 +59,8 @@ class Settings(BaseSettings):
     # --- worker ---
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     cache_ttl_s: int = Field(default=86400, ge=0)
-    # A job taken by a worker that died is delivered again after this many seconds. It must exceed the
-    # longest batch (batch_max_jobs x max_new_tokens_limit decode steps of Fuyu-8B is well under 5 min on
-    # a 24 GB card), or a slow batch is delivered twice; larger only slows recovery from a dead worker.
+    # A job taken by a worker that went silent (died) is delivered again this many seconds after the
+    # worker's last heartbeat (shared/transport.py); a live worker keeps its jobs however long it runs.
     visibility_timeout_s: int = Field(default=900, ge=1)
     # How often each worker looks for messages whose visibility timeout ran out (kombu's default ~100 s).
     restore_interval_s: float = Field(default=10.0, gt=0)

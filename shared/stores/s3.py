@@ -25,6 +25,12 @@ def _is_missing(exc: ClientError) -> bool:
     return str(exc.response.get("Error", {}).get("Code", "")) in _MISSING
 
 
+def _addressing(settings: Settings) -> str:
+    if settings.s3_addressing_style != "auto":
+        return settings.s3_addressing_style
+    return "path" if settings.s3_endpoint_url else "auto"
+
+
 class S3Connection:
     """One boto3 client and the error mapping every store shares: an outage, a server error or a broken
     stream is StoreUnavailable (retryable); "no such key" stays a ClientError for the caller."""
@@ -34,7 +40,9 @@ class S3Connection:
             retries={"total_max_attempts": attempts, "mode": "standard"},
             connect_timeout=settings.connect_timeout_s,
             read_timeout=30,
-            s3={"addressing_style": "path"} if settings.s3_endpoint_url else {},
+            s3={"addressing_style": _addressing(settings)},  # type: ignore[arg-type]  # a Literal there
+            request_checksum_calculation=settings.s3_checksums,
+            response_checksum_validation=settings.s3_checksums,
         )
         self.client = boto3.client(
             "s3",
@@ -93,7 +101,14 @@ class S3Connection:
         except ClientError as exc:
             if not _is_missing(exc):
                 raise
-            self.call("create_bucket", Bucket=bucket)
+            # Outside us-east-1, S3 wants the region named (other S3-compatible stores ignore it).
+            region = self.client.meta.region_name
+            where = (
+                {}
+                if region in (None, "", "us-east-1")
+                else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+            )
+            self.call("create_bucket", Bucket=bucket, **where)
 
     def probe(self, bucket: str) -> None:
         """One cheap request that needs the endpoint, the credentials and (if it exists) the bucket."""

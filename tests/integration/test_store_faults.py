@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from scripts import devservices as services
 from shared.errors import StoreUnavailable
 from shared.settings import Settings
 from shared.stores import open_stores
@@ -60,3 +61,26 @@ def test_a_body_cut_short_is_a_retryable_store_fault(
         images_from.get_bytes("mrc", "inputs/a.jpg", 1 << 20)
     assert caught.value.retryable
     assert "1003" in caught.value.message or "short" in caught.value.message.lower()
+
+
+def test_s3_compatible_options_and_a_bucket_outside_us_east_1(env: dict[str, str]) -> None:
+    """Checksums only when required (MinIO, Ceph and R2 reject boto3's default CRCs on some requests),
+    path-style with a custom endpoint, and a bucket created with its LocationConstraint outside
+    us-east-1 (S3 refuses one without)."""
+    import uuid
+
+    from shared.stores.s3 import S3Connection
+
+    settings = services.settings_from_env({**env, "MRC_S3_REGION": "eu-west-1"})
+    connection = S3Connection(settings)
+    config = connection.client.meta.config
+    assert config.request_checksum_calculation == "when_required"
+    assert config.response_checksum_validation == "when_required"
+    assert config.s3["addressing_style"] == "path"
+    bucket = f"mrc-eu-{uuid.uuid4().hex[:8]}"
+    connection.ensure_bucket(bucket)
+    assert connection.client.get_bucket_location(Bucket=bucket)["LocationConstraint"] == "eu-west-1"
+    connection.put(bucket, "a.txt", b"x", "text/plain")
+    assert connection.get(bucket, "a.txt", 10) == b"x"
+    virtual = S3Connection(services.settings_from_env({**env, "MRC_S3_ADDRESSING_STYLE": "virtual"}))
+    assert virtual.client.meta.config.s3["addressing_style"] == "virtual"
