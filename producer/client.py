@@ -91,7 +91,12 @@ class Client:
     def upload_image(self, path: Path) -> tuple[str, str]:
         """Upload a local image to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
         self._check_local_image(path)
-        data = path.read_bytes()
+        return self.upload_bytes(path.read_bytes())
+
+    def upload_bytes(self, data: bytes) -> tuple[str, str]:
+        """Upload image bytes to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
+        if len(data) > self.settings.max_image_bytes:
+            raise UsageError(f"image is {len(data)} bytes; the limit is {self.settings.max_image_bytes}")
         digest = hashlib.sha256(data).hexdigest()
         ext = sniff_format(data) or "bin"
         key = names.input_key(self.settings.s3_prefix, digest, ext)

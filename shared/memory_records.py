@@ -15,6 +15,7 @@ class MemoryJobRecords:
         self.records: dict[str, dict[str, str]] = {}
         self.dlq: list[dict[str, object]] = []  # oldest first
         self.processing: list[str] = []
+        self.events: list[dict[str, str]] = []
         self._lock = threading.Lock()
 
     def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
@@ -117,3 +118,14 @@ class MemoryJobRecords:
             count = len(self.dlq)
             self.dlq.clear()
             return count
+
+    def add_event(self, event: dict[str, str], keep: int) -> str:
+        with self._lock:
+            self.events.append(dict(event))
+            del self.events[:-keep]
+            return f"{len(self.events)}-0"
+
+    def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
+        start = int(after.split("-")[0])
+        with self._lock:
+            return [{"id": f"{n}-0", **e} for n, e in enumerate(self.events, start=1) if n > start][:count]

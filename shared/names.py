@@ -58,6 +58,11 @@ def worker_pattern() -> str:
     return f"{REDIS_PREFIX}worker:*"
 
 
+def events_key() -> str:
+    """Redis stream of completion events, one per finished job (capped; `GET /v1/events`)."""
+    return f"{REDIS_PREFIX}events"
+
+
 def dead_letter_key() -> str:
     return f"{REDIS_PREFIX}dlq"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -67,6 +67,8 @@ class JobRecords(Protocol):
     def return_dead_letter(self, raw: str, oldest: bool = True) -> None: ...
     def recover_dead_letters(self) -> int: ...
     def purge_dead_letters(self) -> int: ...
+    def add_event(self, event: dict[str, str], keep: int) -> str: ...
+    def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]: ...
 
 
 class RedisJobRecords:
@@ -198,3 +200,19 @@ class RedisJobRecords:
         """Count a run of the job alone; returns how many lone runs came before this one."""
         key = names.job_key(job_id)
         return int(self._redis.hincrby(key, "solo_runs", 1)) - 1
+
+    def add_event(self, event: dict[str, str], keep: int) -> str:
+        """Append a completion event to the capped stream (about `keep` newest kept); its id."""
+        fields = {key: value for key, value in event.items() if value is not None}
+        return str(self._redis.xadd(names.events_key(), fields, maxlen=keep, approximate=True))  # type: ignore[arg-type]
+
+    def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
+        """Completion events newer than `after` ("0": from the oldest kept), waiting up to `block_s`
+        for the first; each with its stream id as `id`."""
+        block = int(block_s * 1000) or None
+        reply: Any = self._redis.xread({names.events_key(): after}, count=count, block=block)
+        out: list[dict[str, str]] = []
+        for _stream, entries in reply or []:
+            for event_id, fields in entries:
+                out.append({"id": str(event_id), **fields})
+        return out

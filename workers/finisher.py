@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.errors import Abandoned, InternalError, StoreUnavailable
-from shared.jobs import now_rfc3339
+from shared.jobs import JobResult, now_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.stores import ResultStore
@@ -76,6 +76,7 @@ class Finisher:
         self.records.set_state(
             slot.job_id, result.status, **({"error_code": result.error.code} if result.error else {})
         )
+        self._announce(result)
         outcomes.report(slot, result, self.backend, self.metrics, self.log)
         if result.status == "succeeded" and not slot.cache_hit:
             self._remember(slot)
@@ -106,6 +107,23 @@ class Finisher:
             self.cache.put(slot.cache_key, value, self.settings.cache_ttl_s)
         except Exception as exc:
             self.log.warning("MRC_CACHE_WRITE_FAILED", job_id=slot.job_id, error=repr(exc)[:300])
+
+    def _announce(self, result: JobResult) -> None:
+        """A completion event for upstream systems that follow the stream instead of polling each job.
+        Best effort: the result object is the truth, and a lost event is found by `mrc status`."""
+        event = {
+            "job_id": result.job_id,
+            "status": result.status,
+            "result_uri": self.results.result_uri(result.job_id),
+            "ticket_id": result.ticket_id or "",
+            "lane": result.lane,
+            "code": result.error.code if result.error else "",
+            "finished_at": result.finished_at,
+        }
+        try:
+            self.records.add_event(event, self.settings.events_max)
+        except Exception as exc:  # Redis hiccup after the result is stored: the job is done regardless
+            self.log.warning("MRC_EVENT_FAILED", job_id=result.job_id, error=repr(exc)[:200])
 
     def _retry(self, slot: Slot, code: str, message: str) -> None:
         base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (slot.attempts - 1))

@@ -1,0 +1,257 @@
+"""mrc-api against real Redis and S3 (and the session worker where a job must finish): the contract's
+routes, keys, limits and errors; schemathesis against its own OpenAPI schema; and the real process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from producer.api import create_app
+from producer.client import Client
+from scripts import devservices as services
+from tests.support import imagegen
+
+pytestmark = pytest.mark.integration
+
+KEY, BACKLOG_KEY = "k-full-access", "k-backlog-only"
+KEYS = (
+    f"{hashlib.sha256(KEY.encode()).hexdigest()},{hashlib.sha256(BACKLOG_KEY.encode()).hexdigest()}@backlog"
+)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def api_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    return {**env, "MRC_API_KEYS": KEYS, "MRC_MAX_IMAGE_BYTES": str(200_000)}
+
+
+@pytest.fixture
+def api(api_env: dict[str, str]) -> Iterator[TestClient]:
+    with TestClient(create_app(services.settings_from_env(api_env))) as client:
+        yield client
+
+
+@pytest.fixture
+def uploaded(client: Client, tmp_path: Path) -> str:
+    photo = tmp_path / "api.jpg"
+    photo.write_bytes(imagegen.photo(320, 240, seed=31))
+    return client.upload_image(photo)[0]
+
+
+def _job_id(tag: str) -> str:
+    return f"api-{tag}-{time.monotonic_ns()}"
+
+
+def test_keys_are_required_and_lanes_enforced(api: TestClient, uploaded: str) -> None:
+    body = {"image": uploaded, "prompt": "Refund?", "job_id": _job_id("auth")}
+    assert api.post("/v1/jobs", json=body).status_code == 401
+    assert api.post("/v1/jobs", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    forbidden = api.post("/v1/jobs", json=body, headers={"Authorization": f"Bearer {BACKLOG_KEY}"})
+    assert forbidden.status_code == 403
+    assert forbidden.json()["error"]["code"] == "forbidden"
+    ok = api.post(
+        "/v1/jobs", json={**body, "lane": "backlog"}, headers={"Authorization": f"Bearer {BACKLOG_KEY}"}
+    )
+    assert ok.status_code == 202, ok.text
+
+
+def test_a_json_job_runs_and_the_same_id_again_is_the_same_job(
+    api: TestClient, uploaded: str, worker: services.Worker
+) -> None:
+    job_id = _job_id("json")
+    body = {"image": uploaded, "prompt": "Is the box damaged?", "job_id": job_id, "ticket_id": "T-7"}
+    first = api.post("/v1/jobs", json=body, headers=AUTH)
+    assert first.status_code == 202, first.text
+    assert first.json() == {"job_id": job_id, "status_url": f"/v1/jobs/{job_id}"}
+    again = api.post("/v1/jobs", json=body, headers=AUTH)
+    assert (again.status_code, again.json()) == (200, first.json())
+    reused = api.post("/v1/jobs", json={**body, "prompt": "Another question?"}, headers=AUTH)
+    assert reused.status_code == 409
+    result = api.get(f"/v1/jobs/{job_id}/result", params={"wait": 30}, headers=AUTH)
+    if result.status_code == 202:  # the wait is bounded; a slow machine may need a second one
+        result = api.get(f"/v1/jobs/{job_id}/result", params={"wait": 30}, headers=AUTH)
+    assert result.status_code == 200, result.text
+    assert result.json()["status"] == "succeeded"
+    assert result.json()["ticket_id"] == "T-7"
+    status = api.get(f"/v1/jobs/{job_id}", headers=AUTH).json()
+    assert (status["job_id"], status["state"]) == (job_id, "succeeded")
+
+    events, after = [], "0"
+    for _ in range(20):
+        page = api.get("/v1/events", params={"after": after, "wait": 2}, headers=AUTH).json()
+        events += page["events"]
+        after = page["last_id"]
+        if any(e["job_id"] == job_id for e in events):
+            break
+    mine = [e for e in events if e["job_id"] == job_id]
+    assert len(mine) == 1
+    assert mine[0]["status"] == "succeeded"
+    assert mine[0]["ticket_id"] == "T-7"
+    assert mine[0]["result_uri"].endswith(f"results/{job_id}.json")
+    assert {"id", "finished_at"} <= set(mine[0])
+
+
+def test_a_multipart_upload_is_stored_once_and_queued(api: TestClient, client: Client) -> None:
+    data = imagegen.photo(320, 240, seed=32)
+    job_id = _job_id("multipart")
+    reply = api.post(
+        "/v1/jobs",
+        data={"prompt": "What is torn?", "job_id": job_id, "max_new_tokens": "4"},
+        files={"image": ("parcel.jpg", data, "image/jpeg")},
+        headers=AUTH,
+    )
+    assert reply.status_code == 202, reply.text
+    record = client.records.get(job_id)
+    assert record["state"] in ("queued", "running", "succeeded")
+    digest = hashlib.sha256(data).hexdigest()
+    assert client.images.get_bytes(client.settings.s3_bucket, f"inputs/{digest}.jpg", 10**6) == data
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"image": "s3://b/k.jpg"}, 422),  # no prompt
+        ({"image": "s3://b/k.jpg", "prompt": ""}, 422),
+        ({"image": "s3://b/k.jpg", "prompt": "a\u0000b"}, 422),
+        ({"image": "s3://b/k.jpg", "prompt": "p", "lane": "urgent"}, 422),
+        ({"image": "s3://b/k.jpg", "prompt": "p", "max_new_tokens": 0}, 422),
+        ({"image": "s3://b/k.jpg", "prompt": "p", "max_new_tokens": "many"}, 422),
+        ({"image": "s3://b/k.jpg", "prompt": "p", "job_id": "bad id/with slash"}, 422),
+        ({"image": "http://evil.example/x.jpg", "prompt": "p"}, 422),
+        ({"image": "/etc/passwd", "prompt": "p"}, 422),
+        ([1, 2], 422),
+    ],
+)
+def test_bad_jobs_get_a_4xx_with_an_error_code(api: TestClient, body: object, status: int) -> None:
+    reply = api.post("/v1/jobs", json=body, headers=AUTH)
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["code"] in ("invalid_job", "image_source_forbidden")
+
+
+def test_bodies_over_the_limit_are_413_even_without_a_length(api: TestClient) -> None:
+    big = b"x" * 1_400_000  # the limit: 200,000 image bytes + 1 MiB of form
+    reply = api.post("/v1/jobs", content=big, headers={**AUTH, "Content-Type": "application/json"})
+    assert reply.status_code == 413
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(30):
+            yield b"y" * 65536
+
+    streamed = api.post("/v1/jobs", content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
+    assert streamed.status_code == 413
+    assert streamed.json()["error"]["code"] == "invalid_job"
+
+
+def test_unknown_jobs_and_bad_event_ids(api: TestClient) -> None:
+    assert api.get("/v1/jobs/never-submitted", headers=AUTH).status_code == 404
+    assert api.get("/v1/jobs/never-submitted/result", headers=AUTH).status_code == 404
+    assert api.get("/v1/events", params={"after": "drop table"}, headers=AUTH).status_code == 400
+    for wait in ("nan", "-1", "inf", "soon"):
+        reply = api.get("/v1/events", params={"wait": wait}, headers=AUTH)
+        assert reply.status_code == 422, wait
+        assert reply.json()["error"]["code"] == "invalid_job"
+
+
+def test_rate_limit_and_a_full_backlog_say_when_to_retry(api_env: dict[str, str], uploaded: str) -> None:
+    limited = {**api_env, "MRC_API_RATE_PER_S": "0.5", "MRC_API_RATE_BURST": "2"}
+    with TestClient(create_app(services.settings_from_env(limited))) as api:
+        codes = [api.get("/v1/jobs/x", headers=AUTH).status_code for _ in range(3)]
+        assert codes == [404, 404, 429]
+        assert int(api.get("/v1/jobs/x", headers=AUTH).headers["Retry-After"]) >= 1
+    full = {**api_env, "MRC_BACKLOG_MAX_DEPTH": "1"}
+    with TestClient(create_app(services.settings_from_env(full))) as api:
+        body = {"image": uploaded, "prompt": "p", "lane": "backlog"}
+        replies = [
+            api.post("/v1/jobs", json={**body, "job_id": _job_id(f"full{i}")}, headers=AUTH) for i in range(3)
+        ]
+        refused = [r for r in replies if r.status_code == 503]
+        assert refused, [r.status_code for r in replies]
+        assert refused[0].headers["Retry-After"] == "30"
+        assert refused[0].json()["error"]["code"] == "queue_full"
+
+
+def test_health_ready_metrics_and_schema(api: TestClient) -> None:
+    assert api.get("/healthz").json() == {"status": "alive"}
+    assert api.get("/readyz").json() == {"status": "ready"}
+    api.get("/v1/jobs/x", headers=AUTH)
+    text = api.get("/metrics").text
+    assert 'mrc_api_requests_total{method="GET",route="/v1/jobs/{job_id}",status="404"}' in text
+    schema = api.get("/openapi.json").json()
+    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/result", "/v1/events"} <= set(schema["paths"])
+    content = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
+    assert {"application/json", "multipart/form-data"} <= set(content)
+
+
+def test_schemathesis_finds_no_server_error(api_env: dict[str, str]) -> None:
+    """Generated requests from the app's own schema, keys included: never a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    quick = {**api_env, "MRC_API_RATE_PER_S": "0", "MRC_API_RESULT_WAIT_MAX_S": "0.2"}
+    app = create_app(services.settings_from_env(quick))
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    failures: list[str] = []
+    calls: list[int] = []
+
+    def check(case: object) -> None:
+        response = case.call(headers=AUTH)  # type: ignore[attr-defined]
+        calls.append(response.status_code)
+        if response.status_code >= 500:
+            where = f"{case.operation.method.upper()} {case.operation.path}"  # type: ignore[attr-defined]
+            failures.append(f"{where}: {response.status_code} {response.text[:200]}")
+
+    profile = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    for operation in schema.get_all_operations():
+        strategy = operation.ok().as_strategy()
+        profile(given(case=strategy)(lambda case: check(case)))()
+    assert not failures, failures[:5]
+    assert len(calls) >= 60, "schemathesis sent too few requests to mean anything"
+    assert any(400 <= code < 500 for code in calls)
+
+
+def test_the_mrc_api_process_serves_the_contract(
+    api_env: dict[str, str], uploaded: str, tmp_path: Path
+) -> None:
+    port = services.free_port()
+    env = {**api_env, "MRC_API_PORT": str(port)}
+    log = tmp_path / "api.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(services.BIN / "mrc-api")], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        import urllib.error
+        import urllib.request
+
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        services.wait_for(up, 60, "mrc-api", proc)
+        body = json.dumps({"image": uploaded, "prompt": "Refund?", "job_id": _job_id("proc")}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/jobs", data=body, method="POST",
+            headers={**AUTH, "Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.status == 202
+            assert json.loads(reply.read())["status_url"].startswith("/v1/jobs/")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -15)
+        assert proc.wait(15) in (0, -signal.SIGTERM)
+        assert "Traceback" not in log.read_text()
+        assert "MRC_HTTP_LISTENING" in log.read_text()
