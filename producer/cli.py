@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -67,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
         help="serve the per-lane metrics (depth, in flight, oldest age, dead letters) on PORT at /metrics "
         "until stopped: an exporter for autoscalers that needs no worker",
     )
+
+    p = sub.add_parser("events", help="completion events, one JSON line each (job_id, status, result_uri)")
+    p.add_argument("--after", default="0", help="print events after this id (default: the oldest kept)")
+    p.add_argument("--follow", action="store_true", help="keep waiting for new events until Ctrl-C")
 
     p = sub.add_parser("dlq", help="the dead-letter list: jobs that failed after all their attempts")
     dlq = p.add_subparsers(dest="dlq_command", required=True)
@@ -219,6 +224,23 @@ def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
     sys.stdout.flush()
 
 
+def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
+    """Print completion events as JSON lines; with --follow, wait for more (long-polls of 5 s)."""
+    from shared.records import RedisJobRecords, connect
+
+    if not re.match(r"^\d{1,20}(-\d{1,20})?$", args.after):
+        raise UsageError("--after: an event id (1700000000000-0) or 0")
+    records = RedisJobRecords(connect(settings.redis_url, settings.connect_timeout_s, retries=3))
+    after = args.after
+    while True:
+        for event in records.events_after(after, block_s=5.0 if args.follow else 0.0):
+            _print_json(event)
+            after = event["id"]
+        sys.stdout.flush()
+        if not args.follow:
+            return EXIT_OK
+
+
 def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     from producer.client import Client
 
@@ -250,6 +272,7 @@ _COMMANDS = {
     "result": _cmd_result,
     "queues": _cmd_queues,
     "backlog": backlog_cli.run,
+    "events": _cmd_events,
     "dlq": _cmd_dlq,
 }
 # Usage checks that need neither Redis nor S3: a bad command is exit 2 whether or not they are up.
@@ -264,6 +287,7 @@ _NEEDS = {
     "result": (False, True),
     "queues": (True, False),
     "backlog": (True, True),
+    "events": (True, False),
     "dlq": (True, False),
 }
 

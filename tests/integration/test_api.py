@@ -255,3 +255,29 @@ def test_the_mrc_api_process_serves_the_contract(
         assert proc.wait(15) in (0, -signal.SIGTERM)
         assert "Traceback" not in log.read_text()
         assert "MRC_HTTP_LISTENING" in log.read_text()
+
+
+def test_mrc_events_prints_and_follows_completion_events(
+    env: dict[str, str], client: Client, uploaded: str, worker: services.Worker
+) -> None:
+    listed = [json.loads(line) for line in services.run_cli(env, "events").stdout.splitlines()]
+    after = listed[-1]["id"] if listed else "0"
+    proc = subprocess.Popen(
+        [str(services.BIN / "mrc"), "events", "--follow", "--after", after],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        job_id = client.submit(uploaded, "Follow me?", job_id=_job_id("follow"))
+        assert client.wait(job_id, 120)["status"] == "succeeded"
+        assert proc.stdout is not None
+        seen = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and job_id not in seen:
+            seen.append(json.loads(proc.stdout.readline())["job_id"])
+        assert job_id in seen
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert services.run_cli(env, "events", "--after", "x").returncode == 2
