@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,103 @@ def test_the_dashboard_has_the_shape_grafana_imports() -> None:
 @pytest.mark.parametrize("name", ["mrc_job_latency_seconds", "mrc_queue_depth", "mrc_model_busy_ratio"])
 def test_the_dashboard_queries_the_key_series(name: str) -> None:
     assert name in dashboard_metrics()
+
+
+BIN = Path(sys.executable).parent
+SCHEMAS = Path(__file__).resolve().parents[1] / "support" / "schemas"
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("name", ["worker.Dockerfile", "api.Dockerfile"])
+def test_dockerfiles_pass_hadolint(name: str) -> None:
+    done = _run(str(BIN / "hadolint"), str(DEPLOY / "docker" / name))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_images_run_as_a_non_root_user_and_the_api_image_has_no_torch() -> None:
+    for name in ("worker.Dockerfile", "api.Dockerfile"):
+        text = (DEPLOY / "docker" / name).read_text()
+        assert "\nUSER 10001:10001\n" in text, name
+    assert '".[api]"' in (DEPLOY / "docker" / "api.Dockerfile").read_text()
+    worker = (DEPLOY / "docker" / "worker.Dockerfile").read_text()
+    assert '".[worker]"' in worker
+    assert "COPY models" not in worker  # weights are mounted, never baked in
+
+
+def _compose() -> dict:
+    import yaml
+
+    return dict(yaml.safe_load((DEPLOY / "compose.yaml").read_text()))
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    """Validated against the Compose Specification's JSON schema (tests/support/schemas, from the
+    compose-spec project via the docker-compose 1.29.2 wheel), the check `docker compose config` makes."""
+    import jsonschema
+
+    schema = json.loads((SCHEMAS / "compose-spec.json").read_text())
+    jsonschema.Draft201909Validator.check_schema(schema)
+    jsonschema.Draft201909Validator(schema).validate(_compose())
+    broken = {**_compose(), "services": {"worker": {"image": "x", "deploy": {"replicas": "many"}}}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft201909Validator(schema).validate(broken)
+
+
+def test_compose_wires_the_parts_together() -> None:
+    compose = _compose()
+    services = compose["services"]
+    assert {"redis", "minio", "worker", "api", "lanes", "prometheus", "grafana"} <= set(services)
+    assert "./redis.conf:/usr/local/etc/redis/redis.conf:ro" in services["redis"]["volumes"]
+    devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    assert services["worker"]["stop_grace_period"] == "10m"
+    for path in ("prometheus/prometheus.yml", "prometheus/mrc-alerts.yml", "grafana/mrc-dashboard.json"):
+        assert (DEPLOY / path).is_file(), path
+    for name in ("worker", "api", "lanes"):
+        env = services[name]["environment"]
+        assert env["MRC_REDIS_URL"] == "redis://redis:6379/0", name
+        assert env["MRC_S3_ENDPOINT_URL"] == "http://minio:9000", name
+        assert "AWS_SECRET_ACCESS_KEY" in env, name
+    prometheus = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    assert '"worker:9400"' in prometheus
+    assert '"lanes:9401"' in prometheus
+
+
+def test_kubernetes_manifests_match_the_kubernetes_schemas() -> None:
+    manifests = [str(DEPLOY / "k8s" / name) for name in ("worker.yaml", "api.yaml", "config.yaml")]
+    done = _run(str(BIN / "kubernetes-validate"), "--strict", *manifests)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed") + done.stderr.count("passed") == 5
+
+
+def test_the_worker_deployment_probes_and_drains_as_the_worker_does() -> None:
+    import yaml
+
+    deployment = yaml.safe_load((DEPLOY / "k8s" / "worker.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert pod["terminationGracePeriodSeconds"] >= 300
+    assert "preStop" in container["lifecycle"]
+
+
+def test_keda_scales_on_the_lists_the_jobs_are_really_on() -> None:
+    """ScaledObject is a CRD (no Kubernetes schema): its shape is checked here, and its list names
+    against the keys the code queues jobs on."""
+    import yaml
+
+    from shared import names
+
+    scaled = yaml.safe_load((DEPLOY / "k8s" / "keda-scaledobject.yaml").read_text())
+    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "mrc-worker"
+    lists = {t["metadata"]["listName"] for t in scaled["spec"]["triggers"] if t["type"] == "redis"}
+    assert lists == {names.queue_keys("interactive")[0], names.queue_keys("backlog")[0]}
+    for trigger in scaled["spec"]["triggers"]:
+        assert int(trigger["metadata"]["listLength"]) > 0

@@ -1,0 +1,36 @@
+# mrc GPU worker. Build from the repository root:
+#   docker build -f deploy/docker/worker.Dockerfile -t mrc-worker .
+# Model weights are not baked in: mount them read-only at /models (MRC_MODEL=/models/fuyu-8b).
+# The GPU driver comes from the host (NVIDIA Container Toolkit); torch's wheels carry their own CUDA
+# runtime, so a python base is enough (an nvidia/cuda base would add a second copy of the CUDA libraries).
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    MRC_MODEL=/models/fuyu-8b \
+    MRC_QUANTIZATION=nf4 \
+    MRC_DEVICE=cuda \
+    MRC_HOME=/home/mrc/.cache/mrc \
+    MRC_METRICS_PORT=9400
+
+RUN groupadd --system --gid 10001 mrc \
+    && useradd --system --uid 10001 --gid mrc --create-home --home-dir /home/mrc mrc
+
+WORKDIR /opt/mrc
+COPY pyproject.toml constraints.txt README.md ./
+COPY shared ./shared
+COPY producer ./producer
+COPY workers ./workers
+RUN pip install -c constraints.txt ".[worker]"
+
+USER 10001:10001
+EXPOSE 9400
+# SIGTERM: the worker finishes the batch in hand, returns buffered jobs to Redis and exits 0.
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=4 \
+    CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:9400/healthz', timeout=4).status == 200 else 1)"]
+ENTRYPOINT ["mrc-worker"]
+CMD ["--lanes", "interactive,backlog"]
