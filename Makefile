@@ -46,6 +46,7 @@ bench: install
 	$(PY) tests/bench/bench_priority.py
 	$(PY) tests/bench/bench_broker.py
 	$(PY) tests/bench/bench_enqueue.py
+	$(PY) tests/bench/bench_api.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -270,6 +270,11 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
     return JSONResponse(body, status_code=202 if created else 200)
 
 
+def app_from_env() -> FastAPI:
+    """The app for uvicorn's worker processes (`--factory`): settings from the environment."""
+    return create_app(Settings())
+
+
 def main() -> int:
     import uvicorn
     from pydantic import ValidationError
@@ -293,7 +298,17 @@ def main() -> int:
         print(f"mrc-api: {exc.message}", file=sys.stderr)
         return 5
     log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api")
-    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_config=None, access_log=False)
+    options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
+    if settings.api_workers > 1:  # worker processes import the app themselves
+        uvicorn.run(
+            "producer.api:app_from_env",
+            factory=True,
+            workers=settings.api_workers,
+            access_log=False,
+            **options,
+        )
+    else:
+        uvicorn.run(app, access_log=False, **options)
     return 0
 
 

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     # --- HTTP intake (mrc-api) ---
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
+    api_workers: int = Field(default=1, ge=1)  # uvicorn worker processes (the intake is CPU-bound Python)
     # Comma-separated `SHA256HEX` or `SHA256HEX@lane+lane` (the hex sha256 of each key); empty: no auth.
     api_keys: str = ""
     api_max_body_bytes: int = Field(default=0, ge=0)  # 0: MRC_MAX_IMAGE_BYTES + 1 MiB for the form
