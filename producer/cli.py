@@ -183,45 +183,15 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
 
 
 def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
-    from shared.lane_metrics import lane_view
+    from producer import queues_view
 
-    lanes = lane_view(client)
-    depths = {lane: int(lanes[lane]["depth"]) for lane in names.LANES}
-    hits, misses = (int(client.get(key) or 0) for key in names.cache_counter_keys())
-    view: dict[str, Any] = {
-        "lanes": depths,
-        "in_flight": {lane: int(lanes[lane]["in_flight"]) for lane in names.LANES},
-        "oldest_age_s": {lane: round(lanes[lane]["oldest_age_s"], 1) for lane in names.LANES},
-        "rejected": int(client.llen(names.rejected_key())),
-        "backlog_limit": settings.backlog_max_depth,
-        "dead_letter": int(client.llen(names.dead_letter_key())),
-        "workers": _workers(client),
-        "cache": {
-            "hits": hits,
-            "misses": misses,
-            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-        },
-    }
+    view = queues_view.collect(client, settings)
     if as_json:
         _print_json(view)
+    elif sys.stdout.isatty():
+        queues_view.render_rich(view)
     else:
-        for lane, depth in depths.items():
-            print(
-                f"{lane:<12} {depth}  in flight {view['in_flight'][lane]}, "
-                f"oldest waiting {view['oldest_age_s'][lane]} s"
-            )
-        print(f"{'dead-letter':<12} {view['dead_letter']}")
-        for w in view["workers"]:
-            print(
-                f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
-                f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
-                f"busy {w.get('busy_ratio')}, batch caps {w.get('batch_caps', '-')}, buffered "
-                f"{w.get('buffered', '-')}, batch in progress {w.get('batch_in_progress_s') or '-'} s, "
-                f"attention {w.get('attention_backend', '-')}"
-            )
-        rate = view["cache"]["hit_rate"]
-        print(f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else ""))
-    sys.stdout.flush()
+        print(queues_view.render_text(view), flush=True)
 
 
 def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
@@ -254,16 +224,6 @@ def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print(json.dumps({"purged": client.records.purge_dead_letters()}))
     return EXIT_OK
-
-
-def _workers(client: Any) -> list[dict[str, Any]]:
-    """Live workers: each refreshes its entry every 5 s, and it expires 15 s after the last beat."""
-    out = []
-    for key in sorted(client.scan_iter(match=names.worker_pattern(), count=100)):
-        raw = client.get(key)
-        if raw:
-            out.append(dict(json.loads(raw)))
-    return out
 
 
 _COMMANDS = {

@@ -184,6 +184,8 @@ def test_queues_view_lists_the_live_worker(env, worker: Worker) -> None:
     assert mine[0]["quantization"] == "nf4"
     assert mine[0]["jobs"] >= 0
     assert set(view["lanes"]) == {"interactive", "backlog"}
+    assert set(view["done_per_min"]) == {"interactive", "backlog"}  # from the completion events
+    assert all(rate >= 0 for rate in view["done_per_min"].values())
     assert view["backlog_limit"] == 10000
     caps = worker.find("MRC_BATCH_SIZES")[0]["caps"]
     assert mine[0]["batch_caps"] == caps

@@ -35,3 +35,34 @@ def test_live_gauges_read_the_worker_at_scrape_time() -> None:
     assert (value("mrc_worker_buffered_jobs"), value("mrc_batch_in_progress")) == (3, 0)
     state["batch"] = 12.5
     assert (value("mrc_batch_in_progress"), value("mrc_batch_in_progress_seconds")) == (1, 12.5)
+
+
+def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
+    from producer import queues_view
+
+    view = {
+        "lanes": {"interactive": 3, "backlog": 900},
+        "in_flight": {"interactive": 1, "backlog": 16},
+        "oldest_age_s": {"interactive": 0.4, "backlog": 812.0},
+        "done_per_min": {"interactive": 12.0, "backlog": 540.2},
+        "rejected": 0,
+        "backlog_limit": 10000,
+        "dead_letter": 2,
+        "workers": [{"hostname": "mrc@gpu-1", "lanes": ["interactive", "backlog"], "model": "fuyu-8b",
+                     "quantization": "nf4", "jobs": 41, "busy_ratio": 0.93, "buffered": 14,
+                     "batch_in_progress_s": 2.5, "batch_caps": "<=313:32",
+                     "attention_backend": "sdpa:flash"}],
+        "cache": {"hits": 5, "misses": 15, "hit_rate": 0.25},
+    }  # fmt: skip
+    text = queues_view.render_text(view)
+    assert "backlog      900  in flight 16, oldest waiting 812.0 s, done 540.2/min" in text
+    assert "buffered 14, batch in progress 2.5 s" in text
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    queues_view.render_rich(view, Console(file=out, width=220))
+    shown = out.getvalue()
+    assert "mrc@gpu-1" in shown
+    assert "540.2" in shown

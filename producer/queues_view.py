@@ -1,0 +1,123 @@
+"""`mrc queues`: the ops view of the lanes and the workers, as JSON, as plain lines, or as rich tables
+in a terminal."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from shared import names
+from shared.lane_metrics import lane_view
+from shared.settings import Settings
+
+THROUGHPUT_WINDOW_S = 300
+
+
+def collect(client: Any, settings: Settings) -> dict[str, Any]:
+    lanes = lane_view(client)
+    hits, misses = (int(client.get(key) or 0) for key in names.cache_counter_keys())
+    return {
+        "lanes": {lane: int(lanes[lane]["depth"]) for lane in names.LANES},
+        "in_flight": {lane: int(lanes[lane]["in_flight"]) for lane in names.LANES},
+        "oldest_age_s": {lane: round(lanes[lane]["oldest_age_s"], 1) for lane in names.LANES},
+        "done_per_min": _throughput(client),
+        "rejected": int(client.llen(names.rejected_key())),
+        "backlog_limit": settings.backlog_max_depth,
+        "dead_letter": int(client.llen(names.dead_letter_key())),
+        "workers": _workers(client),
+        "cache": {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        },
+    }
+
+
+def _throughput(client: Any) -> dict[str, float]:
+    """Jobs finished per minute and lane over the last five minutes, from the completion events."""
+    since_ms = int((time.time() - THROUGHPUT_WINDOW_S) * 1000)
+    counts = dict.fromkeys(names.LANES, 0)
+    for _event_id, fields in client.xrange(names.events_key(), min=f"{since_ms}-0", max="+", count=200_000):
+        lane = fields.get("lane")
+        if lane in counts:
+            counts[lane] += 1
+    return {lane: round(count * 60 / THROUGHPUT_WINDOW_S, 1) for lane, count in counts.items()}
+
+
+def _workers(client: Any) -> list[dict[str, Any]]:
+    """Live workers: each refreshes its entry every 5 s, and it expires 15 s after the last beat."""
+    out = []
+    for key in sorted(client.scan_iter(match=names.worker_pattern(), count=100)):
+        raw = client.get(key)
+        if raw:
+            out.append(dict(json.loads(raw)))
+    return out
+
+
+def _worker_line(w: dict[str, Any]) -> str:
+    return (
+        f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
+        f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
+        f"busy {w.get('busy_ratio')}, batch caps {w.get('batch_caps', '-')}, buffered "
+        f"{w.get('buffered', '-')}, batch in progress {w.get('batch_in_progress_s') or '-'} s, "
+        f"attention {w.get('attention_backend', '-')}"
+    )
+
+
+def render_text(view: dict[str, Any]) -> str:
+    lines = [
+        f"{lane:<12} {depth}  in flight {view['in_flight'][lane]}, oldest waiting "
+        f"{view['oldest_age_s'][lane]} s, done {view['done_per_min'][lane]}/min"
+        for lane, depth in view["lanes"].items()
+    ]
+    lines.append(f"{'dead-letter':<12} {view['dead_letter']}")
+    lines.append(f"{'rejected':<12} {view['rejected']}")
+    lines += [_worker_line(w) for w in view["workers"]]
+    hits, misses, rate = view["cache"]["hits"], view["cache"]["misses"], view["cache"]["hit_rate"]
+    lines.append(
+        f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else "")
+    )
+    return "\n".join(lines)
+
+
+def render_rich(view: dict[str, Any], console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    lanes = Table(title="lanes")
+    for column in ("lane", "waiting", "in flight", "oldest waiting (s)", "done / min"):
+        lanes.add_column(column, justify="left" if column == "lane" else "right")
+    for lane, depth in view["lanes"].items():
+        lanes.add_row(
+            lane, str(depth), str(view["in_flight"][lane]), str(view["oldest_age_s"][lane]),
+            str(view["done_per_min"][lane]),
+        )  # fmt: skip
+    workers = Table(title="workers")
+    for column in (
+        "worker",
+        "lanes",
+        "model",
+        "jobs",
+        "busy",
+        "buffered",
+        "batch for (s)",
+        "caps",
+        "attention",
+    ):
+        workers.add_column(column)
+    for w in view["workers"]:
+        workers.add_row(
+            str(w.get("hostname")), ",".join(w.get("lanes", [])), f"{w.get('model')} {w.get('quantization')}",
+            str(w.get("jobs")), str(w.get("busy_ratio")), str(w.get("buffered", "-")),
+            str(w.get("batch_in_progress_s") or "-"), str(w.get("batch_caps", "-")),
+            str(w.get("attention_backend", "-")),
+        )  # fmt: skip
+    console = console or Console()
+    console.print(lanes)
+    console.print(workers)
+    cache = view["cache"]
+    console.print(
+        f"dead letters {view['dead_letter']}, rejected entries {view['rejected']}, "
+        f"cache {cache['hits']} hits / {cache['misses']} misses, backlog limit {view['backlog_limit']}"
+    )
