@@ -24,10 +24,13 @@ from pydantic import BaseModel, Field
 
 from producer.api_guard import BodyLimit, Caller, Keys, RateLimiter
 from producer.client import Client, Submission
-from shared import logs, names, reach
+from shared import frames, logs, names, reach
+from shared.dimensions import image_size
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.settings import Settings
+from shared.sniff import SUPPORTED_FORMATS, sniff_format
 
+_IMAGE_CODES = frozenset({"image_source_forbidden", "unsupported_image_format", "image_too_large"})
 _EVENT_ID = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 # ?wait=SECONDS: finite and not negative; held at most MRC_API_RESULT_WAIT_MAX_S whatever is asked
 _WAIT = Query(0.0, ge=0, le=86400, allow_inf_nan=False, description="seconds to wait (bounded by the server)")
@@ -118,12 +121,9 @@ class Intake:
             return _error(503, exc.code, exc.message, {"Retry-After": "30"})
         except UsageError as exc:
             conflict = "already used by a different job" in exc.message
-            forbidden = exc.message.startswith("image_source_forbidden")
-            return _error(
-                409 if conflict else 422,
-                "image_source_forbidden" if forbidden else "invalid_job",
-                exc.message,
-            )
+            prefix = exc.message.split(":", 1)[0]
+            code = prefix if prefix in _IMAGE_CODES else "invalid_job"
+            return _error(409 if conflict else 422, code, exc.message)
 
     async def status(self, job_id: str, request: Request) -> Response:
         caller = self.authorize(request)
@@ -245,13 +245,28 @@ def _checked(data: object) -> dict[str, Any] | JSONResponse:
         return _error(422, "invalid_job", f"{where}: {first.get('msg', str(exc))}"[:300])
 
 
+def _check_image(data: bytes, settings: Settings) -> None:
+    """Refuse, before uploading, what the worker would refuse: not an image it decodes, or more
+    pixels (all frames counted) than MRC_MAX_IMAGE_PIXELS, read from the header without decoding."""
+    fmt = sniff_format(data)
+    if fmt is None or fmt not in SUPPORTED_FORMATS:
+        raise UsageError(f"unsupported_image_format: not a supported image ({fmt or 'unknown bytes'})")
+    size = image_size(data, fmt)
+    if size is not None:
+        pixels = size[0] * size[1] * frames.frame_count(data, fmt)
+        if pixels > settings.max_image_pixels:
+            raise UsageError(
+                f"image_too_large: {size[0]}x{size[1]} ({pixels} pixels, frames counted); "
+                f"the limit is {settings.max_image_pixels}"
+            )
+
+
 def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Response:
     if fields["lane"] not in names.LANES:
         raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
     image = fields["image"]
     if data is not None:
-        if not data:
-            raise UsageError("image: the file part is empty")
+        _check_image(data, client.settings)
         image = client.upload_bytes(data)[0]
     elif not str(image).startswith("s3://"):
         raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# What the worker decodes; anything else fails as unsupported_image_format (and mrc-api refuses it).
+SUPPORTED_FORMATS = frozenset({"jpg", "png", "webp", "gif", "bmp"})
+
 _SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
     (b"\xff\xd8\xff", 0, "jpg"),
     (b"\x89PNG\r\n\x1a\n", 0, "png"),

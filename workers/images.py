@@ -23,7 +23,7 @@ import torchvision.transforms.v2.functional as tvF
 from PIL import Image, UnidentifiedImageError
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from shared import frames, names
+from shared import frames, names, sniff
 from shared.errors import (
     ImageDecodeError,
     ImageNotFound,
@@ -34,7 +34,7 @@ from shared.errors import (
 from shared.sniff import sniff_format
 from shared.stores import ImageSource
 
-SUPPORTED_FORMATS = frozenset({"jpg", "png", "webp", "gif", "bmp"})
+SUPPORTED_FORMATS = sniff.SUPPORTED_FORMATS
 # Not PNG: torchvision's libpng path segfaults on some corrupt PNGs (found by fuzzing: one mangled
 # IDAT chunk kills the process, and with acks_late every worker that takes the job after it).
 # JPEG, WebP and GIF survived 1,200 random mutations each (tests/unit/test_decode_fuzz.py).

@@ -281,3 +281,27 @@ def test_mrc_events_prints_and_follows_completion_events(
         if proc.stdout is not None:
             proc.stdout.close()
     assert services.run_cli(env, "events", "--after", "x").returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (imagegen.png_header_only(60000, 60000), "image_too_large"),  # 3.6 G pixels in 60 bytes
+        (imagegen.gif_bomb(2000, 2000, 300), "image_too_large"),  # a few KB, 1.2 G pixels in frames
+        (b"%PDF-1.7 not an image", "unsupported_image_format"),
+        (b"", "unsupported_image_format"),
+    ],
+)
+def test_uploads_the_worker_would_refuse_are_refused_before_they_are_stored(
+    api: TestClient, client: Client, data: bytes, code: str
+) -> None:
+    reply = api.post(
+        "/v1/jobs", data={"prompt": "Refund?"}, files={"image": ("x.bin", data, "application/octet-stream")},
+        headers=AUTH,
+    )  # fmt: skip
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["code"] == code
+    digest = hashlib.sha256(data).hexdigest()
+    s3 = client.images.connection.client  # type: ignore[attr-defined]  # the S3 implementation's boto3 client
+    listing = s3.list_objects_v2(Bucket=client.settings.s3_bucket, Prefix="inputs/").get("Contents", [])
+    assert not [item for item in listing if digest in item["Key"]]
