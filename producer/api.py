@@ -10,7 +10,6 @@ the thread pool, never on the event loop.
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 import time
 from typing import Any
@@ -27,11 +26,11 @@ from producer.client import Client, Submission
 from shared import frames, logs, names, reach
 from shared.dimensions import image_size
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.records import EVENT_ID_RE
 from shared.settings import Settings
 from shared.sniff import SUPPORTED_FORMATS, sniff_format
 
 _IMAGE_CODES = frozenset({"image_source_forbidden", "unsupported_image_format", "image_too_large"})
-_EVENT_ID = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 # ?wait=SECONDS: finite and not negative; held at most MRC_API_RESULT_WAIT_MAX_S whatever is asked
 _WAIT = Query(0.0, ge=0, le=86400, allow_inf_nan=False, description="seconds to wait (bounded by the server)")
 
@@ -154,7 +153,7 @@ class Intake:
         caller = self.authorize(request)
         if isinstance(caller, JSONResponse):
             return caller
-        if not _EVENT_ID.match(after):
+        if not EVENT_ID_RE.match(after):
             return _error(400, "invalid_request", "after: an event id (1700000000000-0) or 0")
         block = max(0.0, min(wait, self.settings.api_result_wait_max_s))
         found = await run_in_threadpool(self.client.records.events_after, after, block)
@@ -174,11 +173,16 @@ class Intake:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _invalid_job(errors: list[Any], where: str, message: str) -> JSONResponse:
+    """422 `invalid_job` naming the first field pydantic or FastAPI refused."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(part) for part in first.get("loc", ())) or where
+    return _error(422, "invalid_job", f"{where}: {first.get('msg', message)}"[:300])
+
+
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     errors: list[Any] = list(exc.errors()) if isinstance(exc, RequestValidationError) else []
-    first = errors[0] if errors else {}
-    where = ".".join(str(part) for part in first.get("loc", ()))
-    return _error(422, "invalid_job", f"{where}: {first.get('msg', 'invalid request')}"[:300])
+    return _invalid_job(errors, "", "invalid request")
 
 
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
@@ -239,10 +243,7 @@ def _checked(data: object) -> dict[str, Any] | JSONResponse:
     try:
         return JobRequest.model_validate(data).model_dump()
     except ValueError as exc:
-        errors: list[Any] = list(getattr(exc, "errors", lambda: [])())
-        first = errors[0] if errors else {}
-        where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        return _error(422, "invalid_job", f"{where}: {first.get('msg', str(exc))}"[:300])
+        return _invalid_job(list(getattr(exc, "errors", lambda: [])()), "body", str(exc))
 
 
 def _check_image(data: bytes, settings: Settings) -> None:

@@ -72,6 +72,7 @@ class Backlog:
             connect(self.settings.redis_url, self.settings.connect_timeout_s, retries=3)
         )
         self.files = files or open_run_files(self.settings)
+        self._producer: Any = None  # kombu producer whose channel captures messages (`_capture`)
 
     # ------------------------------------------------------------------ enqueue
     def enqueue(
@@ -96,7 +97,7 @@ class Backlog:
         throttle = _Throttle(rate)
         for number, chunk in _chunks(lines):
             if number in done:  # enqueued by an earlier pass: its index says what it held
-                index = self.files.get_text(self._key(run_id, f"index/{number:08d}.jsonl")) or ""
+                index = self.files.get_text(self._index_key(run_id, number)) or ""
                 invalid = index.count('"invalid":')
                 progress.lines += len(chunk)
                 progress.invalid += invalid
@@ -151,7 +152,7 @@ class Backlog:
         entries.sort(key=lambda e: int(e["line"]))
         invalid = sum(1 for e in entries if "invalid" in e)
         body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
-        self.files.put_text(self._key(run_id, f"index/{number:08d}.jsonl"), body)
+        self.files.put_text(self._index_key(run_id, number), body)
         self.runs.count(run_id, lines=len(chunk), valid=len(entries) - invalid, invalid=invalid)
         progress.lines += len(chunk)
         progress.valid += len(entries) - invalid
@@ -190,14 +191,12 @@ class Backlog:
     def _capture(self, jobs: list[Job]) -> list[Queued]:
         """Each job's message exactly as Celery and kombu would publish it, captured instead of sent."""
         app = self.client.celery
-        with app.connection_for_write() as connection:
-            channel = connection.default_channel
-            producer = app.amqp.Producer(channel)
-            with channel.capturing() as captured:
-                for n, job in enumerate(jobs):
-                    send_job(
-                        app, job.to_message(), job.lane, producer=producer, declare=None if n == 0 else []
-                    )
+        if self._producer is None:  # one connection for every part: nothing is sent through it
+            self._producer = app.amqp.Producer(app.connection_for_write().default_channel)
+        producer = self._producer
+        with producer.channel.capturing() as captured:
+            for n, job in enumerate(jobs):
+                send_job(app, job.to_message(), job.lane, producer=producer, declare=None if n == 0 else [])
         return [
             Queued(job.job_id, job.lane, job.fingerprint(), key, message)
             for job, (key, message) in zip(jobs, captured, strict=True)
@@ -326,6 +325,10 @@ class Backlog:
 
     def _key(self, run_id: str, name: str) -> str:
         return names.run_key(self.settings.s3_prefix, run_id, name)
+
+    def _index_key(self, run_id: str, chunk: int) -> str:
+        """A chunk's index; zero-padded, so a listing returns the chunks in manifest order."""
+        return self._key(run_id, f"index/{chunk:08d}.jsonl")
 
 
 def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) -> dict[str, Any]:

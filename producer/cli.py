@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -196,9 +195,9 @@ def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
 
 def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
     """Print completion events as JSON lines; with --follow, wait for more (long-polls of 5 s)."""
-    from shared.records import RedisJobRecords, connect
+    from shared.records import EVENT_ID_RE, RedisJobRecords, connect
 
-    if not re.match(r"^\d{1,20}(-\d{1,20})?$", args.after):
+    if not EVENT_ID_RE.match(args.after):
         raise UsageError("--after: an event id (1700000000000-0) or 0")
     records = RedisJobRecords(connect(settings.redis_url, settings.connect_timeout_s, retries=3))
     after = args.after

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from shared import names
-from shared.jobs import JOB_ID_RE
+from shared.jobs import JOB_ID_RE, limit_problem
 from shared.settings import Settings
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -114,8 +114,6 @@ def _problem(data: dict[str, Any], settings: Settings) -> str | None:
     ticket = data.get("ticket_id")
     if ticket is not None and (not isinstance(ticket, str) or len(ticket) > 256):
         return "ticket_id must be a string of at most 256 characters"
-    from shared.jobs import limit_problem
-
     problem = limit_problem(settings, data["prompt"], new)
     if problem:
         return problem

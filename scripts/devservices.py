@@ -7,15 +7,17 @@ A service that cannot start raises: nothing is silently skipped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +166,23 @@ def base_env(redis_url: str, s3_url: str, bucket: str, home: Path) -> dict[str, 
         }
     )
     return env
+
+
+@contextlib.contextmanager
+def local_stack(prefix: str, bucket: str, home: Path, **settings: str) -> Iterator[dict[str, str]]:
+    """A redis-server and a moto S3 server in a fresh folder, their environment (AWS credentials also
+    put in this process's environment), all stopped and removed on exit: a benchmark's services."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    redis = start_redis(work / "redis")
+    s3 = start_s3(work / "s3")
+    try:
+        env = {**base_env(redis.url, s3.url, bucket, home), **settings}
+        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+        yield env
+    finally:
+        redis.stop()
+        s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def settings_from_env(env: dict[str, str]) -> Any:

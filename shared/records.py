@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Protocol
 
 import redis
@@ -13,6 +14,8 @@ from shared import names
 from shared.jobs import State, now_rfc3339
 
 RECORD_TTL_S = 7 * 24 * 3600
+# A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept".
+EVENT_ID_RE = re.compile(r"^\d{1,20}(-\d{1,20})?$")
 # A claim lives this long until its message is confirmed published: a producer killed between claim
 # and publish leaves a claim that frees its job id by itself, instead of blocking it for a week.
 CLAIM_TTL_S = 30

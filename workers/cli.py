@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.registry.register(GpuCollector(backend.device))
     metrics.watch(
         buffered=lambda: tasks.buffered(app),
-        batch_for=lambda: None if pipeline.batch_since is None else time.monotonic() - pipeline.batch_since,
+        batch_for=lambda: pipeline.batch_for_s,
     )
 
     state.set_ready({**backend.describe(), "batch_sizes": sizes.table()})
@@ -195,9 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batch_caps": sizes.summary(),
             "batch_sizes": sizes.table(),
             "buffered": tasks.buffered(app),
-            "batch_in_progress_s": (
-                None if pipeline.batch_since is None else round(time.monotonic() - pipeline.batch_since, 1)
-            ),
+            "batch_in_progress_s": round(pipeline.batch_for_s or 0.0, 1) or None,
         },
     )
     heartbeat.start()

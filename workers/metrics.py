@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900)
+_JOBS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def prompt_bucket(tokens: int) -> str:
@@ -45,7 +46,7 @@ class Metrics:
             registry=r,
         )
         self.model_batch_jobs = Histogram(
-            "mrc_model_batch_jobs", "Jobs per model batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+            "mrc_model_batch_jobs", "Jobs per model batch", buckets=_JOBS_BUCKETS, registry=r
         )
         self.model_batch_tokens = Histogram(
             "mrc_model_batch_tokens",
@@ -70,7 +71,7 @@ class Metrics:
             namespace="mrc", registry=r
         )  # mrc_process_cpu_seconds_total, _resident_memory_bytes, ...
         self.batch_jobs = Histogram(
-            "mrc_batch_jobs", "Jobs per delivered batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+            "mrc_batch_jobs", "Jobs per delivered batch", buckets=_JOBS_BUCKETS, registry=r
         )
         self.stage = Histogram(
             "mrc_stage_seconds",

@@ -24,7 +24,7 @@ from shared.stores import ImageSource, ResultStore
 from workers import batching, images, inference, stages
 from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
-from workers.batch_sizes import BatchSizes
+from workers.batch_sizes import BatchSizes, caps_for
 from workers.cache import ResultCache, job_cache_key
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
@@ -86,6 +86,12 @@ class Pipeline:
         if self._first_batch_at is None:
             return 0.0
         return self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at)
+
+    @property
+    def batch_for_s(self) -> float | None:
+        """How long the batch in hand has run; None between batches."""
+        since = self.batch_since
+        return None if since is None else time.monotonic() - since
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -240,7 +246,7 @@ class Pipeline:
         groups = batching.form_batches_by_lane(
             costs,
             lanes,
-            lambda inputs: self.batch_sizes.cap(max(inputs)),
+            caps_for(self.batch_sizes),
             settings.batch_token_budget,
             settings.batch_max_padding,
         )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,20 +87,15 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=20)
     args = parser.parse_args()
     logs.configure("WARNING")
-    work = Path(tempfile.mkdtemp(prefix="mrc-bench-api-"))
-    redis = services.start_redis(work / "redis")
-    s3 = services.start_s3(work / "s3")
-    try:
-        env = services.base_env(redis.url, s3.url, "mrc-bench", ROOT / ".cache" / "mrc")
-        env["MRC_BACKLOG_MAX_DEPTH"] = str(10 * args.requests)
-        import os
-
-        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    with services.local_stack(
+        "mrc-bench-api-", "mrc-bench", ROOT / ".cache" / "mrc", MRC_BACKLOG_MAX_DEPTH=str(10 * args.requests)
+    ) as env:
         from producer.client import Client
 
-        photo = work / "p.jpg"
-        photo.write_bytes(imagegen.photo(320, 240))
-        image, _ = Client(services.settings_from_env(env)).upload_image(photo)
+        with tempfile.TemporaryDirectory() as folder:
+            photo = Path(folder) / "p.jpg"
+            photo.write_bytes(imagegen.photo(320, 240))
+            image, _ = Client(services.settings_from_env(env)).upload_image(photo)
         rows = {}
         for workers in (1, 2):
             rows[workers] = run(env, image, workers, args.requests, args.clients, f"w{workers}")
@@ -109,10 +103,6 @@ def main() -> None:
             print(f"mrc-api, {workers} uvicorn worker(s), {args.clients} clients: {r['rps']:.0f} requests/s, "
                   f"p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms", flush=True)  # fmt: skip
         print(json.dumps(rows))
-    finally:
-        redis.stop()
-        s3.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,15 +36,9 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=2000, help="jobs for the one-by-one comparison")
     args = parser.parse_args()
     logs.configure("WARNING")
-    work = Path(tempfile.mkdtemp(prefix="mrc-bench-enqueue-"))
-    redis = services.start_redis(work / "redis")
-    s3 = services.start_s3(work / "s3")
-    try:
-        env = services.base_env(redis.url, s3.url, "mrc-bench", ROOT / ".cache" / "mrc")
-        env["MRC_BACKLOG_MAX_DEPTH"] = str(10 * args.lines)
-        import os
-
-        os.environ.update(env)
+    limit = str(10 * args.lines)
+    home = ROOT / ".cache" / "mrc"
+    with services.local_stack("mrc-bench-enqueue-", "mrc-bench", home, MRC_BACKLOG_MAX_DEPTH=limit) as env:
         from producer.backlog import Backlog
         from producer.client import Client, Submission
 
@@ -93,10 +85,6 @@ def main() -> None:
         one = args.sample / (time.perf_counter() - began)
         print(f"Client.enqueue one by one: {one:,.0f} jobs/s ({args.sample} jobs); mrc backlog / one by one "
               f"= {rate / one:.1f}")  # fmt: skip
-    finally:
-        redis.stop()
-        s3.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,7 @@ class Proxy:
         self._hanging = False
         with self._lock:
             held, self._held = self._held, []
-        for conn in held:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
+        _close(held)
 
     def start(self) -> None:
         server = socket.socket()
@@ -50,10 +47,7 @@ class Proxy:
     def _cut(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
+        _close(conns)
 
     def _accept(self, server: socket.socket) -> None:
         while True:
@@ -86,3 +80,10 @@ class Proxy:
             for s in (source, sink):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+
+def _close(conns: list[socket.socket]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
