@@ -18,10 +18,11 @@ import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import IO, Any
 
 from shared import names
-from shared.jobs import JOB_ID_RE, limit_problem
+from shared.jobs import JOB_ID_RE, limit_problem, local_image_problem
 from shared.settings import Settings
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -63,14 +64,24 @@ def job_id_for(run_id: str, custom_id: str) -> str:
 
 
 def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw line) for every line, blank ones included (they are skipped later)."""
-    yield from enumerate(stream, start=1)
+    """(line number, raw line) for every line, blank ones included (they are skipped later).
+
+    A line never costs more than MAX_LINE_BYTES of memory: past that, its first MAX_LINE_BYTES + 1
+    bytes stand for it (enough for `parse` to refuse it) and the rest is read and dropped, so a file
+    without newlines is never read whole."""
+    number = 0
+    while raw := stream.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+        yield number, raw
 
 
 def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | Invalid | None:
     """One raw line checked; None for a blank line."""
     if len(raw) > MAX_LINE_BYTES:
-        return Invalid(number, f"line is {len(raw)} bytes; the limit is {MAX_LINE_BYTES}")
+        return Invalid(number, f"line is too long; the limit is {MAX_LINE_BYTES} bytes")
     text = raw.strip()
     if not text:
         return None
@@ -133,7 +144,7 @@ def _image_problem(image: str, settings: Settings) -> str | None:
         return "image_source_forbidden: only local files and s3:// URIs are accepted"
     if not image or "\x00" in image:
         return "image must be an s3:// URI or a local path"
-    return None  # a local path: checked (exists, size) when it is uploaded
+    return local_image_problem(Path(image), settings.max_image_bytes)
 
 
 def from_listing(keys: Iterable[str], bucket: str, prompt: str) -> Iterator[bytes]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 
@@ -44,17 +45,24 @@ def describe(data: dict[str, Any]) -> str:
 
 class Display:
     """Shows snapshots as they come: live (rich) when `stream` is a terminal, else at most one line
-    per `interval_s` (and the last one on close)."""
+    per `interval_s` (the first at once, the last one on close)."""
 
     def __init__(
-        self, stream: TextIO | None = None, interval_s: float = 10.0, live: bool | None = None
+        self,
+        stream: TextIO | None = None,
+        interval_s: float = 10.0,
+        live: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream = stream or sys.stderr
         self.interval_s = interval_s
         self.live = self.stream.isatty() if live is None else live
+        self._clock = clock
         self._last_line = ""
         self._printed = ""
-        self._printed_at = 0.0
+        # None until the first line: a monotonic clock starts near 0 on a machine that just booted, so
+        # "0.0" as "never" would hold the first line back for as long as the machine has been up.
+        self._printed_at: float | None = None
         self._status: Any = None
         if self.live:
             from rich.console import Console
@@ -67,7 +75,7 @@ class Display:
         self._last_line = line
         if self._status is not None:
             self._status.update(line)
-        elif time.monotonic() - self._printed_at >= self.interval_s:
+        elif self._printed_at is None or self._clock() - self._printed_at >= self.interval_s:
             self._print(line)
 
     def close(self) -> None:
@@ -78,4 +86,4 @@ class Display:
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)
-        self._printed, self._printed_at = line, time.monotonic()
+        self._printed, self._printed_at = line, self._clock()

@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -200,3 +201,17 @@ class JobResult(BaseModel):
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, mode="json")
+
+
+def local_image_problem(path: Path, limit: int) -> str | None:
+    """What the producer refuses of a local image: missing, not a file, over the size limit. `mrc
+    submit` and every backlog manifest line check it before anything is queued (so --strict can)."""
+    try:
+        if not path.is_file():
+            return f"image file not found: {path}"
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"image file cannot be read: {path} ({exc.strerror})"
+    if size > limit:
+        return f"image is {size} bytes; the limit is {limit}"
+    return None

@@ -50,12 +50,24 @@ class Settings(BaseSettings):
     api_rate_per_s: float = Field(default=50.0, ge=0)  # per key (or per client address without keys); 0: off
     api_rate_burst: int = Field(default=100, ge=1)
     api_result_wait_max_s: float = Field(default=30.0, ge=0)  # the longest ?wait= a request may hold
+    # Request bodies read at once per process: memory for bodies is this x the body limit (8 x 33 MiB
+    # fits the 1 GiB of deploy/k8s/api.yaml with room for the multipart copy); more wait, then 503.
+    api_max_bodies: int = Field(default=8, ge=1)
+    # Past the body limit, this much more is read and dropped before closing, so a client that writes
+    # its whole body before reading (urllib, requests) sees the 413 instead of a reset connection.
+    api_drain_bytes: int = Field(default=128 * 1024 * 1024, ge=0)
+    # Threads (and Redis connections) per API process for long-polls, apart from the request pool: each
+    # waiting request holds one; more waiters queue for one, submissions never do.
+    api_wait_threads: int = Field(default=256, ge=1)
     events_max: int = Field(default=100_000, ge=100)  # completion events kept in the Redis stream
     # --- model (CONTRACT.md) ---
     model: str = "adept/fuyu-8b"
     quantization: Quantization = "nf4"
     device: str = "auto"
     home: str = Field(default_factory=_default_home)  # where the tiny Fuyu is built
+    # MRC_MODEL=echo only: milliseconds each generated token takes (slept), a model of known speed for
+    # tests and benchmarks whose premise is "this batch outlasts X" on a machine of any speed.
+    echo_token_ms: float = Field(default=0.0, ge=0, le=10_000)
 
     # --- worker ---
     metrics_port: int = Field(default=9400, ge=0, le=65535)
@@ -82,6 +94,9 @@ class Settings(BaseSettings):
     # MRC_MODEL_BATCH_MAX_JOBS.
     batch_calibrate: bool = True
     fetch_threads: int = Field(default=4, ge=1)
+    # OpenMP threads of the model on the CPU; 0: one for a small model, every usable core for a large
+    # one (workers/cpu_threads.py, measured in docs/benchmarks.md).
+    cpu_threads: int = Field(default=0, ge=0, le=1024)
     # /healthz answers 503 after this long without progress while there is work (workers/liveness.py).
     # Above the longest model batch: one `generate` call is one step of progress.
     stuck_after_s: float = Field(default=300.0, gt=0)

@@ -48,9 +48,11 @@ def test_sigkill_mid_batch_loses_nothing(cluster: Cluster) -> None:
 def test_sigkill_while_a_part_full_batch_runs_loses_nothing_that_arrived_meanwhile(cluster: Cluster) -> None:
     """The solo pool runs a batch inside the consumer loop, with the next pop already sent: stock
     kombu's BRPOP would take the late job off its list into the socket of a worker about to die."""
-    jobs = cluster.jobs(12, max_new_tokens=512)  # fewer than a delivery (16): the timer flushes them
+    jobs = cluster.jobs(12, max_new_tokens=64)  # fewer than a delivery (16): the timer flushes them
     late = cluster.jobs(1, prefix="late")
-    worker = cluster.worker(MRC_BATCH_WAIT_MS="300")
+    # A model of known speed (>= 3.2 s a model batch on any machine): the batch is still running below.
+    worker = cluster.worker(MRC_BATCH_WAIT_MS="300", MRC_MODEL="echo", MRC_ECHO_TOKEN_MS="50",
+                            MRC_BATCH_CALIBRATE="false")  # fmt: skip
     _wait_event(worker, "MRC_CONSUMING")
     cluster.send(jobs)
     services.wait_for(
@@ -84,7 +86,9 @@ def test_s3_outage_shorter_than_the_retry_budget_fails_nothing(cluster: Cluster)
     worker = cluster.worker()
     cluster.proxy.stop()
     cluster.send(jobs)
-    time.sleep(6)
+    # The outage lasts until the worker has met it (seen in its log), not for a guessed time.
+    services.wait_for(lambda: bool(worker.find("MRC_RETRY") or worker.find("MRC_STORE_RETRY")), 60,
+                      "a retry during the outage", worker.proc)  # fmt: skip
     cluster.proxy.start()
     results = cluster.wait_all(jobs, 120)
     assert {r["status"] for r in results.values()} == {"succeeded"}
@@ -93,10 +97,16 @@ def test_s3_outage_shorter_than_the_retry_budget_fails_nothing(cluster: Cluster)
     assert not worker.find("MRC_DEAD_LETTER")
 
 
+def _in_aof(cluster: Cluster, text: str) -> bool:
+    files = (cluster.workdir / "redis").rglob("*.aof*")
+    return any(text.encode() in path.read_bytes() for path in files if path.is_file())
+
+
 def test_redis_restart_with_aof_keeps_queued_jobs(cluster: Cluster) -> None:
     jobs = cluster.jobs(30)
     cluster.send(jobs)
-    time.sleep(1.5)  # appendfsync everysec
+    # appendfsync everysec: wait until the last job is in the append-only file, however long that takes
+    services.wait_for(lambda: _in_aof(cluster, jobs[-1].job_id), 30, "the AOF to hold the last job")
     cluster.redis.proc.send_signal(signal.SIGKILL)  # no clean shutdown: only the AOF survives
     cluster.redis.proc.wait(10)
     cluster.redis = services.start_redis(cluster.workdir / "redis", appendonly=True, port=cluster.redis.port)
@@ -175,7 +185,9 @@ def test_pickled_and_garbage_messages_are_rejected_and_the_worker_lives(cluster:
     client.lpush(queue, envelope(pickle.dumps(((Exploit(),), {}, {})), "application/x-python-serialize"))
     client.lpush(queue, b"{this is not json")
     client.lpush(queue, envelope(b'{"broken": ', "application/json"))
-    time.sleep(3)
+    services.wait_for(
+        lambda: client.llen(queue) == 0, 30, "the worker to take the three entries", worker.proc
+    )
     assert worker.proc.poll() is None
     assert not __import__("os").path.exists(marker)
     jobs = cluster.jobs(3)
@@ -187,14 +199,18 @@ def test_a_batch_longer_than_the_visibility_timeout_stays_with_its_live_worker(c
     """The visibility timeout hands out again the messages of a worker that went silent, not those
     of one still computing: a second worker must not run the first one's long batch again."""
     short = {"MRC_VISIBILITY_TIMEOUT_S": "2", "MRC_RETRY_BASE_S": "0.2", "MRC_RETRY_MAX_S": "1"}
-    jobs = cluster.jobs(12, max_new_tokens=512)
-    first = cluster.worker(**short)
+    # A model of known speed: each model batch of 64-token answers takes at least 3.2 s on any machine,
+    # and a delivery of 12 jobs in model batches of 4 at least 9.6 s, past the timeout several times over.
+    paced = {**short, "MRC_MODEL": "echo", "MRC_ECHO_TOKEN_MS": "50", "MRC_MODEL_BATCH_MAX_JOBS": "4",
+             "MRC_BATCH_CALIBRATE": "false"}  # fmt: skip
+    jobs = cluster.jobs(12, max_new_tokens=64)
+    first = cluster.worker(**paced)
     _wait_event(first, "MRC_CONSUMING")
     cluster.send(jobs)
     started = time.monotonic()
-    cluster.worker(**short)  # looks for stale messages every second
+    cluster.worker(**paced)  # looks for stale messages every second
     results = cluster.wait_all(jobs, 180)
-    assert time.monotonic() - started > 2 + 4, "the batch ended too soon to test"
+    assert time.monotonic() - started > 3 * 3.2, "the delivery was not paced as the test needs"
     _assert_once(cluster, results)
 
 
@@ -285,9 +301,13 @@ def test_pending_retries_never_stop_fresh_jobs_from_being_taken(cluster: Cluster
     cluster.send(retried)
     services.wait_for(lambda: len(worker.find("MRC_RETRY")) >= 4, 60, "four retries", worker.proc)
     cluster.proxy.start()
-    time.sleep(1)  # the retries are back in the worker's hands, waiting for their ETA
+    client = redis_lib.Redis.from_url(cluster.env["MRC_REDIS_URL"])
+    services.wait_for(  # the retries are back in the worker's hands (unacked), waiting for their ETA
+        lambda: client.hlen(names.UNACKED_KEY) >= 4 and client.llen(names.queue_name("interactive")) == 0,
+        30, "the retries to be held by the worker", worker.proc,
+    )  # fmt: skip
     cluster.send(fresh)
-    cluster.wait_all(fresh, 12)  # well before the first retry's ETA (15 s at the earliest)
+    cluster.wait_all(fresh, 60)  # the order is what is checked below, not a time
     assert not any(cluster.results(retried).values()), "the retries ran early: the test proves nothing"
     _assert_once(cluster, cluster.wait_all(retried, 90))
 

@@ -121,12 +121,16 @@ def test_resume_after_the_producer_is_killed_enqueues_exactly_what_is_missing(
     command = [str(services.BIN / "mrc"), "backlog", str(manifest_file), "--run-id", "big", "--rate", "3000"]
     proc = subprocess.Popen(command, env=own, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     files = open_run_files(services.settings_from_env(own))
-    services.wait_for(lambda: any(files.list_keys("runs/big/index/")), 60, "the first chunk", proc)
-    time.sleep(0.4)  # into the second chunk: some of its jobs queued, its index not yet written
+    depth = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    # Into the second chunk: some of its jobs queued (seen, not slept for), its index not yet written.
+    services.wait_for(
+        lambda: depth.llen(names.queue_name("backlog")) > 5500, 120, "jobs of the second chunk", proc
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = _queued_ids(own)
     assert 5000 < len(before) < total, "the kill came too early or too late to test anything"
+    assert len(list(files.list_keys("runs/big/index/"))) == 1, "the second chunk's index was already written"
 
     resumed = services.run_cli(own, "backlog", "--resume", "big", "--interval", "0")
     assert resumed.returncode == 0, resumed.stderr
@@ -232,7 +236,9 @@ def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
     own: dict[str, str], tmp_path: Path
 ) -> None:
     rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/x.jpg", "prompt": "Q?"} for i in range(5)]
+    before = time.time()
     assert services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows))).returncode == 0
+    after = time.time()
     port = services.free_port()
     proc = subprocess.Popen(
         [str(services.BIN / "mrc"), "queues", "--serve-metrics", str(port)],
@@ -248,7 +254,7 @@ def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
                 return str(reply.read().decode())
 
         services.wait_for(lambda: _can(scrape), 30, "the exporter", proc)
-        text = scrape()
+        text, scraped = scrape(), time.time()
         assert 'mrc_queue_depth{lane="backlog"} 5.0' in text
         assert 'mrc_queue_in_flight{lane="backlog"} 0.0' in text
         age = next(
@@ -256,15 +262,18 @@ def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
             for line in text.splitlines()
             if line.startswith('mrc_queue_oldest_age_seconds{lane="backlog"}')
         )
-        assert float(age.split()[-1]) >= 0
+        # Bounded on both sides by the clock around the enqueue (the code clamps at 0: ">= 0" could
+        # not fail): the oldest job was submitted between `before` and `after`.
+        assert scraped - after - 0.01 <= float(age.split()[-1]) <= time.time() - before + 0.01
         assert "mrc_queue_metrics_up 1.0" in text
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+    asked = time.time()
     view = json.loads(services.run_cli(own, "queues", "--json").stdout)
     assert view["lanes"]["backlog"] == 5
     assert view["in_flight"] == {"interactive": 0, "backlog": 0}
-    assert view["oldest_age_s"]["backlog"] >= 0
+    assert asked - after - 0.06 <= view["oldest_age_s"]["backlog"] <= time.time() - before + 0.06  # rounded
 
 
 def _can(probe: Any) -> bool:

@@ -46,7 +46,10 @@ def _pop_without_reading(url: str, stock: bool) -> Any:
     channel = _connect(url, stock).channel()
     Consumer(channel, [QUEUE], accept=["json"], callbacks=[lambda body, message: None]).consume()
     channel.connection.cycle.on_poll_start()  # sends the pop, as the worker's event loop does
-    time.sleep(0.3)  # Redis has served the pop; the reply sits in the socket
+    client = redis_lib.Redis.from_url(url)
+    deadline = time.monotonic() + 30
+    while client.llen("mrc.t") and time.monotonic() < deadline:  # served: the reply sits in the socket
+        time.sleep(0.01)
     return channel
 
 

@@ -100,9 +100,11 @@ def test_a_listing_becomes_manifest_lines_without_folders() -> None:
     ]
 
 
-def test_progress_off_a_terminal_is_one_plain_line_per_interval() -> None:
+@pytest.mark.parametrize("uptime_s", [0.0, 5.0, 1e7])
+def test_progress_off_a_terminal_is_one_plain_line_per_interval(uptime_s: float) -> None:
+    """Whatever the machine's uptime (a monotonic clock near 0 just after boot included)."""
     out = io.StringIO()
-    display = Display(out, interval_s=3600, live=False)
+    display = Display(out, interval_s=3600, live=False, clock=lambda: uptime_s)
     snapshot = backlog.Progress("r").snapshot()
     display.show({**snapshot, "lines": 1})
     display.show({**snapshot, "lines": 2, "waiting_for_room": True})
@@ -123,3 +125,39 @@ def test_status_line_names_failures_by_code() -> None:
     assert "7/10 done" in line
     assert "image_decode_error 2" in line
     assert "ETA 1h06m" in line
+
+
+class _Counting(io.BytesIO):
+    """A stream that remembers the largest single read asked of it."""
+
+    largest = 0
+
+    def readline(self, size: int | None = -1) -> bytes:
+        line = super().readline(size)
+        self.largest = max(self.largest, len(line))
+        return line
+
+
+def test_a_file_without_newlines_is_never_read_whole() -> None:
+    huge = b"x" * (5 * manifest.MAX_LINE_BYTES) + b"\n" + _line() + b"\n"
+    stream = _Counting(huge)
+    lines = list(manifest.read_lines(stream))
+    assert [n for n, _ in lines] == [1, 2]
+    assert stream.largest <= manifest.MAX_LINE_BYTES + 1
+    first = manifest.parse(1, lines[0][1], "run-1", SETTINGS)
+    assert isinstance(first, Invalid)
+    assert "the limit is 65536" in first.reason
+    assert isinstance(manifest.parse(2, lines[1][1], "run-1", SETTINGS), Line)
+
+
+def test_a_local_image_that_is_missing_or_too_big_is_invalid_before_anything_is_queued(tmp_path) -> None:
+    missing = manifest.parse(3, _line(image=str(tmp_path / "none.jpg")), "run-1", SETTINGS)
+    assert isinstance(missing, Invalid)
+    assert "not found" in missing.reason
+    big = tmp_path / "big.jpg"
+    big.write_bytes(b"\xff" * (SETTINGS.max_image_bytes + 1))
+    over = manifest.parse(4, _line(image=str(big)), "run-1", SETTINGS)
+    assert isinstance(over, Invalid)
+    assert "the limit is" in over.reason
+    folder = manifest.parse(5, _line(image=str(tmp_path)), "run-1", SETTINGS)
+    assert isinstance(folder, Invalid)

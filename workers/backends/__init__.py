@@ -18,7 +18,7 @@ def make_backend(settings: Settings) -> ModelBackend:
     if settings.model == "echo":
         from workers.backends.echo import EchoBackend
 
-        return EchoBackend()
+        return EchoBackend(token_s=settings.echo_token_ms / 1000)
     from workers.backends.fuyu import FuyuBackend
 
     return FuyuBackend(settings)

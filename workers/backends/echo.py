@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from shared.errors import PromptTooLong
@@ -12,7 +13,8 @@ from workers.backends.base import GenerationInput, GenerationOutput, Prepared, P
 class EchoBackend:
     """Deterministic stand-in for a ModelBackend: the answer names the image size and the prompt.
 
-    `fail_on` makes generate raise when a prompt contains that marker, to test fault isolation.
+    `fail_on` makes generate raise when a prompt contains that marker, to test fault isolation;
+    `token_s` makes each batch take that long per step of its longest answer (a model of known speed).
     """
 
     model_id = "echo"
@@ -20,8 +22,11 @@ class EchoBackend:
     quantization = "fp32"
     device = "cpu"
 
-    def __init__(self, fail_on: str | None = None, error: Exception | None = None) -> None:
+    def __init__(
+        self, fail_on: str | None = None, error: Exception | None = None, token_s: float = 0.0
+    ) -> None:
         self.fail_on = fail_on
+        self.token_s = token_s
         self.error = error or RuntimeError("injected model fault")
         self.calls: list[int] = []
 
@@ -50,6 +55,8 @@ class EchoBackend:
         self.calls.append(len(batch))
         if self.fail_on and any(self.fail_on in item.prompt for item in batch):
             raise self.error
+        if self.token_s and batch:
+            time.sleep(self.token_s * max(item.max_new_tokens for item in batch))
         outputs = []
         for item in batch:
             height, width = item.image.shape[-2:]
