@@ -31,10 +31,11 @@ from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, UsageError
 from shared.jobs import Job, parse_rfc3339
 from shared.records import TERMINAL, connect
-from shared.runs import Queued, RunRecords
+from shared.runs import CANCELLED, FULL, Queued, RunRecords
 from shared.stores import RunFiles, open_run_files
 
 CHUNK_LINES = 5000
+_PART = 500  # jobs per enqueue round trip (fewer when the lane has less room)
 _UPLOAD_THREADS = 8
 _READ_THREADS = 16
 _REUSED = "custom_id already used in this run by another job (image, prompt or max_new_tokens)"
@@ -103,12 +104,11 @@ class Backlog:
                 progress.invalid += invalid
                 progress.already += index.count("\n") - invalid
             else:
-                if self.runs.get(run_id).get("state") == "cancelled":
-                    raise UsageError(f"run {run_id} was cancelled while it was being enqueued")
                 self._enqueue_chunk(run_id, number, chunk, progress, block, throttle, on_progress)
             if on_progress:
                 on_progress(progress)
-        self.runs.update(run_id, state="enqueued")
+        if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
+            raise _cancelled(run_id)
         return progress
 
     def _enqueue_chunk(
@@ -135,20 +135,7 @@ class Backlog:
             elif isinstance(item, Line):
                 item = Invalid(item.number, str(images[item.image]), item.custom_id)
             entries.append(_invalid_entry(item))
-        for start in range(0, len(jobs), 500):
-            part = jobs[start : start + 500]
-            throttle.take(len(part))
-            self._wait_for_room(len(part), progress, block, on_progress)
-            replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]))
-            for (line, job), reply in zip(part, replies, strict=True):
-                if reply == 1:
-                    progress.enqueued += 1
-                elif reply == job.fingerprint():
-                    progress.already += 1
-                else:
-                    entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
-                    continue
-                entries.append({"line": line.number, "custom_id": line.custom_id, "job_id": job.job_id})
+        stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
         entries.sort(key=lambda e: int(e["line"]))
         invalid = sum(1 for e in entries if "invalid" in e)
         body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
@@ -157,6 +144,47 @@ class Backlog:
         progress.lines += len(chunk)
         progress.valid += len(entries) - invalid
         progress.invalid += invalid
+        if stopped:  # the index holds what was queued before the cancel: status and report see it
+            ids = [str(e["job_id"]) for e in entries if "job_id" in e]
+            self.runs.count(run_id, cancelled=self.runs.cancel_many(ids))  # cancel() could not see them
+            raise _cancelled(run_id)
+
+    def _queue(
+        self,
+        run_id: str,
+        jobs: list[tuple[Line, Job]],
+        entries: list[dict[str, Any]],
+        progress: Progress,
+        block: bool,
+        throttle: _Throttle,
+        on_progress: OnProgress | None,
+    ) -> bool:
+        """Queue a chunk's jobs in parts that fit the lane's room, adding their index entries; True when
+        the run was cancelled meanwhile (what was queued before stays, the rest is never queued). The
+        depth limit and the cancel are both decided per job inside the enqueue step, never from a read
+        made before it."""
+        at = 0
+        while at < len(jobs):
+            room = self._wait_for_room(run_id, progress, block, on_progress)
+            part = jobs[at : at + min(_PART, room)]
+            throttle.take(len(part))
+            limit = self.settings.backlog_max_depth
+            replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]), limit)
+            for (line, job), reply in zip(part, replies, strict=True):
+                if reply in (CANCELLED, FULL):
+                    break  # this job and the rest of the part: not queued
+                at += 1
+                if reply == 1:
+                    progress.enqueued += 1
+                elif reply == job.fingerprint():
+                    progress.already += 1
+                else:
+                    entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
+                    continue
+                entries.append({"line": line.number, "custom_id": line.custom_id, "job_id": job.job_id})
+            if CANCELLED in replies:
+                return True
+        return False
 
     def _job(self, line: Line, images: dict[str, str | Exception]) -> Job:
         image = line.image if line.image.startswith("s3://") else images[line.image]
@@ -203,17 +231,22 @@ class Backlog:
         ]
 
     def _wait_for_room(
-        self, count: int, progress: Progress, block: bool, on_progress: OnProgress | None
-    ) -> None:
+        self, run_id: str, progress: Progress, block: bool, on_progress: OnProgress | None
+    ) -> int:
+        """How many jobs the backlog lane has room for now (at least 1), waiting while it is full
+        (or raising QueueFull without `block`); a cancel ends the wait."""
         limit = self.settings.backlog_max_depth
-        while (depth := self.client.lane_depth("backlog")) + count > max(limit, count):
+        while (depth := self.client.lane_depth("backlog")) >= limit:
             if not block:
                 raise QueueFull(depth, limit)
+            if self.runs.cancelled(run_id):
+                raise _cancelled(run_id)
             progress.waiting_for_room = True
             if on_progress:
                 on_progress(progress)
             time.sleep(0.5)
         progress.waiting_for_room = False
+        return limit - depth
 
     # ------------------------------------------------------------------ read back
     def entries(self, run_id: str) -> Iterator[dict[str, Any]]:
@@ -261,7 +294,9 @@ class Backlog:
     def cancel(self, run_id: str) -> int:
         """Stop a run: jobs not started yet end failed with `cancelled`; returns how many."""
         self._run(run_id)
-        self.runs.update(run_id, state="cancelled")  # an enqueue in progress stops at its next chunk
+        # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
+        # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
+        self.runs.update(run_id, state="cancelled")
         cancelled = 0
         for batch in _batched(self.entries(run_id), 1000):
             cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
@@ -349,6 +384,10 @@ def _invalid_entry(item: Invalid) -> dict[str, Any]:
     if item.custom_id is not None:
         entry["custom_id"] = item.custom_id
     return entry
+
+
+def _cancelled(run_id: str) -> UsageError:
+    return UsageError(f"run {run_id} was cancelled while it was being enqueued")
 
 
 def _chunk_number(key: str) -> int:

@@ -195,18 +195,19 @@ def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
 
 def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
     """Print completion events as JSON lines; with --follow, wait for more (long-polls of 5 s)."""
-    from shared.records import EVENT_ID_RE, RedisJobRecords, connect
+    from shared.records import RedisJobRecords, connect, valid_event_id
 
-    if not EVENT_ID_RE.match(args.after):
-        raise UsageError("--after: an event id (1700000000000-0) or 0")
+    if not valid_event_id(args.after):
+        raise UsageError("--after: an event id (1700000000000-0, each part below 2^64) or 0")
     records = RedisJobRecords(connect(settings.redis_url, settings.connect_timeout_s, retries=3))
-    after = args.after
+    after, page = args.after, 1000
     while True:
-        for event in records.events_after(after, block_s=5.0 if args.follow else 0.0):
+        found = records.events_after(after, block_s=5.0 if args.follow else 0.0, count=page)
+        for event in found:
             _print_json(event)
             after = event["id"]
         sys.stdout.flush()
-        if not args.follow:
+        if not args.follow and len(found) < page:  # read in pages until the stream is drained
             return EXIT_OK
 
 
@@ -251,6 +252,22 @@ _NEEDS = {
 }
 
 
+# Replies of a Redis that is there but cannot serve now (loading, a replica after a failover): transient.
+_TRANSIENT_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def _refused_by_redis(exc: redis.ResponseError, settings: Settings) -> int:
+    """Redis answered with an error: transient states are 'cannot serve now' (exit 5), anything else a
+    refused command (exit 1), never reported as unreachable."""
+    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    where = reach.redis_address(settings.redis_url)
+    if text.upper().startswith(_TRANSIENT_REPLIES):
+        print(f"mrc: Redis at {where} cannot serve now: {text}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(f"mrc: Redis at {where} refused the command: {text}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -278,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreUnavailable as exc:  # S3 went away after the check
         print(f"mrc: cannot reach S3: {exc.message.splitlines()[0][:300]}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except redis.ResponseError as exc:
+        return _refused_by_redis(exc, settings)
     except (redis.RedisError, OperationalError) as exc:  # Redis went away after the check
         where = reach.redis_address(settings.redis_url)
         print(f"mrc: cannot reach Redis at {where}: {str(exc).splitlines()[0][:300]}", file=sys.stderr)

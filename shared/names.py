@@ -50,6 +50,11 @@ def job_key(job_id: str) -> str:
     return f"{REDIS_PREFIX}job:{job_id}"
 
 
+def run_record_key(run_id: str) -> str:
+    """Redis hash of a backlog run: its state (enqueuing, enqueued, cancelled) and counts."""
+    return f"{REDIS_PREFIX}run:{run_id}"
+
+
 def worker_key(hostname: str) -> str:
     return f"{REDIS_PREFIX}worker:{hostname}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from typing import Any, Protocol
 
 import redis
@@ -16,17 +17,54 @@ from shared.jobs import State, now_rfc3339
 RECORD_TTL_S = 7 * 24 * 3600
 # A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept".
 EVENT_ID_RE = re.compile(r"^\d{1,20}(-\d{1,20})?$")
+_STREAM_ID_MAX = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
+
+
+def valid_event_id(text: str) -> bool:
+    """Whether Redis accepts `text` as a stream id to read after: the pattern, and each part in range
+    (twenty digits can say more than 64 bits hold, and Redis refuses those)."""
+    if not EVENT_ID_RE.match(text):
+        return False
+    return all(int(part) <= _STREAM_ID_MAX for part in text.split("-"))
+
+
 # A claim lives this long until its message is confirmed published: a producer killed between claim
 # and publish leaves a claim that frees its job id by itself, instead of blocking it for a week.
 CLAIM_TTL_S = 30
 
-# KEYS[1] the job's hash; ARGV: ttl, lane, submitted_at, fingerprint. Atomic: a claim is whole or absent.
+# KEYS[1] the job's hash; ARGV: ttl, lane, submitted_at, fingerprint, claim token. Atomic: a claim is
+# whole or absent, and it names its holder, so only the holder can confirm or release it.
 _CLAIM_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
-           'fingerprint', ARGV[4], 'published', '0')
+           'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
+"""
+# KEYS[1] the job's hash; ARGV: claim token, ttl. The claim is still this holder's (it did not expire
+# and was not taken by another): give it a fresh lease. 1 if so.
+_RENEW_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'published') ~= '0' then
+  return 0
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+# KEYS[1]; ARGV: claim token, record ttl, checked. Only the holder confirms, and only its own claim: a
+# record that expired meanwhile is not re-created with half its fields.
+_CONFIRM_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'published', '1', 'checked', ARGV[3])
+redis.call('HDEL', KEYS[1], 'claim')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+# KEYS[1]; ARGV: claim token. Undo this holder's unpublished claim, never another's.
+_RELEASE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'claim') == ARGV[1] and redis.call('HGET', KEYS[1], 'published') == '0' then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 
 
@@ -51,9 +89,10 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 class JobRecords(Protocol):
     """Job state, claims and dead letters: what the producer and the worker keep in Redis."""
 
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool: ...
-    def confirm(self, job_id: str, checked: bool = True) -> None: ...
-    def release(self, job_id: str) -> None: ...
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None: ...
+    def renew(self, job_id: str, token: str) -> bool: ...
+    def confirm(self, job_id: str, token: str, checked: bool = True) -> bool: ...
+    def release(self, job_id: str, token: str) -> None: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
@@ -81,29 +120,36 @@ class RedisJobRecords:
         self._redis = client
         self._claim_ttl_s = claim_ttl_s
         self._claim = client.register_script(_CLAIM_SCRIPT)
+        self._renew = client.register_script(_RENEW_SCRIPT)
+        self._confirm = client.register_script(_CONFIRM_SCRIPT)
+        self._release = client.register_script(_RELEASE_SCRIPT)
 
     @classmethod
     def from_url(cls, url: str) -> RedisJobRecords:
         return cls(connect(url))
 
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
-        """Take the job id for one submission; False when it is taken. Until `confirm`, the claim
-        expires after a short while (a producer that died before publishing frees the id)."""
-        args: list[str | int] = [self._claim_ttl_s, lane, now_rfc3339(), fingerprint]
-        return bool(self._claim(keys=[names.job_key(job_id)], args=args))
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
+        """Take the job id for one submission: its claim token, or None when the id is taken. Until
+        `confirm`, the claim expires after a short while (a producer that died before publishing frees
+        the id); only the token's holder can renew, confirm or release it."""
+        token = secrets.token_hex(8)
+        args: list[str | int] = [self._claim_ttl_s, lane, now_rfc3339(), fingerprint, token]
+        return token if self._claim(keys=[names.job_key(job_id)], args=args) else None
 
-    def confirm(self, job_id: str, checked: bool = True) -> None:
+    def renew(self, job_id: str, token: str) -> bool:
+        """A fresh lease for a claim still held (False: it expired, and may be another's now)."""
+        return bool(self._renew(keys=[names.job_key(job_id)], args=[token, self._claim_ttl_s]))
+
+    def confirm(self, job_id: str, token: str, checked: bool = True) -> bool:
         """The message is published: the claim becomes a record that lives as long as any other.
-        `checked`: the producer found no earlier result under this id (else the worker looks)."""
-        key = names.job_key(job_id)
-        with self._redis.pipeline() as pipe:
-            pipe.hset(key, mapping={"published": "1", "checked": "1" if checked else "0"})
-            pipe.expire(key, RECORD_TTL_S)
-            pipe.execute()
+        `checked`: the producer found no earlier result under this id (else the worker looks).
+        False when the claim was no longer this holder's."""
+        args: list[str | int] = [token, RECORD_TTL_S, "1" if checked else "0"]
+        return bool(self._confirm(keys=[names.job_key(job_id)], args=args))
 
-    def release(self, job_id: str) -> None:
-        """Undo a claim whose message never reached the queue."""
-        self._redis.delete(names.job_key(job_id))
+    def release(self, job_id: str, token: str) -> None:
+        """Undo this holder's claim whose message never reached the queue."""
+        self._release(keys=[names.job_key(job_id)], args=[token])
 
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         key = names.job_key(job_id)
@@ -171,11 +217,25 @@ class RedisJobRecords:
             pipe.execute()
 
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]:
-        """The records of a delivery's jobs in one round trip."""
+        """The records of a delivery's jobs in one round trip; a backlog job's record also says
+        `run_cancelled: "1"` when its run was cancelled (one more round trip, for the delivery's runs):
+        a job queued just before a cancel may not carry the cancel mark itself."""
         with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hgetall(names.job_key(job_id))
-            return [dict(record) for record in pipe.execute()]
+            records = [dict(record) for record in pipe.execute()]
+        runs = sorted({record["run_id"] for record in records if record.get("run_id")})
+        if runs:
+            with self._redis.pipeline(transaction=False) as pipe:
+                for run_id in runs:
+                    pipe.hget(names.run_record_key(run_id), "state")
+                cancelled = {
+                    run for run, state in zip(runs, pipe.execute(), strict=True) if state == "cancelled"
+                }
+            for record in records:
+                if record.get("run_id") in cancelled:
+                    record["run_cancelled"] = "1"
+        return records
 
     def begin(self, job_id: str) -> int:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""
@@ -219,3 +279,22 @@ class RedisJobRecords:
             for event_id, fields in entries:
                 out.append({"id": str(event_id), **fields})
         return out
+
+
+def unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:
+    """What a wait returns for a job whose result could not be stored: failed, from its record
+    (`Client.wait` and `GET /v1/jobs/ID/result` alike)."""
+    return {
+        "schema": "mrc.result/1",
+        "job_id": job_id,
+        "status": "failed",
+        "text": None,
+        "error": {
+            "code": record.get("error_code", "internal_error"),
+            "message": record.get("error_message", "the job ended without a stored result"),
+            "retryable": True,
+        },
+        "lane": record.get("lane", "interactive"),
+        "result_stored": False,
+        "finished_at": record.get("updated_at"),
+    }

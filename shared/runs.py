@@ -18,18 +18,33 @@ from shared.records import RECORD_TTL_S
 
 RUN_TTL_S = 30 * 24 * 3600  # a run's record outlives its jobs' (7 days): status still says what it was
 
-# KEYS[1] the job's hash, KEYS[2] its queue's list. ARGV: record ttl, lane, submitted_at, fingerprint,
-# run id, message. Returns 1 when queued here, else the fingerprint the id already holds ('' if none).
-# The record is `checked = 0`: the worker looks for an earlier result before it runs the job, so a
-# bulk enqueue needs no S3 request per line.
+# KEYS[1] the job's hash, KEYS[2] its queue's list, KEYS[3] the run's hash, KEYS[4..] every list of the
+# lane (its depth). ARGV: record ttl, lane, submitted_at, fingerprint, run id, message, depth limit.
+# Returns 1 when queued here; CANCELLED when the run was cancelled (nothing queued, in the same atomic
+# step as the cancel could be, so no job slips in after it); FULL when the lane is at its depth limit
+# (exact: the depth is read and the job pushed in one step); else the fingerprint the id already holds
+# ('' if none). The record is `checked = 0`: the worker looks for an earlier result before it runs the
+# job, so a bulk enqueue needs no S3 request per line.
+CANCELLED, FULL = -1, -2
 ENQUEUE_SCRIPT = """
+if redis.call('HGET', KEYS[3], 'state') == 'cancelled' then return -1 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HGET', KEYS[1], 'fingerprint') or ''
 end
+local depth = 0
+for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+if depth >= tonumber(ARGV[7]) then return -2 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '1', 'checked', '0', 'run_id', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('LPUSH', KEYS[2], ARGV[6])
+return 1
+"""
+
+# KEYS[1] the run's hash: `enqueued` once every chunk is queued, unless it was cancelled meanwhile.
+FINISH_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'state') == 'cancelled' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'enqueued')
 return 1
 """
 
@@ -55,8 +70,7 @@ class Queued:
     message: str
 
 
-def run_key(run_id: str) -> str:
-    return f"{names.REDIS_PREFIX}run:{run_id}"
+run_key = names.run_record_key
 
 
 class RunRecords:
@@ -64,6 +78,7 @@ class RunRecords:
         self._redis = client
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._cancel = client.register_script(CANCEL_SCRIPT)
+        self._finish = client.register_script(FINISH_SCRIPT)
 
     # ---- the run ----
     def get(self, run_id: str) -> dict[str, str]:
@@ -83,6 +98,13 @@ class RunRecords:
     def update(self, run_id: str, **fields: str) -> None:
         self._redis.hset(run_key(run_id), mapping=fields)  # type: ignore[arg-type]  # str values
 
+    def finish_enqueue(self, run_id: str) -> bool:
+        """The run is `enqueued`, unless a cancel came first (which then stays); False if it did."""
+        return bool(self._finish(keys=[run_key(run_id)]))
+
+    def cancelled(self, run_id: str) -> bool:
+        return self._redis.hget(run_key(run_id), "state") == "cancelled"
+
     def count(self, run_id: str, **increments: int) -> None:
         with self._redis.pipeline(transaction=False) as pipe:
             for field, amount in increments.items():
@@ -91,16 +113,19 @@ class RunRecords:
             pipe.execute()
 
     # ---- its jobs ----
-    def enqueue_many(self, run_id: str, jobs: Sequence[Queued]) -> list[int | str]:
-        """Record and queue each job in one step, in one round trip; 1 where queued here, else the
-        fingerprint its id already holds."""
+    def enqueue_many(self, run_id: str, jobs: Sequence[Queued], depth_limit: int) -> list[int | str]:
+        """Record and queue each job in one step, in one round trip, while the lane holds fewer than
+        `depth_limit`; per job 1 where queued here, CANCELLED, FULL, or the fingerprint its id holds."""
         if not jobs:
             return []
         stamp = now_rfc3339()
         with self._redis.pipeline(transaction=False) as pipe:
             for job in jobs:
-                args: list[str | int] = [RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message]
-                self._enqueue(keys=[names.job_key(job.job_id), job.list_key], args=args, client=pipe)
+                keys = [names.job_key(job.job_id), job.list_key, run_key(run_id), *names.queue_keys(job.lane)]
+                args: list[str | int] = [
+                    RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message, depth_limit
+                ]  # fmt: skip
+                self._enqueue(keys=keys, args=args, client=pipe)
             replies = pipe.execute()
         return [reply if isinstance(reply, str) else int(reply) for reply in replies]
 

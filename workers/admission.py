@@ -53,7 +53,11 @@ class Admission:
         seen: set[str] = set()
         running: list[Slot] = []
         # `mrc backlog cancel` marks the run's queued jobs; they end failed (`cancelled`), not run
-        cancelled = {s.job_id for s, r in zip(parsed, records, strict=True) if r.get("cancelled") == "1"}
+        cancelled = {
+            s.job_id
+            for s, r in zip(parsed, records, strict=True)
+            if r.get("cancelled") == "1" or r.get("run_cancelled") == "1"
+        }
         for slot, record in zip(parsed, records, strict=True):
             assert slot.job is not None
             if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
