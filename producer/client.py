@@ -17,12 +17,13 @@ from celery import Celery
 from shared import logs, names, prompts
 from shared.celery_app import make_celery, send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
-from shared.jobs import Job, Lane, limit_problem
-from shared.records import TERMINAL, JobRecords, RedisJobRecords, connect
+from shared.jobs import Job, Lane, limit_problem, local_image_problem
+from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
 from shared.settings import Settings
 from shared.sniff import sniff_format
 from shared.stores import ImageSource, ResultStore, open_stores
 
+_CLAIM_TRIES = 3
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _CONTENT_TYPES = {"jpg": "image/jpeg", "png": "image/png", "webp": "image/webp", "gif": "image/gif"}
 
@@ -81,11 +82,9 @@ class Client:
             self._check_local_image(Path(text))
 
     def _check_local_image(self, path: Path) -> None:
-        if not path.is_file():
-            raise UsageError(f"image file not found: {path}")
-        size = path.stat().st_size
-        if size > self.settings.max_image_bytes:
-            raise UsageError(f"image is {size} bytes; the limit is {self.settings.max_image_bytes}")
+        problem = local_image_problem(path, self.settings.max_image_bytes)
+        if problem:
+            raise UsageError(problem)
 
     # ---- images ----
     def upload_image(self, path: Path) -> tuple[str, str]:
@@ -149,22 +148,55 @@ class Client:
     def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
         """Send the job unless its id was already submitted; True when this call enqueued it.
 
-        The same job under a used id is a duplicate (False); a different job under a used id is
-        refused (UsageError). An interruption at any point (Ctrl-C included) undoes the claim."""
+        The same job under a used id is a duplicate (False) once the other submission is published; a
+        different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
+        included) undoes the claim. The message is sent only while the claim is still this call's:
+        a claim that expired during the look for an earlier result is taken again, never sent on."""
         self.wait_for_room(job.lane, block, timeout)
-        fingerprint = job.fingerprint()
-        if not self.records.claim(job.job_id, job.lane, fingerprint):
-            return self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
+        for _ in range(_CLAIM_TRIES):
+            token = self._claim(job)
+            if token is None:
+                return self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
+            sent = self._send_claimed(job, token)
+            if sent is not None:
+                return sent
+            self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
+        raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
+
+    def _claim(self, job: Job) -> str | None:
+        """This submission's claim token, or None when the id is taken by a published submission.
+        Another producer's claim not yet published is waited out (it publishes, or frees the id when
+        it fails or expires): answering 'same job' for it could report a job that is never sent."""
+        deadline = time.monotonic() + CLAIM_TTL_S + 5
+        while True:
+            token = self.records.claim(job.job_id, job.lane, job.fingerprint())
+            if token is not None:
+                return token
+            record = self.records.get(job.job_id)
+            if record and record.get("published") != "0":
+                return None
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable(f"job {job.job_id}: another submission of it neither ends nor expires")
+            time.sleep(0.05)
+
+    def _send_claimed(self, job: Job, token: str) -> bool | None:
+        """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost
+        before the send (nothing sent)."""
         try:
             checked, existing = self._earlier_result(job.job_id)
             if existing is not None:
-                self.records.release(job.job_id)
+                self.records.release(job.job_id, token)
                 return self._duplicate(job, existing.get("job_fingerprint"))
+            if not self.records.renew(job.job_id, token):  # the look outlasted the claim's lease
+                return None
             self._send(job)
         except BaseException:
-            self.records.release(job.job_id)
+            self.records.release(job.job_id, token)
             raise
-        self.records.confirm(job.job_id, checked)
+        if not self.records.confirm(job.job_id, token, checked):
+            # Sent, but the record is gone (flushed, or a failover lost it): the worker runs the job once
+            # anyway (it looks for a result when the record says nothing) and writes the record again.
+            self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane, sent=True)
         self.log.info(
             "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
         )
@@ -275,7 +307,7 @@ class Client:
                 if result is not None:
                     return result
                 if state == "failed" and record.get("error_code"):
-                    return _unstored_result(job_id, record)
+                    return unstored_result(job_id, record)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
             time.sleep(self.settings.wait_poll_s)
@@ -287,21 +319,3 @@ def _dead_letter_job(raw: str) -> Job | None:
         return Job.from_message(entry.get("job") if isinstance(entry, dict) else None)
     except (ValueError, MrcError):
         return None
-
-
-def _unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:
-    """What `wait` returns for a job whose result could not be stored: failed, from its record."""
-    return {
-        "schema": "mrc.result/1",
-        "job_id": job_id,
-        "status": "failed",
-        "text": None,
-        "error": {
-            "code": record.get("error_code", "internal_error"),
-            "message": record.get("error_message", "the job ended without a stored result"),
-            "retryable": True,
-        },
-        "lane": record.get("lane", "interactive"),
-        "result_stored": False,
-        "finished_at": record.get("updated_at"),
-    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 
 from shared.jobs import State
@@ -18,20 +19,36 @@ class MemoryJobRecords:
         self.events: list[dict[str, str]] = []
         self._lock = threading.Lock()
 
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> bool:
+    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
         with self._lock:
             if job_id in self.records:
+                return None
+            token = secrets.token_hex(8)
+            self.records[job_id] = {
+                "state": "queued", "lane": lane, "fingerprint": fingerprint, "published": "0", "claim": token
+            }  # fmt: skip
+            return token
+
+    def _holds(self, job_id: str, token: str) -> bool:
+        return self.records.get(job_id, {}).get("claim") == token
+
+    def renew(self, job_id: str, token: str) -> bool:
+        with self._lock:
+            return self._holds(job_id, token) and self.records[job_id].get("published") == "0"
+
+    def confirm(self, job_id: str, token: str, checked: bool = True) -> bool:
+        with self._lock:
+            if not self._holds(job_id, token):
                 return False
-            self.records[job_id] = {"state": "queued", "lane": lane, "fingerprint": fingerprint}
+            record = self.records[job_id]
+            record.pop("claim", None)
+            record.update(published="1", checked="1" if checked else "0")
             return True
 
-    def confirm(self, job_id: str, checked: bool = True) -> None:
+    def release(self, job_id: str, token: str) -> None:
         with self._lock:
-            self.records.setdefault(job_id, {}).update(published="1", checked="1" if checked else "0")
-
-    def release(self, job_id: str) -> None:
-        with self._lock:
-            self.records.pop(job_id, None)
+            if self._holds(job_id, token) and self.records[job_id].get("published") == "0":
+                del self.records[job_id]
 
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         with self._lock:

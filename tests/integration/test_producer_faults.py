@@ -68,8 +68,7 @@ def test_a_claim_whose_producer_died_before_publishing_frees_itself(
     records = RedisJobRecords(connect(env["MRC_REDIS_URL"]), claim_ttl_s=1)
     job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
     assert records.claim(job.job_id, job.lane, job.fingerprint())  # ...and the producer was SIGKILLed
-    assert client.enqueue(job) is False  # a live claim: could be a producer mid-publish
-    time.sleep(1.5)
+    # A live claim not yet published is waited out, never answered "same job": it may never be sent.
     assert client.enqueue(job) is True
     assert int(client.records._redis.ttl(names.job_key(job.job_id))) > 24 * 3600, "confirmed for a week"
     assert _ran(client, job.job_id)
@@ -155,3 +154,60 @@ def test_wait_reports_a_job_whose_result_could_not_be_stored(client: Client, env
     assert result["status"] == "failed"
     assert result["error"]["code"] == "internal_error"
     assert result["result_stored"] is False
+
+
+class Sends:
+    """Counts the messages a client really publishes."""
+
+    def __init__(self, client: Client) -> None:
+        self.count, self.real = 0, client.celery.send_task
+        client.celery.send_task = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        return self.real(*args, **kwargs)
+
+
+def test_a_claim_that_expires_during_the_result_check_is_never_sent_on(
+    client: Client, worker: services.Worker, image: Path, env: dict[str, str]
+) -> None:
+    """The look for an earlier result (an S3 HEAD, up to minutes with retries) outlasts the claim; in
+    the meantime another producer claims and sends the same job. The first must not send it again,
+    nor confirm a record it no longer holds."""
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    slow = Client(services.settings_from_env(env))
+    other_sends, slow_sends = Sends(client), Sends(slow)
+    real_has_result = slow.results.has_result
+    outcome: list[bool] = []
+
+    def has_result(job_id: str) -> bool:
+        if not outcome:  # the first look: the lease runs out, and the other producer goes ahead
+            slow.records._redis.delete(names.job_key(job_id))  # type: ignore[attr-defined]  # expiry
+            outcome.append(client.enqueue(job))
+        return real_has_result(job_id)
+
+    slow.results.has_result = has_result  # type: ignore[method-assign]
+    assert slow.enqueue(job) is False  # the other's published submission: the same job
+    assert outcome == [True]
+    assert (other_sends.count, slow_sends.count) == (1, 0)
+    record = client.records.get(job.job_id)
+    assert (record["published"], record["lane"], record["fingerprint"]) == (
+        "1",
+        "interactive",
+        job.fingerprint(),
+    )
+    assert "claim" not in record
+    assert _ran(client, job.job_id)
+
+
+def test_a_confirm_for_a_claim_no_longer_held_writes_nothing(client: Client) -> None:
+    job_id = _id()
+    token = client.records.claim(job_id, "interactive")
+    assert token is not None
+    client.records._redis.delete(names.job_key(job_id))  # type: ignore[attr-defined]  # it expired
+    assert client.records.confirm(job_id, token) is False
+    assert client.records.get(job_id) == {}, "a record with only published/checked would 404 the job"
+    other = client.records.claim(job_id, "interactive")
+    assert other is not None
+    client.records.release(job_id, token)  # the old holder's undo leaves the new claim alone
+    assert client.records.get(job_id)["claim"] == other
