@@ -3,15 +3,20 @@
 POST /v1/jobs (JSON with an s3:// image, or multipart with the image bytes) -> 202 {job_id, status_url};
 GET /v1/jobs/{id}, /v1/jobs/{id}/result[?wait=S], /v1/events?after=ID[&wait=S] (completion events
 from a capped Redis stream), /healthz, /readyz, /metrics, /openapi.json. Every error is JSON
-`{"error": {"code", "message"}}` with the contract's codes. All blocking work (Redis, S3) runs in
-the thread pool, never on the event loop.
+`{"error": {"code", "message"}}` with the contract's codes. What every request passes first (keys,
+rate limit, body limits, faults as JSON, counting) is producer/api_front.py; the long-polls run on an
+asyncio Redis client (producer/api_waits.py); other blocking work (Redis, S3) runs in the thread pool,
+never on the event loop.
+
+Read scope: a key sees the jobs and events of the lanes it may submit to (a backlog-only key reads
+backlog jobs only); another lane's job answers 404, as an unknown one does.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import sys
-import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -19,14 +24,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, Field
 
-from producer.api_guard import BodyLimit, Caller, Keys, RateLimiter
+from producer.api_forms import JobRequest, job_fields, multipart_schema
+from producer.api_front import Front, Limits, caller_of
+from producer.api_guard import Keys, RateLimiter
+from producer.api_waits import Waits
 from producer.client import Client, Submission
 from shared import frames, logs, names, reach
 from shared.dimensions import image_size
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
-from shared.records import EVENT_ID_RE
+from shared.records import valid_event_id
 from shared.settings import Settings
 from shared.sniff import SUPPORTED_FORMATS, sniff_format
 
@@ -35,45 +42,22 @@ _IMAGE_CODES = frozenset({"image_source_forbidden", "unsupported_image_format", 
 _WAIT = Query(0.0, ge=0, le=86400, allow_inf_nan=False, description="seconds to wait (bounded by the server)")
 
 
-class JobRequest(BaseModel):
-    """A job as JSON (multipart takes the same fields as form fields, and the image as a file part)."""
-
-    image: str = Field(description="s3://bucket/key (multipart: the image file part instead)")
-    prompt: str
-    job_id: str | None = None
-    ticket_id: str | None = None
-    lane: str = "interactive"
-    max_new_tokens: int | None = None
-    deadline: str | None = None
-
-
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-_MULTIPART_SCHEMA = {
-    "type": "object",
-    "required": ["image", "prompt"],
-    "properties": {
-        "image": {"type": "string", "format": "binary"},
-        "prompt": {"type": "string"},
-        "job_id": {"type": "string"},
-        "ticket_id": {"type": "string"},
-        "lane": {"type": "string"},
-        "max_new_tokens": {"type": "integer"},
-        "deadline": {"type": "string"},
-    },
-}
+def _not_found(job_id: str) -> JSONResponse:
+    return _error(404, "not_found", f"no job {job_id[:130]!r}")
 
 
 class Intake:
-    """The routes' state: settings, the producer client (made on first use), keys, limits, metrics."""
+    """The routes' state: settings, the producer client (made on first use), limits, metrics."""
 
     def __init__(self, settings: Settings, client: Client | None = None) -> None:
         self.settings = settings
-        self.keys = Keys(settings.api_keys)
-        self.limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
         self._client = client
+        self.waits = Waits(settings.redis_url, settings.connect_timeout_s, settings.api_wait_threads)
+        self._probe: Any = None  # one S3 connection for /readyz (boto3 clients are made once, not per probe)
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "mrc_api_requests_total", "Requests", ["route", "method", "status"], registry=self.registry
@@ -86,34 +70,17 @@ class Intake:
             self._client = Client(self.settings)
         return self._client
 
-    async def measure(self, request: Request, call_next: Any) -> Response:
-        began = time.perf_counter()
-        response: Response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        self.requests.labels(route=route, method=request.method, status=str(response.status_code)).inc()
-        self.seconds.labels(route=route).observe(time.perf_counter() - began)
-        return response
-
-    def authorize(self, request: Request, lane: str | None = None) -> Caller | JSONResponse:
-        address = request.client.host if request.client else "unknown"
-        caller = self.keys.caller(request.headers.get("authorization"), address)
-        if caller is None:
-            return _error(401, "unauthorized", "missing or unknown API key (Authorization: Bearer KEY)")
-        if lane is not None and lane not in caller.lanes:
-            return _error(403, "forbidden", f"this key may not use the {lane} lane")
-        wait = self.limiter.retry_after(caller.name)
-        if wait > 0:
-            return _error(429, "rate_limited", "too many requests", {"Retry-After": str(max(1, round(wait)))})
-        return caller
+    def count(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, method=method, status=str(status)).inc()
+        self.seconds.labels(route=route).observe(seconds)
 
     async def submit(self, request: Request) -> Response:
-        fields, data = await _read_job(request)
+        fields, data = await job_fields(request)
         if isinstance(fields, JSONResponse):
             return fields
         lane = str(fields.get("lane") or "interactive")
-        caller = self.authorize(request, lane if lane in names.LANES else None)
-        if isinstance(caller, JSONResponse):
-            return caller
+        if lane in names.LANES and lane not in caller_of(request.scope).lanes:
+            return _error(403, "forbidden", f"this key may not use the {lane} lane")
         try:
             return await run_in_threadpool(_enqueue, self.client, fields, data)
         except QueueFull as exc:
@@ -124,50 +91,69 @@ class Intake:
             code = prefix if prefix in _IMAGE_CODES else "invalid_job"
             return _error(409 if conflict else 422, code, exc.message)
 
+    async def _visible(self, request: Request, job_id: str) -> bool:
+        """Whether the caller's key may read this job: its lane is one the key may use."""
+        lanes = caller_of(request.scope).lanes
+        if lanes >= frozenset(names.LANES):
+            return True
+        lane = (await self.waits.record(job_id)).get("lane")
+        if lane is None:  # no record (expired): the result says
+            found = await run_in_threadpool(self.client.result, job_id)
+            lane = None if found is None else str(found.get("lane"))
+        return lane in lanes
+
     async def status(self, job_id: str, request: Request) -> Response:
-        caller = self.authorize(request)
-        if isinstance(caller, JSONResponse):
-            return caller
+        if not await self._visible(request, job_id):
+            return _not_found(job_id)
         found = await run_in_threadpool(self.client.status, job_id)
         if found["state"] == "unknown":
-            return _error(404, "not_found", f"no job {job_id[:130]!r}")
+            return _not_found(job_id)
         return JSONResponse(found)
 
     async def result(self, job_id: str, request: Request, wait: float = _WAIT) -> Response:
-        caller = self.authorize(request)
-        if isinstance(caller, JSONResponse):
-            return caller
-        deadline = time.monotonic() + max(0.0, min(wait, self.settings.api_result_wait_max_s))
-        while True:
-            found = await run_in_threadpool(self.client.result, job_id)
-            if found is not None:
-                return JSONResponse(found)
-            state = (await run_in_threadpool(self.client.status, job_id))["state"]
-            if state == "unknown":
-                return _error(404, "not_found", f"no job {job_id[:130]!r}")
-            if time.monotonic() >= deadline:
-                return JSONResponse({"job_id": job_id, "state": state}, status_code=202)
-            await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+        if not await self._visible(request, job_id):
+            return _not_found(job_id)
+        bounded = max(0.0, min(wait, self.settings.api_result_wait_max_s))
+        found = await self.waits.result(job_id, bounded, self.client.result)
+        if isinstance(found, dict):
+            return JSONResponse(found)
+        if found == "unknown":
+            return _not_found(job_id)
+        return JSONResponse({"job_id": job_id, "state": found}, status_code=202)
 
     async def events(self, request: Request, after: str = "0", wait: float = _WAIT) -> Response:
-        caller = self.authorize(request)
-        if isinstance(caller, JSONResponse):
-            return caller
-        if not EVENT_ID_RE.match(after):
-            return _error(400, "invalid_request", "after: an event id (1700000000000-0) or 0")
+        if not valid_event_id(after):
+            return _error(
+                400, "invalid_request", "after: an event id (1700000000000-0, parts below 2^64) or 0"
+            )
         block = max(0.0, min(wait, self.settings.api_result_wait_max_s))
-        found = await run_in_threadpool(self.client.records.events_after, after, block)
-        return JSONResponse({"events": found, "last_id": found[-1]["id"] if found else after})
+        found = await self.waits.events(after, block)
+        last = found[-1]["id"] if found else after
+        lanes = caller_of(request.scope).lanes
+        mine = [event for event in found if event.get("lane", "interactive") in lanes]
+        return JSONResponse({"events": mine, "last_id": last})
 
     async def healthz(self) -> Response:
         return JSONResponse({"status": "alive"})
 
     async def readyz(self) -> Response:
+        """Redis and S3 reachable, each within MRC_CONNECT_TIMEOUT_S; any failure is a 503, never a 500."""
         try:
-            await run_in_threadpool(reach.check, self.settings)
-        except ServiceUnreachable as exc:
-            return JSONResponse({"status": "not_ready", "reason": exc.message}, status_code=503)
+            await self.waits.ping()
+        except Exception as exc:
+            return JSONResponse({"status": "not_ready", "reason": f"Redis: {exc!r}"[:300]}, status_code=503)
+        try:
+            await run_in_threadpool(self._probe_s3)
+        except Exception as exc:
+            return JSONResponse({"status": "not_ready", "reason": f"S3: {exc!r}"[:300]}, status_code=503)
         return JSONResponse({"status": "ready"})
+
+    def _probe_s3(self) -> None:
+        if self._probe is None:
+            from shared.stores.s3 import S3Connection
+
+            self._probe = S3Connection(self.settings, attempts=1)
+        self._probe.probe(self.settings.s3_bucket)
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -185,17 +171,27 @@ async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     return _invalid_job(errors, "", "invalid request")
 
 
+def limits(settings: Settings) -> Limits:
+    body = settings.api_max_body_bytes or settings.max_image_bytes + (1 << 20)
+    return Limits(body_bytes=body, bodies=settings.api_max_bodies, drain_bytes=settings.api_drain_bytes)
+
+
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     intake = Intake(settings, client)
-    app = FastAPI(title="mrc intake", version="1", description=__doc__)
-    app.middleware("http")(intake.measure)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        intake.waits.close()
+
+    app = FastAPI(title="mrc intake", version="1", description=__doc__, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _invalid)
     body = {
         "requestBody": {
             "required": True,
             "content": {
                 "application/json": {"schema": JobRequest.model_json_schema()},
-                "multipart/form-data": {"schema": _MULTIPART_SCHEMA},
+                "multipart/form-data": {"schema": multipart_schema()},
             },
         }
     }
@@ -209,41 +205,10 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         ("/metrics", intake.metrics),
     ):
         app.add_api_route(path, handler, methods=["GET"])
-    app.add_middleware(BodyLimit, limit=settings.api_max_body_bytes or settings.max_image_bytes + (1 << 20))
+    keys = Keys(settings.api_keys)
+    limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
+    app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=intake.count)
     return app
-
-
-async def _read_job(request: Request) -> tuple[dict[str, Any] | JSONResponse, bytes | None]:
-    """The job's fields, and the image bytes for multipart; or the 4xx to send."""
-    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if kind == "multipart/form-data":
-        async with request.form() as form:  # closes the uploaded parts' temporary files
-            upload = form.get("image")
-            if upload is None or isinstance(upload, str):
-                return _error(422, "invalid_job", "image: a multipart request needs a file part"), None
-            data = await upload.read()
-            fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
-        if "max_new_tokens" in fields:
-            text = str(fields["max_new_tokens"])
-            if not text.lstrip("-").isdigit():
-                return _error(422, "invalid_job", "max_new_tokens must be an integer"), None
-            fields["max_new_tokens"] = int(text)
-        fields["image"] = ""
-        return _checked(fields), data
-    if kind != "application/json":
-        return _error(415, "invalid_job", "send application/json or multipart/form-data"), None
-    try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "invalid_job", "the body is not JSON"), None
-    return _checked(body), None
-
-
-def _checked(data: object) -> dict[str, Any] | JSONResponse:
-    try:
-        return JobRequest.model_validate(data).model_dump()
-    except ValueError as exc:
-        return _invalid_job(list(getattr(exc, "errors", lambda: [])()), "body", str(exc))
 
 
 def _check_image(data: bytes, settings: Settings) -> None:
@@ -287,8 +252,11 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
 
 
 def app_from_env() -> FastAPI:
-    """The app for uvicorn's worker processes (`--factory`): settings from the environment."""
-    return create_app(Settings())
+    """The app for uvicorn's worker processes (`--factory`): each spawned process reads its settings
+    and sets up its own logging here (a spawned process starts with none of its parent's)."""
+    settings = Settings()
+    logs.configure(settings.log_level, fmt=settings.log_format)
+    return create_app(settings)
 
 
 def main() -> int:
@@ -313,7 +281,7 @@ def main() -> int:
     except (ServiceUnreachable, StoreUnavailable, MrcError) as exc:
         print(f"mrc-api: {exc.message}", file=sys.stderr)
         return 5
-    log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api")
+    log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
     options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
     if settings.api_workers > 1:  # worker processes import the app themselves
         uvicorn.run(

@@ -1,21 +1,14 @@
-"""What stands in front of mrc-api's routes: API keys (stored hashed), per-key rate limits, and a
-request body limit enforced while the body streams in (a missing or lying Content-Length included)."""
+"""mrc-api's keys (stored hashed) and per-key rate limits; producer/api_front.py applies them."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from shared import names
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -80,53 +73,3 @@ class RateLimiter:
                 return 0.0
             self._buckets[name] = (tokens, now)
             return (1 - tokens) / self.rate
-
-
-class BodyLimit:
-    """ASGI middleware: 413 once a request body passes `limit` bytes, whatever Content-Length says."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await _too_large(send, self.limit)
-            return
-        seen = 0
-        refused = False
-
-        async def counted() -> MutableMapping[str, Any]:
-            nonlocal seen, refused
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    refused = True
-                    raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await _too_large(send, self.limit)
-        except Exception:
-            if not refused:
-                raise
-            await _too_large(send, self.limit)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps(
-        {"error": {"code": "invalid_job", "message": f"request body over the limit of {limit} bytes"}}
-    ).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

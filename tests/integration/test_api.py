@@ -193,11 +193,15 @@ def test_health_ready_metrics_and_schema(api: TestClient) -> None:
 
 
 def test_schemathesis_finds_no_server_error(api_env: dict[str, str]) -> None:
-    """Generated requests from the app's own schema, keys included: never a 5xx."""
+    """Generated requests from the app's own schema, keys included, valid ones and invalid ones
+    (negative mode: wrong types, out-of-range numbers, malformed ids), with real long-poll waits:
+    never a 5xx."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
 
-    quick = {**api_env, "MRC_API_RATE_PER_S": "0", "MRC_API_RESULT_WAIT_MAX_S": "0.2"}
+    quick = {**api_env, "MRC_API_RATE_PER_S": "0", "MRC_API_RESULT_WAIT_MAX_S": "0.6"}
     app = create_app(services.settings_from_env(quick))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     failures: list[str] = []
@@ -211,11 +215,19 @@ def test_schemathesis_finds_no_server_error(api_env: dict[str, str]) -> None:
             failures.append(f"{where}: {response.status_code} {response.text[:200]}")
 
     profile = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    negative = 0
     for operation in schema.get_all_operations():
-        strategy = operation.ok().as_strategy()
-        profile(given(case=strategy)(lambda case: check(case)))()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            strategy = operation.ok().as_strategy(generation_mode=mode)
+            before = len(calls)
+            try:
+                profile(given(case=strategy)(lambda case: check(case)))()
+            except Unsatisfiable:  # an operation with nothing to get wrong (no parameters, no body)
+                assert mode is GenerationMode.NEGATIVE
+            negative += (len(calls) - before) if mode is GenerationMode.NEGATIVE else 0
     assert not failures, failures[:5]
-    assert len(calls) >= 60, "schemathesis sent too few requests to mean anything"
+    assert len(calls) >= 120, "schemathesis sent too few requests to mean anything"
+    assert negative >= 40, "too few invalid requests"
     assert any(400 <= code < 500 for code in calls)
 
 

@@ -1,0 +1,71 @@
+"""A job's fields from an mrc-api request body: JSON, or multipart with the image as a file part.
+
+Every field goes through one pydantic model (JobRequest) whatever the form, so the API accepts
+exactly what the next step accepts: a multipart `max_new_tokens` is parsed by the same integer rule as
+a JSON one (no `str.isdigit`, which says yes to "²"), and a body too deeply nested to parse is a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, ValidationError
+
+
+class JobRequest(BaseModel):
+    """A job as JSON (multipart takes the same fields as form fields, and the image as a file part)."""
+
+    image: str = Field(description="s3://bucket/key (multipart: the image file part instead)")
+    prompt: str
+    job_id: str | None = None
+    ticket_id: str | None = None
+    lane: str = "interactive"
+    max_new_tokens: int | None = None
+    deadline: str | None = None
+
+
+def multipart_schema() -> dict[str, Any]:
+    properties: dict[str, Any] = {name: {"type": "string"} for name in JobRequest.model_fields}
+    properties["image"] = {"type": "string", "format": "binary"}
+    properties["max_new_tokens"] = {"type": "integer"}
+    return {"type": "object", "required": ["image", "prompt"], "properties": properties}
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, bytes | None]:
+    """The job's fields, and the image bytes for multipart; or the 4xx to send."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind == "multipart/form-data":
+        async with request.form() as form:  # closes the uploaded parts' temporary files
+            upload = form.get("image")
+            if upload is None or isinstance(upload, str):
+                return _error(422, "invalid_job", "image: a multipart request needs a file part"), None
+            data = await upload.read()
+            fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
+        fields["image"] = ""
+        return checked(fields), data
+    if kind != "application/json":
+        return _error(415, "invalid_job", "send application/json or multipart/form-data"), None
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+        return _error(400, "invalid_job", "the body is not JSON (or is nested too deeply)"), None
+    return checked(body), None
+
+
+def checked(data: object) -> dict[str, Any] | JSONResponse:
+    try:
+        return JobRequest.model_validate(data).model_dump()
+    except ValidationError as exc:
+        errors = exc.errors()
+        if not errors:
+            return _error(422, "invalid_job", "body: invalid")
+        where = ".".join(str(part) for part in errors[0]["loc"]) or "body"
+        return _error(422, "invalid_job", f"{where}: {errors[0]['msg']}"[:300])
+    except RecursionError:
+        return _error(400, "invalid_job", "the body is nested too deeply")

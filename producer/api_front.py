@@ -1,0 +1,224 @@
+"""What every mrc-api request passes before and after its route, as one ASGI layer (outermost):
+
+1. measured: every response is counted, 401s, 413s and 500s included (`mrc_api_requests_total`);
+2. authenticated and rate-limited from its headers alone, before one byte of its body is read;
+3. a body is read only while fewer than MRC_API_MAX_BODIES are being read (memory = that x the limit),
+   and only up to the limit: past it the rest of the body is read and dropped (up to
+   MRC_API_DRAIN_BYTES, nothing kept) and the answer is 413, so a client that writes its whole body
+   before reading sees the 413 instead of a reset connection. A refused caller's body (401, 429) is
+   never read;
+4. a fault becomes JSON: Redis or S3 out of reach -> 503 `service_unavailable` with Retry-After; any
+   other exception -> 500 `internal_error` (logged with its traceback), never plain text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from kombu.exceptions import OperationalError
+
+from producer.api_guard import Caller, Keys, RateLimiter
+from shared import logs
+from shared.errors import ServiceUnreachable, StoreUnavailable
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# What "Redis or S3 cannot serve now" looks like from the route's side: retry later, not a bug.
+UNAVAILABLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    redis.ReadOnlyError,
+    OperationalError,  # kombu, publishing to an unreachable broker
+    StoreUnavailable,
+    ServiceUnreachable,
+)
+RETRY_AFTER_S = "5"
+_OPEN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+
+@dataclass(frozen=True)
+class Limits:
+    body_bytes: int  # a request body over this is 413
+    bodies: int  # request bodies being read at once
+    drain_bytes: int  # past the limit, read and drop at most this much before closing
+    body_wait_s: float = 10.0  # wait this long for a turn to read a body, then 503
+
+
+def json_body(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return status, head, body
+
+
+class Front:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Keys,
+        limiter: RateLimiter,
+        limits: Limits,
+        count: Callable[[str, str, int, float], None],
+    ) -> None:
+        self.app, self.keys, self.limiter, self.limits, self.count = app, keys, limiter, limits, count
+        self._bodies: asyncio.Semaphore | None = None
+        self.log = logs.get_logger()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        began, status = time.perf_counter(), [0]
+
+        async def sent(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, sent, status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.count(route, str(scope.get("method", "")), status[0] or 500, time.perf_counter() - began)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, status: list[int]) -> None:
+        refused = self._gate(scope)
+        if refused is not None:
+            await _reply(send, refused)
+            return
+        try:
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                await self._with_body(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        except Exception as exc:  # the route failed: a JSON answer, unless one is already on its way
+            if status[0]:
+                raise
+            await _reply(send, self._fault(exc, scope))
+
+    def _gate(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """401 / 429 from the headers alone; the caller is kept for the route (lanes, read scope)."""
+        path = str(scope.get("path", ""))
+        if not path.startswith("/v1/") or path.startswith(_OPEN_PATHS):
+            return None
+        headers = dict(scope.get("headers") or [])
+        client = scope.get("client")
+        address = client[0] if client else "unknown"
+        caller = self.keys.caller(headers.get(b"authorization", b"").decode("latin-1") or None, address)
+        if caller is None:
+            return json_body(401, "unauthorized", "missing or unknown API key (Authorization: Bearer KEY)")
+        wait = self.limiter.retry_after(caller.name)
+        if wait > 0:
+            retry = {"Retry-After": str(max(1, round(wait)))}
+            return json_body(429, "rate_limited", "too many requests", retry)
+        scope.setdefault("state", {})["caller"] = caller
+        return None
+
+    async def _with_body(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.limits.body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _drain(receive, self.limits.drain_bytes, int(declared))
+            await _reply(send, _too_large(limit))
+            return
+        if self._bodies is None:  # made in the serving loop, on first use
+            self._bodies = asyncio.Semaphore(self.limits.bodies)
+        try:
+            await asyncio.wait_for(self._bodies.acquire(), self.limits.body_wait_s)
+        except TimeoutError:
+            await _drain(receive, self.limits.drain_bytes, None)
+            await _reply(send, json_body(503, "busy", "too many uploads at once", {"Retry-After": "2"}))
+            return
+        try:
+            await self._limited(scope, receive, send, limit)
+        finally:
+            self._bodies.release()
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        seen, over = 0, False
+
+        async def counted() -> Message:
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    over = True
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except Exception:
+            if not over:
+                raise
+            await _drain(receive, self.limits.drain_bytes, None)
+            await _reply(send, _too_large(limit))
+
+    def _fault(self, exc: Exception, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        path = str(scope.get("path", ""))
+        if isinstance(exc, UNAVAILABLE):
+            which = "Redis" if isinstance(exc, redis.RedisError | OperationalError) else "S3"
+            if isinstance(exc, ServiceUnreachable):
+                which = exc.message.split(" ", 1)[0]
+            self.log.warning("MRC_API_UNAVAILABLE", path=path, service=which, error=repr(exc)[:300])
+            message = f"{which} cannot be reached now; retry later"
+            return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
+        self.log.exception("MRC_API_ERROR", path=path, error=repr(exc)[:300])
+        return json_body(500, "internal_error", "the server failed on this request (logged)")
+
+
+def caller_of(scope: Scope) -> Caller:
+    """The caller the front door let in (every /v1/ route runs after it)."""
+    return scope["state"]["caller"]  # type: ignore[no-any-return]
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    return json_body(413, "invalid_job", f"request body over the limit of {limit} bytes")
+
+
+async def _reply(send: Send, response: tuple[int, list[tuple[bytes, bytes]], bytes]) -> None:
+    status, headers, body = response
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive: Receive, bound: int, declared: int | None) -> None:
+    """Read and drop what is left of the body, up to `bound` bytes (and 30 s), before the answer goes
+    out (the server reads nothing more once it has answered), so a client that writes its whole body
+    before it reads gets to our answer. A body declared larger than the bound is not waited for."""
+    if declared is not None and declared > bound:
+        return
+    dropped = 0
+
+    async def drop() -> None:
+        nonlocal dropped
+        while dropped <= bound:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+
+    try:
+        await asyncio.wait_for(drop(), 30)
+    except Exception:  # timed out, or the client went away: nothing left to answer
+        return

@@ -1,0 +1,104 @@
+"""mrc-api's long-polls, on threads and Redis connections of their own (a bounded pool each): a
+waiting request never holds a thread of the request pool, so a hundred idle followers do not stall
+submissions, status reads or /readyz.
+
+Every blocking Redis call is cut into slices shorter than the connection's socket timeout (a read never
+outlives the client's own timeout, however long the caller may wait), and S3 is read at a bounded rate
+while a result is awaited: the job record is followed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+import redis
+
+from shared import names
+from shared.records import TERMINAL, unstored_result
+
+SOCKET_TIMEOUT_S = 10.0
+SLICE_S = 5.0  # one XREAD BLOCK at most this long: well inside SOCKET_TIMEOUT_S
+RECORD_POLL_S = 0.25
+S3_EVERY_S = 1.0  # at most one S3 read a second per waiting request
+
+T = TypeVar("T")
+ReadResult = Callable[[str], dict[str, Any] | None]
+
+
+class Waits:
+    """The long-polls' own threads and Redis pool, and the waits built on them."""
+
+    def __init__(self, redis_url: str, connect_timeout_s: float, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mrc-wait")
+        connections = redis.BlockingConnectionPool.from_url(
+            redis_url,
+            decode_responses=True,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=connect_timeout_s,
+            max_connections=threads,
+            timeout=SOCKET_TIMEOUT_S,  # a free connection, else ConnectionError (a 503)
+        )
+        self._redis = redis.Redis(connection_pool=connections)
+
+    async def _run(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._redis.close()
+
+    async def record(self, job_id: str) -> dict[str, str]:
+        record: dict[str, str] = await self._run(partial(self._redis.hgetall, names.job_key(job_id)))  # type: ignore[arg-type]  # decode_responses
+        return dict(record)
+
+    async def ping(self) -> None:
+        await self._run(self._redis.ping)
+
+    def _read_events(self, after: str, block_ms: int | None, count: int) -> list[dict[str, str]]:
+        reply: Any = self._redis.xread({names.events_key(): after}, count=count, block=block_ms)
+        return [
+            {"id": str(event_id), **fields} for _s, entries in reply or [] for event_id, fields in entries
+        ]
+
+    async def events(self, after: str, wait_s: float, count: int = 1000) -> list[dict[str, str]]:
+        """Completion events after `after`, waiting up to `wait_s` for the first, in slices."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            block = int(min(SLICE_S, left) * 1000) if left >= 0.001 else None
+            found = await self._run(partial(self._read_events, after, block, count))
+            if found or block is None or time.monotonic() >= deadline:
+                return found
+
+    async def result(self, job_id: str, wait_s: float, read_result: ReadResult) -> dict[str, Any] | str:
+        """The result (or, for a job that ended without a stored one, the failed result its record
+        describes, `result_stored: false`), else the job's state when the wait ends ("unknown": no
+        such job).
+
+        The record is read every RECORD_POLL_S; S3 as soon as the record says the job ended, and at
+        most every S3_EVERY_S otherwise, whatever it says (an update of the record may have been lost).
+        No record and no result: no such job."""
+        deadline = time.monotonic() + wait_s
+        next_look, ended_seen = 0.0, False  # the first pass always reads S3
+        while True:
+            record = await self.record(job_id)
+            state = record.get("state")
+            now = time.monotonic()
+            ended_now = state in TERMINAL and not ended_seen
+            if ended_now or state is None or now >= next_look:
+                next_look, ended_seen = now + S3_EVERY_S, state in TERMINAL
+                found = await self._run(partial(read_result, job_id))
+                if found is not None:
+                    return found
+                if state is None:
+                    return "unknown"
+                if state == "failed" and record.get("error_code"):
+                    return unstored_result(job_id, record)
+            if time.monotonic() >= deadline:
+                return str(state)
+            await asyncio.sleep(min(RECORD_POLL_S, max(0.0, deadline - time.monotonic())))

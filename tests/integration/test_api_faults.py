@@ -1,0 +1,384 @@
+"""mrc-api under faults and hostile or careless clients: long-polls past every timeout, followers that
+must not stall submissions, Redis and S3 out of reach, bugs, keys checked before bodies, bodies past the
+limit, inputs that pass one check and not the next, read scope, and logs from several processes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from producer import api_waits
+from producer.api import create_app
+from producer.client import Client
+from scripts import devservices as services
+from shared import logs
+from tests.integration.test_api import AUTH, BACKLOG_KEY, KEYS
+from tests.support import imagegen
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def api_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    return {**env, "MRC_API_KEYS": KEYS, "MRC_MAX_IMAGE_BYTES": str(200_000), "MRC_API_RATE_PER_S": "0"}
+
+
+@pytest.fixture
+def api(api_env: dict[str, str]) -> Iterator[TestClient]:
+    with TestClient(create_app(services.settings_from_env(api_env))) as client:
+        yield client
+
+
+def _job_id(tag: str) -> str:
+    return f"apif-{tag}-{uuid.uuid4().hex[:10]}"
+
+
+class Api:
+    """A real mrc-api process (uvicorn) on a free port, and a urllib client for it."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = services.free_port()
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [str(services.BIN / "mrc-api")], env={**env, "MRC_API_PORT": str(self.port)},
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        services.wait_for(lambda: self.get("/healthz")[0] == 200, 60, "mrc-api", self.proc)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def call(self, request: urllib.request.Request, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return reply.status, json.loads(reply.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    def get(self, path: str, headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, Any]:
+        return self.call(urllib.request.Request(self.url(path), headers=headers or {}), timeout)
+
+    def post_json(self, body: dict[str, Any]) -> tuple[int, Any]:
+        data = json.dumps(body).encode()
+        headers = {**AUTH, "Content-Type": "application/json"}
+        return self.call(urllib.request.Request(self.url("/v1/jobs"), data=data, headers=headers))
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(20)
+
+
+@pytest.fixture
+def uploaded(client: Client, tmp_path: Path) -> str:
+    photo = tmp_path / "f.jpg"
+    photo.write_bytes(imagegen.photo(64, 48, seed=41))
+    return client.upload_image(photo)[0]
+
+
+def _future_event_id() -> str:
+    """An id after every event there is or will be soon: a read after it waits its whole wait."""
+    return f"{int(time.time() * 1000) + 10**9}-0"
+
+
+# ------------------------------------------------------------------ 2. long-polls
+@pytest.mark.parametrize("wait", [0.3, 1.5])
+def test_an_event_wait_is_cut_into_reads_shorter_than_the_socket_timeout(
+    env: dict[str, str], wait: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waits below and above the connection's socket timeout (made 1 s here) both end in an answer."""
+    monkeypatch.setattr(api_waits, "SOCKET_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(api_waits, "SLICE_S", 0.5)
+    waits = api_waits.Waits(env["MRC_REDIS_URL"], 3.0, 4)
+    began = time.monotonic()
+    try:
+        assert asyncio.run(waits.events(_future_event_id(), wait)) == []
+    finally:
+        waits.close()
+    assert time.monotonic() - began >= wait  # it did wait, and no read outlived its timeout
+
+
+def test_a_long_poll_past_the_default_socket_timeout_answers_json(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    api = Api(api_env, tmp_path / "api.log")
+    try:
+        status, body = api.get(f"/v1/events?after={_future_event_id()}&wait=12", AUTH)
+        assert (status, body["events"]) == (200, [])
+    finally:
+        api.stop()
+
+
+def test_a_hundred_idle_followers_do_not_stall_submissions(
+    api_env: dict[str, str], uploaded: str, tmp_path: Path
+) -> None:
+    api = Api(api_env, tmp_path / "api.log")
+    followers_done: list[float] = []
+
+    def follow() -> None:
+        status, _ = api.get(f"/v1/events?after={_future_event_id()}&wait=20", AUTH, timeout=60)
+        assert status == 200
+        followers_done.append(time.monotonic())
+
+    threads = [threading.Thread(target=follow, daemon=True) for _ in range(100)]
+    try:
+        for thread in threads:
+            thread.start()
+        services.wait_for(lambda: _waiting_requests(api) >= 100, 30, "100 followers waiting")
+        submitted = []
+        for i in range(5):
+            status, _ = api.post_json({"image": uploaded, "prompt": "Refund?", "job_id": _job_id(f"f{i}")})
+            assert status == 202
+            assert api.get("/readyz")[0] == 200
+            submitted.append(time.monotonic())
+        assert not followers_done, "a submission waited for the followers' long-polls to end"
+        for thread in threads:
+            thread.join(60)
+        assert len(followers_done) == 100
+        assert max(submitted) < min(followers_done)
+    finally:
+        api.stop()
+
+
+def _waiting_requests(api: Api) -> int:
+    """How many connections the API process holds open (established, on its port; /proc/net/tcp)."""
+    port = f"{api.port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1].endswith(f":{port}") and row.split()[3] == "01")
+
+
+# ------------------------------------------------------------------ 3. faults as JSON
+@pytest.fixture
+def dead_env(api_env: dict[str, str]) -> dict[str, str]:
+    dead = f"127.0.0.1:{services.free_port()}"
+    return {**api_env, "MRC_REDIS_URL": f"redis://{dead}/0", "MRC_S3_ENDPOINT_URL": f"http://{dead}",
+            "MRC_CONNECT_TIMEOUT_S": "0.5"}  # fmt: skip
+
+
+@pytest.mark.parametrize("down", ["redis", "s3"])
+def test_redis_or_s3_out_of_reach_is_a_json_503_with_retry_after(
+    api_env: dict[str, str], dead_env: dict[str, str], down: str
+) -> None:
+    name = "MRC_REDIS_URL" if down == "redis" else "MRC_S3_ENDPOINT_URL"
+    settings = services.settings_from_env({**api_env, name: dead_env[name], "MRC_CONNECT_TIMEOUT_S": "0.5"})
+    photo = imagegen.photo(64, 48, seed=3)
+    with TestClient(create_app(settings)) as api:
+        replies = [
+            api.post("/v1/jobs", data={"prompt": "Refund?"}, files={"image": ("p.jpg", photo)}, headers=AUTH),
+            api.get("/readyz"),
+        ]
+        if down == "redis":
+            replies += [
+                api.post("/v1/jobs", json={"image": "s3://mrc-elsewhere/k.jpg", "prompt": "p"}, headers=AUTH),
+                api.get("/v1/jobs/x", headers=AUTH),
+                api.get("/v1/jobs/x/result", headers=AUTH),
+                api.get("/v1/events", params={"after": "0"}, headers=AUTH),
+            ]
+        for reply in replies:
+            assert reply.status_code == 503, reply.text
+            assert reply.headers["content-type"] == "application/json"
+            assert "error" in reply.json() or reply.json()["status"] == "not_ready"
+        assert all(r.headers.get("Retry-After") for r in replies if r.request.url.path != "/readyz")
+        metrics = api.get("/metrics").text
+        assert 'route="/v1/jobs",status="503"' in metrics
+
+
+def test_a_bug_is_a_json_500_and_counted(api_env: dict[str, str]) -> None:
+    class Broken(Client):
+        def status(self, job_id: str) -> dict[str, Any]:
+            raise RuntimeError("a bug")
+
+    settings = services.settings_from_env(api_env)
+    with TestClient(create_app(settings, Broken(settings)), raise_server_exceptions=False) as api:
+        reply = api.get("/v1/jobs/anything", headers=AUTH)
+        assert reply.status_code == 500
+        assert reply.json()["error"]["code"] == "internal_error"
+        too_big = api.post(
+            "/v1/jobs", content=b"x" * 2_000_000, headers={**AUTH, "Content-Type": "application/json"}
+        )
+        assert too_big.status_code == 413
+        metrics = api.get("/metrics").text
+    assert 'method="GET",route="/v1/jobs/{job_id}",status="500"' in metrics
+    assert 'status="413"' in metrics
+
+
+# ------------------------------------------------------------------ 4, 5. keys before bodies, 413 seen
+def test_without_a_key_every_body_is_401_before_it_is_read(api: TestClient, client: Client) -> None:
+    assert api.post("/v1/jobs", json={}).status_code == 401
+    assert (
+        api.post("/v1/jobs", content=b"{broken", headers={"Content-Type": "application/json"}).status_code
+        == 401
+    )
+    data = imagegen.photo(320, 240, seed=77)
+    reply = api.post("/v1/jobs", data={"prompt": "p"}, files={"image": ("x.jpg", data)})
+    assert reply.status_code == 401
+    assert reply.json()["error"]["code"] == "unauthorized"
+    digest = hashlib.sha256(data).hexdigest()
+    assert not client.results.connection.exists(client.settings.s3_bucket, f"inputs/{digest}.jpg")  # type: ignore[attr-defined]
+
+
+def test_a_client_that_writes_its_whole_body_first_reads_the_413(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    api = Api(api_env, tmp_path / "api.log")
+    try:
+        boundary = "mrcboundary"
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nRefund?\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="big.jpg"\r\n\r\n'
+        ).encode()
+        body = head + b"\xff" * 60_000_000 + f"\r\n--{boundary}--\r\n".encode()
+        request = urllib.request.Request(
+            api.url("/v1/jobs"), data=body, method="POST",
+            headers={**AUTH, "Content-Type": f"multipart/form-data; boundary={boundary}"},
+        )  # fmt: skip
+        status, reply = api.call(request)
+        assert status == 413, reply
+        assert reply["error"]["code"] == "invalid_job"
+    finally:
+        api.stop()
+
+
+# ------------------------------------------------------------------ 6. what passes one check passes all
+@pytest.mark.parametrize("value", ["²", "--5", "٣", "1e3", "7.5", "99999999999999999999999"])
+def test_a_multipart_number_no_integer_parser_takes_is_a_422(api: TestClient, value: str) -> None:
+    data = imagegen.photo(64, 48, seed=5)
+    reply = api.post(
+        "/v1/jobs",
+        data={"prompt": "p", "max_new_tokens": value},
+        files={"image": ("x.jpg", data)},
+        headers=AUTH,
+    )
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["error"]["code"] == "invalid_job"
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000])
+def test_json_nested_past_the_parser_is_a_400(api: TestClient, body: bytes) -> None:
+    reply = api.post("/v1/jobs", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["code"] == "invalid_job"
+
+
+@pytest.mark.parametrize(
+    "after", ["99999999999999999999", "1-99999999999999999999", "18446744073709551616-0"]
+)
+def test_event_ids_beyond_what_redis_takes_are_a_400(api: TestClient, after: str) -> None:
+    reply = api.get("/v1/events", params={"after": after}, headers=AUTH)
+    assert reply.status_code == 400, reply.text
+    highest = api.get(
+        "/v1/events", params={"after": "18446744073709551615-18446744073709551615"}, headers=AUTH
+    )
+    assert highest.status_code == 200
+
+
+# ------------------------------------------------------------------ 7. result waits
+def test_a_failed_job_without_a_stored_result_is_answered_not_202(api: TestClient, client: Client) -> None:
+    job_id = _job_id("unstored")
+    assert client.records.claim(job_id, "interactive")
+    client.records.set_state(job_id, "failed", error_code="internal_error", error_message="S3 refused it")
+    reply = api.get(f"/v1/jobs/{job_id}/result", params={"wait": 20}, headers=AUTH)
+    assert reply.status_code == 200
+    assert (reply.json()["status"], reply.json()["result_stored"]) == ("failed", False)
+
+
+def test_a_result_wait_reads_s3_at_most_once_a_second(api_env: dict[str, str], client: Client) -> None:
+    settings = services.settings_from_env(api_env)
+    reads: list[float] = []
+
+    class Counting(Client):
+        def result(self, job_id: str) -> dict[str, Any] | None:
+            reads.append(time.monotonic())
+            return super().result(job_id)
+
+    job_id = _job_id("queued")
+    assert client.records.claim(job_id, "interactive")  # queued, never run
+    with TestClient(create_app(settings, Counting(settings))) as api:
+        began = time.monotonic()
+        reply = api.get(f"/v1/jobs/{job_id}/result", params={"wait": 3}, headers=AUTH)
+        spent = time.monotonic() - began
+    assert reply.status_code == 202
+    assert 1 <= len(reads) <= spent / api_waits.S3_EVERY_S + 1
+
+
+# ------------------------------------------------------------------ 9. read scope
+def test_a_key_reads_only_the_jobs_and_events_of_its_lanes(
+    api: TestClient, client: Client, uploaded: str
+) -> None:
+    backlog_only = {"Authorization": f"Bearer {BACKLOG_KEY}"}
+    ticket = _job_id("scope")
+    assert (
+        api.post(
+            "/v1/jobs", json={"image": uploaded, "prompt": "p", "job_id": ticket}, headers=AUTH
+        ).status_code
+        == 202
+    )
+    assert api.get(f"/v1/jobs/{ticket}", headers=AUTH).status_code == 200
+    assert api.get(f"/v1/jobs/{ticket}", headers=backlog_only).status_code == 404
+    assert api.get(f"/v1/jobs/{ticket}/result", headers=backlog_only).status_code == 404
+    client.records.add_event({"job_id": ticket, "status": "succeeded", "lane": "interactive"}, keep=1000)
+    seen = api.get("/v1/events", params={"after": "0"}, headers=backlog_only).json()["events"]
+    assert ticket not in {e["job_id"] for e in seen}
+    assert ticket in {
+        e["job_id"] for e in api.get("/v1/events", params={"after": "0"}, headers=AUTH).json()["events"]
+    }
+
+
+# ------------------------------------------------------------------ 8, 10. processes and probes
+@pytest.mark.parametrize("fmt", ["json", "pipe"])
+def test_every_api_process_logs_in_the_contract_format(
+    api_env: dict[str, str], uploaded: str, tmp_path: Path, fmt: str
+) -> None:
+    env = {**api_env, "MRC_API_WORKERS": "2", "MRC_LOG_FORMAT": fmt}
+    api = Api(env, tmp_path / "api.log")
+    try:
+        for i in range(8):  # spread over both processes
+            assert (
+                api.post_json({"image": uploaded, "prompt": "Refund?", "job_id": _job_id(f"log{i}")})[0]
+                == 202
+            )
+    finally:
+        api.stop()
+    lines = [line for line in (tmp_path / "api.log").read_text().splitlines() if line.strip()]
+    if fmt == "json":
+        events = [json.loads(line)["event"] for line in lines]
+    else:
+        events = [logs.parse_line(line)[0] for line in lines]
+        assert all(event.isupper() for event in events), lines[:3]
+    assert events.count("MRC_ENQUEUED") == 8
+
+
+def test_readiness_probes_reuse_one_s3_client_and_never_500(
+    api_env: dict[str, str], dead_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    made: list[int] = []
+    real = boto3.client
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(boto3, "client", counting)
+    with TestClient(create_app(services.settings_from_env(api_env))) as api:
+        assert [api.get("/readyz").status_code for _ in range(5)] == [200] * 5
+    assert len(made) == 1
+    with TestClient(create_app(services.settings_from_env(dead_env)), raise_server_exceptions=False) as api:
+        assert {api.get("/readyz").status_code for _ in range(2)} == {503}
