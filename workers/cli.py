@@ -120,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     lane_keys = [key for lane in lanes for key in names.queue_keys(lane)]
     depth_client = connect(settings.redis_url, settings.connect_timeout_s, retries=0)
     liveness = Liveness(
-        settings.stuck_after_s, lambda: sum(int(depth_client.llen(key)) for key in lane_keys) > 0
+        settings.stuck_after_s,
+        lambda: sum(int(depth_client.llen(key)) for key in lane_keys) > 0,
+        consuming=False,  # loading, or alive but not ready on purpose: nothing to be stuck yet
     )
     transport.on_poll = liveness.polled
     server = health.serve(settings.metrics_port, state, metrics, liveness=liveness)
@@ -171,7 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.ready.set(1)
     log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
     _route_celery_console(log)
-    worker_ready.connect(lambda **_: log.info("MRC_CONSUMING", hostname=hostname), weak=False)
+
+    def on_consuming(**_: Any) -> None:
+        liveness.consuming()
+        log.info("MRC_CONSUMING", hostname=hostname)
+
+    worker_ready.connect(on_consuming, weak=False)
     worker = app.Worker(
         hostname=hostname,
         queues=[names.queue_name(lane) for lane in lanes],

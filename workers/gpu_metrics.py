@@ -25,10 +25,32 @@ def _nvml() -> Any | None:
         return None
 
 
+def nvml_handle(nv: Any, device: str) -> Any | None:
+    """NVML's handle for the GPU torch calls `device`. Not by index: NVML ignores CUDA_VISIBLE_DEVICES
+    and orders by PCI bus, torch counts the visible devices in CUDA's order. By UUID, else PCI bus id."""
+    import torch
+
+    index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+    properties = torch.cuda.get_device_properties(index)
+    uuid = getattr(properties, "uuid", None)
+    if uuid is not None:
+        try:
+            return nv.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except Exception:
+            pass
+    try:
+        domain, bus_id, slot = (getattr(properties, f"pci_{part}_id") for part in ("domain", "bus", "device"))
+        bus = f"{domain:08X}:{bus_id:02X}:{slot:02X}.0"
+        return nv.nvmlDeviceGetHandleByPciBusId(bus)
+    except Exception:
+        return None
+
+
 class GpuCollector(Collector):
     def __init__(self, device: str) -> None:
         self.device = device
         self._nvml = _nvml() if device.startswith("cuda") else None
+        self._handle = nvml_handle(self._nvml, device) if self._nvml is not None else None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield from self._torch_memory()
@@ -51,12 +73,10 @@ class GpuCollector(Collector):
             yield family
 
     def _nvml_series(self) -> Iterator[GaugeMetricFamily]:
-        nv = self._nvml
-        if nv is None:
+        nv, handle = self._nvml, self._handle
+        if nv is None or handle is None:
             return
-        index = int(self.device.split(":", 1)[1]) if ":" in self.device else 0
         try:
-            handle = nv.nvmlDeviceGetHandleByIndex(index)
             rates = nv.nvmlDeviceGetUtilizationRates(handle)
         except Exception:
             return

@@ -6,6 +6,10 @@ batch (the pipeline's `progress_at`). Stuck is no progress for `MRC_STUCK_AFTER_
 work: a batch in hand, or jobs waiting on the worker's lanes. An idle worker with nothing to do is
 not stuck however long it waits; a worker that cannot tell whether work waits (Redis away) is not
 called stuck either, since restarting it would not bring Redis back.
+
+Before the consumer starts (the model loading, for minutes) and in a worker that stays alive but not
+ready on purpose (it refuses readiness and never consumes), there is no consumer to be stuck: alive.
+Readiness (/readyz) is what says such a worker takes no work; restarting it would change nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ class Liveness:
         waiting: Callable[[], bool | None],
         progress: Progress | None = None,
         clock: Callable[[], float] = time.monotonic,
+        consuming: bool = True,
     ) -> None:
         self.stuck_after_s = stuck_after_s
+        self._consuming = consuming
         self._waiting = waiting  # jobs waiting on the lanes: True, False, or None when unknown
         self._progress = progress or (lambda: (0.0, None))
         self._clock = clock
@@ -41,8 +47,15 @@ class Liveness:
     def polled(self) -> None:
         self._last_poll = self._clock()
 
+    def consuming(self) -> None:
+        """The consumer has started: from now on it must make progress while there is work."""
+        self._last_poll = self._clock()
+        self._consuming = True
+
     def report(self) -> tuple[bool, dict[str, Any]]:
         """(alive, details) for /healthz."""
+        if not self._consuming:
+            return True, {"status": "alive", "consuming": False}
         now = self._clock()
         progress_at, batch_since = self._progress()
         last = max(self._last_poll, progress_at)

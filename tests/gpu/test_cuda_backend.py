@@ -66,3 +66,19 @@ def test_gpu_telemetry_series_exist_on_a_gpu() -> None:
         "mrc_gpu_memory_peak_bytes",
     } <= names
     assert "mrc_gpu_sm_utilization_ratio" in names, "NVML did not load on a CUDA machine"
+
+
+def test_nvml_reads_the_gpu_torch_runs_on() -> None:
+    """NVML orders GPUs by PCI bus and ignores CUDA_VISIBLE_DEVICES; the collector must not read
+    another GPU's counters than the one the model is on."""
+    import pynvml
+
+    from workers.gpu_metrics import nvml_handle
+
+    pynvml.nvmlInit()
+    for index in range(torch.cuda.device_count()):
+        handle = nvml_handle(pynvml, f"cuda:{index}")
+        assert handle is not None
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        assert uuid == f"GPU-{torch.cuda.get_device_properties(index).uuid}"

@@ -73,7 +73,9 @@ def test_the_dashboard_has_the_shape_grafana_imports() -> None:
     assert len(dashboard_metrics()) >= 20
 
 
-@pytest.mark.parametrize("name", ["mrc_job_latency_seconds", "mrc_queue_depth", "mrc_model_busy_ratio"])
+@pytest.mark.parametrize(
+    "name", ["mrc_job_latency_seconds", "mrc_queue_depth", "mrc_model_busy_seconds_total"]
+)
 def test_the_dashboard_queries_the_key_series(name: str) -> None:
     assert name in dashboard_metrics()
 
@@ -139,6 +141,10 @@ def test_compose_wires_the_parts_together() -> None:
     prometheus = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
     assert '"worker:9400"' in prometheus
     assert '"lanes:9401"' in prometheus
+    assert '"api:8000"' in prometheus
+    api = services["api"]
+    assert api["environment"]["MRC_API_KEYS"].startswith("${MRC_API_KEYS:?"), "no keys must not mean open"
+    assert all(str(port).startswith("127.0.0.1:") for port in api["ports"])
 
 
 def test_kubernetes_manifests_match_the_kubernetes_schemas() -> None:
@@ -156,7 +162,8 @@ def test_the_worker_deployment_probes_and_drains_as_the_worker_does() -> None:
     (container,) = pod["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
+    # Liveness from the start: a worker alive but not ready on purpose is kept (MrcWorkerNotReady says so)
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["terminationGracePeriodSeconds"] >= 300
     assert "preStop" in container["lifecycle"]
@@ -176,3 +183,47 @@ def test_keda_scales_on_the_lists_the_jobs_are_really_on() -> None:
     assert lists == {names.queue_keys("interactive")[0], names.queue_keys("backlog")[0]}
     for trigger in scaled["spec"]["triggers"]:
         assert int(trigger["metadata"]["listLength"]) > 0
+    # cooldownPeriod only acts when scaling to zero; with a floor of one the HPA's behaviour is what damps
+    if scaled["spec"].get("minReplicaCount", 0) > 0:
+        assert "cooldownPeriod" not in scaled["spec"]
+        behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+
+def test_the_dashboards_lane_queries_count_redis_wide_series_once(tmp_path: Path) -> None:
+    """Every worker and the lane exporter export the same Redis-wide lane series. Each dashboard query
+    of them, evaluated by promtool over the exporter and two workers, gives what one source says."""
+    import yaml
+
+    dashboard = json.loads((DEPLOY / "grafana" / "mrc-dashboard.json").read_text())
+    exprs = [
+        target["expr"] for panel in dashboard["panels"] for target in panel["targets"]
+        if re.search(r"mrc_(queue_|dead_letter)", target["expr"])
+    ]  # fmt: skip
+    assert len(exprs) >= 4
+    sources = ['job="mrc-lanes"', 'job="mrc-worker",instance="w1"', 'job="mrc-worker",instance="w2"']
+    series = []
+    for source in sources:
+        for name in ("mrc_queue_depth", "mrc_queue_in_flight", "mrc_queue_oldest_age_seconds"):
+            series.append({"series": f'{name}{{lane="backlog",{source}}}', "values": "7x10"})
+        series.append({"series": f"mrc_dead_letter_depth{{{source}}}", "values": "7x10"})
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "promql_expr_test": [
+                {
+                    "expr": expr,
+                    "eval_time": "5m",
+                    "exp_samples": [
+                        {"labels": '{lane="backlog"}' if "by (lane)" in expr else "{}", "value": 7}
+                    ],
+                }
+                for expr in exprs
+            ],
+        }
+    ]
+    path = tmp_path / "dashboard-lanes.test.yml"
+    path.write_text(yaml.safe_dump({"tests": tests}))
+    done = _promtool("test", "rules", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -63,3 +63,16 @@ def test_redis_away_is_not_called_stuck() -> None:
     alive, details = live.report()
     assert alive
     assert details["work_waiting"] is None
+
+
+def test_before_the_consumer_starts_or_when_it_never_will_the_worker_is_alive() -> None:
+    """Loading the model for minutes, or alive but not ready on purpose, with jobs waiting: alive (a
+    restart would change nothing); once consuming, the same silence is stuck."""
+    clock = Clock()
+    live = Liveness(10, lambda: True, clock=clock, consuming=False)
+    clock.now += 3600
+    alive, details = live.report()
+    assert (alive, details["consuming"]) == (True, False)
+    live.consuming()
+    clock.now += 11
+    assert live.report()[0] is False
