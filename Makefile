@@ -41,6 +41,7 @@ lint: install
 	$(VENV)/bin/mypy shared producer workers
 
 bench: install
+	$(PY) tests/bench/bench_cpu_contention.py
 	$(PY) tests/bench/bench_preprocess.py
 	$(PY) tests/bench/bench_throughput.py
 	$(PY) tests/bench/bench_priority.py

@@ -94,6 +94,7 @@ class FuyuBackend:
         self.attention_kernel = "not_measured"
         self.attention_kernel_padded = "not_measured"
         self.revision = "unloaded"
+        self.cpu_threads = 0  # set on the CPU (workers/cpu_threads.py)
 
     def _path(self) -> str:
         if self.source == "tiny":
@@ -125,6 +126,10 @@ class FuyuBackend:
                 f"weights, a hub id present in the HF cache, or 'tiny' ({exc})"
             ) from exc
         self.model.eval()
+        if self.device == "cpu":
+            from workers import cpu_threads
+
+            self.cpu_threads = cpu_threads.apply(self.model, self.settings.cpu_threads)
         self.revision = _revision(self.model.config, path)
         tokenizer = self.processor.tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
@@ -251,4 +256,5 @@ class FuyuBackend:
             "device": self.device,
             "attention_backend": f"{implementation}:{self.attention_kernel}",
             "attention_backend_padded": f"{implementation}:{self.attention_kernel_padded}",
+            **({"cpu_threads": str(self.cpu_threads)} if self.cpu_threads else {}),
         }
