@@ -214,6 +214,9 @@ def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float
         raise RuntimeError(
             f"{exc}\n--- worker log ---\n{log_path.read_text(errors='replace')[-4000:]}"
         ) from None
+    except BaseException:  # Ctrl-C while it loads: it is in no one's list of things to stop yet
+        stop(proc, signal.SIGKILL)
+        raise
     return worker
 
 

@@ -8,27 +8,20 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from celery.signals import worker_ready
 from pydantic import ValidationError
 
-from shared import logs, names, reach, transport
-from shared.celery_app import make_celery
+from shared import logs, names, reach
 from shared.errors import ServiceUnreachable
-from shared.lane_metrics import LaneCollector
-from shared.records import RedisJobRecords, connect
 from shared.settings import Settings, describe_error, unknown_variables
-from shared.stores import open_stores
-from workers import batch_sizes, health, tasks
-from workers.backends import attention, make_backend
-from workers.backends.base import ModelBackend
-from workers.cache import RedisResultCache
-from workers.gpu_metrics import GpuCollector
-from workers.heartbeat import Heartbeat
-from workers.liveness import Liveness
-from workers.metrics import Metrics
-from workers.pipeline import assemble
+
+if TYPE_CHECKING:
+    from workers import batch_sizes, health
+    from workers.backends.base import ModelBackend
+
+# torch, transformers, celery and the pipeline load in main, after the settings and the services are
+# checked: a worker that cannot start says why in a fraction of a second, not after seconds of imports.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,6 +76,8 @@ EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
 
 def _batch_sizes(backend: ModelBackend, settings: Settings, log: Any) -> batch_sizes.BatchSizes:
     """Measure what a model batch is worth per input length (or not, when switched off), and say so."""
+    from workers import batch_sizes
+
     upper, side = settings.model_batch_max_jobs, settings.max_image_side
     if not settings.batch_calibrate:
         sizes = batch_sizes.BatchSizes.fixed(upper, side)
@@ -114,6 +109,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.critical("MRC_FATAL", error=exc.message)
         print(f"mrc-worker: {exc.message}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    return _serve(args, settings, lanes, log)
+
+
+def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: Any) -> int:
+    """Load, warm up and consume until stopped; the exit code."""
+    from celery.signals import worker_ready
+
+    from shared import transport
+    from shared.celery_app import make_celery
+    from shared.lane_metrics import LaneCollector
+    from shared.records import RedisJobRecords, connect
+    from shared.stores import open_stores
+    from workers import health, tasks
+    from workers.backends import attention, make_backend
+    from workers.cache import RedisResultCache
+    from workers.gpu_metrics import GpuCollector
+    from workers.heartbeat import Heartbeat
+    from workers.liveness import Liveness
+    from workers.metrics import Metrics
+    from workers.pipeline import assemble
 
     metrics = Metrics()
     state = health.HealthState()

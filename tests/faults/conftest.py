@@ -31,6 +31,9 @@ class Cluster:
         self.env.update(
             {
                 "MRC_QUANTIZATION": "fp32",  # loads in 0.1 s: these tests start many workers
+                # Batch-size calibration costs ~4 s per worker start and no fault test is about it
+                # (tests/unit/test_batch_sizes.py and the session worker's /readyz are).
+                "MRC_BATCH_CALIBRATE": "false",
                 "MRC_VISIBILITY_TIMEOUT_S": "10",
                 "MRC_RESTORE_INTERVAL_S": "1",
                 "MRC_RETRY_BASE_S": "0.5",
@@ -40,6 +43,12 @@ class Cluster:
         )
         self.workers: list[services.Worker] = []
         self._client: Client | None = None
+
+    def paced_worker(self, token_ms: int = 50, **env: str) -> services.Worker:
+        """A worker on the echo model at a known speed (MRC_ECHO_TOKEN_MS per answer token), for tests
+        whose point is the broker and the worker's bookkeeping, not the model: it starts in a few
+        seconds and its batches last as long as the test needs on a machine of any speed."""
+        return self.worker(MRC_MODEL="echo", MRC_ECHO_TOKEN_MS=str(token_ms), **env)
 
     def worker(self, **env: str) -> services.Worker:
         log = self.workdir / f"worker-{len(self.workers)}.log"
