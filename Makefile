@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration test-kombu lint bench clean
+.PHONY: install demo test test-fast test-unit test-integration test-kombu lint bench clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,9 @@ test-kombu: install
 
 test-unit: install
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The edit-test loop: unit tests only (no services, no worker processes), under a minute.
+test-fast: test-unit
 
 test-integration: install
 	$(PY) -m pytest tests/integration tests/faults $(PYTEST_ARGS)
