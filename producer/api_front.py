@@ -148,13 +148,14 @@ class Front:
             self._bodies.release()
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
-        seen, over = 0, False
+        seen, over, ended = 0, False, False
 
         async def counted() -> Message:
-            nonlocal seen, over
+            nonlocal seen, over, ended
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                ended = not message.get("more_body", False)
                 if seen > limit:
                     over = True
                     raise _TooLarge
@@ -165,7 +166,8 @@ class Front:
         except Exception:
             if not over:
                 raise
-            await _drain(receive, self.limits.drain_bytes, None)
+            if not ended:  # the last part already came: nothing left to drain
+                await _drain(receive, self.limits.drain_bytes, None)
             await _reply(send, _too_large(limit))
 
     def _fault(self, exc: Exception, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
