@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -204,7 +205,16 @@ class Client:
 
     def _earlier_result(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
         """A result stored under this id before (its record expired; results do not). With S3 out of
-        reach the job is still sent, and its record tells the worker to look before it runs."""
+        reach, or slower than a third of the claim's lease (retries included), the job is still sent,
+        unchecked, and its record tells the worker to look before it runs: the work done inside the
+        claim stays well below its lease."""
+        found: list[tuple[bool, dict[str, Any] | None]] = []
+        look = threading.Thread(target=lambda: found.append(self._look(job_id)), daemon=True)
+        look.start()
+        look.join(CLAIM_TTL_S / 3)
+        return found[0] if found else (False, None)
+
+    def _look(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
         try:  # a HEAD first: the answer is almost always "none"
             return True, self.results.get_result(job_id) if self.results.has_result(job_id) else None
         except StoreUnavailable:

@@ -211,3 +211,38 @@ def test_a_confirm_for_a_claim_no_longer_held_writes_nothing(client: Client) -> 
     assert other is not None
     client.records.release(job_id, token)  # the old holder's undo leaves the new claim alone
     assert client.records.get(job_id)["claim"] == other
+
+
+def test_a_look_for_an_earlier_result_that_hangs_is_cut_well_inside_the_claim(
+    client: Client, worker: services.Worker, image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An S3 that accepts and never answers: the producer stops looking after a third of the claim's
+    lease and sends the job unchecked (its record tells the worker to look), instead of outliving it."""
+    import threading
+
+    from producer import client as client_module
+
+    monkeypatch.setattr(client_module, "CLAIM_TTL_S", 3)
+    hung = threading.Event()
+
+    def has_result(job_id: str) -> bool:
+        hung.wait(30)
+        return False
+
+    monkeypatch.setattr(client.results, "has_result", has_result)
+    renewals: list[bool] = []
+    real_renew = client.records.renew
+
+    def renew(job_id: str, token: str) -> bool:
+        renewals.append(real_renew(job_id, token))
+        return renewals[-1]
+
+    monkeypatch.setattr(client.records, "renew", renew)
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    try:
+        assert client.enqueue(job) is True
+    finally:
+        hung.set()
+    assert renewals == [True], "the look outlived the claim"
+    assert client.records.get(job.job_id)["checked"] == "0"
+    assert _ran(client, job.job_id)
