@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 
 class JobRequest(BaseModel):
@@ -24,6 +24,16 @@ class JobRequest(BaseModel):
     lane: str = "interactive"
     max_new_tokens: int | None = None
     deadline: str | None = None
+    response_format: None = Field(
+        default=None, description="structured answers: in the contract, not supported by this version yet"
+    )
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _no_structured_answers_yet(cls, value: object) -> None:
+        if value is not None and value != "":
+            raise ValueError("structured answers are not supported by this version")
+        return
 
 
 def multipart_schema() -> dict[str, Any]:

@@ -83,6 +83,16 @@ class Job(BaseModel):
     ticket_id: str | None = Field(default=None, max_length=256)
     submitted_at: str = Field(default_factory=now_rfc3339)
     deadline: str | None = None
+    # Structured answers are in the contract but not in this version: a job that asks for one is
+    # refused, never run as free text the caller would take for a constrained answer.
+    response_format: None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _no_structured_answers_yet(cls, value: object) -> None:
+        if value is not None:
+            raise ValueError("structured answers (response_format) are not supported by this version")
+        return
 
     @field_validator("job_id")
     @classmethod
@@ -113,7 +123,7 @@ class Job(BaseModel):
         return value
 
     def to_message(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
+        return self.model_dump(by_alias=True, exclude={"response_format"})
 
     def fingerprint(self) -> str:
         """What makes two submissions the same job (not who sent it or when): the image, the prompt

@@ -94,3 +94,13 @@ def test_queue_entries_that_are_not_envelopes_are_recognised() -> None:
     assert parse_envelope(b'{"body": "", "properties": {"delivery_tag": "x"}}') is not None
     for raw in (b"{not json", b"[1, 2]", b'{"body": "x"}', b"\xff\xfe", b'"text"'):
         assert parse_envelope(raw) is None
+
+
+def test_a_job_asking_for_a_structured_answer_is_refused_until_the_decoder_can_enforce_one() -> None:
+    """In the contract, not in this version: refused (invalid_job), never run as free text."""
+    from shared.errors import InvalidJob
+
+    message = {"job_id": "j1", "image_uri": "s3://mrc/a.jpg", "prompt": "Refund?", "max_new_tokens": 8}
+    assert "response_format" not in Job.from_message(message).to_message()
+    with pytest.raises(InvalidJob, match="response_format"):
+        Job.from_message({**message, "response_format": {"type": "choice", "choices": ["refund", "no"]}})
