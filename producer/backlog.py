@@ -93,10 +93,10 @@ class Backlog:
         if record.get("state") == "cancelled":
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.client.results.ensure_bucket()
-        done = {_chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
+        done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
         progress = Progress(run_id)
         throttle = _Throttle(rate)
-        for number, chunk in _chunks(lines):
+        for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done:  # enqueued by an earlier pass: its index says what it held
                 index = self.files.get_text(self._index_key(run_id, number)) or ""
                 invalid = index.count('"invalid":')
@@ -262,7 +262,7 @@ class Backlog:
         codes: Counter[str] = Counter()
         recent = invalid = 0
         since = time.time() - 60
-        for batch in _batched(self.entries(run_id), 1000):
+        for batch in manifest.batched(self.entries(run_id), 1000):
             invalid += sum(1 for e in batch if "invalid" in e)
             ids = [e["job_id"] for e in batch if "job_id" in e]
             for state, code, updated in self.runs.states(ids):
@@ -298,7 +298,7 @@ class Backlog:
         # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
         self.runs.update(run_id, state="cancelled")
         cancelled = 0
-        for batch in _batched(self.entries(run_id), 1000):
+        for batch in manifest.batched(self.entries(run_id), 1000):
             cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
         self.runs.count(run_id, cancelled=cancelled)
         return cancelled
@@ -314,7 +314,7 @@ class Backlog:
 
             def rows() -> Iterator[str]:
                 with ThreadPoolExecutor(_READ_THREADS) as pool:
-                    for batch in _batched(self.entries(run_id), 1000):
+                    for batch in manifest.batched(self.entries(run_id), 1000):
                         results = pool.map(self._result_of, batch)
                         for entry, result in zip(batch, results, strict=True):
                             if "invalid" in entry:
@@ -388,36 +388,6 @@ def _invalid_entry(item: Invalid) -> dict[str, Any]:
 
 def _cancelled(run_id: str) -> UsageError:
     return UsageError(f"run {run_id} was cancelled while it was being enqueued")
-
-
-def _chunk_number(key: str) -> int:
-    return int(key.rsplit("/", 1)[-1].split(".", 1)[0])
-
-
-def _chunks(lines: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, list[tuple[int, bytes]]]]:
-    """Chunks of CHUNK_LINES manifest lines, numbered by position (line 1-5000 is chunk 0): the same
-    manifest always cuts into the same chunks, which is what a resume relies on."""
-    chunk: list[tuple[int, bytes]] = []
-    number = 0
-    for n, raw in lines:
-        if (n - 1) // CHUNK_LINES != number and chunk:
-            yield number, chunk
-            chunk = []
-        number = (n - 1) // CHUNK_LINES
-        chunk.append((n, raw))
-    if chunk:
-        yield number, chunk
-
-
-def _batched(items: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
-    batch: list[dict[str, Any]] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 class _Throttle:

@@ -153,3 +153,34 @@ def from_listing(keys: Iterable[str], bucket: str, prompt: str) -> Iterator[byte
         if key.endswith("/"):
             continue  # a "folder" placeholder object
         yield json.dumps({"custom_id": key, "image": f"s3://{bucket}/{key}", "prompt": prompt}).encode()
+
+
+def chunk_number(key: str) -> int:
+    """The chunk an index object is for (`.../index/00000012.jsonl` -> 12)."""
+    return int(key.rsplit("/", 1)[-1].split(".", 1)[0])
+
+
+def chunks(lines: Iterable[tuple[int, bytes]], size: int) -> Iterator[tuple[int, list[tuple[int, bytes]]]]:
+    """Chunks of `size` manifest lines, numbered by position (lines 1..size are chunk 0): the same
+    manifest always cuts into the same chunks, which is what a resume relies on."""
+    chunk: list[tuple[int, bytes]] = []
+    number = 0
+    for n, raw in lines:
+        if (n - 1) // size != number and chunk:
+            yield number, chunk
+            chunk = []
+        number = (n - 1) // size
+        chunk.append((n, raw))
+    if chunk:
+        yield number, chunk
+
+
+def batched(items: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    batch: list[dict[str, Any]] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

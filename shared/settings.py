@@ -94,8 +94,8 @@ class Settings(BaseSettings):
     # MRC_MODEL_BATCH_MAX_JOBS.
     batch_calibrate: bool = True
     fetch_threads: int = Field(default=4, ge=1)
-    # OpenMP threads of the model on the CPU; 0: one for a small model, every usable core for a large
-    # one (workers/cpu_threads.py, measured in docs/benchmarks.md).
+    # OpenMP threads of a model call on the CPU; 0: by the call's size, one for a small call, every
+    # usable core for a large one (workers/cpu_threads.py, measured in docs/benchmarks.md).
     cpu_threads: int = Field(default=0, ge=0, le=1024)
     # /healthz answers 503 after this long without progress while there is work (workers/liveness.py).
     # Above the longest model batch: one `generate` call is one step of progress.

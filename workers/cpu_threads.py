@@ -1,25 +1,26 @@
-"""How many OpenMP threads the model uses on the CPU, and how they wait for work.
+"""How many OpenMP threads a model call uses on the CPU.
 
 Measured (tests/bench/bench_cpu_contention.py, docs/benchmarks.md): with torch's defaults (a thread
-per core, threads that spin while they wait) one job on the tiny Fuyu took 117 ms alone and 459-577 ms
-beside one or two busy processes on two cores: a parallel step waits for its slowest thread, and a
-thread whose core another process holds keeps the others spinning. With one thread it took 122 ms alone
-and 221 ms beside two busy processes (a fair share of two cores among three), and a second thread
-never paid for itself on a model this small (its matrices are 64 wide: each op is microseconds).
+per core, threads that spin while they wait) one ticket on the tiny Fuyu took ~105 ms alone and
+~715 ms beside two busy processes on two cores: a parallel step waits for its slowest thread, and a
+thread whose core another process holds keeps its partner spinning. On one thread the same call took
+~130 ms alone and ~185 ms beside two busy processes (a fair share), because a call this small (a few
+hundred positions, 64-wide matrices) gains nothing from a second thread. A large call (a batch of 1 MP
+photos: thousands of positions) is another matter: two threads make it ~1.5x faster alone. Sleeping
+instead of spinning (OMP_WAIT_POLICY=PASSIVE) cost 2-3x on small calls and ~1.5x on large ones here.
 
-So: a model under SMALL_MODEL_PARAMETERS runs on one thread (the tests, the demo, the tiny Fuyu); a
-larger one on every core this process may use, with passive waiting (workers/__init__.py sets
-OMP_WAIT_POLICY=PASSIVE unless the operator set it): its ops are long enough that waking a sleeping
-thread costs nothing, and a descheduled thread no longer holds the others spinning. MRC_CPU_THREADS
-overrides the count. The image decode threads always use one each (workers/images.py).
+So each call takes its thread count from its size: one thread below SMALL_CALL_POSITIONS prefill
+positions (tickets, the tests, the demo: a CPU worker beside other processes keeps its speed), every
+usable core above it (batches, where threads pay; beside busy processes those still slow down, see
+docs/benchmarks.md). MRC_CPU_THREADS fixes the count instead. The image decode threads always use one
+each (workers/images.py).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
-SMALL_MODEL_PARAMETERS = 100_000_000
+SMALL_CALL_POSITIONS = 4096  # prefill positions (rows x padded length) of a call that runs on one thread
 
 
 def usable_cores() -> int:
@@ -29,18 +30,18 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def choose(requested: int, parameters: int, cores: int) -> int:
-    """The thread count: `requested` when set (> 0), else by the model's size."""
+def choose(requested: int, positions: int, cores: int) -> int:
+    """Threads for one model call of `positions` prefill positions: `requested` when set (> 0)."""
     if requested > 0:
         return requested
-    return 1 if parameters < SMALL_MODEL_PARAMETERS else cores
+    return 1 if positions < SMALL_CALL_POSITIONS else cores
 
 
-def apply(model: Any, requested: int) -> int:
-    """Set torch's intra-op threads for a model about to run on the CPU; returns the count."""
+def apply(requested: int, positions: int) -> int:
+    """Set torch's intra-op threads for the next model call on the CPU; returns the count."""
     import torch
 
-    parameters = sum(int(p.numel()) for p in model.parameters())
-    threads = choose(requested, parameters, usable_cores())
-    torch.set_num_threads(threads)
+    threads = choose(requested, positions, usable_cores())
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     return threads

@@ -86,7 +86,7 @@ def test_run_ids_may_not_hold_the_separators() -> None:
 
 def test_chunks_are_cut_by_line_position_whatever_was_blank() -> None:
     lines = [(n, b"x") for n in range(1, backlog.CHUNK_LINES * 2 + 3)]
-    chunks = list(backlog._chunks(lines))
+    chunks = list(manifest.chunks(lines, backlog.CHUNK_LINES))
     assert [number for number, _ in chunks] == [0, 1, 2]
     assert chunks[1][1][0][0] == backlog.CHUNK_LINES + 1
     assert sum(len(c) for _, c in chunks) == len(lines)

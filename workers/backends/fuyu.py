@@ -94,7 +94,6 @@ class FuyuBackend:
         self.attention_kernel = "not_measured"
         self.attention_kernel_padded = "not_measured"
         self.revision = "unloaded"
-        self.cpu_threads = 0  # set on the CPU (workers/cpu_threads.py)
 
     def _path(self) -> str:
         if self.source == "tiny":
@@ -126,10 +125,6 @@ class FuyuBackend:
                 f"weights, a hub id present in the HF cache, or 'tiny' ({exc})"
             ) from exc
         self.model.eval()
-        if self.device == "cpu":
-            from workers import cpu_threads
-
-            self.cpu_threads = cpu_threads.apply(self.model, self.settings.cpu_threads)
         self.revision = _revision(self.model.config, path)
         tokenizer = self.processor.tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
@@ -209,6 +204,10 @@ class FuyuBackend:
 
         inputs = prepared.inputs
         steps = max(prepared.max_new_tokens)
+        if self.device == "cpu":  # threads by the call's size: one for a ticket, the cores for a batch
+            from workers import cpu_threads
+
+            cpu_threads.apply(self.settings.cpu_threads, int(inputs["input_ids"].numel()))
         try:
             with torch.inference_mode():
                 out = self.model.generate(
@@ -256,5 +255,4 @@ class FuyuBackend:
             "device": self.device,
             "attention_backend": f"{implementation}:{self.attention_kernel}",
             "attention_backend_padded": f"{implementation}:{self.attention_kernel_padded}",
-            **({"cpu_threads": str(self.cpu_threads)} if self.cpu_threads else {}),
         }
