@@ -1,0 +1,92 @@
+"""The running batch's KV cache and attention mask: rows of different lengths, left-padded.
+
+A prefilled row's cache is merged in by left-padding every row to the longest along the sequence axis
+(zeros in the attention mask over the padding); a finished row leaves by index-selecting it out of
+every layer and of the mask; columns that no remaining row uses are trimmed from the left. Position
+ids come from the mask (a row's positions count its own tokens only), so padding never shifts a row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+
+def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _build(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """[rows, heads, T, dim] -> [rows, heads, length, dim], zeros on the left."""
+    missing = length - tensor.shape[2]
+    if missing <= 0:
+        return tensor
+    pad = tensor.new_zeros((tensor.shape[0], tensor.shape[1], missing, tensor.shape[3]))
+    return torch.cat([pad, tensor], dim=2)
+
+
+class Batch:
+    """The rows running together: their ids (in cache order), one cache, one mask."""
+
+    def __init__(self) -> None:
+        self.row_ids: list[str] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # [rows, T] long: 1 where a row has a real position
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def add(self, row_id: str, cache: Any, length: int) -> None:
+        """Merge a row prefilled alone (its cache holds exactly `length` positions)."""
+        device = cache.layers[0].keys.device
+        row_mask = torch.ones((1, length), dtype=torch.long, device=device)
+        if self.cache is None or self.mask is None:
+            self.row_ids, self.cache, self.mask = [row_id], cache, row_mask
+            return
+        width = max(self.mask.shape[1], length)
+        merged = []
+        for (keys, values), (new_keys, new_values) in zip(_layers(self.cache), _layers(cache), strict=True):
+            merged.append(
+                (
+                    torch.cat([_left_pad(keys, width), _left_pad(new_keys, width)], dim=0),
+                    torch.cat([_left_pad(values, width), _left_pad(new_values, width)], dim=0),
+                )
+            )
+        old = torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0))
+        new = torch.nn.functional.pad(row_mask, (width - length, 0))
+        self.cache, self.mask = _build(merged), torch.cat([old, new], dim=0)
+        self.row_ids.append(row_id)
+
+    def drop(self, row_ids: set[str]) -> None:
+        """Remove finished rows; trim the padding columns no remaining row needs."""
+        if not row_ids or self.mask is None:
+            return
+        keep = [i for i, row in enumerate(self.row_ids) if row not in row_ids]
+        if not keep:
+            self.row_ids, self.cache, self.mask = [], None, None
+            return
+        index = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask.index_select(0, index)
+        used = int(mask.sum(dim=1).max())
+        start = mask.shape[1] - used  # every remaining row is left-padded: its real positions are last
+        layers = [
+            (keys.index_select(0, index)[:, :, start:], values.index_select(0, index)[:, :, start:])
+            for keys, values in _layers(self.cache)
+        ]
+        self.cache, self.mask = _build(layers), mask[:, start:].contiguous()
+        self.row_ids = [self.row_ids[i] for i in keep]
+
+    def grow(self) -> torch.Tensor:
+        """The mask for the next step (one more real position per row) and the rows' positions."""
+        assert self.mask is not None
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        return (self.mask.sum(dim=1, keepdim=True) - 1).long()
