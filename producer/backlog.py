@@ -166,6 +166,8 @@ class Backlog:
         at = 0
         while at < len(jobs):
             room = self._wait_for_room(run_id, progress, block, on_progress)
+            if room == 0:  # cancelled while it waited
+                return True
             part = jobs[at : at + min(_PART, room)]
             throttle.take(len(part))
             limit = self.settings.backlog_max_depth
@@ -233,14 +235,14 @@ class Backlog:
     def _wait_for_room(
         self, run_id: str, progress: Progress, block: bool, on_progress: OnProgress | None
     ) -> int:
-        """How many jobs the backlog lane has room for now (at least 1), waiting while it is full
-        (or raising QueueFull without `block`); a cancel ends the wait."""
+        """How many jobs the backlog lane has room for now, waiting while it is full (or raising
+        QueueFull without `block`); 0 when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
         while (depth := self.client.lane_depth("backlog")) >= limit:
             if not block:
                 raise QueueFull(depth, limit)
             if self.runs.cancelled(run_id):
-                raise _cancelled(run_id)
+                return 0
             progress.waiting_for_room = True
             if on_progress:
                 on_progress(progress)

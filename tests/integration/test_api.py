@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from producer.api import create_app
 from producer.client import Client
 from scripts import devservices as services
+from shared import names
 from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
@@ -330,3 +331,22 @@ def test_uploads_the_worker_would_refuse_are_refused_before_they_are_stored(
     s3 = client.images.connection.client  # type: ignore[attr-defined]  # the S3 implementation's boto3 client
     listing = s3.list_objects_v2(Bucket=client.settings.s3_bucket, Prefix="inputs/").get("Contents", [])
     assert not [item for item in listing if digest in item["Key"]]
+
+
+def test_mrc_events_reads_to_the_end_and_refuses_ids_redis_cannot_read(
+    env: dict[str, str], client: Client
+) -> None:
+    """Without --follow it printed the first 1,000 events and stopped, exit 0; an id past 64 bits was
+    reported as 'cannot reach Redis' (exit 5)."""
+    newest = client.records._redis.xrevrange(names.events_key(), count=1)  # type: ignore[attr-defined]
+    after = newest[0][0] if newest else "0"
+    tag = f"ev-{time.monotonic_ns()}"
+    for i in range(1500):
+        client.records.add_event({"job_id": f"{tag}-{i}", "status": "succeeded"}, keep=100_000)
+    done = services.run_cli(env, "events", "--after", str(after))
+    assert done.returncode == 0, done.stderr
+    mine = [e for e in map(json.loads, done.stdout.splitlines()) if e["job_id"].startswith(tag)]
+    assert len(mine) == 1500
+    refused = services.run_cli(env, "events", "--after", "99999999999999999999")
+    assert refused.returncode == 2
+    assert "Redis" not in refused.stderr

@@ -282,3 +282,50 @@ def _can(probe: Any) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_cancel_while_the_run_waits_for_room_queues_nothing_more(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """The run fills the lane to its limit and waits for room; a cancel then stops it at once: not one
+    more job is queued, the run stays cancelled (no resume), and every job it queued ends cancelled,
+    also those whose cancel mark never got written (a producer killed before it marked them)."""
+    env = {**own, "MRC_BACKLOG_MAX_DEPTH": "50"}
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(80)]
+    manifest_file = _write(tmp_path / "m.jsonl", rows)
+    err = tmp_path / "enqueue.err"
+    with err.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(services.BIN / "mrc"), "backlog", str(manifest_file), "--run-id", "halt", "--interval", "0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=out,
+        )  # fmt: skip
+    lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    services.wait_for(lambda: "waiting for room" in err.read_text(), 60, "the run to wait for room", proc)
+    assert lane.llen(names.queue_name("backlog")) == 50, "parts shrink to the room left"
+    assert services.run_cli(env, "backlog", "cancel", "halt").returncode == 0
+    assert proc.wait(30) == 2, err.read_text()
+    assert "cancelled while it was being enqueued" in err.read_text()
+    assert lane.llen(names.queue_name("backlog")) == 50
+    status = json.loads(services.run_cli(env, "backlog", "status", "halt", "--json").stdout)
+    assert status["state"] == "cancelled"
+    assert services.run_cli(env, "backlog", "--resume", "halt").returncode == 2
+    ids = _queued_ids(own)
+    assert all(lane.hget(names.job_key(job_id), "cancelled") == b"1" for job_id in ids)
+    for job_id in ids[:5]:  # as if the producer had been killed before it marked them
+        lane.hdel(names.job_key(job_id), "cancelled")
+    worker = services.start_worker({**env, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
+    try:
+        client = Client(services.settings_from_env(own))
+        codes = {client.wait(job_id, 60)["error"]["code"] for job_id in ids}
+    finally:
+        worker.stop()
+    assert codes == {"cancelled"}
+
+
+def test_the_depth_limit_holds_when_it_is_below_a_part(own: dict[str, str], tmp_path: Path) -> None:
+    """A limit of 40 with parts of 500: exactly 40 jobs go in (it used to let a whole part in)."""
+    env = {**own, "MRC_BACKLOG_MAX_DEPTH": "40"}
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(240)]
+    done = services.run_cli(env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--no-block")
+    assert done.returncode == 4, done.stderr
+    assert len(_queued_ids(own)) == 40
