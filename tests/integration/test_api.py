@@ -321,6 +321,7 @@ def test_mrc_events_prints_and_follows_completion_events(
 def test_uploads_the_worker_would_refuse_are_refused_before_they_are_stored(
     api: TestClient, client: Client, data: bytes, code: str
 ) -> None:
+    client.results.ensure_bucket()  # listed below: it must exist whichever test ran first
     reply = api.post(
         "/v1/jobs", data={"prompt": "Refund?"}, files={"image": ("x.bin", data, "application/octet-stream")},
         headers=AUTH,
