@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from producer.api_forms import JobRequest, job_fields, multipart_schema
+from producer.api_forms import JobRequest, error, invalid_job, job_fields, multipart_schema
 from producer.api_front import Front, Limits, caller_of
 from producer.api_guard import Keys, RateLimiter
 from producer.api_waits import Waits
@@ -42,12 +42,8 @@ _IMAGE_CODES = frozenset({"image_source_forbidden", "unsupported_image_format", 
 _WAIT = Query(0.0, ge=0, le=86400, allow_inf_nan=False, description="seconds to wait (bounded by the server)")
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
-
-
 def _not_found(job_id: str) -> JSONResponse:
-    return _error(404, "not_found", f"no job {job_id[:130]!r}")
+    return error(404, "not_found", f"no job {job_id[:130]!r}")
 
 
 class Intake:
@@ -80,16 +76,16 @@ class Intake:
             return fields
         lane = str(fields.get("lane") or "interactive")
         if lane in names.LANES and lane not in caller_of(request.scope).lanes:
-            return _error(403, "forbidden", f"this key may not use the {lane} lane")
+            return error(403, "forbidden", f"this key may not use the {lane} lane")
         try:
             return await run_in_threadpool(_enqueue, self.client, fields, data)
         except QueueFull as exc:
-            return _error(503, exc.code, exc.message, {"Retry-After": "30"})
+            return error(503, exc.code, exc.message, {"Retry-After": "30"})
         except UsageError as exc:
             conflict = "already used by a different job" in exc.message
             prefix = exc.message.split(":", 1)[0]
             code = prefix if prefix in _IMAGE_CODES else "invalid_job"
-            return _error(409 if conflict else 422, code, exc.message)
+            return error(409 if conflict else 422, code, exc.message)
 
     async def _visible(self, request: Request, job_id: str) -> bool:
         """Whether the caller's key may read this job: its lane is one the key may use."""
@@ -123,7 +119,7 @@ class Intake:
 
     async def events(self, request: Request, after: str = "0", wait: float = _WAIT) -> Response:
         if not valid_event_id(after):
-            return _error(
+            return error(
                 400, "invalid_request", "after: an event id (1700000000000-0, parts below 2^64) or 0"
             )
         block = max(0.0, min(wait, self.settings.api_result_wait_max_s))
@@ -159,16 +155,9 @@ class Intake:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _invalid_job(errors: list[Any], where: str, message: str) -> JSONResponse:
-    """422 `invalid_job` naming the first field pydantic or FastAPI refused."""
-    first = errors[0] if errors else {}
-    where = ".".join(str(part) for part in first.get("loc", ())) or where
-    return _error(422, "invalid_job", f"{where}: {first.get('msg', message)}"[:300])
-
-
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     errors: list[Any] = list(exc.errors()) if isinstance(exc, RequestValidationError) else []
-    return _invalid_job(errors, "", "invalid request")
+    return invalid_job(errors, "request")
 
 
 def limits(settings: Settings) -> Limits:

@@ -43,8 +43,16 @@ def multipart_schema() -> dict[str, Any]:
     return {"type": "object", "required": ["image", "prompt"], "properties": properties}
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The contract's error body, `{"error": {"code", "message"}}`: every route's 4xx and 5xx."""
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def invalid_job(errors: list[Any], where: str = "body") -> JSONResponse:
+    """422 `invalid_job` naming the first field pydantic or FastAPI refused."""
+    first = errors[0] if errors else {}
+    place = ".".join(str(part) for part in first.get("loc", ())) or where
+    return error(422, "invalid_job", f"{place}: {first.get('msg', 'invalid')}"[:300])
 
 
 async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, bytes | None]:
@@ -54,17 +62,17 @@ async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, b
         async with request.form() as form:  # closes the uploaded parts' temporary files
             upload = form.get("image")
             if upload is None or isinstance(upload, str):
-                return _error(422, "invalid_job", "image: a multipart request needs a file part"), None
+                return error(422, "invalid_job", "image: a multipart request needs a file part"), None
             data = await upload.read()
             fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         fields["image"] = ""
         return checked(fields), data
     if kind != "application/json":
-        return _error(415, "invalid_job", "send application/json or multipart/form-data"), None
+        return error(415, "invalid_job", "send application/json or multipart/form-data"), None
     try:
         body = await request.json()
     except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-        return _error(400, "invalid_job", "the body is not JSON (or is nested too deeply)"), None
+        return error(400, "invalid_job", "the body is not JSON (or is nested too deeply)"), None
     return checked(body), None
 
 
@@ -72,10 +80,6 @@ def checked(data: object) -> dict[str, Any] | JSONResponse:
     try:
         return JobRequest.model_validate(data).model_dump()
     except ValidationError as exc:
-        errors = exc.errors()
-        if not errors:
-            return _error(422, "invalid_job", "body: invalid")
-        where = ".".join(str(part) for part in errors[0]["loc"]) or "body"
-        return _error(422, "invalid_job", f"{where}: {errors[0]['msg']}"[:300])
+        return invalid_job(list(exc.errors()))
     except RecursionError:
-        return _error(400, "invalid_job", "the body is nested too deeply")
+        return error(400, "invalid_job", "the body is nested too deeply")
