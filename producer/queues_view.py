@@ -55,11 +55,21 @@ def _workers(client: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _engine(w: dict[str, Any]) -> str:
+    """The worker's engine: rows running / most rows, rows waiting, cache positions it admits up to."""
+    if "engine_max_rows" not in w:
+        return "engine -"
+    return (
+        f"engine rows {w.get('engine_rows_running', '-')}/{w['engine_max_rows']} running, "
+        f"{w.get('engine_rows_waiting', '-')} waiting, kv {w.get('engine_kv_tokens', '-')}"
+    )
+
+
 def _worker_line(w: dict[str, Any]) -> str:
     return (
         f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
         f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
-        f"busy {w.get('busy_ratio')}, batch caps {w.get('batch_caps', '-')}, buffered "
+        f"busy {w.get('busy_ratio')}, {_engine(w)}, buffered "
         f"{w.get('buffered', '-')}, batch in progress {w.get('batch_in_progress_s') or '-'} s, "
         f"attention {w.get('attention_backend', '-')}"
     )
@@ -102,7 +112,7 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         "busy",
         "buffered",
         "batch for (s)",
-        "caps",
+        "engine",
         "attention",
     ):
         workers.add_column(column)
@@ -110,7 +120,7 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         workers.add_row(
             str(w.get("hostname")), ",".join(w.get("lanes", [])), f"{w.get('model')} {w.get('quantization')}",
             str(w.get("jobs")), str(w.get("busy_ratio")), str(w.get("buffered", "-")),
-            str(w.get("batch_in_progress_s") or "-"), str(w.get("batch_caps", "-")),
+            str(w.get("batch_in_progress_s") or "-"), _engine(w).removeprefix("engine "),
             str(w.get("attention_backend", "-")),
         )  # fmt: skip
     console = console or Console()

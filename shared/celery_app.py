@@ -26,8 +26,9 @@ def make_celery(settings: Settings) -> Celery:
         # and Redis hands them out again after the visibility timeout.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        # Prefetch = one batch: celery-batches' buffer is capped by it, so a worker never hoards
-        # the queue and an interactive job never waits behind buffered backlog (STACK-NOTES.md).
+        # Prefetch = one batch per delivery thread (the threads pool: MRC_WORKER_DELIVERIES), so a
+        # worker never hoards the queue; backlog messages never take the last batch's worth
+        # (shared/transport.py, lane_limits), so a ticket is always fetched at once.
         worker_prefetch_multiplier=settings.batch_max_jobs,
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_s,

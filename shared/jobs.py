@@ -180,9 +180,10 @@ class ErrorInfo(BaseModel):
 
 
 class Timings(BaseModel):
-    queued: float = 0.0
+    queued: float = 0.0  # submitted -> admitted to the engine's running batch
     preprocess: float = 0.0
-    inference: float = 0.0
+    inference: float = 0.0  # admitted -> its last token
+    first_token: float = 0.0  # submitted -> its first generated token (a cache hit: -> its answer)
     total: float = 0.0
 
 
@@ -196,6 +197,8 @@ class JobResult(BaseModel):
     status: Status
     text: str | None = None
     error: ErrorInfo | None = None
+    # stop: the model ended its answer; length: it reached max_new_tokens; None for failed jobs
+    finish_reason: Literal["stop", "length"] | None = None
     lane: str = "interactive"
     ticket_id: str | None = None
     attempts: int = 1

@@ -80,18 +80,24 @@ class Settings(BaseSettings):
     # Jobs per delivered batch (celery-batches flush_every, and the prefetch bound). Two model batches
     # worth, so the pool decodes the second and writes the first's results while the model runs.
     batch_max_jobs: int = Field(default=16, ge=1)
-    model_batch_max_jobs: int = Field(default=8, ge=1)  # jobs per model batch, within the token budget
+    # The engine (workers/engine/): most rows in its running batch at once.
+    model_batch_max_jobs: int = Field(default=16, ge=1)
+    # Of those rows, how many backlog rows never take (kept for tickets, so none waits for a pause).
+    engine_reserved_rows: int = Field(default=2, ge=0)
+    # Deliveries a worker works on at once (its threads pool): a ticket's delivery runs beside a backlog
+    # one. The worker holds at most this many x MRC_BATCH_MAX_JOBS messages, of which backlog ones
+    # never take the last MRC_BATCH_MAX_JOBS (shared/transport.py).
+    worker_deliveries: int = Field(default=3, ge=2, le=64)
     # celery-batches flush_interval: how long a lone job may wait for company
     batch_wait_ms: int = Field(default=50, ge=0)
-    # Most padded sequence positions (jobs x longest job, image + prompt + new tokens) in one model batch.
+    # Most cache positions the engine's running batch may reach (rows x the longest row at its limit,
+    # image + prompt + new tokens); below it, what the free memory measured at warm-up holds.
     batch_token_budget: int = Field(default=65536, ge=1)
-    # Most padding a model batch may carry, as a share of its prefill positions and, separately, of its
-    # decode steps. Padding is paid in full on the CPU (and with a mask, SDPA loses its causal path):
-    # jobs that would pad more run in separate batches. 1.0 = no bound.
-    batch_max_padding: float = Field(default=0.20, ge=0.0, le=1.0)  # measured: docs/benchmarks.md
-    # Time model batches of 1, 2, 4, ... probe images per input-length bucket at warm-up and cap each
-    # bucket where the per-job cost stops falling (workers/batch_sizes.py); off: every bucket may take
-    # MRC_MODEL_BATCH_MAX_JOBS.
+    # Not used by the engine (each prefill runs alone, unpadded; decode padding is a few positions per
+    # row): accepted so existing deployments keep starting.
+    batch_max_padding: float = Field(default=0.20, ge=0.0, le=1.0)
+    # Not used by the engine (it admits rows by cache room, not by per-length batch caps): accepted so
+    # existing deployments keep starting.
     batch_calibrate: bool = True
     fetch_threads: int = Field(default=4, ge=1)
     # OpenMP threads of a model call on the CPU; 0: by the call's size, one for a small call, every

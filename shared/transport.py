@@ -44,6 +44,12 @@ from shared import names
 # `Channel.idle_wait_s`); None outside a worker.
 on_poll: Callable[[], None] | None = None
 
+# Most messages a consumer holds unacked per queue name (absent: no limit beyond the prefetch). The
+# worker keeps the backlog below its prefetch so room for a ticket is always left: with every slot
+# held by backlog work, a ticket would wait in Redis until a whole backlog delivery finished.
+lane_limits: dict[str, int] = {}
+IDLE_KEY = f"{names.REDIS_PREFIX}idle"  # never written: a consumer with no queue open blocks on it
+
 REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
 
@@ -352,6 +358,15 @@ class Channel(kombu_redis.Channel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
+        queues = self._open_queues(queues)
+        if not queues:  # every lane at its limit: wait a little, then look again (never a busy loop)
+            self.client.connection.send_command(
+                "BLMOVE", IDLE_KEY, IDLE_KEY, "RIGHT", "RIGHT", self.idle_wait_s
+            )
+            self._waiting = True
+            self._in_poll = self.client.connection
+            self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]  # kombu declares it otherwise
+            return
         pairs = [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps for queue in queues]
         keys = [key for key, _ in pairs]
         flags = ["1" if self._records(queue) else "0" for _, queue in pairs]
@@ -363,6 +378,18 @@ class Channel(kombu_redis.Channel):
             connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags)
         self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]  # kombu declares it otherwise
+
+    def _open_queues(self, queues: list[str]) -> list[str]:
+        """The queues this consumer may take from now: those under their lane limit."""
+        if not lane_limits:
+            return queues
+        held: dict[str, int] = {}
+        dirty: set[str] = getattr(self.qos, "_dirty", set())
+        for tag, message in list(getattr(self.qos, "_delivered", {}).items()):
+            if tag not in dirty:
+                queue = str((getattr(message, "delivery_info", None) or {}).get("routing_key", ""))
+                held[queue] = held.get(queue, 0) + 1
+        return [q for q in queues if held.get(q, 0) < lane_limits.get(q, 1 << 30)]
 
     def _brpop_read(self, **options: Any) -> bool:
         waiting, self._waiting = self._waiting, False

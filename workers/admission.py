@@ -121,6 +121,11 @@ class Admission:
             self.log.info("MRC_SKIPPED", job_id=slot.job_id, reason=reason)
         return True
 
+    def deadline_s(self, job: Job) -> float | None:
+        """The job's deadline as wall-clock seconds, for the engine to check again at admission."""
+        deadline = self._deadline(job)
+        return None if deadline is None else deadline.timestamp()
+
     def _deadline(self, job: Job) -> datetime | None:
         """The job's own deadline, else its lane's default (MRC_DEADLINE_<LANE>_S after submission)."""
         if job.deadline:

@@ -17,8 +17,7 @@ from shared.errors import ServiceUnreachable
 from shared.settings import Settings, describe_error, unknown_variables
 
 if TYPE_CHECKING:
-    from workers import batch_sizes, health
-    from workers.backends.base import ModelBackend
+    from workers import health
 
 # torch, transformers, celery and the pipeline load in main, after the settings and the services are
 # checked: a worker that cannot start says why in a fraction of a second, not after seconds of imports.
@@ -74,23 +73,6 @@ def _route_celery_console(log: Any) -> None:
 EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
 
 
-def _batch_sizes(backend: ModelBackend, settings: Settings, log: Any) -> batch_sizes.BatchSizes:
-    """Measure what a model batch is worth per input length (or not, when switched off), and say so."""
-    from workers import batch_sizes
-
-    upper, side = settings.model_batch_max_jobs, settings.max_image_side
-    if not settings.batch_calibrate:
-        sizes = batch_sizes.BatchSizes.fixed(upper, side)
-    else:
-        began = time.perf_counter()
-        sizes = batch_sizes.calibrate(
-            batch_sizes.probe_runner(backend), upper, settings.batch_token_budget, side
-        )
-        log.info("MRC_BATCH_CALIBRATED", seconds=round(time.perf_counter() - began, 3))
-    log.info("MRC_BATCH_SIZES", caps=sizes.summary(), calibrated=sizes.calibrated, table=sizes.table())
-    return sizes
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     lanes = _lanes(args.lanes)
@@ -140,6 +122,9 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         consuming=False,  # loading, or alive but not ready on purpose: nothing to be stuck yet
     )
     transport.on_poll = liveness.polled
+    transport.lane_limits = {
+        names.queue_name("backlog"): (settings.worker_deliveries - 1) * settings.batch_max_jobs
+    }
     server = health.serve(settings.metrics_port, state, metrics, liveness=liveness)
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
 
@@ -151,13 +136,12 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     kernel = backend.warm_up()
     log.info(
         "MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3), attention_kernel=kernel,
-        attention_kernel_padded=backend.describe().get("attention_backend_padded", ""),
+        attention_kernel_decode=backend.describe().get("attention_backend_decode", ""),
     )  # fmt: skip
     if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
         return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 
     hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
-    sizes = _batch_sizes(backend, settings, log)
     images_from, results = open_stores(settings)
     results.ensure_bucket()
     records = RedisJobRecords.from_url(settings.redis_url)
@@ -165,7 +149,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     cache = RedisResultCache(connect(settings.redis_url))
     pipeline = assemble(
         backend, images_from, results, records, settings,
-        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, batch_sizes=sizes, worker=hostname,
+        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, worker=hostname,
     )  # fmt: skip
     liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since))
     fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
@@ -184,7 +168,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         batch_for=lambda: pipeline.batch_for_s,
     )
 
-    state.set_ready({**backend.describe(), "batch_sizes": sizes.table()})
+    state.set_ready({**backend.describe(), **pipeline.describe()})
     metrics.ready.set(1)
     log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
     _route_celery_console(log)
@@ -197,8 +181,10 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     worker = app.Worker(
         hostname=hostname,
         queues=[names.queue_name(lane) for lane in lanes],
-        pool="solo",  # the batch runs in the consumer loop: nothing is fetched while the model runs
-        concurrency=1,
+        # Deliveries run on their own threads, the consumer keeps fetching, and the engine's thread runs
+        # the model for all of them; backlog messages never fill the last delivery's worth of room.
+        pool="threads",
+        concurrency=settings.worker_deliveries,
         loglevel="WARNING",  # Celery's own chatter; our events have their own level (MRC_LOG_LEVEL)
         quiet=True,
         without_gossip=True,
@@ -214,8 +200,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
             **backend.describe(),
             "jobs": pipeline.jobs_seen,
             "busy_ratio": round(pipeline.busy_ratio, 4),
-            "batch_caps": sizes.summary(),
-            "batch_sizes": sizes.table(),
+            **pipeline.describe(),
             "buffered": tasks.buffered(app),
             "batch_in_progress_s": round(pipeline.batch_for_s or 0.0, 1) or None,
         },

@@ -101,6 +101,7 @@ class Finisher:
         value = {
             "text": slot.text,
             "output_tokens": slot.output_tokens,
+            "finish_reason": slot.finish_reason,
             "label": prompt_label(slot.job.prompt),
         }
         try:

@@ -1,11 +1,12 @@
 """Whether the worker's consumer is alive or stuck: what `/healthz` answers.
 
 Alive is making progress: the consumer polls Redis every fraction of a second while idle (the
-transport calls `polled`), and a batch in hand moves from stage to stage and model batch to model
-batch (the pipeline's `progress_at`). Stuck is no progress for `MRC_STUCK_AFTER_S` while there is
-work: a batch in hand, or jobs waiting on the worker's lanes. An idle worker with nothing to do is
-not stuck however long it waits; a worker that cannot tell whether work waits (Redis away) is not
-called stuck either, since restarting it would not bring Redis back.
+transport calls `polled`), and every delivery in hand moves from stage to stage, or, while it waits
+on the engine, the engine steps (the pipeline's `progress_at`: the least recent of them). Stuck is
+no progress for `MRC_STUCK_AFTER_S` while there is work: a batch in hand (then the consumer's polls,
+which go on beside it, do not count), or jobs waiting on the worker's lanes. An idle worker with
+nothing to do is not stuck however long it waits; a worker that cannot tell whether work waits
+(Redis away) is not called stuck either, since restarting it would not bring Redis back.
 
 Before the consumer starts (the model loading, for minutes) and in a worker that stays alive but not
 ready on purpose (it refuses readiness and never consumes), there is no consumer to be stuck: alive.
@@ -58,7 +59,8 @@ class Liveness:
             return True, {"status": "alive", "consuming": False}
         now = self._clock()
         progress_at, batch_since = self._progress()
-        last = max(self._last_poll, progress_at)
+        # With a delivery in hand only its progress counts: the consumer keeps polling beside it.
+        last = progress_at if batch_since is not None else max(self._last_poll, progress_at)
         silent = now - last
         details: dict[str, Any] = {"silent_s": round(silent, 1), "stuck_after_s": self.stuck_after_s}
         if batch_since is not None:

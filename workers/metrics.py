@@ -46,11 +46,11 @@ class Metrics:
             registry=r,
         )
         self.model_batch_jobs = Histogram(
-            "mrc_model_batch_jobs", "Jobs per model batch", buckets=_JOBS_BUCKETS, registry=r
+            "mrc_model_batch_jobs", "Rows per engine decode step", buckets=_JOBS_BUCKETS, registry=r
         )
         self.model_batch_tokens = Histogram(
             "mrc_model_batch_tokens",
-            "Padded input positions per model batch (rows x the longest input)",
+            "Cache positions per engine decode step (rows x the longest row, padding included)",
             buckets=(256, 1024, 4096, 8192, 16384, 32768, 65536, 131072),
             registry=r,
         )
@@ -88,7 +88,7 @@ class Metrics:
         )
         self.padding = Histogram(
             "mrc_batch_padding_ratio",
-            "Padding share of a model batch",
+            "Padding share of the running batch's cache at a decode step",
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75),
             registry=r,
         )
@@ -108,6 +108,42 @@ class Metrics:
         self.cache = Counter("mrc_cache_requests_total", "Result cache look-ups", ["result"], registry=r)
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
         self.duplicates = Counter("mrc_jobs_skipped_total", "Deliveries skipped as already done", registry=r)
+        self._engine_metrics(r)
+
+    def _engine_metrics(self, r: CollectorRegistry) -> None:
+        """The iteration-level engine (workers/engine/): rates come from the counters."""
+        self.rows_running = Gauge("mrc_engine_rows_running", "Rows in the running batch", registry=r)
+        self.rows_waiting = Gauge(
+            "mrc_engine_rows_waiting", "Rows waiting for admission, by lane", ["lane"], registry=r
+        )
+        self.kv_used = Gauge(
+            "mrc_engine_kv_tokens_used",
+            "Cache positions the running rows may reach (rows x the longest row at its limit)",
+            registry=r,
+        )
+        self.kv_capacity = Gauge(
+            "mrc_engine_kv_tokens_capacity", "Cache positions the engine admits up to", registry=r
+        )
+        self.steps = Counter("mrc_engine_steps_total", "Engine steps that ran the model", registry=r)
+        self.generated = Counter("mrc_engine_generated_tokens_total", "Tokens generated", registry=r)
+        self.paused = Counter(
+            "mrc_engine_paused_rows_total",
+            "Rows sent back to waiting (paused for a ticket, or their step failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "mrc_engine_admission_wait_seconds",
+            "Handed to the engine -> admitted to the running batch, by lane",
+            ["lane"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=r,
+        )
+        for lane in ("interactive", "backlog"):
+            self.rows_waiting.labels(lane=lane)
+            self.admission_wait.labels(lane=lane)
+        for reason in ("ticket", "failed_step"):
+            self.paused.labels(reason=reason)
 
     def watch(self, buffered: Callable[[], float], batch_for: Callable[[], float | None]) -> None:
         """Gauges read at scrape time from the live worker."""

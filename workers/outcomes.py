@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from shared.errors import InternalError
@@ -26,8 +27,10 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
     job = slot.job
     finished = now_rfc3339()
     submitted = job.submitted_at if job else finished
-    total_ms = max(0.0, (parse_rfc3339(finished) - parse_rfc3339(submitted)).total_seconds() * 1000)
-    queued_ms = max(0.0, (slot.received - parse_rfc3339(submitted).timestamp()) * 1000)
+    submitted_s = parse_rfc3339(submitted).timestamp()
+    total_ms = max(0.0, (parse_rfc3339(finished).timestamp() - submitted_s) * 1000)
+    started = slot.admitted_at if slot.admitted_at is not None else slot.received
+    queued_ms = max(0.0, (started - submitted_s) * 1000)
     size = slot.decoded or slot.encoded
     prompt = PromptInfo(chars=len(job.prompt) if job else 0)
     if slot.plan:
@@ -39,11 +42,16 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
         )
     failed = slot.error is not None or slot.text is None
     error = slot.error or (InternalError("no output was produced") if failed else None)
+    first_token_ms = 0.0
+    if not failed:
+        first = slot.first_token_at if slot.first_token_at is not None else time.time()
+        first_token_ms = min(total_ms, max(0.0, (first - submitted_s) * 1000))
     return JobResult(
         job_id=slot.job_id,
         status="failed" if failed else "succeeded",
         text=None if failed else slot.text,
         error=ErrorInfo.from_error(error) if error else None,
+        finish_reason=None if failed else slot.finish_reason,  # type: ignore[arg-type]
         lane=job.lane if job else "interactive",
         ticket_id=job.ticket_id if job else None,
         attempts=slot.attempts,
@@ -66,6 +74,7 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             queued=round(queued_ms, 3),
             preprocess=round(slot.timings["preprocess"], 3),
             inference=round(slot.timings["inference"], 3),
+            first_token=round(first_token_ms, 3),
             total=round(total_ms, 3),
         ),
         submitted_at=submitted,

@@ -3,31 +3,40 @@
 decode -> claim (admission) -> prompt -> images (fetch, header checks) -> cache -> model -> results
 
 Jobs whose last delivery died with them in hand run after the rest, one at a time, each through
-every stage, so a job that kills its worker cannot take its neighbours with it again.
+every stage, and alone in the engine, so a job that kills its worker cannot take its neighbours
+with it again.
 
-In the model stage, images are decoded in a thread pool in model-batch order, so while the model
-runs batch N the pool decodes batch N+1 and the accelerator is not left waiting for the CPU.
+The model stage (workers/model_stage.py) hands each job to the engine (workers/engine/) as soon as
+its image is decoded and its inputs prepared, on the delivery's thread; the engine's own thread
+admits it into the running batch at the next decode step, beside the rows of every other delivery in
+hand, and hands it back the moment it finishes, when its result is written while the others still
+decode. Several
+deliveries run at once (the worker's threads pool), so a ticket's delivery never waits for a backlog
+delivery to finish.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 from shared import logs
-from shared.errors import InternalError, ModelError, MrcError, WorkerUnusable
+from shared.errors import InternalError, MrcError
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore
-from workers import batching, images, inference, stages
+from workers import images, stages
 from workers.admission import Admission
-from workers.backends.base import GenerationInput, ModelBackend
-from workers.batch_sizes import BatchSizes, caps_for
+from workers.backends.base import ModelBackend
 from workers.cache import ResultCache, job_cache_key
+from workers.engine.service import EngineService
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
+from workers.model_stage import ModelStage
 from workers.slots import Message, Outcome, Slot
 
 Stage = Callable[[list[Slot]], None]
@@ -35,6 +44,13 @@ Stage = Callable[[list[Slot]], None]
 # A fault in these stages is the job store's (Redis) or the result store's, not a job's: failing the jobs
 # would turn a transient outage into permanent failed results.
 _INFRASTRUCTURE_STAGES = frozenset({"claim", "results"})
+
+
+@dataclass
+class _Delivery:
+    since: float
+    at: float
+    on_engine: bool = False
 
 
 class Pipeline:
@@ -50,13 +66,8 @@ class Pipeline:
         settings: Settings,
         metrics: Metrics,
         cache: ResultCache | None = None,
-        batch_sizes: BatchSizes | None = None,
     ) -> None:
         self.backend = backend
-        # None: every input length may fill MRC_MODEL_BATCH_MAX_JOBS (not measured)
-        self.batch_sizes = batch_sizes or BatchSizes.fixed(
-            settings.model_batch_max_jobs, settings.max_image_side
-        )
         self.images_from = images_from
         self.admission = admission
         self.finisher = finisher
@@ -69,45 +80,80 @@ class Pipeline:
             thread_name_prefix="mrc-fetch",
             initializer=images.init_decode_thread,
         )
-        self._writes: list[Future[None]] = []
-        self._busy_s = 0.0
+        self._local = threading.local()  # each delivery runs on one thread: its own pending writes
+        self._lock = threading.Lock()
         self.jobs_seen = 0
-        self._first_batch_at: float | None = None
-        self.runner = inference.Runner(backend, self._model_call)
-        self._failure_streak = 0  # jobs in a row the model failed (model_error), across batches
-        # For /healthz (workers/liveness.py): when the batch in hand last moved, and since when it is
-        # in hand (None between batches). Monotonic clock.
-        self.progress_at = time.monotonic()
-        self.batch_since: float | None = None
+        self.model = ModelStage(backend, settings, metrics, admission, self._pool, self._finish_async)
+        # For /healthz (workers/liveness.py), monotonic clock: per delivery in hand (by thread), when
+        # it began, when it last moved (a stage ended), and whether it waits on the engine (then each
+        # engine step is its progress too).
+        self._idle_since = time.monotonic()
+        self._in_hand: dict[int, _Delivery] = {}
 
     @property
     def busy_ratio(self) -> float:
-        """Share of wall time since the first batch that the model was generating."""
-        if self._first_batch_at is None:
-            return 0.0
-        return self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at)
+        return self.model.busy_ratio
+
+    @property
+    def engine(self) -> EngineService:
+        return self.model.engine
+
+    @property
+    def batch_since(self) -> float | None:
+        """When the oldest delivery in hand began (monotonic); None when none is in hand."""
+        with self._lock:
+            return min((d.since for d in self._in_hand.values()), default=None)
+
+    @property
+    def progress_at(self) -> float:
+        """When the delivery that has moved least recently last moved (a stage, or an engine step
+        while it waits on the engine); between deliveries, when the last one ended."""
+        with self._lock:
+            deliveries = list(self._in_hand.values())
+        if not deliveries:
+            return self._idle_since
+        engine_at = self.model.engine_at
+        return min(max(d.at, engine_at) if d.on_engine else d.at for d in deliveries)
+
+    def _moved(self, on_engine: bool | None = None) -> None:
+        delivery = self._in_hand.get(threading.get_ident())
+        if delivery is not None:
+            delivery.at = time.monotonic()
+            if on_engine is not None:
+                delivery.on_engine = on_engine
 
     @property
     def batch_for_s(self) -> float | None:
-        """How long the batch in hand has run; None between batches."""
+        """How long the oldest delivery in hand has run; None between deliveries."""
         since = self.batch_since
         return None if since is None else time.monotonic() - since
 
+    def describe(self) -> dict[str, object]:
+        """What /readyz and the heartbeat report about the engine."""
+        return self.model.describe()
+
     def close(self) -> None:
+        self.model.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- run
     def run(self, messages: Sequence[Message]) -> list[Outcome]:
-        self.batch_since = self.progress_at = time.monotonic()
+        key, now = threading.get_ident(), time.monotonic()
+        with self._lock:
+            self._in_hand[key] = _Delivery(now, now)
+        self._local.writes = []
         try:
             return self._run(messages)
         finally:
-            self.batch_since, self.progress_at = None, time.monotonic()
+            with self._lock:
+                self._in_hand.pop(key, None)
+            self._idle_since = time.monotonic()
 
     def _run(self, messages: Sequence[Message]) -> list[Outcome]:
         start = time.time()
         slots = [Slot(m.request_id, m.body, start) for m in messages]
-        self.jobs_seen += len(slots)
+        with self._lock:
+            self.jobs_seen += len(slots)
         spent: dict[str, float] = {}
         self._stage("decode", self._decode, slots, spent)
         self._stage("claim", self.admission.admit, slots, spent)
@@ -135,7 +181,7 @@ class Pipeline:
             ("prompt", self._plan_prompts),
             ("images", self._fetch_images),
             ("cache", self._look_up_cache),
-            ("model", self._infer),
+            ("model", self.model.run),
             ("results", self._write_results),
         ]
         for name, stage in stages:
@@ -143,6 +189,7 @@ class Pipeline:
 
     def _stage(self, name: str, stage: Stage, slots: list[Slot], spent: dict[str, float]) -> None:
         began = time.perf_counter()
+        self._moved(on_engine=name == "model")
         try:
             stage(slots)
         except Exception as exc:  # a bug in a stage fails the jobs still in flight, not the worker
@@ -153,7 +200,7 @@ class Pipeline:
             if name in _INFRASTRUCTURE_STAGES:
                 raise  # Redis or S3 gone: exit unacked and let another delivery run the jobs
         seconds = time.perf_counter() - began
-        self.progress_at = time.monotonic()
+        self._moved(on_engine=False)
         spent[name] = spent.get(name, 0.0) + seconds
         self.metrics.stage.labels(stage=name).observe(seconds)
 
@@ -221,112 +268,13 @@ class Pipeline:
                     int(hit["output_tokens"]),
                     True,
                 )
-
-    def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
-        encoded = slot.encoded
-        assert encoded is not None
-        return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
-
-    def _cost(self, slot: Slot) -> batching.Cost:
-        assert slot.encoded is not None
-        assert slot.plan is not None
-        assert slot.job is not None
-        image = self.backend.image_tokens(slot.encoded.height, slot.encoded.width)
-        return batching.Cost(image + slot.plan.tokens, slot.job.max_new_tokens)
-
-    def _infer(self, slots: list[Slot]) -> None:
-        live = self._live(slots)
-        if not live:
-            return
-        if self._first_batch_at is None:
-            self._first_batch_at = time.perf_counter()
-        costs = [self._cost(s) for s in live]
-        lanes = [0 if s.job is not None and s.job.lane == "interactive" else 1 for s in live]
-        settings = self.settings
-        groups = batching.form_batches_by_lane(
-            costs,
-            lanes,
-            caps_for(self.batch_sizes),
-            settings.batch_token_budget,
-            settings.batch_max_padding,
-        )
-        # Queue every decode now, in batch order: the pool works ahead while the model runs.
-        pending = [[(live[i], self._pool.submit(self._decode_one, live[i])) for i in g] for g in groups]
-        for group, decodes in zip(groups, pending, strict=True):
-            members = []
-            for slot, future in decodes:
-                decoded, seconds = future.result()
-                slot.timings["preprocess"] += seconds * 1000
-                if isinstance(decoded, MrcError):
-                    slot.error = decoded
-                else:
-                    slot.decoded = decoded
-                    members.append(slot)
-            inputs = [costs[i].input_tokens for i in group]
-            self.metrics.padding.observe(batching.waste(inputs))
-            self.metrics.model_batch_jobs.observe(len(group))
-            self.metrics.model_batch_tokens.observe(max(inputs) * len(group))
-            if members:
-                self._generate(members)
-            # This batch's results are written by the pool while the model runs the next batch.
-            self._finish_async([live[i] for i in group])
-        self.metrics.busy_ratio.set(self.busy_ratio)
-
-    def _generate(self, group: list[Slot]) -> None:
-        """Run one model batch (split on failure); each job gets its output or its own error."""
-        inputs = []
-        for slot in group:
-            assert slot.decoded is not None
-            assert slot.plan is not None
-            assert slot.job is not None
-            plan = slot.plan
-            inputs.append(GenerationInput(slot.decoded.tensor, plan.text, slot.job.max_new_tokens, plan.ids))
-        runs, errors = self.runner.run(inputs)
-        for run in runs:
-            lengths = {self._cost(group[index]).input_tokens for index in run.members}
-            path = "causal" if len(lengths) == 1 else "masked"  # rows of unequal length are padded
-            self.batch_sizes.observe(max(lengths), len(run.members), run.prepare_s + run.run_s)
-            for index, output in zip(run.members, run.outputs, strict=True):
-                group[index].attention_path = path
-                slot = group[index]
-                slot.text = output.text
-                slot.output_tokens = output.output_tokens
-                slot.timings["preprocess"] += run.prepare_s * 1000
-                slot.timings["inference"] = run.run_s * 1000
-        for index, error in errors.items():
-            group[index].error = error
-        self._watch_failures(len(runs) > 0, [e for e in errors.values() if isinstance(e, ModelError)])
-
-    def _watch_failures(self, any_succeeded: bool, model_errors: list[ModelError]) -> None:
-        """A model that fails job after job is the worker's fault, not the jobs': stop taking work
-        (the delivery goes back to the queue) rather than fail every job in the lane."""
-        if any_succeeded:  # the model works: this batch's failures are its jobs'
-            self._failure_streak = 0
-            return
-        self._failure_streak += len(model_errors)
-        if self._failure_streak >= self.settings.model_failure_streak:
-            raise WorkerUnusable(
-                f"the model failed {self._failure_streak} jobs in a row; last: {model_errors[-1].message}"
-            )
-
-    def _model_call(self, jobs: int, prepare_s: float, run_s: float, failure: BaseException | None) -> None:
-        self.progress_at = time.monotonic()
-        self._busy(run_s)
-        if failure is not None:
-            if jobs > 1:
-                self.log.warning("MRC_BATCH_SPLIT", jobs=jobs, error=repr(failure)[:300])
-            return
-        self.log.info("MRC_MODEL_BATCH", jobs=jobs, prepare_ms=round(prepare_s * 1000, 1),
-                      run_ms=round(run_s * 1000, 1))  # fmt: skip
-
-    def _busy(self, seconds: float) -> None:
-        self._busy_s += seconds
-        self.metrics.model_busy.inc(seconds)
+                reason = hit.get("finish_reason")  # absent from entries cached before the engine
+                slot.finish_reason = reason if reason in ("stop", "length") else None
 
     def _write_results(self, slots: list[Slot]) -> None:
         """Write what the model stage has not already sent off, then wait for every write."""
         self._finish_async([s for s in slots if s.outcome != "skipped"])
-        pending, self._writes = self._writes, []
+        pending, self._local.writes = self._local.writes, []
         for future in pending:
             future.result()
 
@@ -334,7 +282,7 @@ class Pipeline:
         for slot in slots:
             if not slot.finishing:
                 slot.finishing = True
-                self._writes.append(self._pool.submit(self.finisher.finish, slot))
+                self._local.writes.append(self._pool.submit(self.finisher.finish, slot))
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -353,7 +301,6 @@ def assemble(
     requeue: Requeue | None = None,
     sleep: Callable[[float], None] = time.sleep,
     cache: ResultCache | None = None,
-    batch_sizes: BatchSizes | None = None,
     worker: str = "",
 ) -> Pipeline:
     """A pipeline wired from the seams: the worker's composition root, and the tests'."""
@@ -362,4 +309,4 @@ def assemble(
     log = logs.get_logger()
     finisher = Finisher(backend, results, records, settings, metrics, log, requeue, sleep, cache)
     admission = Admission(records, results, settings, metrics, log, worker)
-    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache, batch_sizes)
+    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache)

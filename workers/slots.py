@@ -42,7 +42,10 @@ class Slot:
     finishing: bool = False
     suspect: bool = False  # its last delivery died with it in hand: it runs alone
     solo_runs: int = 0  # earlier runs of it alone that never finished
-    attention_path: str | None = None  # causal (its model batch had no padding) or masked
+    attention_path: str | None = None  # causal (it decoded alone) or masked (beside other rows)
+    finish_reason: str | None = None  # stop (end-of-text) or length (max_new_tokens)
+    admitted_at: float | None = None  # wall clock: admitted to the engine's running batch
+    first_token_at: float | None = None  # wall clock: its first token generated
 
     cache_key: str | None = None
     cache_hit: bool = False

@@ -8,6 +8,7 @@ delivers the batch again after the visibility timeout.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,18 +78,27 @@ def register(
     `give_back` returns a delivery's messages to their queues at once when the process must end;
     `on_fatal` marks the worker not ready before it does."""
     log = logs.get_logger()
+    in_hand: dict[str, None] = {}  # request ids of every delivery running now (the threads pool)
+    lock = threading.Lock()
 
     def infer(requests: Sequence[SimpleRequest]) -> None:
         messages = to_messages(requests)
+        with lock:
+            in_hand.update(dict.fromkeys(m.request_id for m in messages))
         try:
             pipeline.run(messages)
         except BaseException as exc:
             log.critical("MRC_FATAL", error=repr(exc)[:500], jobs=len(messages))
             if on_fatal is not None:
                 on_fatal(repr(exc)[:300])
-            _give_back(give_back, [m.request_id for m in messages], log)
+            with lock:  # every delivery in hand: the others cannot finish on this process either
+                ids = list(in_hand)
+            _give_back(give_back, ids, log)
             # Exit without acking: what was not given back, Redis hands out after the visibility timeout.
             os._exit(EXIT_UNUSABLE)
+        with lock:
+            for message in messages:
+                in_hand.pop(message.request_id, None)
 
     return app.task(
         infer,

@@ -8,8 +8,10 @@ Rows per mode:
            at batch 32 on an H200, docs/benchmarks.md)
   prefill  the prefill-heavy workload through the real pipeline's preprocessing on the device: JPEG
            bytes of 12 MP phone photos, full-HD screenshots and small images decoded by workers/images.py
-           (nvjpeg) and prepared by the backend, 16 new tokens, batch 1 vs the calibrated batch sizes
-  calib    the batch-size table the worker would choose at warm-up (workers/batch_sizes.py)
+           (nvjpeg) and prepared by the backend, 16 new tokens, static batches of 1 and 8
+  engine   the worker's iteration-level engine (workers/engine/) on the decode row's jobs, at most
+           1, 8 and 32 rows: images/s against the static `generate()` batch of the same size, and the
+           engine's cache capacity measured from free memory (what /readyz reports)
 Every figure is also written to --json.
 
     MRC_DEVICE=cuda .venv/bin/python tests/bench/bench_gpu.py [--modes nf4,bf16] [--batches 1,8,32] [--json F]
@@ -105,9 +107,33 @@ def prefill_row(backend: FuyuBackend, device: str, batch: int, repeats: int) -> 
     return {"batch": batch, "images_per_s": done / (time.perf_counter() - began)}
 
 
-def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: int) -> dict[str, object]:
-    from workers import batch_sizes
+def engine_row(backend: FuyuBackend, items: list[GenerationInput], device: str, repeats: int) -> float:
+    """images/s of the engine running these jobs (all submitted at once, at most len(items) rows)."""
+    from workers.engine import scheduler
+    from workers.engine.engine import Engine
+    from workers.engine.sequence import Sequence
 
+    def once() -> int:
+        done: list[Sequence] = []
+        engine = Engine(backend.step_model(), scheduler.Limits(len(items), 1 << 30, 0), done.append)
+        for index, item in enumerate(items):
+            inputs, positions = backend.row_inputs(item)
+            engine.submit(
+                Sequence(str(index), inputs, positions, item.max_new_tokens, backend.eos_id, exact_steps=True)
+            )
+        while not engine.idle:
+            engine.step()
+        return len(done)
+
+    once()  # warm this shape
+    _sync(device)
+    began = time.perf_counter()
+    done = sum(once() for _ in range(repeats))
+    _sync(device)
+    return done / (time.perf_counter() - began)
+
+
+def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: int) -> dict[str, object]:
     backend = FuyuBackend(Settings(model=str(folder), quantization=mode, device=device))
     began = time.perf_counter()
     backend.load()
@@ -147,17 +173,16 @@ def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: 
         if batch == 32:
             line += f", roofline fraction {rate / ROOFLINE_B32[1]:.2f}-{rate / ROOFLINE_B32[0]:.2f}"
             row["roofline_fraction"] = [rate / ROOFLINE_B32[1], rate / ROOFLINE_B32[0]]
+        row["engine_images_per_s"] = engine_row(backend, items, device, repeats)
+        line += (
+            f"; engine {row['engine_images_per_s']:7.2f} images/s ({row['engine_images_per_s'] / rate:.2f}x)"
+        )
         figures["decode"].append(row)  # type: ignore[attr-defined]
         print(line, flush=True)
-    began = time.perf_counter()
-    settings = backend.settings
-    sizes = batch_sizes.calibrate(
-        batch_sizes.probe_runner(backend), max(batches), settings.batch_token_budget, settings.max_image_side
-    )
-    figures["calibration"] = {"seconds": time.perf_counter() - began, "table": sizes.table()}
-    print(f"[{mode}] calibrated caps {sizes.summary()} in {time.perf_counter() - began:.1f} s", flush=True)
-    cap = sizes.cap(10**6)
-    figures["prefill"] = [prefill_row(backend, device, b, repeats) for b in sorted({1, cap})]
+    kv_tokens, measured_from = backend.kv_capacity()
+    figures["engine_kv"] = {"tokens": kv_tokens, "measured_from": measured_from}
+    print(f"[{mode}] engine cache capacity {kv_tokens} positions ({measured_from})", flush=True)
+    figures["prefill"] = [prefill_row(backend, device, b, repeats) for b in (1, 8)]
     for row in figures["prefill"]:  # type: ignore[attr-defined]
         print(
             f"[{mode}] prefill-heavy, batch {row['batch']:>2}: {row['images_per_s']:7.2f} images/s",

@@ -42,7 +42,8 @@ GOALS = {"decode-heavy": 4.0, "prefill-heavy": 1.5, "mixed-new-tokens": 1.0}  # 
 def bare(wl: Workload, paths: list[Path], jobs: int, batch: int, env: dict[str, str]) -> dict[str, float]:
     """jobs/s of backend.run over the model batches the system's batcher forms (model only), and of
     the same loop with decoding and preprocessing inside it."""
-    from workers import batching, images
+    from tests.bench import static_batches as batching
+    from workers import images
     from workers.backends.base import GenerationInput
     from workers.backends.fuyu import FuyuBackend
 

@@ -72,7 +72,7 @@ def test_sigterm_drains_and_returns_buffered_jobs(cluster: Cluster) -> None:
     # A long visibility timeout: returned jobs must come back at once, not after it.
     first = cluster.worker(MRC_VISIBILITY_TIMEOUT_S="600")
     cluster.send(jobs)
-    _wait_event(first, "MRC_MODEL_BATCH")
+    _wait_event(first, "MRC_SUCCESS")  # the model is running: the rest is in hand or buffered
     assert first.stop(signal.SIGTERM) == 0
     assert first.find("MRC_WORKER_STOPPED")[0]["exit_code"] == "0"
     cluster.worker(MRC_VISIBILITY_TIMEOUT_S="600")

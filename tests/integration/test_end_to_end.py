@@ -67,8 +67,12 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         assert stored["model"]["id"] == "tiny-fuyu-v1"
         assert stored["model"]["quantization"] == "nf4"
         assert stored["model"]["attention_backend"] == "sdpa:flash_cpu"
-        assert set(stored["timings_ms"]) == {"queued", "preprocess", "inference", "total"}
-        assert stored["timings_ms"]["inference"] > 0
+        timings = stored["timings_ms"]
+        assert set(timings) == {"queued", "preprocess", "inference", "first_token", "total"}
+        assert timings["inference"] > 0
+        # submitted -> admitted <= submitted -> first token <= submitted -> result
+        assert timings["queued"] <= timings["first_token"] <= timings["total"]
+        assert stored["finish_reason"] in ("stop", "length")
         success = worker.find("MRC_SUCCESS", job_id=job_id)
         assert len(success) == 1
         assert float(success[0]["latency"]) > 0
@@ -197,11 +201,13 @@ def test_queues_view_lists_the_live_worker(env, worker: Worker, images_dir: Path
     assert set(view["done_per_min"]) == {"interactive", "backlog"}  # from the completion events
     assert view["done_per_min"]["interactive"] > 0  # our job ended within the window
     assert view["backlog_limit"] == 10000
-    caps = worker.find("MRC_BATCH_SIZES")[0]["caps"]
-    assert mine[0]["batch_caps"] == caps
+    ready = worker.find("MRC_ENGINE_READY")[0]
+    assert mine[0]["engine_max_rows"] == int(ready["max_rows"])
+    assert mine[0]["engine_kv_tokens"] == int(ready["kv_tokens"])
     text = run_cli(env, "queues").stdout
     assert f"worker {hostname}: lanes interactive,backlog" in text
-    assert f"batch caps {caps}" in text
+    assert f"/{ready['max_rows']} running" in text
+    assert f"kv {ready['kv_tokens']}" in text
 
 
 def test_health_endpoints(worker: Worker) -> None:
@@ -214,18 +220,11 @@ def test_health_endpoints(worker: Worker) -> None:
     assert ready["quantization"] == "nf4"
     assert ready["device"] == "cpu"
     assert ready["attention_backend"]
-    # The batch-size table measured at warm-up: per input-length bucket, per-job cost of batch 1, 2,
-    # 4, ... and the cap chosen where it stops falling (never above MRC_MODEL_BATCH_MAX_JOBS).
-    table = ready["batch_sizes"]
-    assert [row["probe_tokens"] for row in table] == sorted(row["probe_tokens"] for row in table)
-    for row in table:
-        measured = {int(size): ms for size, ms in row["measured_ms_per_job"].items()}
-        assert 1 in measured
-        assert all(ms > 0 for ms in measured.values())
-        assert 1 <= row["cap"] <= 8
-        assert row["cap"] in measured or row["cap"] == 8
-        best = min(measured.values())
-        assert measured.get(row["cap"], best) <= best * 1.05 + 1e-9
+    # The engine's room, measured from free memory at warm-up and capped by MRC_BATCH_TOKEN_BUDGET.
+    assert 0 < ready["engine_kv_tokens"] <= 65536
+    assert "available RAM" in ready["engine_kv_measured_from"]
+    assert ready["engine_max_rows"] == 16
+    assert ready["attention_backend_decode"] == "sdpa:flash_cpu"
     with urllib.request.urlopen(base + "/metrics") as r:
         text = r.read().decode()
     assert "mrc_jobs_total" in text
@@ -243,8 +242,21 @@ def test_health_endpoints(worker: Worker) -> None:
         "mrc_model_batch_jobs_bucket",
         "mrc_model_batch_tokens_bucket",
         'mrc_job_stage_seconds_bucket{le="0.05",stage="queued"}',
+        "mrc_engine_rows_running",
+        'mrc_engine_rows_waiting{lane="backlog"}',
+        'mrc_engine_admission_wait_seconds_bucket{lane="interactive",le="0.005"}',
+        'mrc_engine_paused_rows_total{reason="ticket"}',
     ):
         assert series in text, series
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("mrc_engine_")
+    }
+    # jobs ran in earlier tests: the engine stepped, generated, and admits up to what /readyz says
+    assert values["mrc_engine_steps_total"] > 0
+    assert values["mrc_engine_generated_tokens_total"] >= values["mrc_engine_steps_total"]
+    assert values["mrc_engine_kv_tokens_capacity"] == ready["engine_kv_tokens"]
     assert 'prompt_tokens="0-50"' in text  # the latency heatmap's labels (jobs ran in earlier tests)
     assert "image_mp=" in text
     assert "mrc_gpu_" not in text  # no GPU here: the series are absent, not an error
@@ -297,7 +309,7 @@ def test_control_token_text_sent_past_the_producer_is_defused_by_the_worker(
     image = _write(images_dir, "ctl.jpg", imagegen.photo(120, 90))
     uri = json.loads(_submit_wait(env, image, "warm the image").stdout)["image"]["uri"]
     app = make_celery(Settings(redis_url=env["MRC_REDIS_URL"]))
-    splits_before = len(worker.find("MRC_BATCH_SPLIT"))
+    failed_before = len(worker.find("MRC_ENGINE_STEP_FAILED"))
     ids = []
     for i, prompt in enumerate(["is it broken?", " ".join(FUYU_CONTROL_TEXT) + " refund?", "|SPEAKER|"]):
         job_id = f"ctl-{uuid.uuid4().hex[:8]}-{i}"
@@ -308,7 +320,7 @@ def test_control_token_text_sent_past_the_producer_is_defused_by_the_worker(
         services.wait_for(lambda j=job_id: run_cli(env, "result", j).returncode != 3, 60, job_id)
         result = json.loads(run_cli(env, "result", job_id).stdout)
         assert result["status"] == "succeeded", result
-    assert len(worker.find("MRC_BATCH_SPLIT")) == splits_before, "no model batch failed"
+    assert len(worker.find("MRC_ENGINE_STEP_FAILED")) == failed_before, "no engine step failed"
 
 
 def test_repeated_question_about_the_same_photo_is_answered_from_the_cache(

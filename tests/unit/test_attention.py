@@ -35,7 +35,8 @@ def test_warm_up_attests_the_kernel_that_ran(implementation: str, kernel: str) -
     backend.load()
     assert backend.warm_up() == kernel
     assert backend.describe()["attention_backend"] == f"{implementation}:{kernel}"
-    # The padded warm-up batch (an attention mask) is attested too: the name alone cannot show the
-    # lost causal fast path (docs/design.md), so each result also says which path its batch took.
-    assert backend.describe()["attention_backend_padded"] == f"{implementation}:{kernel}"
+    # The engine's masked decode step (two merged rows of unequal length) is attested too: the name
+    # alone cannot show the lost causal path (docs/design.md), so each result also says its path.
+    assert backend.describe()["attention_backend_decode"] == f"{implementation}:{kernel}"
+    assert backend.describe()["attention_backend_padded"] == backend.describe()["attention_backend_decode"]
     assert (kernel in attention.FAST_KERNELS) is (implementation == "sdpa")

@@ -113,7 +113,7 @@ def test_hit_skips_the_model_and_still_writes_its_own_result(store: MemoryStore)
     assert second["cache_hit"] is True
     assert second["text"] == first["text"]
     assert second["status"] == "succeeded"
-    assert backend.calls == [1]
+    assert len(backend.prefills) == 1
     assert [e[1]["label"] for e in cache.entries.values()] == [prompt_label(BASE["prompt"])]
 
 
@@ -132,7 +132,7 @@ def test_misses(store: MemoryStore) -> None:
     other_model = EchoBackend()
     other_model.model_id = "echo-2"
     assert _run(_pipeline(store, cache, other_model), store, "m5", BASE["prompt"])["cache_hit"] is False
-    assert len(backend.calls) == 3
+    assert len(backend.prefills) == 3
 
 
 def test_failed_jobs_are_never_cached(store: MemoryStore) -> None:

@@ -1,5 +1,6 @@
-"""The real backend on the tiny Fuyu: greedy outputs do not depend on batch neighbours, and a CUDA
-out-of-memory fault (injected, as there is no GPU here) splits the batch down to the job that cannot fit."""
+"""The real backend on the tiny Fuyu, NF4, through the engine: a job's tokens do not depend on the
+rows it shares decode steps with, and a CUDA out-of-memory fault (injected, as there is no GPU here)
+fails only the job that cannot fit even alone; its neighbours are recomputed and succeed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from shared.stores.memory import MemoryStore
 from tests.support import imagegen
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
+from workers.engine import scheduler
+from workers.engine.engine import Engine
+from workers.engine.sequence import Sequence
 from workers.pipeline import assemble
 from workers.slots import Message
 
@@ -34,7 +38,28 @@ def _image(height: int, width: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=g)
 
 
-def test_same_job_same_text_in_100_batch_compositions(backend: FuyuBackend) -> None:
+def _engine_tokens(
+    backend: FuyuBackend, items: list[GenerationInput], arrivals: list[int]
+) -> list[list[int]]:
+    done: dict[str, Sequence] = {}
+    engine = Engine(
+        backend.step_model(), scheduler.Limits(8, 1 << 20, 0), lambda row: done.__setitem__(row.row_id, row)
+    )
+    pending = sorted(range(len(items)), key=lambda i: arrivals[i])
+    while pending or not engine.idle:
+        while pending and arrivals[pending[0]] <= engine.steps:
+            index = pending.pop(0)
+            inputs, positions = backend.row_inputs(items[index])
+            engine.submit(
+                Sequence(str(index), inputs, positions, items[index].max_new_tokens, backend.eos_id)
+            )
+        engine.step()
+    return [done[str(i)].tokens for i in range(len(items))]
+
+
+def test_same_job_same_tokens_in_30_engine_compositions(backend: FuyuBackend) -> None:
+    """NF4 on the CPU: the target's tokens alone equal its tokens beside any neighbours, joining at
+    any step (the fp32 oracle against generate() is tests/unit/test_engine.py)."""
     target = GenerationInput(_image(120, 200, 0), "Can I get a refund for this parcel?", 12)
     rng = random.Random(7)
     others = [
@@ -43,16 +68,18 @@ def test_same_job_same_text_in_100_batch_compositions(backend: FuyuBackend) -> N
             ["a", "这是什么？", "what colour is the box", "x " * 30, "refund?", "😀 | \\n"], 1
         )
     ]
-    texts = set()
-    for _ in range(100):
-        batch = rng.sample(others, rng.randint(0, 5))
+    alone = _engine_tokens(backend, [target], [0])[0]
+    for _ in range(30):
+        batch = rng.sample(others, rng.randint(1, 5))
         position = rng.randint(0, len(batch))
         batch.insert(position, target)
-        texts.add(backend.generate(batch)[position].text)
-    assert len(texts) == 1
+        arrivals = [rng.randint(0, 6) for _ in batch]
+        assert _engine_tokens(backend, batch, arrivals)[position] == alone
 
 
-def test_out_of_memory_splits_down_to_one_job(backend: FuyuBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_out_of_memory_fails_only_the_job_that_cannot_fit_alone(
+    backend: FuyuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = MemoryStore("mrc")
     for name, (w, h) in {"small": (160, 120), "huge": (1900, 1000)}.items():
         store.put_bytes(f"inputs/{name}.png", imagegen.photo(w, h, fmt="PNG"), "image/png")
@@ -63,27 +90,28 @@ def test_out_of_memory_splits_down_to_one_job(backend: FuyuBackend, monkeypatch:
         )
         for i, n in enumerate(["small", "small", "huge", "small"])
     ]
-    real_generate = backend.model.generate
-    sizes: list[int] = []
+    real_forward = backend.model.forward
+    calls: list[tuple[int, int]] = []
 
-    def generate(**inputs: Any) -> Any:
-        rows, images = inputs["input_ids"].shape[0], inputs["pixel_values"].shape[0]
-        sizes.append(rows)
-        if rows > 1 or images > 1000:  # a batch, or the one huge image: "does not fit"
+    def forward(**inputs: Any) -> Any:
+        rows, positions = inputs["input_ids"].shape
+        calls.append((rows, positions))
+        if positions > 1000 or rows > 1:  # the huge prefill, or a decode step of more than one row
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real_generate(**inputs)
+        return real_forward(**inputs)
 
-    monkeypatch.setattr(backend.model, "generate", generate)
+    monkeypatch.setattr(backend.model, "forward", forward)
     records = MemoryJobRecords()
-    settings = Settings(max_attempts=1, batch_max_padding=1.0)  # all four in one batch, huge included
-    pipeline = assemble(backend, store, store, records, settings, sleep=lambda _s: None)
-    assert pipeline.run(messages) == ["succeeded", "succeeded", "failed", "succeeded"]
+    pipeline = assemble(backend, store, store, records, Settings(max_attempts=1), sleep=lambda _s: None)
+    try:
+        assert pipeline.run(messages) == ["succeeded", "succeeded", "failed", "succeeded"]
+    finally:
+        pipeline.close()
     assert [entry["job_id"] for entry in records.dlq] == ["j2"]
     error = store.get_result("j2")["error"]
     assert error["code"] == "out_of_memory"
     assert error["retryable"] is True
-    assert sizes[0] == 4
-    assert sizes.count(1) == 4
+    assert any(rows > 1 for rows, _ in calls), "no step of two rows was tried"
     monkeypatch.undo()
     alone = backend.generate([GenerationInput(_image_from(store, "small"), "q", 4)])[0].text
     assert {store.get_result(f"j{i}")["text"] for i in (0, 1, 3)} == {alone}

@@ -131,11 +131,175 @@ def test_slots_kept_for_tickets_are_never_taken_by_backlog_rows() -> None:
 
 def test_a_row_is_admitted_only_if_every_running_row_still_fits_at_its_longest() -> None:
     limits = scheduler.Limits(max_rows=8, kv_tokens=1_000, reserved_interactive=0)
-    running = [_c("r1", tokens=600)]
-    assert scheduler.admit([_c("big", tokens=500), _c("small", tokens=300)], running, limits) == ["small"]
+    running = [_c("r1", tokens=400)]  # left-padded: two rows hold 2 x the longer one
+    assert scheduler.admit([_c("big", tokens=600), _c("small", tokens=300)], running, limits) == ["small"]
 
 
 def test_a_row_too_large_for_the_cache_runs_when_nothing_else_does() -> None:
     limits = scheduler.Limits(max_rows=8, kv_tokens=1_000, reserved_interactive=0)
     assert scheduler.admit([_c("huge", tokens=5_000)], [], limits) == ["huge"]
     assert scheduler.admit([_c("huge", tokens=5_000)], [_c("r1")], limits) == []
+
+
+# ------------------------------------------------------------------ pauses and failures (the model)
+class _Faulty:
+    """The real runner, with faults injected by a rule over each call."""
+
+    def __init__(self, backend: FuyuBackend, prefill_fault: Any = None, decode_fault: Any = None) -> None:
+        self.inner = Runner(backend.model)
+        self.prefill_fault, self.decode_fault = prefill_fault, decode_fault
+        self.decodes: list[list[str]] = []
+
+    def new_batch(self) -> Any:
+        return self.inner.new_batch()
+
+    def prefill(self, inputs: list[Any]) -> Any:
+        for one in inputs:
+            if self.prefill_fault is not None and (error := self.prefill_fault(one)) is not None:
+                raise error
+        return self.inner.prefill(inputs)
+
+    def decode(self, batch: Any, last: list[int]) -> list[int]:
+        self.decodes.append(list(batch.row_ids))
+        if self.decode_fault is not None and (error := self.decode_fault(batch.row_ids)) is not None:
+            raise error
+        return self.inner.decode(batch, last)
+
+
+def _drive(engine: Engine, rows: list[tuple[Sequence, int]], limit: int = 500) -> None:
+    pending = sorted(rows, key=lambda pair: pair[1])
+    while pending or not engine.idle:
+        while pending and pending[0][1] <= engine.steps:
+            engine.submit(pending.pop(0)[0])
+        engine.step()
+        assert engine.steps < limit, "the engine does not finish"
+
+
+def test_a_ticket_pauses_a_backlog_row_which_resumes_with_the_same_tokens(backend: FuyuBackend) -> None:
+    """Rows full of backlog, no slot kept: the ticket is admitted at the very next step, the youngest
+    backlog row goes back to waiting and, recomputed later, still equals its run alone."""
+    items = [_item(1, 0, 10), _item(2, 1, 10), _item(0, 2, 4)]
+    done: dict[str, Sequence] = {}
+    runner = _Faulty(backend)
+    limits = scheduler.Limits(max_rows=2, kv_tokens=1 << 20, reserved_interactive=0)
+    engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
+    rows = [_sequence(backend, "b1", items[0], "backlog"), _sequence(backend, "b2", items[1], "backlog")]
+    ticket = _sequence(backend, "t", items[2], "interactive")
+    _drive(engine, [(rows[0], 0), (rows[1], 0), (ticket, 3)])
+    assert done["b2"].restarts == 1
+    assert done["b1"].restarts == 0
+    assert set(runner.decodes[3]) == {"b1", "t"}, "the ticket did not take b2's slot at once"
+    for row_id, item in zip(["b1", "b2", "t"], items, strict=True):
+        assert done[row_id].tokens == _alone(backend, item)
+
+
+def test_out_of_memory_at_admission_waits_then_runs_alone(backend: FuyuBackend) -> None:
+    """A prefill that runs out of memory beside other rows waits (nothing more is admitted) and runs
+    once they have left; the same with nothing beside it fails that row alone."""
+    big, small = _item(3, 1, 3), _item(0, 0, 6)
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    tried: list[bool] = []
+
+    def fault(inputs: Any) -> Exception | None:
+        tried.append(bool(engine.running))
+        return oom if inputs["input_ids"].shape[1] > 50 and engine.running else None
+
+    done: dict[str, Sequence] = {}
+    engine = Engine(
+        _Faulty(backend, prefill_fault=fault), scheduler.Limits(4, 1 << 20, 0),
+        lambda row: done.__setitem__(row.row_id, row),
+    )  # fmt: skip
+    _drive(
+        engine,
+        [(_sequence(backend, "small", small, "backlog"), 0), (_sequence(backend, "big", big, "backlog"), 1)],
+    )
+    assert done["big"].error is None
+    assert done["big"].tokens == _alone(backend, big)
+    assert done["small"].tokens == _alone(backend, small)
+    assert True in tried, "big was never tried beside small"
+    assert tried[-1] is False, "big never waited for the batch to empty"
+
+    failed: dict[str, Sequence] = {}
+    lonely = Engine(
+        _Faulty(backend, prefill_fault=lambda _inputs: oom), scheduler.Limits(4, 1 << 20, 0),
+        lambda row: failed.__setitem__(row.row_id, row),
+    )  # fmt: skip
+    _drive(lonely, [(_sequence(backend, "big", big, "backlog"), 0)])
+    assert type(failed["big"].error).__name__ == "OutOfMemory"
+
+
+def test_a_step_that_fails_only_in_company_runs_each_row_alone(backend: FuyuBackend) -> None:
+    """A decode error that no single row explains: every row is recomputed alone, and each succeeds
+    with its own tokens (the one that breaks the model would fail by itself)."""
+    items = [_item(0, 0, 6), _item(1, 1, 6), _item(2, 2, 6)]
+
+    def fault(row_ids: list[str]) -> Exception | None:
+        return ValueError("shapes do not match") if len(row_ids) > 1 else None
+
+    runner = _Faulty(backend, decode_fault=fault)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(4, 1 << 20, 0), lambda row: done.__setitem__(row.row_id, row))
+    _drive(engine, [(_sequence(backend, str(i), item, "backlog"), 0) for i, item in enumerate(items)])
+    for index, item in enumerate(items):
+        assert done[str(index)].error is None
+        assert done[str(index)].tokens == _alone(backend, item)
+    assert all(len(ids) == 1 for ids in runner.decodes[1:]), "rows shared a step after the failure"
+
+
+def test_a_device_fault_mid_step_fails_every_row_with_the_worker(backend: FuyuBackend) -> None:
+    from concurrent.futures import wait
+
+    from shared.errors import WorkerUnusable
+    from workers.engine.service import EngineService
+    from workers.metrics import Metrics
+
+    def fault(row_ids: list[str]) -> Exception | None:
+        return (
+            RuntimeError("CUDA error: an illegal memory access was encountered") if len(row_ids) > 1 else None
+        )
+
+    service = EngineService(_Faulty(backend, decode_fault=fault), scheduler.Limits(4, 1 << 20, 0), Metrics())
+    service.start()
+    futures = [service.submit(_sequence(backend, str(i), _item(i, 0, 8), "backlog")) for i in range(3)]
+    wait(futures, timeout=60)
+    assert all(isinstance(f.exception(), WorkerUnusable) for f in futures)
+    late = service.submit(_sequence(backend, "late", _item(0, 0, 2), "interactive"))
+    assert isinstance(late.exception(timeout=5), WorkerUnusable), "the dead engine took new work"
+    service.stop()
+
+
+def test_a_row_past_its_deadline_expires_at_admission(backend: FuyuBackend) -> None:
+    done: dict[str, Sequence] = {}
+    engine = Engine(
+        Runner(backend.model), scheduler.Limits(4, 1 << 20, 0), lambda r: done.__setitem__(r.row_id, r)
+    )
+    row = _sequence(backend, "late", _item(0, 0, 4), "backlog")
+    row.deadline = 1.0  # 1970
+    _drive(engine, [(row, 0)])
+    assert type(done["late"].error).__name__ == "Expired"
+    assert done["late"].admitted_at is None
+
+
+# ------------------------------------------------------------------ pauses and the alone rule (no model)
+def _a(row_id: str, lane: str = "interactive", tokens: int = 100, alone: bool = False) -> scheduler.Candidate:
+    return scheduler.Candidate(row_id, lane, tokens, alone)
+
+
+def test_a_ticket_pauses_the_youngest_backlog_rows_only_as_many_as_it_needs() -> None:
+    limits = scheduler.Limits(max_rows=3, kv_tokens=10_000, reserved_interactive=0)
+    running = [_a("b1", "backlog"), _a("t0"), _a("b2", "backlog")]
+    plan = scheduler.plan([_a("t1")], running, limits)
+    assert (plan.admit, plan.pause) == (["t1"], ["b2"])
+    crowded = scheduler.plan([_a("t1")], [_a("t0"), _a("t2"), _a("t3")], limits)
+    assert (crowded.admit, crowded.pause) == ([], []), "a ticket paused another ticket"
+    room = scheduler.Limits(max_rows=8, kv_tokens=1_000, reserved_interactive=0)
+    big = scheduler.plan([_a("t1", tokens=400)], [_a("b1", "backlog", 300), _a("b2", "backlog", 300)], room)
+    assert (big.admit, big.pause) == (["t1"], ["b2"])  # 2 x 400 fits once b2 is out
+    assert scheduler.plan([_a("b3", "backlog")], [_a("b1", "backlog")] * 3, limits).pause == []
+
+
+def test_a_suspect_runs_with_nothing_beside_it() -> None:
+    limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
+    assert scheduler.plan([_a("s", alone=True), _a("t")], [], limits).admit == ["s"]
+    assert scheduler.plan([_a("s", alone=True), _a("t")], [_a("r")], limits).admit == ["t"]
+    assert scheduler.plan([_a("t")], [_a("s", alone=True)], limits).admit == []

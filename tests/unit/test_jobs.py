@@ -82,10 +82,12 @@ def test_result_serialises_with_the_contract_field_names() -> None:
         }
     ).to_json_dict()
     assert list(result) == [
-        "schema", "job_id", "status", "text", "error", "lane", "ticket_id", "attempts", "image", "prompt",
-        "model", "cache_hit", "timings_ms", "submitted_at", "finished_at", "job_fingerprint",
+        "schema", "job_id", "status", "text", "error", "finish_reason", "lane", "ticket_id", "attempts",
+        "image", "prompt", "model", "cache_hit", "timings_ms", "submitted_at", "finished_at",
+        "job_fingerprint",
     ]  # fmt: skip
     assert result["schema"] == "mrc.result/1"
+    assert list(result["timings_ms"]) == ["queued", "preprocess", "inference", "first_token", "total"]
 
 
 def test_queue_entries_that_are_not_envelopes_are_recognised() -> None:

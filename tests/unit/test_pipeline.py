@@ -90,7 +90,8 @@ def test_a_poison_job_that_breaks_the_model_fails_alone(store: MemoryStore) -> N
     outcomes = _pipeline(store, backend).run(messages)
     assert outcomes == ["succeeded"] * 5 + ["failed"]
     assert store.get_result("poison")["error"]["code"] == "model_error"
-    assert backend.calls[0] == 6  # first tried as one batch, then split
+    # each job's prefill runs alone in the engine: the poison one failed by itself, once
+    assert sorted(backend.prefills) == ["POISON please"] + ["refund?"] * 5
 
 
 def test_out_of_memory_splits_then_retries_then_dead_letters(store: MemoryStore) -> None:
@@ -136,7 +137,7 @@ def test_a_succeeded_job_delivered_again_is_not_recomputed(store: MemoryStore) -
     pipeline = _pipeline(store, backend)
     assert pipeline.run([_job("once")]) == ["succeeded"]
     assert pipeline.run([_job("once")]) == ["skipped"]
-    assert backend.calls == [1]
+    assert len(backend.prefills) == 1
 
 
 def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) -> None:
@@ -185,7 +186,9 @@ def test_jobs_of_a_crashed_delivery_run_alone_after_the_others(store: MemoryStor
     messages = [_job("c1"), _job("fresh-1"), _job("c2"), _job("fresh-2"), _job("c3")]
     outcomes = _pipeline(store, backend, records).run(messages)
     assert outcomes == ["succeeded"] * 5
-    assert backend.calls == [2, 1, 1, 1]  # the fresh pair together, then each suspect alone
+    # the fresh pair first, then each suspect alone (a delivery of its own through the engine)
+    assert backend.prefills == ["refund?"] * 5
+    assert records.get("fresh-1")["state"] == "succeeded"
     assert [records.get(j)["solo_runs"] for j in ("c1", "c2", "c3")] == ["1", "1", "1"]
 
 
@@ -217,7 +220,7 @@ def test_a_broken_device_ends_the_worker_instead_of_failing_jobs(
     backend = EchoBackend(fail_on="refund", error=error)  # every call fails: the context is gone
     with pytest.raises(WorkerUnusable):
         _pipeline(store, backend).run([_job(f"d{i}") for i in range(4)])
-    assert backend.calls == [4]  # no split, no per-job retries: nothing a split could fix
+    assert len(backend.prefill_groups) == 1  # one call, no per-job retries: the fault ends the worker
     assert not [k for (_b, k) in store.objects if k.startswith("results/")]
 
 
@@ -249,7 +252,7 @@ def test_a_different_job_under_a_used_id_never_overwrites_its_result(store: Memo
     # The record expired (a week later), then another job arrived under the same id.
     assert _pipeline(store, backend).run([_job("used", prompt="another question")]) == ["skipped"]
     assert store.get_result("used") == first
-    assert backend.calls == [1]
+    assert len(backend.prefills) == 1
     # The same job again after expiry: already done, not recomputed.
     assert _pipeline(store, backend).run([_job("used", prompt="first question")]) == ["skipped"]
 
@@ -295,7 +298,7 @@ def test_a_cache_that_is_down_is_a_miss(store: MemoryStore) -> None:
 def test_two_copies_of_a_job_in_one_delivery_run_once(store: MemoryStore) -> None:
     backend = EchoBackend()
     assert _pipeline(store, backend).run([_job("twice"), _job("twice")]) == ["succeeded", "skipped"]
-    assert backend.calls == [1]
+    assert len(backend.prefills) == 1
 
 
 def test_a_result_check_that_meets_an_s3_outage_is_retried_and_counted(store: MemoryStore) -> None:
@@ -320,13 +323,20 @@ def test_failures_beside_a_success_do_not_count_towards_the_streak(store: Memory
     assert outcomes == ["failed"] * 6 + ["succeeded"]  # the model works; six jobs broke it
 
 
-def test_each_result_says_which_attention_path_its_batch_took(store: MemoryStore) -> None:
+def test_a_model_that_fails_every_job_of_deliveries_in_a_row_ends_the_worker(store: MemoryStore) -> None:
+    from shared.errors import WorkerUnusable
+
+    pipeline = _pipeline(store, EchoBackend(fail_on="POISON"), model_failure_streak=5)
+    assert pipeline.run([_job(f"q{i}", prompt="POISON") for i in range(3)]) == ["failed"] * 3
+    with pytest.raises(WorkerUnusable):
+        pipeline.run([_job(f"r{i}", prompt="POISON") for i in range(3)])
+
+
+def test_each_result_says_which_attention_path_it_took(store: MemoryStore) -> None:
+    """causal: the row decoded alone (its prefill always does); masked: it shared decode steps
+    with other rows in the merged, left-padded batch."""
+    _pipeline(store).run([_job("alone-1")])
+    assert store.get_result("alone-1")["model"]["attention_path"] == "causal"
     store.put_bytes("inputs/wide.jpg", imagegen.photo(300, 48), "image/jpeg")
-    equal = [_job("eq-1"), _job("eq-2")]
-    _pipeline(store).run(equal)
-    assert {store.get_result(j)["model"]["attention_path"] for j in ("eq-1", "eq-2")} == {"causal"}
-    mixed = [_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")]
-    _pipeline(store, batch_max_padding=1.0).run(mixed)  # one padded batch
+    _pipeline(store).run([_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")])
     assert {store.get_result(j)["model"]["attention_path"] for j in ("mx-1", "mx-2")} == {"masked"}
-    _pipeline(store).run([_job("sp-1"), _job("sp-2", image="s3://mrc/inputs/wide.jpg")])  # split instead
-    assert {store.get_result(j)["model"]["attention_path"] for j in ("sp-1", "sp-2")} == {"causal"}

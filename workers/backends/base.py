@@ -71,6 +71,21 @@ class ModelBackend(Protocol):
     def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
         """prepare + run."""
 
+    # --- the iteration-level engine (workers/engine/) ---
+    eos_id: int
+
+    def step_model(self) -> Any:
+        """The engine's model calls: a StepModel (workers/engine/runner.py)."""
+
+    def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
+        """One job's inputs for a prefill alone (no padding), and the cache positions they fill."""
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of generated tokens (end-of-text excluded)."""
+
+    def kv_capacity(self) -> tuple[int, str]:
+        """Cache positions the free memory holds now, and how that was measured."""
+
     def warm_up(self) -> str:
         """Run one tiny batch (lazy initialisation, kernels); returns the attention kernel that ran."""
 

@@ -1,4 +1,8 @@
-"""An in-process model for unit tests of the pipeline: answers from the prompt, no torch, no weights."""
+"""An in-process model for unit tests of the pipeline: answers from the prompt, no torch, no weights.
+
+It serves the iteration-level engine like the real model does (`step_model`: a prefill per row, one
+decode step for every running row), so the worker's tests exercise the engine's scheduling, pausing
+and failure handling without weights. Its tokens are the answer's words."""
 
 from __future__ import annotations
 
@@ -8,6 +12,73 @@ from typing import Any
 from shared.errors import PromptTooLong
 from workers.backends import fuyu_geometry
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
+
+EOS, PAD = 0, 1  # PAD: a paced model's filler, so each answer takes its whole max_new_tokens
+
+
+class EchoRows:
+    """The running batch of the echo model: each row's script (its answer's tokens) and position."""
+
+    def __init__(self) -> None:
+        self.row_ids: list[str] = []
+        self.scripts: dict[str, tuple[list[int], GenerationInput]] = {}
+        self.positions: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def width(self) -> int:
+        return max(self.positions.values(), default=0)
+
+    def add(self, row_ids: list[str], cache: Any, length: int) -> None:
+        for row_id, script in zip(row_ids, cache, strict=True):
+            self.row_ids.append(row_id)
+            self.scripts[row_id], self.positions[row_id] = script, 1
+
+    def drop(self, row_ids: set[str]) -> None:
+        self.row_ids = [r for r in self.row_ids if r not in row_ids]
+        for row_id in row_ids:
+            self.scripts.pop(row_id, None)
+            self.positions.pop(row_id, None)
+
+
+class EchoSteps:
+    """The echo model's StepModel (workers/engine/runner.py)."""
+
+    def __init__(self, backend: EchoBackend) -> None:
+        self.backend = backend
+
+    def new_batch(self) -> EchoRows:
+        return EchoRows()
+
+    def prefill(self, inputs: list[Any]) -> tuple[list[int], Any, int]:
+        items: list[GenerationInput] = inputs
+        self.backend.prefills.extend(item.prompt for item in items)
+        self.backend.prefill_groups.append(len(items))
+        self._maybe_fail(items)
+        if self.backend.token_s:
+            time.sleep(self.backend.token_s)
+        scripts = [self.backend.script(item) for item in items]
+        return [script[0] for script in scripts], [(s, i) for s, i in zip(scripts, items, strict=True)], 1
+
+    def decode(self, batch: EchoRows, last_tokens: list[int]) -> list[int]:
+        self.backend.calls.append(len(batch))
+        self._maybe_fail([batch.scripts[row_id][1] for row_id in batch.row_ids])
+        if self.backend.token_s:
+            time.sleep(self.backend.token_s)
+        nexts = []
+        for row_id in batch.row_ids:
+            script, _item = batch.scripts[row_id]
+            position = batch.positions[row_id]
+            nexts.append(script[position] if position < len(script) else EOS)
+            batch.positions[row_id] = position + 1
+        return nexts
+
+    def _maybe_fail(self, items: list[GenerationInput]) -> None:
+        backend = self.backend
+        if backend.fail_on and any(backend.fail_on in item.prompt for item in items):
+            raise backend.error
 
 
 class EchoBackend:
@@ -28,7 +99,41 @@ class EchoBackend:
         self.fail_on = fail_on
         self.token_s = token_s
         self.error = error or RuntimeError("injected model fault")
-        self.calls: list[int] = []
+        self.calls: list[int] = []  # rows of each decode step (and of each old-style batch call)
+        self.prefills: list[str] = []  # the prompt of each row the engine prefilled, in order
+        self.prefill_groups: list[int] = []  # rows per prefill call (equal-length rows go together)
+        self.eos_id = EOS
+        self._vocab: dict[str, int] = {}
+        self._words: list[str] = ["", ""]
+
+    def script(self, item: GenerationInput) -> list[int]:
+        """The answer as tokens, then end-of-text: the image size and the prompt, word by word. Paced
+        (`token_s`), filler follows up to max_new_tokens: every answer then takes its whole length,
+        max_new_tokens x token_s, as a batch of the old static model took on any machine."""
+        height, width = item.image.shape[-2:]
+        tokens = [self._token(word) for word in f"{width}x{height}: {item.prompt}".split()]
+        if self.token_s:
+            tokens += [PAD] * max(0, item.max_new_tokens - len(tokens))
+        return [*tokens, EOS]
+
+    def _token(self, word: str) -> int:
+        if word not in self._vocab:
+            self._vocab[word] = len(self._words)
+            self._words.append(word)
+        return self._vocab[word]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return " ".join(self._words[t] for t in tokens if t not in (EOS, PAD))
+
+    def step_model(self) -> EchoSteps:
+        return EchoSteps(self)
+
+    def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
+        height, width = item.image.shape[-2:]
+        return item, self.image_tokens(height, width) + len(item.prompt.split())
+
+    def kv_capacity(self) -> tuple[int, str]:
+        return 1 << 30, "echo: no cache"
 
     def load(self) -> None:
         return None

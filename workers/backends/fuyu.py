@@ -227,6 +227,34 @@ class FuyuBackend:
     def generate(self, batch: list[GenerationInput]) -> list[GenerationOutput]:
         return self.run(self.prepare(batch))
 
+    # ---------------------------------------------------------------- the engine's hooks
+    def step_model(self) -> Any:
+        """The engine's model calls (workers/engine/runner.py); on the CPU, threads by call size."""
+        from workers.engine.runner import Runner
+
+        if self.device != "cpu":
+            return Runner(self.model)
+        from workers import cpu_threads
+
+        requested = self.settings.cpu_threads
+        return Runner(self.model, lambda positions: cpu_threads.apply(requested, positions))
+
+    def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
+        """One job's model inputs for a prefill alone (no padding), and the positions they fill."""
+        inputs = self.prepare([item]).inputs
+        return inputs, int(inputs["input_ids"].shape[1])
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return str(self.processor.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def kv_capacity(self) -> tuple[int, str]:
+        """Cache positions that fit in the memory free now (after loading and warm-up), and how that
+        was measured: 85 % of the device's free memory on CUDA (the rest for activations and the
+        allocator's slack), half of the available RAM on the CPU."""
+        from workers.engine import capacity
+
+        return capacity.measure(self.model.config, self.model.dtype, self.device)
+
     def _decode(self, row: list[int], max_new_tokens: int) -> GenerationOutput:
         # Greedy decoding makes a row's first N tokens the same whatever the batch's longest request.
         row = row[:max_new_tokens]
@@ -236,15 +264,27 @@ class FuyuBackend:
         return GenerationOutput(text=text, output_tokens=len(row))
 
     def warm_up(self) -> str:
-        """Two tiny batches through the model under the profiler, as real batches run: one without
-        padding (the causal path, what most batches take) and one padded (with an attention mask).
-        Records both kernels; returns the unpadded one's."""
+        """Attest, under the profiler, the two attention paths the engine takes: a prefill alone (no
+        padding: the causal path) and a decode step of two merged rows of unequal length (the masked
+        path). Also runs `generate()` once (the benchmarks' static loop). Returns the prefill's kernel."""
         from workers.backends import attention
+        from workers.engine import scheduler
+        from workers.engine.engine import Engine
+        from workers.engine.sequence import Sequence
 
-        even = [GenerationInput(image=torch_full_image(48, 64), prompt="warm up", max_new_tokens=2)] * 2
-        uneven = [even[0], GenerationInput(image=torch_full_image(96, 128), prompt="warm", max_new_tokens=2)]
-        self.attention_kernel = attention.attest(lambda: self.generate(even), self.device)
-        self.attention_kernel_padded = attention.attest(lambda: self.generate(uneven), self.device)
+        small = GenerationInput(image=torch_full_image(48, 64), prompt="warm up", max_new_tokens=4)
+        large = GenerationInput(image=torch_full_image(96, 128), prompt="warm", max_new_tokens=4)
+        self.generate([small])
+        runner = self.step_model()
+        self.attention_kernel = attention.attest(
+            lambda: runner.prefill([self.row_inputs(small)[0]]), self.device
+        )
+        engine = Engine(runner, scheduler.Limits(2, 1 << 20, 0), lambda _row: None)
+        for index, item in enumerate((small, large)):
+            inputs, positions = self.row_inputs(item)
+            engine.submit(Sequence(f"warm-{index}", inputs, positions, 4, self.eos_id, exact_steps=True))
+        engine.step()  # both admitted (prefilled, merged) and one step decoded: the next is decode only
+        self.attention_kernel_padded = attention.attest(engine.step, self.device)
         return self.attention_kernel
 
     def describe(self) -> dict[str, str]:
@@ -254,5 +294,6 @@ class FuyuBackend:
             "quantization": self.quantization,
             "device": self.device,
             "attention_backend": f"{implementation}:{self.attention_kernel}",
+            "attention_backend_decode": f"{implementation}:{self.attention_kernel_padded}",
             "attention_backend_padded": f"{implementation}:{self.attention_kernel_padded}",
         }

@@ -1,25 +1,54 @@
 """The loop: admit waiting jobs (prefill alone, merge into the batch) -> one decode step for every
-running row -> retire rows that finished, handing each back at once."""
+running row -> retire rows that finished, handing each back at once.
+
+Failures are settled here, per row, so one job never fails for its neighbours:
+- a prefill that fails is that job's alone (it ran alone): its error, except out of memory while
+  other rows run, which sends it back to waiting and admits nothing more until a row leaves;
+- a decode step that fails may have written part of the step into the cache, so every running row
+  goes back to waiting and is recomputed from its prompt (greedy: the same tokens again). Out of
+  memory also lowers the admission ceiling below what ran; any other error marks the rows `alone`,
+  so the one that breaks the model fails by itself and the others succeed;
+- a device fault (WorkerUnusable) leaves the engine: nothing on this process can run any more.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from shared.errors import Expired, MrcError, OutOfMemory
+from workers import inference
 from workers.engine import scheduler
-from workers.engine.kv import Batch
-from workers.engine.runner import Runner
+from workers.engine.runner import RowBatch, StepModel
 from workers.engine.sequence import Sequence
 
 Finished = Callable[[Sequence], None]
 
 
+@dataclass
+class StepReport:
+    prefilled: int = 0
+    decoded_rows: int = 0
+    generated: int = 0  # tokens generated in this step, first tokens included
+    paused: int = 0  # rows paused for a ticket
+    restarted: int = 0  # rows sent back because their decode step failed
+
+
 class Engine:
-    def __init__(self, runner: Runner, limits: scheduler.Limits, on_finished: Finished) -> None:
-        self.runner, self.limits, self.on_finished = runner, limits, on_finished
+    def __init__(
+        self,
+        runner: StepModel,
+        limits: scheduler.Limits,
+        on_finished: Finished,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.runner, self.limits, self.on_finished, self.clock = runner, limits, on_finished, clock
         self.waiting: list[Sequence] = []
-        self.running: dict[str, Sequence] = {}
-        self.batch = Batch()
+        self.running: dict[str, Sequence] = {}  # in admission order
+        self.batch: RowBatch = runner.new_batch()
         self.steps = 0
+        self.kv_ceiling: int | None = None  # lowered by out-of-memory, lifted when the batch empties
 
     def submit(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -28,33 +57,161 @@ class Engine:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def step(self) -> None:
-        self._admit()
+    @property
+    def footprint(self) -> int:
+        """Cache positions the running rows may reach together (what admission counts)."""
+        return footprint(self.running.values())
+
+    def step(self) -> StepReport:
+        report = StepReport()
+        self._expire()
+        self._admit(report)
         if self.running:
             rows = [self.running[row_id] for row_id in self.batch.row_ids]
-            nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows])
-            self._retire({row.row_id for row, token in zip(rows, nexts, strict=True) if row.accept(token)})
+            try:
+                nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows])
+            except Exception as exc:
+                self._decode_failed(exc, report)
+            else:
+                report.decoded_rows, report.generated = len(rows), report.generated + len(rows)
+                now, shared = self.clock(), len(rows) > 1
+                done = set()
+                for row, token in zip(rows, nexts, strict=True):
+                    row.shared_steps += shared
+                    if row.accept(token):
+                        row.finished_at = now
+                        done.add(row.row_id)
+                self._retire(done)
         self.steps += 1
+        return report
 
-    def _admit(self) -> None:
-        def candidate(row: Sequence) -> scheduler.Candidate:
-            return scheduler.Candidate(row.row_id, row.lane, row.reserved_tokens)
+    # ---------------------------------------------------------------- admission
+    def _limits(self) -> scheduler.Limits:
+        if self.kv_ceiling is None:
+            return self.limits
+        kv = min(self.limits.kv_tokens, self.kv_ceiling)
+        return scheduler.Limits(self.limits.max_rows, kv, self.limits.reserved_interactive)
 
-        chosen = scheduler.admit(
-            [candidate(r) for r in self.waiting], [candidate(r) for r in self.running.values()], self.limits
-        )
-        by_id = {row.row_id: row for row in self.waiting}
-        for row_id in chosen:
-            row = by_id[row_id]
+    def _expire(self) -> None:
+        now = self.clock()
+        for row in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:
             self.waiting.remove(row)
-            token, cache, length = self.runner.prefill(row.inputs)
-            if row.accept(token):  # ended at its first token: it never joins the batch
-                self.on_finished(row)
-                continue
-            self.running[row_id] = row
-            self.batch.add(row_id, cache, length)
+            self._fail(row, Expired("the job's deadline passed while it waited for the model"))
+
+    def _admit(self, report: StepReport) -> None:
+        def candidate(row: Sequence) -> scheduler.Candidate:
+            return scheduler.Candidate(row.row_id, row.lane, row.reserved_tokens, row.alone)
+
+        plan = scheduler.plan(
+            [candidate(r) for r in self.waiting],
+            [candidate(r) for r in self.running.values()],
+            self._limits(),
+        )
+        if plan.pause:
+            self._back_to_waiting([self.running[row_id] for row_id in plan.pause])
+            report.paused += len(plan.pause)
+        by_id = {row.row_id: row for row in self.waiting}
+        admitted = [by_id[row_id] for row_id in plan.admit]
+        for row in admitted:
+            self.waiting.remove(row)
+        groups = _equal_lengths(admitted)
+        for index, group in enumerate(groups):
+            if not self._prefill(group, report):
+                self.waiting[:0] = [row for rest in groups[index + 1 :] for row in rest]
+                break
+
+    def _prefill(self, rows: list[Sequence], report: StepReport) -> bool:
+        """Prefill rows of one input length together (unpadded) and merge them; False when admission
+        must stop for this step (the rows not prefilled are back in waiting)."""
+        now = self.clock()
+        for row in rows:
+            row.admitted_at = row.admitted_at or now
+        try:
+            tokens, cache, length = self.runner.prefill([row.inputs for row in rows])
+        except Exception as exc:
+            error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
+            if len(rows) > 1:  # one at a time: a row that breaks the model or does not fit, by itself
+                for index, row in enumerate(rows):
+                    if not self._prefill([row], report):
+                        self.waiting[:0] = rows[index + 1 :]
+                        return False
+                return True
+            if isinstance(error, OutOfMemory) and self.running:
+                self.waiting.insert(0, rows[0])  # it may fit alone, or once a neighbour has left
+                self.kv_ceiling = footprint(self.running.values())
+                return False
+            self._fail(rows[0], error)
+            return True
+        report.prefilled += len(rows)
+        report.generated += len(rows)
+        first = self.clock()
+        ended = []
+        for row, token in zip(rows, tokens, strict=True):
+            row.first_token_at = row.first_token_at or first
+            self.running[row.row_id] = row
+            if row.accept(token):  # ended at its first token: it leaves before any decode step
+                row.finished_at = first
+                ended.append(row.row_id)
+        self.batch.add([row.row_id for row in rows], cache, length)
+        self._retire(set(ended))
+        return not any(row.alone for row in rows)
+
+    # ---------------------------------------------------------------- failures
+    def _decode_failed(self, exc: Exception, report: StepReport) -> None:
+        error = inference.classify(exc)  # raises WorkerUnusable for a device fault
+        rows = list(self.running.values())
+        if len(rows) == 1:
+            self._drop_all()
+            self._fail(rows[0], error)
+            return
+        report.restarted = len(rows)
+        if isinstance(error, OutOfMemory):
+            self.kv_ceiling = max(1, footprint(rows[:-1]))  # the youngest row's share freed
+        else:
+            for row in rows:
+                row.alone = True  # one at a time: the row that breaks the model fails by itself
+        self._back_to_waiting(rows)
+
+    def _back_to_waiting(self, rows: list[Sequence]) -> None:
+        """Paused or failed-with-the-batch rows, first in line again (recomputed from their prompt)."""
+        ids = {row.row_id for row in rows}
+        if len(ids) == len(self.running):
+            self._drop_all()
+        else:
+            self.batch.drop(ids)
+        for row in rows:
+            self.running.pop(row.row_id, None)
+            row.restart()
+        self.waiting[:0] = rows
+
+    def _drop_all(self) -> None:
+        self.running.clear()
+        self.batch = self.runner.new_batch()
+
+    def _fail(self, row: Sequence, error: MrcError) -> None:
+        row.error, row.finished_at = error, self.clock()
+        self.on_finished(row)
 
     def _retire(self, done: set[str]) -> None:
+        if not done:
+            return
         self.batch.drop(done)
         for row_id in done:
             self.on_finished(self.running.pop(row_id))
+        if not self.running:
+            self.kv_ceiling = None  # an empty batch: try the full capacity again
+
+
+def footprint(rows: Iterable[Sequence]) -> int:
+    """Cache positions rows may reach together in a left-padded batch: rows x the longest at its limit."""
+    listed = list(rows)
+    return len(listed) * max((row.reserved_tokens for row in listed), default=0)
+
+
+def _equal_lengths(rows: list[Sequence]) -> list[list[Sequence]]:
+    """Rows grouped by input length (in first-admitted order) for unpadded prefills together; a
+    suspect is a group of its own."""
+    groups: dict[object, list[Sequence]] = {}
+    for row in rows:
+        groups.setdefault(row.row_id if row.alone else row.prompt_tokens, []).append(row)
+    return list(groups.values())

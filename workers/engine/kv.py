@@ -45,12 +45,12 @@ class Batch:
     def __len__(self) -> int:
         return len(self.row_ids)
 
-    def add(self, row_id: str, cache: Any, length: int) -> None:
-        """Merge a row prefilled alone (its cache holds exactly `length` positions)."""
+    def add(self, row_ids: list[str], cache: Any, length: int) -> None:
+        """Merge rows prefilled together, unpadded (their cache holds exactly `length` positions each)."""
         device = cache.layers[0].keys.device
-        row_mask = torch.ones((1, length), dtype=torch.long, device=device)
+        row_mask = torch.ones((len(row_ids), length), dtype=torch.long, device=device)
         if self.cache is None or self.mask is None:
-            self.row_ids, self.cache, self.mask = [row_id], cache, row_mask
+            self.row_ids, self.cache, self.mask = list(row_ids), cache, row_mask
             return
         width = max(self.mask.shape[1], length)
         merged = []
@@ -64,7 +64,7 @@ class Batch:
         old = torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0))
         new = torch.nn.functional.pad(row_mask, (width - length, 0))
         self.cache, self.mask = _build(merged), torch.cat([old, new], dim=0)
-        self.row_ids.append(row_id)
+        self.row_ids.extend(row_ids)
 
     def drop(self, row_ids: set[str]) -> None:
         """Remove finished rows; trim the padding columns no remaining row needs."""
@@ -85,8 +85,17 @@ class Batch:
         self.cache, self.mask = _build(layers), mask[:, start:].contiguous()
         self.row_ids = [self.row_ids[i] for i in keep]
 
-    def grow(self) -> torch.Tensor:
-        """The mask for the next step (one more real position per row) and the rows' positions."""
+    @property
+    def width(self) -> int:
+        """Positions per row in the cache, padding included: what the batch really holds."""
+        return 0 if self.mask is None else int(self.mask.shape[1])
+
+    def next_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask for the next step (one more real position per row) and the rows' positions;
+        `commit` it once the step succeeded, so a failed step leaves the batch as it was."""
         assert self.mask is not None
-        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
-        return (self.mask.sum(dim=1, keepdim=True) - 1).long()
+        mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        return mask, (mask.sum(dim=1, keepdim=True) - 1).long()
+
+    def commit(self, mask: torch.Tensor, cache: Any) -> None:
+        self.mask, self.cache = mask, cache

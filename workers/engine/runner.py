@@ -1,38 +1,83 @@
-"""The engine's only model calls (torch): prefill one job alone, decode one step for the batch."""
+"""The engine's only model calls (torch): prefill one job alone, decode one step for the batch.
+
+`StepModel` is the seam: this runner serves transformers' Fuyu; the echo backend has its own
+(workers/backends/echo.py), so the worker's tests drive the same engine without weights.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from workers.engine.kv import Batch
 
 
+class RowBatch(Protocol):
+    row_ids: list[str]
+
+    def __len__(self) -> int: ...
+
+    @property
+    def width(self) -> int: ...
+
+    def add(self, row_ids: list[str], cache: Any, length: int) -> None: ...
+
+    def drop(self, row_ids: set[str]) -> None: ...
+
+
+class StepModel(Protocol):
+    def new_batch(self) -> RowBatch: ...
+
+    def prefill(self, inputs: list[Any]) -> tuple[list[int], Any, int]: ...
+
+    def decode(self, batch: Any, last_tokens: list[int]) -> list[int]: ...
+
+
+Threads = Any  # Callable[[int], None] | None: sets CPU threads for a call of that many positions
+
+
 class Runner:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, threads: Threads = None) -> None:
         self.model = model
+        self.threads = threads
+
+    def new_batch(self) -> Batch:
+        return Batch()
 
     @torch.inference_mode()
-    def prefill(self, inputs: Any) -> tuple[int, Any, int]:
-        """(first generated token, the row's cache, positions it holds) for one job's inputs, alone:
-        no padding, so prefill takes the causal path and needs no mask."""
-        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        token = int(out.logits[0, -1].argmax())
-        return token, out.cache, int(inputs["input_ids"].shape[1])
+    def prefill(self, inputs: list[Any]) -> tuple[list[int], Any, int]:
+        """(each row's first generated token, the rows' cache, positions each holds) for jobs of one
+        input length, prefilled together: no padding, so prefill takes the causal path, no mask."""
+        joined = inputs[0] if len(inputs) == 1 else {k: torch.cat([i[k] for i in inputs]) for k in inputs[0]}
+        length = int(joined["input_ids"].shape[1])
+        if self.threads is not None:
+            self.threads(int(joined["input_ids"].numel()))
+        out = _freeing_on_oom(lambda: self.model(**joined, use_cache=True, logits_to_keep=1))
+        return [int(t) for t in out.logits[:, -1].argmax(dim=-1).tolist()], out.cache, length
 
     @torch.inference_mode()
     def decode(self, batch: Batch, last_tokens: list[int]) -> list[int]:
         """One step for every running row: feed each row's last token, return each row's next."""
         assert batch.mask is not None
-        positions = batch.grow()
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=batch.mask.device).unsqueeze(1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=batch.mask,
-            position_ids=positions,
-            cache=batch.cache,
-            use_cache=True,
+        mask, positions = batch.next_step()
+        if self.threads is not None:
+            self.threads(int(mask.numel()))
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=mask.device).unsqueeze(1)
+        out = _freeing_on_oom(
+            lambda: self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, cache=batch.cache, use_cache=True
+            )
         )
-        batch.cache = out.cache
+        batch.commit(mask, out.cache)
         return [int(t) for t in out.logits[:, -1].argmax(dim=-1).tolist()]
+
+
+def _freeing_on_oom(call: Any) -> Any:
+    """Out of memory is settled by the engine (fewer rows, then retry): give the allocator's cached
+    blocks back first, so the retry sees the memory the failed call took."""
+    try:
+        return call()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        raise

@@ -1,4 +1,5 @@
-"""Who is admitted to the running batch at the next step. Pure: no torch, no Redis, no clock.
+"""Who is admitted to the running batch at the next step, and who is paused for them. Pure: no
+torch, no Redis, no clock.
 
 Rules, in order:
 - interactive rows before backlog rows, first come first served within a lane;
@@ -6,15 +7,22 @@ Rules, in order:
   backlog rows, so a ticket that arrives while a long backlog batch runs is admitted at the next step
   instead of waiting for a backlog row to finish;
 - a row is admitted only if the cache can hold every running row at its longest plus this one
-  (`kv_tokens`): a row once admitted never runs out of room mid-answer;
+  (`kv_tokens`): a row once admitted never runs out of room mid-answer. The cache is left-padded
+  (workers/engine/kv.py), so what rows hold together is rows x the longest, not their sum;
+- an interactive row that finds no slot or no room pauses the youngest backlog rows until it fits
+  (they go back to waiting and are recomputed later): a ticket never waits for a backlog answer;
 - a row too large for the cache even alone is admitted when nothing else runs (it fails or succeeds
-  on its own, never for its neighbours).
+  on its own, never for its neighbours);
+- a row marked `alone` (a suspect: its last delivery died with it) runs only with nothing beside it,
+  and nothing is admitted while it runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+INTERACTIVE = "interactive"
 
 
 @dataclass(frozen=True)
@@ -29,26 +37,66 @@ class Candidate:
     row_id: str
     lane: str
     reserved_tokens: int
+    alone: bool = False
+
+
+@dataclass
+class Plan:
+    admit: list[str] = field(default_factory=list)  # in admission order
+    pause: list[str] = field(default_factory=list)  # running rows to send back to waiting first
 
 
 def admit(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits) -> list[str]:
-    """The ids to admit now, in admission order."""
-    rows = len(running)
-    used = sum(c.reserved_tokens for c in running)
+    """The ids to admit now, in admission order (without pausing anyone)."""
+    return plan(waiting, running, limits, pause=False).admit
+
+
+def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause: bool = True) -> Plan:
+    """What to do at the next step. `running` is in admission order (the youngest last)."""
+    result = Plan()
+    if any(c.alone for c in running):
+        return result
+    kept = list(running)
     backlog_rows = max(0, limits.max_rows - limits.reserved_interactive)
-    chosen: list[str] = []
-    ordered = [c for c in waiting if c.lane == "interactive"] + [
-        c for c in waiting if c.lane != "interactive"
-    ]
+    ordered = [c for c in waiting if c.lane == INTERACTIVE] + [c for c in waiting if c.lane != INTERACTIVE]
     for candidate in ordered:
-        if rows >= limits.max_rows:
+        if candidate.alone:
+            if not kept:
+                result.admit.append(candidate.row_id)
+                return result
+            continue
+        interactive = candidate.lane == INTERACTIVE
+        if not interactive and len(kept) >= backlog_rows:
+            continue
+        if not _fits(candidate, kept, limits) and interactive and pause:
+            _pause_for(candidate, kept, limits, result)
+        if not _fits(candidate, kept, limits):
+            continue
+        result.admit.append(candidate.row_id)
+        kept.append(candidate)
+    return result
+
+
+def _fits(candidate: Candidate, kept: list[Candidate], limits: Limits) -> bool:
+    if not kept:
+        return True  # alone: it runs, and fails or succeeds on its own
+    longest = max(candidate.reserved_tokens, *(c.reserved_tokens for c in kept))
+    return len(kept) < limits.max_rows and (len(kept) + 1) * longest <= limits.kv_tokens
+
+
+def _pause_for(candidate: Candidate, kept: list[Candidate], limits: Limits, result: Plan) -> None:
+    """Pause the youngest running backlog rows (never one admitted in this plan) until it fits, or
+    none if pausing every such row would still not make room."""
+    pausable = [c for c in reversed(kept) if c.lane != INTERACTIVE and c.row_id not in result.admit]
+    trial = list(kept)
+    chosen: list[Candidate] = []
+    for victim in pausable:
+        if _fits(candidate, trial, limits):
             break
-        if candidate.lane != "interactive" and rows >= backlog_rows:
-            continue
-        alone = rows == 0
-        if used + candidate.reserved_tokens > limits.kv_tokens and not alone:
-            continue
-        chosen.append(candidate.row_id)
-        rows += 1
-        used += candidate.reserved_tokens
-    return chosen
+        trial.remove(victim)
+        chosen.append(victim)
+    if not _fits(candidate, trial, limits):
+        return
+    for victim in chosen:
+        kept.remove(victim)
+        result.pause.append(victim.row_id)

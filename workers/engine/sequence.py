@@ -1,4 +1,4 @@
-"""One row of the running batch: what its job asked for and what it has generated so far."""
+"""One row of the running batch: what its job asked for, what it has generated, why it ended."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 FinishReason = Literal["stop", "length"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """A job in the engine. `inputs` are its model inputs for a prefill alone (no padding)."""
 
@@ -18,8 +18,19 @@ class Sequence:
     max_new_tokens: int
     eos_id: int
     lane: str = "interactive"
+    alone: bool = False  # a suspect (its last delivery died with it): nothing runs beside it
+    deadline: float | None = None  # wall-clock seconds; past it at admission, the row expires
+    exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded
     finish_reason: FinishReason | None = None
+    error: Exception | None = None  # why it failed, when it did (an MrcError)
+    # Wall-clock seconds, set by the engine: first admitted, first token generated, finished.
+    submitted_at: float = 0.0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    shared_steps: int = 0  # decode steps it ran beside other rows (the masked attention path)
+    restarts: int = 0  # times it was paused (or its batch failed) and recomputed from its prompt
 
     @property
     def length(self) -> int:
@@ -33,7 +44,7 @@ class Sequence:
 
     def accept(self, token: int) -> bool:
         """Take one generated token; True when the row is finished (end-of-text or its own limit)."""
-        if token == self.eos_id:
+        if token == self.eos_id and not self.exact_steps:
             self.finish_reason = "stop"
             return True
         self.tokens.append(token)
@@ -41,3 +52,10 @@ class Sequence:
             self.finish_reason = "length"
             return True
         return False
+
+    def restart(self) -> None:
+        """Back to waiting, to be recomputed from its prompt: greedy decoding makes the same tokens
+        again, so a pause costs compute, never a different answer."""
+        self.tokens.clear()
+        self.finish_reason = None
+        self.restarts += 1

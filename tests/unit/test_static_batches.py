@@ -3,8 +3,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers import batching
-from workers.batching import Cost
+from tests.bench import static_batches as batching
+from tests.bench.static_batches import Cost
 
 
 def _costs(inputs: list[int], new: int = 64) -> list[Cost]:

@@ -1,12 +1,14 @@
-"""Pure functions that decide how jobs are grouped into model batches."""
+"""Static batching, as the worker did it before the iteration-level engine: pure functions that group
+jobs into model batches run through `generate()` to their longest row. Kept for the benchmarks'
+"bare static loop" baseline (tests/bench/bench_throughput.py), which the engine is measured against."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# The most jobs a batch may hold: one number, or one per group, from its input lengths (the measured
-# table of workers/batch_sizes.py: long inputs may be capped lower than short ones).
+# The most jobs a batch may hold: one number, or one per group, from its input lengths (long inputs
+# may be capped lower than short ones).
 MaxJobs = int | Callable[[Sequence[int]], int]
 
 

@@ -1,0 +1,145 @@
+"""Tickets beside the nightly backlog on one worker: what a ticket waits while a backlog run with long
+answers is being worked through, against the same tickets on an idle worker.
+
+Real redis-server, moto S3 server, one mrc-worker (tiny Fuyu, NF4, CPU). First `--tickets` tickets
+(`--ticket-tokens` new tokens) one every `--every` seconds on the idle worker; then a backlog run of
+`--backlog` jobs with `--backlog-tokens` new tokens is queued and the same tickets are sent again while
+it runs. Reported: ticket submit -> result p50/p99 idle and busy, their ratio (goal: p99 busy <= 1.5 x
+p99 idle), how much of the backlog was still queued or running when the last busy ticket finished
+(if none was, the busy phase measured nothing), and the backlog's jobs/s.
+
+`--tree PATH` runs the worker from another checkout of mrc (say, the commit before the engine) with
+this checkout's virtual environment, so two versions are measured side by side in one run:
+
+    .venv/bin/python tests/bench/bench_mixed_load.py [--tree /tmp/base] [--backlog 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts import devservices as services  # noqa: E402 - after sys.path is set
+from shared import logs  # noqa: E402 - after sys.path is set
+from shared.jobs import parse_rfc3339  # noqa: E402 - after sys.path is set
+from tests.bench.workloads import PROMPT, Workload  # noqa: E402 - after sys.path is set
+
+IMAGES = Workload("mixed-load", (("photo", 1024, 768), ("photo", 768, 1024)), (PROMPT,), (32,))
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _tickets(client: Any, paths: list[Path], args: argparse.Namespace, tag: str) -> list[float]:
+    from producer.client import Submission
+
+    sent: dict[str, float] = {}
+    for i in range(args.tickets):
+        job = client.build_job(
+            Submission(image=paths[i % len(paths)], prompt=f"{PROMPT} ({tag} {i})",
+                       max_new_tokens=args.ticket_tokens, job_id=f"ticket-{tag}-{i}")
+        )  # fmt: skip
+        sent[job.job_id] = time.time()
+        client.enqueue(job)
+        time.sleep(args.every)
+    latencies = []
+    for job_id, at in sent.items():
+        result = client.wait(job_id, 900)
+        assert result["status"] == "succeeded", result
+        latencies.append(parse_rfc3339(result["finished_at"]).timestamp() - at)
+    return latencies
+
+
+def _backlog(client: Any, paths: list[Path], args: argparse.Namespace) -> list[str]:
+    from producer.client import Submission
+
+    ids = []
+    for i in range(args.backlog):
+        job = client.build_job(
+            Submission(image=paths[i % len(paths)], prompt=f"{PROMPT} (backlog {i})",
+                       max_new_tokens=args.backlog_tokens, job_id=f"backlog-{i}", lane="backlog")
+        )  # fmt: skip
+        client.enqueue(job)
+        ids.append(job.job_id)
+    return ids
+
+
+def measure(
+    args: argparse.Namespace, env: dict[str, str], paths: list[Path], work: Path, name: str
+) -> dict[str, Any]:
+    from producer.client import Client
+
+    worker_env = {**env, "MRC_LOG_LEVEL": "WARNING"}
+    if args.tree:
+        worker_env["PYTHONPATH"] = str(args.tree)
+    worker = services.start_worker(worker_env, work / f"worker-{name}.log")
+    try:
+        client = Client(services.settings_from_env(env))
+        idle = _tickets(client, paths, args, f"{name}-idle")
+        began = time.perf_counter()
+        queued: list[str] = []
+        feeder = threading.Thread(target=lambda: queued.extend(_backlog(client, paths, args)))
+        feeder.start()
+        time.sleep(1.0)  # the backlog is flowing before the first busy ticket
+        busy = _tickets(client, paths, args, f"{name}-busy")
+        feeder.join()
+        left = sum(1 for job_id in queued if client.status(job_id)["state"] in ("queued", "running"))
+        for job_id in queued:
+            client.wait(job_id, 1800)
+        backlog_s = time.perf_counter() - began
+        return {
+            "idle_p50": _pct(idle, 0.5), "idle_p99": _pct(idle, 0.99),
+            "busy_p50": _pct(busy, 0.5), "busy_p99": _pct(busy, 0.99),
+            "backlog_left": left, "backlog_rate": len(queued) / backlog_s, "busy_mean": statistics.mean(busy),
+        }  # fmt: skip
+    finally:
+        worker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="ticket latency beside a backlog run, vs an idle worker")
+    parser.add_argument("--tickets", type=int, default=12)
+    parser.add_argument("--every", type=float, default=1.5)
+    parser.add_argument("--ticket-tokens", type=int, default=32)
+    parser.add_argument("--backlog", type=int, default=160)
+    parser.add_argument("--backlog-tokens", type=int, default=256)
+    parser.add_argument("--tree", type=Path, help="run the worker from this checkout (a baseline)")
+    args = parser.parse_args()
+    logs.configure("WARNING")
+    work = Path(tempfile.mkdtemp(prefix="mrc-bench-mixed-"))
+    redis, s3 = services.start_redis(work / "redis"), services.start_s3(work / "s3")
+    try:
+        env = services.base_env(redis.url, s3.url, "mrc-bench", ROOT / ".cache" / "mrc")
+        env["MRC_CACHE_TTL_S"] = "0"
+        paths = IMAGES.make_images(work)
+        name = "tree" if args.tree else "this"
+        row = measure(args, env, paths, work, name)
+        ratio = row["busy_p99"] / row["idle_p99"]
+        print("\n| worker | ticket p50 / p99 idle s | ticket p50 / p99 busy s | p99 busy / idle "
+              "(goal <= 1.5) | backlog jobs/s | backlog left when the tickets ended |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        print(f"| {args.tree or 'this checkout'} | {row['idle_p50']:.2f} / {row['idle_p99']:.2f} | "
+              f"{row['busy_p50']:.2f} / {row['busy_p99']:.2f} | {ratio:.2f} | {row['backlog_rate']:.2f} | "
+              f"{row['backlog_left']} of {args.backlog} |")  # fmt: skip
+        print(f"({args.tickets} tickets of {args.ticket_tokens} new tokens every {args.every} s; backlog "
+              f"{args.backlog} x {args.backlog_tokens} new tokens; tiny Fuyu NF4 on the CPU)")  # fmt: skip
+    finally:
+        redis.stop()
+        s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

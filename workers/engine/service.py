@@ -1,0 +1,149 @@
+"""The engine's own thread: the only thread that calls the model.
+
+Delivery threads hand rows in (`submit` -> a Future) and wait; the loop takes what arrived, runs one
+engine step, and resolves each row's future the moment it finishes. A device fault ends the loop:
+every row in hand (and every later submit) gets the WorkerUnusable, so each delivery thread takes
+the worker's exit path (give back, exit unacked).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from shared import logs
+from shared.errors import WorkerUnusable
+from workers.engine import scheduler
+from workers.engine.engine import Engine, StepReport
+from workers.engine.runner import StepModel
+from workers.engine.sequence import Sequence
+from workers.metrics import Metrics
+
+_IDLE_WAIT_S = 1.0
+
+
+class EngineService:
+    def __init__(
+        self,
+        runner: StepModel,
+        limits: scheduler.Limits,
+        metrics: Metrics,
+        on_progress: Callable[[float], None] = lambda busy_s: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = Engine(runner, limits, self._finished, clock)
+        self.limits, self.metrics, self.on_progress, self.clock = limits, metrics, on_progress, clock
+        self.log = logs.get_logger()
+        self._inbox: list[tuple[Sequence, Future[Sequence]]] = []
+        self._futures: dict[str, Future[Sequence]] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.fatal: BaseException | None = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="mrc-engine", daemon=True)
+        metrics.kv_capacity.set(limits.kv_tokens)
+
+    def start(self) -> EngineService:
+        self._thread.start()
+        return self
+
+    def row_id(self, job_id: str) -> str:
+        """Unique within the process, even for two deliveries of one job."""
+        return f"{next(self._ids)}:{job_id}"
+
+    def submit(self, row: Sequence) -> Future[Sequence]:
+        future: Future[Sequence] = Future()
+        row.submitted_at = self.clock()
+        with self._cond:
+            if self.fatal is not None:
+                future.set_exception(self.fatal)
+                return future
+            self._inbox.append((row, future))
+            self._cond.notify()
+        return future
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while self._take():
+            began = time.perf_counter()
+            try:
+                report = self.engine.step()
+            except BaseException as exc:  # a device fault (or a bug in the engine): nothing can run now
+                self._die(exc)
+                return
+            self._account(report, time.perf_counter() - began)
+
+    def _take(self) -> bool:
+        """Wait for work; move what arrived into the engine. False once stopping and idle."""
+        with self._cond:
+            while not self._inbox and self.engine.idle:
+                if self._stopping:
+                    return False
+                self._cond.wait(_IDLE_WAIT_S)
+            inbox, self._inbox = self._inbox, []
+        for row, future in inbox:
+            self._futures[row.row_id] = future
+            self.engine.submit(row)
+        return True
+
+    def _finished(self, row: Sequence) -> None:
+        future = self._futures.pop(row.row_id, None)
+        if row.admitted_at is not None:
+            self.metrics.admission_wait.labels(lane=row.lane).observe(
+                max(0.0, row.admitted_at - row.submitted_at)
+            )
+        if future is not None:
+            future.set_result(row)
+
+    def _die(self, exc: BaseException) -> None:
+        fatal = (
+            exc if isinstance(exc, WorkerUnusable) else WorkerUnusable(f"the engine failed: {exc!r}"[:500])
+        )
+        self.log.critical("MRC_ENGINE_FAILED", error=repr(exc)[:500], rows=len(self._futures))
+        with self._cond:
+            self.fatal = fatal
+            inbox, self._inbox = self._inbox, []
+        for _row, future in inbox:
+            future.set_exception(fatal)
+        for future in self._futures.values():
+            future.set_exception(fatal)
+        self._futures.clear()
+
+    def _account(self, report: StepReport, seconds: float) -> None:
+        engine, metrics = self.engine, self.metrics
+        ran = report.prefilled or report.decoded_rows or report.restarted
+        if ran:
+            metrics.steps.inc()
+            metrics.model_busy.inc(seconds)
+            metrics.generated.inc(report.generated)
+        if report.decoded_rows:
+            batch = engine.batch
+            width = batch.width
+            real = sum(row.length for row in engine.running.values())
+            metrics.model_batch_jobs.observe(report.decoded_rows)
+            metrics.model_batch_tokens.observe(len(batch) * width)
+            metrics.padding.observe(1 - real / max(1, len(batch) * width))
+        if report.paused:
+            metrics.paused.labels(reason="ticket").inc(report.paused)
+            self.log.info("MRC_ENGINE_PAUSED", rows=report.paused, running=len(engine.running))
+        if report.restarted:
+            metrics.paused.labels(reason="failed_step").inc(report.restarted)
+            self.log.warning("MRC_ENGINE_STEP_FAILED", rows=report.restarted, kv_ceiling=engine.kv_ceiling)
+        metrics.rows_running.set(len(engine.running))
+        waiting = {"interactive": 0, "backlog": 0}
+        for row in engine.waiting:
+            waiting[row.lane] = waiting.get(row.lane, 0) + 1
+        for lane, count in waiting.items():
+            metrics.rows_waiting.labels(lane=lane).set(count)
+        metrics.kv_used.set(engine.footprint)
+        self.on_progress(seconds if ran else 0.0)

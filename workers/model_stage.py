@@ -1,0 +1,171 @@
+"""The model stage of a delivery: hand each job to the engine as soon as its image is decoded and its
+inputs are prepared (on the delivery's thread), and take each back the moment its row finishes.
+
+The engine (workers/engine/) runs on a thread of its own for every delivery in hand; this stage is
+what one delivery does with it: decode in the pool, prepare, submit, wait, read each row into its
+job's slot, and apply the failure-streak rule (a model that fails job after job is the worker's
+fault, not the jobs')."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from functools import partial
+from typing import Any
+
+from shared import logs
+from shared.errors import InternalError, ModelError, MrcError, WorkerUnusable
+from shared.settings import Settings
+from workers import images, stages
+from workers.admission import Admission
+from workers.backends.base import GenerationInput, ModelBackend
+from workers.engine import capacity, scheduler
+from workers.engine.sequence import Sequence as Row
+from workers.engine.service import EngineService
+from workers.metrics import Metrics
+from workers.slots import Slot
+
+
+class ModelStage:
+    def __init__(
+        self,
+        backend: ModelBackend,
+        settings: Settings,
+        metrics: Metrics,
+        admission: Admission,
+        pool: ThreadPoolExecutor,
+        finish: Callable[[list[Slot]], None],
+    ) -> None:
+        self.backend, self.settings, self.metrics, self.admission = backend, settings, metrics, admission
+        self._pool, self._finish = pool, finish
+        self._lock = threading.Lock()
+        self._busy_s = 0.0
+        self._first_batch_at: float | None = None
+        self._failure_streak = 0  # jobs in a row the model failed (model_error), across deliveries
+        self.engine_at = time.monotonic()  # the engine's last step (monotonic), for /healthz
+        measured, self.kv_measured = backend.kv_capacity()
+        self.limits = scheduler.Limits(
+            max_rows=settings.model_batch_max_jobs,
+            kv_tokens=capacity.limit(measured, settings.batch_token_budget),
+            reserved_interactive=min(settings.engine_reserved_rows, settings.model_batch_max_jobs - 1),
+        )
+        self.engine = EngineService(backend.step_model(), self.limits, metrics, self._progress).start()
+        logs.get_logger().info(
+            "MRC_ENGINE_READY", max_rows=self.limits.max_rows, kv_tokens=self.limits.kv_tokens,
+            kv_measured=measured, measured_from=self.kv_measured,
+            reserved_interactive=self.limits.reserved_interactive,
+        )  # fmt: skip
+
+    @property
+    def busy_ratio(self) -> float:
+        """Share of wall time since the first delivery that the model was running."""
+        if self._first_batch_at is None:
+            return 0.0
+        return self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at)
+
+    def describe(self) -> dict[str, Any]:
+        """What /readyz and the heartbeat report about the engine."""
+        engine = self.engine.engine
+        return {
+            "engine_rows_running": len(engine.running),
+            "engine_rows_waiting": len(engine.waiting),
+            "engine_max_rows": self.limits.max_rows,
+            "engine_kv_tokens": self.limits.kv_tokens,
+            "engine_kv_measured_from": self.kv_measured,
+            "engine_reserved_interactive": self.limits.reserved_interactive,
+        }
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    def _progress(self, busy_s: float) -> None:
+        self.engine_at = time.monotonic()
+        if busy_s:
+            with self._lock:
+                self._busy_s += busy_s
+
+    def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
+        encoded = slot.encoded
+        assert encoded is not None
+        return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
+
+    def run(self, slots: list[Slot]) -> None:
+        """Decode each image in the pool, hand each job to the engine as soon as it is ready, and
+        send each result off as its row finishes."""
+        live = [s for s in slots if s.live]
+        if not live:
+            return
+        with self._lock:
+            if self._first_batch_at is None:
+                self._first_batch_at = time.perf_counter()
+        decodes = [(slot, self._pool.submit(self._decode_one, slot)) for slot in live]
+        rows: dict[Future[Row], Slot] = {}
+        for slot, future in decodes:
+            decoded, seconds = future.result()
+            slot.timings["preprocess"] += seconds * 1000
+            if isinstance(decoded, MrcError):
+                slot.error = decoded
+                continue
+            slot.decoded = decoded
+            row, seconds = stages.timed("preparing the model inputs", partial(self._row, slot))
+            slot.timings["preprocess"] += seconds * 1000
+            if isinstance(row, MrcError):
+                slot.error = row
+                continue
+            rows[self.engine.submit(row)] = slot
+        failed: list[Slot] = []  # model errors: written once the streak rule has judged them
+        for done in as_completed(rows):
+            slot = rows[done]
+            self._take_row(slot, done.result())  # raises WorkerUnusable when the engine died
+            if isinstance(slot.error, ModelError):
+                failed.append(slot)
+            else:
+                self._finish([slot])
+        self.metrics.busy_ratio.set(self.busy_ratio)
+        if rows:
+            errors = [s.error for s in failed if isinstance(s.error, ModelError)]
+            self._watch_failures(len(failed) < len(rows), errors)
+        self._finish(failed)
+
+    def _row(self, slot: Slot) -> Row:
+        assert slot.decoded is not None
+        assert slot.plan is not None
+        assert slot.job is not None
+        job, plan = slot.job, slot.plan
+        item = GenerationInput(slot.decoded.tensor, plan.text, job.max_new_tokens, plan.ids)
+        inputs, positions = self.backend.row_inputs(item)
+        return Row(
+            self.engine.row_id(job.job_id), inputs, positions, job.max_new_tokens, self.backend.eos_id,
+            lane=job.lane, alone=slot.suspect, deadline=self.admission.deadline_s(job),
+        )  # fmt: skip
+
+    def _take_row(self, slot: Slot, row: Row) -> None:
+        """What the engine made of one job: its text, or its own error; the failure streak."""
+        if row.admitted_at is not None:
+            slot.admitted_at = row.admitted_at
+        if row.first_token_at is not None:
+            slot.first_token_at = row.first_token_at
+        if row.admitted_at is not None and row.finished_at is not None:
+            slot.timings["inference"] = (row.finished_at - row.admitted_at) * 1000
+        if row.error is not None:
+            slot.error = row.error if isinstance(row.error, MrcError) else InternalError(repr(row.error))
+            return
+        slot.text = self.backend.detokenize(row.tokens)
+        slot.output_tokens = len(row.tokens)
+        slot.finish_reason = row.finish_reason
+        slot.attention_path = "masked" if row.shared_steps else "causal"
+
+    def _watch_failures(self, any_succeeded: bool, model_errors: list[ModelError]) -> None:
+        """A model that fails job after job is the worker's fault, not the jobs': stop taking work
+        (the delivery goes back to the queue) rather than fail every job in the lane. Counted per
+        delivery: failures beside a success in the same delivery were their jobs'."""
+        with self._lock:
+            if any_succeeded:
+                self._failure_streak = 0
+                return
+            self._failure_streak += len(model_errors)
+            streak = self._failure_streak
+        if model_errors and streak >= self.settings.model_failure_streak:
+            raise WorkerUnusable(f"the model failed {streak} jobs in a row; last: {model_errors[-1].message}")
