@@ -2,10 +2,12 @@
 matrix of workloads (tests/bench/workloads.py), each row measured side by side in one run.
 
 Real redis-server, moto S3 server, worker processes, tiny Fuyu (NF4, CPU).
-  bare       the backend looping over the same model batches in this process (model time only)
+  bare       the bare static loop: backend.run (generate()) over static model batches formed by
+             tests/bench/static_batches.py (the worker's batcher before the engine), model time only
   bare+dec   the same loop with image decoding and preprocessing inside it (no queue, no S3)
-  system     mrc-worker: batched task, decode pool, device preprocessing, S3 results
-  unbatched  mrc-worker with MRC_BATCH_MAX_JOBS=1 (one job per delivery)
+  system     mrc-worker: deliveries on the threads pool, decode pool, device preprocessing, the
+             iteration-level engine (MRC_MODEL_BATCH_MAX_JOBS = --batch rows), S3 results
+  unbatched  mrc-worker with MRC_MODEL_BATCH_MAX_JOBS=1 (one row at a time) and deliveries of 2
   naive      one Celery task per job, PIL + FuyuProcessor, generate at batch 1, result to S3
 The trickle row sends jobs one by one below capacity and reports latency (p50, p99) for system and
 naive. For each system run it prints where the worker's time went (stages, time between deliveries).
@@ -19,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -96,14 +97,10 @@ def _breakdown(worker: services.Worker, wall: float) -> str:
             if ":" in part:
                 name, ms = part.split(":")
                 stages[name] = stages.get(name, 0.0) + float(ms) / 1000
-    model = worker.find("MRC_MODEL_BATCH")
-    sizes = [int(m["jobs"]) for m in model]
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
-    mean = statistics.mean(sizes) if sizes else 0
-    return (
-        f"wall {wall:.2f} s = in deliveries {in_batches:.2f} s ({parts}) + between deliveries "
-        f"{max(0.0, wall - in_batches):.2f} s; {len(sizes)} model batches of {mean:.1f} jobs"
-    )
+    deliveries = len(worker.find("MRC_BATCH"))
+    # Deliveries overlap (the threads pool): their stage times sum to more than the wall time.
+    return f"wall {wall:.2f} s; {deliveries} deliveries, stage seconds summed over them: {parts}"
 
 
 def system(
@@ -141,12 +138,14 @@ def system(
             assert not result.get("cache_hit"), "a cached answer is not a measurement"
             latencies.append(parse_rfc3339(result["finished_at"]).timestamp() - sent[job.job_id])
         wall = time.perf_counter() - began
-        sizes = worker.find("MRC_BATCH_SIZES")
+        ready = worker.find("MRC_ENGINE_READY")
         return {
             "rate": jobs / wall,
             "latencies": latencies,
             "breakdown": _breakdown(worker, wall),
-            "batch_sizes": sizes[0].get("caps", "") if sizes else "",
+            "engine": f"rows {ready[0]['max_rows']}, kv {ready[0]['kv_tokens']}"
+            if ready
+            else "static batches",
         }
     finally:
         worker.stop()
@@ -171,8 +170,8 @@ def run_row(
             _pct(measured["latencies"], 0.5),
             _pct(measured["latencies"], 0.99),
         )
-        row["breakdown"], row["batch_sizes"] = measured["breakdown"], measured["batch_sizes"]
-        print(f"  [{wl.name}] system: {measured['breakdown']}; caps {measured['batch_sizes']}", flush=True)
+        row["breakdown"], row["engine"] = measured["breakdown"], measured["engine"]
+        print(f"  [{wl.name}] system: {measured['breakdown']}; {measured['engine']}", flush=True)
     if "unbatched" in parts and not wl.trickle_per_s:
         row["unbatched"] = system(wl, paths, jobs, work, env, 1, "one")["rate"]
     if "naive" in parts:
