@@ -26,10 +26,11 @@ def make_celery(settings: Settings) -> Celery:
         # and Redis hands them out again after the visibility timeout.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        # Prefetch = one batch per delivery thread (the threads pool: MRC_WORKER_DELIVERIES), so a
-        # worker never hoards the queue; backlog messages never take the last batch's worth
-        # (shared/transport.py, lane_limits), so a ticket is always fetched at once.
-        worker_prefetch_multiplier=settings.batch_max_jobs,
+        # Prefetch = one message per thread: the worker runs MRC_WORKER_DELIVERIES x MRC_BATCH_MAX_JOBS
+        # threads (a delivery may be one message), so it never hoards the queue; backlog messages
+        # never take the last batch's worth (shared/transport.py, lane_limits), so a ticket is always
+        # fetched, and finds a thread, at once.
+        worker_prefetch_multiplier=1,
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_s,
             "queue_order_strategy": "priority",

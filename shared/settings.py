@@ -84,9 +84,17 @@ class Settings(BaseSettings):
     model_batch_max_jobs: int = Field(default=16, ge=1)
     # Of those rows, how many backlog rows never take (kept for tickets, so none waits for a pause).
     engine_reserved_rows: int = Field(default=2, ge=0)
-    # Deliveries a worker works on at once (its threads pool): a ticket's delivery runs beside a backlog
-    # one. The worker holds at most this many x MRC_BATCH_MAX_JOBS messages, of which backlog ones
-    # never take the last MRC_BATCH_MAX_JOBS (shared/transport.py).
+    # Backlog rows sit out decode steps (their cache kept) while tickets are in the engine: on the CPU a
+    # step costs in proportion to its rows, so a ticket beside 14 backlog rows decodes ~2x slower; on a
+    # GPU extra rows are nearly free. auto: on for the CPU, off for CUDA (docs/benchmarks.md).
+    engine_hold_backlog: Literal["auto", "on", "off"] = "auto"
+    # Most prefill positions of backlog rows the engine admits at one step (one row always may): what a
+    # ticket arriving mid-step may wait for: one 1 MP photo's prefill (~1,300 positions) at a time on
+    # the CPU, ~40 ms of Fuyu-8B prefill on an H200 (docs/benchmarks.md).
+    engine_prefill_tokens: int = Field(default=2048, ge=1)
+    # Full deliveries' worth of messages a worker holds: at most this many x MRC_BATCH_MAX_JOBS (one
+    # thread each, so a ticket's delivery never waits for a thread), of which backlog ones never take
+    # the last MRC_BATCH_MAX_JOBS (shared/transport.py, lane_limits).
     worker_deliveries: int = Field(default=3, ge=2, le=64)
     # celery-batches flush_interval: how long a lone job may wait for company
     batch_wait_ms: int = Field(default=50, ge=0)

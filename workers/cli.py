@@ -184,7 +184,9 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         # Deliveries run on their own threads, the consumer keeps fetching, and the engine's thread runs
         # the model for all of them; backlog messages never fill the last delivery's worth of room.
         pool="threads",
-        concurrency=settings.worker_deliveries,
+        # One thread per message it may hold (prefetch multiplier 1): a delivery can be a single
+        # message, and a ticket's must never wait for a thread that backlog deliveries all hold.
+        concurrency=settings.worker_deliveries * settings.batch_max_jobs,
         loglevel="WARNING",  # Celery's own chatter; our events have their own level (MRC_LOG_LEVEL)
         quiet=True,
         without_gossip=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed
 from functools import partial
 from typing import Any
 
@@ -35,7 +35,7 @@ class ModelStage:
         settings: Settings,
         metrics: Metrics,
         admission: Admission,
-        pool: ThreadPoolExecutor,
+        pool: Any,  # pipeline.LanePools: submit(slot, work, *args) -> Future
         finish: Callable[[list[Slot]], None],
     ) -> None:
         self.backend, self.settings, self.metrics, self.admission = backend, settings, metrics, admission
@@ -50,12 +50,15 @@ class ModelStage:
             max_rows=settings.model_batch_max_jobs,
             kv_tokens=capacity.limit(measured, settings.batch_token_budget),
             reserved_interactive=min(settings.engine_reserved_rows, settings.model_batch_max_jobs - 1),
+            backlog_prefill_tokens=settings.engine_prefill_tokens,
+            hold_backlog=settings.engine_hold_backlog == "on"
+            or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
         )
         self.engine = EngineService(backend.step_model(), self.limits, metrics, self._progress).start()
         logs.get_logger().info(
             "MRC_ENGINE_READY", max_rows=self.limits.max_rows, kv_tokens=self.limits.kv_tokens,
             kv_measured=measured, measured_from=self.kv_measured,
-            reserved_interactive=self.limits.reserved_interactive,
+            reserved_interactive=self.limits.reserved_interactive, hold_backlog=self.limits.hold_backlog,
         )  # fmt: skip
 
     @property
@@ -75,6 +78,7 @@ class ModelStage:
             "engine_kv_tokens": self.limits.kv_tokens,
             "engine_kv_measured_from": self.kv_measured,
             "engine_reserved_interactive": self.limits.reserved_interactive,
+            "engine_hold_backlog": self.limits.hold_backlog,
         }
 
     def close(self) -> None:
@@ -100,7 +104,7 @@ class ModelStage:
         with self._lock:
             if self._first_batch_at is None:
                 self._first_batch_at = time.perf_counter()
-        decodes = [(slot, self._pool.submit(self._decode_one, slot)) for slot in live]
+        decodes = [(slot, self._pool.submit(slot, self._decode_one, slot)) for slot in live]
         rows: dict[Future[Row], Slot] = {}
         for slot, future in decodes:
             decoded, seconds = future.result()

@@ -17,14 +17,17 @@ delivery to finish.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, TypeVar
 
-from shared import logs
+from shared import logs, names
 from shared.errors import InternalError, MrcError
 from shared.records import JobRecords
 from shared.settings import Settings
@@ -40,10 +43,42 @@ from workers.model_stage import ModelStage
 from workers.slots import Message, Outcome, Slot
 
 Stage = Callable[[list[Slot]], None]
+T = TypeVar("T")
 
 # A fault in these stages is the job store's (Redis) or the result store's, not a job's: failing the jobs
 # would turn a transient outage into permanent failed results.
 _INFRASTRUCTURE_STAGES = frozenset({"claim", "results"})
+
+
+class LanePools:
+    """The threads that fetch, decode and write results, one pool per lane: a ticket's image is never
+    decoded behind the sixteen of a backlog delivery that arrived just before it."""
+
+    def __init__(self, threads: int) -> None:
+        self.pools = {
+            lane: ThreadPoolExecutor(
+                threads, thread_name_prefix=f"mrc-{lane}", initializer=images.init_decode_thread
+            )
+            for lane in names.LANES
+        }
+
+    def submit(self, slot: Slot, work: Callable[..., T], *args: Any) -> Future[T]:
+        lane = slot.job.lane if slot.job is not None else "interactive"
+        return self.pools.get(lane, self.pools["interactive"]).submit(work, *args)
+
+    def shutdown(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _init_thread(lane: str) -> Callable[[], None]:
+    def init() -> None:
+        images.init_decode_thread()
+        if lane != "interactive":
+            with contextlib.suppress(OSError, AttributeError):  # Linux: niceness is per thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+    return init
 
 
 @dataclass
@@ -75,11 +110,7 @@ class Pipeline:
         self.metrics = metrics
         self.cache = cache  # None when the cache is off (assemble decides)
         self.log = logs.get_logger()
-        self._pool = ThreadPoolExecutor(
-            max_workers=settings.fetch_threads,
-            thread_name_prefix="mrc-fetch",
-            initializer=images.init_decode_thread,
-        )
+        self._pool = LanePools(settings.fetch_threads)
         self._local = threading.local()  # each delivery runs on one thread: its own pending writes
         self._lock = threading.Lock()
         self.jobs_seen = 0
@@ -134,7 +165,7 @@ class Pipeline:
 
     def close(self) -> None:
         self.model.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     # ---------------------------------------------------------------- run
     def run(self, messages: Sequence[Message]) -> list[Outcome]:
@@ -230,7 +261,8 @@ class Pipeline:
 
     def _fetch_images(self, slots: list[Slot]) -> None:
         live = self._live(slots)
-        for slot, (result, seconds) in zip(live, self._pool.map(self._fetch_one, live), strict=True):
+        fetches = [self._pool.submit(slot, self._fetch_one, slot) for slot in live]
+        for slot, (result, seconds) in zip(live, (f.result() for f in fetches), strict=True):
             slot.timings["preprocess"] += seconds * 1000
             if isinstance(result, MrcError):
                 slot.error = result
@@ -282,7 +314,7 @@ class Pipeline:
         for slot in slots:
             if not slot.finishing:
                 slot.finishing = True
-                self._local.writes.append(self._pool.submit(self.finisher.finish, slot))
+                self._local.writes.append(self._pool.submit(slot, self.finisher.finish, slot))
 
     # ---------------------------------------------------------------- helpers
     @staticmethod

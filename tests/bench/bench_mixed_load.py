@@ -17,6 +17,7 @@ this checkout's virtual environment, so two versions are measured side by side i
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -42,7 +43,9 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _tickets(client: Any, paths: list[Path], args: argparse.Namespace, tag: str) -> list[float]:
+def _tickets(
+    client: Any, paths: list[Path], args: argparse.Namespace, tag: str, parts: dict[str, list[float]]
+) -> list[float]:
     from producer.client import Submission
 
     sent: dict[str, float] = {}
@@ -59,6 +62,10 @@ def _tickets(client: Any, paths: list[Path], args: argparse.Namespace, tag: str)
         result = client.wait(job_id, 900)
         assert result["status"] == "succeeded", result
         latencies.append(parse_rfc3339(result["finished_at"]).timestamp() - at)
+        for key, ms in result["timings_ms"].items():
+            parts.setdefault(key, []).append(ms / 1000)
+        if latencies[-1] >= max(latencies):
+            parts["worst"] = [v / 1000 for v in result["timings_ms"].values()]
     return latencies
 
 
@@ -81,19 +88,21 @@ def measure(
 ) -> dict[str, Any]:
     from producer.client import Client
 
-    worker_env = {**env, "MRC_LOG_LEVEL": "WARNING"}
+    worker_env = dict(env)
     if args.tree:
         worker_env["PYTHONPATH"] = str(args.tree)
     worker = services.start_worker(worker_env, work / f"worker-{name}.log")
     try:
         client = Client(services.settings_from_env(env))
-        idle = _tickets(client, paths, args, f"{name}-idle")
+        idle_parts: dict[str, list[float]] = {}
+        busy_parts: dict[str, list[float]] = {}
+        idle = _tickets(client, paths, args, f"{name}-idle", idle_parts)
         began = time.perf_counter()
         queued: list[str] = []
         feeder = threading.Thread(target=lambda: queued.extend(_backlog(client, paths, args)))
         feeder.start()
         time.sleep(1.0)  # the backlog is flowing before the first busy ticket
-        busy = _tickets(client, paths, args, f"{name}-busy")
+        busy = _tickets(client, paths, args, f"{name}-busy", busy_parts)
         feeder.join()
         left = sum(1 for job_id in queued if client.status(job_id)["state"] in ("queued", "running"))
         for job_id in queued:
@@ -103,12 +112,15 @@ def measure(
             "idle_p50": _pct(idle, 0.5), "idle_p99": _pct(idle, 0.99),
             "busy_p50": _pct(busy, 0.5), "busy_p99": _pct(busy, 0.99),
             "backlog_left": left, "backlog_rate": len(queued) / backlog_s, "busy_mean": statistics.mean(busy),
+            "idle_parts": {k: statistics.median(v) for k, v in idle_parts.items() if k != "worst"},
+            "busy_parts": {k: statistics.median(v) for k, v in busy_parts.items() if k != "worst"},
+            "busy_worst": busy_parts.get("worst", []),
         }  # fmt: skip
     finally:
         worker.stop()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="ticket latency beside a backlog run, vs an idle worker")
     parser.add_argument("--tickets", type=int, default=12)
     parser.add_argument("--every", type=float, default=1.5)
@@ -116,25 +128,37 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=160)
     parser.add_argument("--backlog-tokens", type=int, default=256)
     parser.add_argument("--tree", type=Path, help="run the worker from this checkout (a baseline)")
-    args = parser.parse_args()
+    return parser
+
+
+def print_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
+    ratio = row["busy_p99"] / row["idle_p99"]
+    print("\n| worker | ticket p50 / p99 idle s | ticket p50 / p99 busy s | p99 busy / idle "
+          "(goal <= 1.5) | backlog jobs/s | backlog left when the tickets ended |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    print(f"| {args.tree or 'this checkout'} | {row['idle_p50']:.2f} / {row['idle_p99']:.2f} | "
+          f"{row['busy_p50']:.2f} / {row['busy_p99']:.2f} | {ratio:.2f} | {row['backlog_rate']:.2f} | "
+          f"{row['backlog_left']} of {args.backlog} |")  # fmt: skip
+    for phase in ("idle", "busy"):
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in row[f"{phase}_parts"].items())
+        print(f"ticket median timings, {phase} (s): {parts}")
+    print("slowest busy ticket (s): " + ", ".join(f"{v:.3f}" for v in row["busy_worst"]) + " (same order)")
+    print(f"({args.tickets} tickets of {args.ticket_tokens} new tokens every {args.every} s; backlog "
+          f"{args.backlog} x {args.backlog_tokens} new tokens; tiny Fuyu NF4 on the CPU)")  # fmt: skip
+
+
+def main() -> None:
+    args = parser().parse_args()
     logs.configure("WARNING")
     work = Path(tempfile.mkdtemp(prefix="mrc-bench-mixed-"))
     redis, s3 = services.start_redis(work / "redis"), services.start_s3(work / "s3")
     try:
         env = services.base_env(redis.url, s3.url, "mrc-bench", ROOT / ".cache" / "mrc")
         env["MRC_CACHE_TTL_S"] = "0"
+        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})  # the in-process client
         paths = IMAGES.make_images(work)
         name = "tree" if args.tree else "this"
-        row = measure(args, env, paths, work, name)
-        ratio = row["busy_p99"] / row["idle_p99"]
-        print("\n| worker | ticket p50 / p99 idle s | ticket p50 / p99 busy s | p99 busy / idle "
-              "(goal <= 1.5) | backlog jobs/s | backlog left when the tickets ended |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
-        print(f"| {args.tree or 'this checkout'} | {row['idle_p50']:.2f} / {row['idle_p99']:.2f} | "
-              f"{row['busy_p50']:.2f} / {row['busy_p99']:.2f} | {ratio:.2f} | {row['backlog_rate']:.2f} | "
-              f"{row['backlog_left']} of {args.backlog} |")  # fmt: skip
-        print(f"({args.tickets} tickets of {args.ticket_tokens} new tokens every {args.every} s; backlog "
-              f"{args.backlog} x {args.backlog_tokens} new tokens; tiny Fuyu NF4 on the CPU)")  # fmt: skip
+        print_row(args, measure(args, env, paths, work, name))
     finally:
         redis.stop()
         s3.stop()

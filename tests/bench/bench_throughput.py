@@ -208,7 +208,9 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8, help="MRC_MODEL_BATCH_MAX_JOBS for the system runs")
-    parser.add_argument("--rows", default=",".join(WORKLOADS), help="workloads to run (all by default)")
+    parser.add_argument(
+        "--rows", default=",".join([*WORKLOADS, "mixed-load"]), help="workloads to run (all by default)"
+    )
     parser.add_argument("--parts", default="bare,system,unbatched,naive", help="which runs (all by default)")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (worker logs)")
@@ -227,12 +229,22 @@ def main() -> None:
         env["MRC_CACHE_TTL_S"] = "0"
         env.update(dict(item.split("=", 1) for item in args.worker_env))
         os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+        mixed_load = None
         for name in args.rows.split(","):
+            if name == "mixed-load":  # tickets beside a backlog run: tests/bench/bench_mixed_load.py
+                from tests.bench import bench_mixed_load as mixed
+
+                print("mixed-load: tickets beside a backlog run ...", flush=True)
+                mixed_args = mixed.parser().parse_args([])
+                mixed_load = mixed.measure(mixed_args, env, mixed.IMAGES.make_images(work), work, "matrix")
+                continue
             wl = WORKLOADS[name]
             jobs = min(args.jobs, 32) if wl.trickle_per_s else args.jobs
             print(f"{name}: {jobs} jobs ...", flush=True)
             rows.append(run_row(wl, jobs, args.batch, work, env, parts))
         report(rows)
+        if mixed_load is not None:
+            mixed.print_row(mixed_args, mixed_load)
         print(f"(batch={args.batch}, tiny Fuyu NF4 on the CPU, worker env {args.worker_env or 'defaults'})")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))

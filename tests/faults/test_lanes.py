@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -66,3 +67,43 @@ def test_interactive_jobs_overtake_a_deep_backlog(cluster: Cluster) -> None:
     # The first delivery may already hold backlog jobs when the worker starts; no more than that.
     assert before <= delivery, f"{before} backlog jobs finished before the interactive ones"
     assert worker.proc.poll() is None
+
+
+def test_backlog_never_fills_the_worker_and_a_ticket_overtakes_its_running_rows(cluster: Cluster) -> None:
+    """With a deep backlog in hand, the worker holds at most (deliveries - 1) x MRC_BATCH_MAX_JOBS
+    backlog messages, so a ticket is fetched at once, finds a thread, and is admitted into the running
+    batch at the next step: it finishes while every backlog row that was running when it arrived is
+    still decoding (answers of known length: the paced echo model, 64 tokens x 40 ms)."""
+    import json
+
+    image = cluster.image()
+    backlog = [
+        j.model_copy(update={"lane": "backlog"})
+        for j in cluster.jobs(120, image, prefix="long", max_new_tokens=64)
+    ]
+    worker = cluster.paced_worker(40, MRC_BATCH_MAX_JOBS="8", MRC_WORKER_DELIVERIES="3")
+    cluster.send(backlog)
+    services.wait_for(lambda: bool(worker.find("MRC_SUCCESS")), 60, "a first backlog answer", worker.proc)
+    held = []
+    for _ in range(5):
+        view = json.loads(services.run_cli(cluster.env, "queues", "--json").stdout)
+        held.append(view["in_flight"]["backlog"])
+    assert max(held) <= (3 - 1) * 8, f"backlog took the tickets' room: {held}"
+    assert min(held) > 0
+    (ticket,) = cluster.jobs(1, image, prefix="vip", max_new_tokens=4)
+    cluster.send([ticket])
+    result = cluster.wait_all([ticket], 60)[ticket.job_id]
+    assert result["status"] == "succeeded"
+
+    def admitted(r: dict[str, Any]) -> float:  # submitted -> admitted to the running batch
+        return parse_rfc3339(r["submitted_at"]).timestamp() + r["timings_ms"]["queued"] / 1000
+
+    def finished(r: dict[str, Any]) -> float:
+        return parse_rfc3339(r["finished_at"]).timestamp()
+
+    results = cluster.wait_all(backlog, 180).values()
+    running = [r for r in results if admitted(r) <= admitted(result) < finished(r)]
+    assert running, "no backlog row was running when the ticket was admitted"
+    overtaken = [r for r in running if finished(r) > finished(result)]
+    # a ticket that waited for the running rows would have overtaken none of them
+    assert len(overtaken) * 2 >= len(running), f"{len(overtaken)} of {len(running)} running rows overtaken"

@@ -87,13 +87,14 @@ job = st.tuples(
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(st.lists(job, min_size=1, max_size=4), st.integers(1, 4))
-def test_every_row_equals_the_same_job_alone(backend: FuyuBackend, spec: list[Any], rows: int) -> None:
+@given(st.lists(job, min_size=1, max_size=4), st.integers(1, 4), st.booleans())
+def test_every_row_equals_the_same_job_alone(
+    backend: FuyuBackend, spec: list[Any], rows: int, hold: bool
+) -> None:
     reference = cache(lambda size, prompt, new: tuple(_alone(backend, _item(size, prompt, new))))
     jobs = [(_item(size, prompt, new), arrival, lane) for size, prompt, new, arrival, lane in spec]
-    done, _engine = _run(
-        backend, jobs, scheduler.Limits(max_rows=rows, kv_tokens=1 << 20, reserved_interactive=0)
-    )
+    limits = scheduler.Limits(max_rows=rows, kv_tokens=1 << 20, reserved_interactive=0, hold_backlog=hold)
+    done, _engine = _run(backend, jobs, limits)
     assert sorted(done) == [str(i) for i in range(len(jobs))]
     for index, (size, prompt, new, _arrival, _lane) in enumerate(spec):
         row = done[str(index)]
@@ -117,9 +118,11 @@ def _c(row_id: str, lane: str = "interactive", tokens: int = 100) -> scheduler.C
 
 
 def test_interactive_rows_are_admitted_before_backlog_rows_whatever_came_first() -> None:
-    waiting = [_c("b1", "backlog"), _c("i1"), _c("b2", "backlog"), _c("i2")]
+    waiting = [_c("b1", "backlog"), _c("i1"), _c("b2", "backlog"), _c("i2"), _c("i3")]
     limits = scheduler.Limits(max_rows=3, kv_tokens=10_000, reserved_interactive=0)
-    assert scheduler.admit(waiting, [], limits) == ["i1", "i2", "b1"]
+    assert scheduler.admit(waiting, [], limits) == ["i1", "i2", "i3"]
+    assert scheduler.admit(waiting[:3], [], limits) == ["i1"]  # no backlog beside a ticket (below)
+    assert scheduler.admit([_c("b1", "backlog"), _c("b2", "backlog")], [], limits) == ["b1", "b2"]
 
 
 def test_slots_kept_for_tickets_are_never_taken_by_backlog_rows() -> None:
@@ -189,6 +192,27 @@ def test_a_ticket_pauses_a_backlog_row_which_resumes_with_the_same_tokens(backen
     assert done["b2"].restarts == 1
     assert done["b1"].restarts == 0
     assert set(runner.decodes[3]) == {"b1", "t"}, "the ticket did not take b2's slot at once"
+    for row_id, item in zip(["b1", "b2", "t"], items, strict=True):
+        assert done[row_id].tokens == _alone(backend, item)
+
+
+def test_held_backlog_rows_sit_out_a_tickets_steps_and_resume_with_the_same_tokens(
+    backend: FuyuBackend,
+) -> None:
+    """With hold on (the CPU's default), a ticket's decode steps run without the backlog rows, whose
+    cache is kept; they resume where they were once it is done, each still equal to its run alone."""
+    items = [_item(1, 0, 12), _item(2, 1, 12), _item(0, 2, 4)]
+    done: dict[str, Sequence] = {}
+    runner = _Faulty(backend)
+    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=1, hold_backlog=True)
+    engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
+    rows = [_sequence(backend, "b1", items[0], "backlog"), _sequence(backend, "b2", items[1], "backlog")]
+    ticket = _sequence(backend, "t", items[2], "interactive")
+    _drive(engine, [(rows[0], 0), (rows[1], 0), (ticket, 3)])
+    with_ticket = [ids for ids in runner.decodes if "t" in ids]
+    assert with_ticket, "the ticket never decoded"
+    assert all(ids == ["t"] for ids in with_ticket), f"backlog rows stepped beside the ticket: {with_ticket}"
+    assert done["b1"].restarts == done["b2"].restarts == 0  # held, not recomputed
     for row_id, item in zip(["b1", "b2", "t"], items, strict=True):
         assert done[row_id].tokens == _alone(backend, item)
 
@@ -296,6 +320,24 @@ def test_a_ticket_pauses_the_youngest_backlog_rows_only_as_many_as_it_needs() ->
     big = scheduler.plan([_a("t1", tokens=400)], [_a("b1", "backlog", 300), _a("b2", "backlog", 300)], room)
     assert (big.admit, big.pause) == (["t1"], ["b2"])  # 2 x 400 fits once b2 is out
     assert scheduler.plan([_a("b3", "backlog")], [_a("b1", "backlog")] * 3, limits).pause == []
+
+
+def test_no_backlog_row_is_admitted_while_a_ticket_decodes() -> None:
+    """A backlog prefill would stall the ticket's every step: its slot is refilled once the ticket is done."""
+    limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
+    assert scheduler.admit([_a("b2", "backlog")], [_a("b1", "backlog"), _a("t1")], limits) == []
+    assert scheduler.admit([_a("b2", "backlog"), _a("t2")], [_a("b1", "backlog")], limits) == ["t2"]
+    assert scheduler.admit([_a("b2", "backlog")], [_a("b1", "backlog")], limits) == ["b2"]
+
+
+def test_backlog_prefill_per_step_is_bounded_so_a_ticket_waits_for_little() -> None:
+    limits = scheduler.Limits(
+        max_rows=8, kv_tokens=100_000, reserved_interactive=0, backlog_prefill_tokens=3000
+    )
+    waiting = [scheduler.Candidate(f"b{i}", "backlog", 1500, prompt_tokens=1300) for i in range(5)]
+    assert scheduler.admit(waiting, [], limits) == ["b0", "b1"]  # 2 x 1300 <= 3000 < 3 x 1300
+    huge = [scheduler.Candidate("h", "backlog", 9000, prompt_tokens=8000)]
+    assert scheduler.admit(huge, [], limits) == ["h"]  # one row always may
 
 
 def test_a_suspect_runs_with_nothing_beside_it() -> None:

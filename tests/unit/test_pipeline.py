@@ -338,5 +338,6 @@ def test_each_result_says_which_attention_path_it_took(store: MemoryStore) -> No
     _pipeline(store).run([_job("alone-1")])
     assert store.get_result("alone-1")["model"]["attention_path"] == "causal"
     store.put_bytes("inputs/wide.jpg", imagegen.photo(300, 48), "image/jpeg")
-    _pipeline(store).run([_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")])
+    paced = EchoBackend(token_s=0.05)  # 8 steps of 50 ms: the second row joins while the first decodes
+    _pipeline(store, paced).run([_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")])
     assert {store.get_result(j)["model"]["attention_path"] for j in ("mx-1", "mx-2")} == {"masked"}

@@ -36,6 +36,19 @@ class EchoRows:
             self.row_ids.append(row_id)
             self.scripts[row_id], self.positions[row_id] = script, 1
 
+    def absorb(self, other: EchoRows) -> None:
+        self.row_ids += other.row_ids
+        self.scripts.update(other.scripts)
+        self.positions.update(other.positions)
+
+    def take(self, row_ids: set[str]) -> EchoRows:
+        taken = EchoRows()
+        taken.row_ids = [r for r in self.row_ids if r in row_ids]
+        taken.scripts = {r: self.scripts[r] for r in taken.row_ids}
+        taken.positions = {r: self.positions[r] for r in taken.row_ids}
+        self.drop(row_ids)
+        return taken
+
     def drop(self, row_ids: set[str]) -> None:
         self.row_ids = [r for r in self.row_ids if r not in row_ids]
         for row_id in row_ids:

@@ -47,6 +47,9 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}  # in admission order
         self.batch: RowBatch = runner.new_batch()
+        # Backlog rows sitting out decode steps while tickets run (scheduler.hold), cache kept.
+        self.held: dict[str, Sequence] = {}
+        self.held_batch: RowBatch = runner.new_batch()
         self.steps = 0
         self.kv_ceiling: int | None = None  # lowered by out-of-memory, lifted when the batch empties
 
@@ -55,16 +58,17 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.held
 
     @property
     def footprint(self) -> int:
-        """Cache positions the running rows may reach together (what admission counts)."""
-        return footprint(self.running.values())
+        """Cache positions the rows in memory (running and held) may reach (what admission counts)."""
+        return footprint([*self.running.values(), *self.held.values()])
 
     def step(self) -> StepReport:
         report = StepReport()
         self._expire()
+        self._hold_or_release()
         self._admit(report)
         if self.running:
             rows = [self.running[row_id] for row_id in self.batch.row_ids]
@@ -100,15 +104,16 @@ class Engine:
 
     def _admit(self, report: StepReport) -> None:
         def candidate(row: Sequence) -> scheduler.Candidate:
-            return scheduler.Candidate(row.row_id, row.lane, row.reserved_tokens, row.alone)
+            return scheduler.Candidate(
+                row.row_id, row.lane, row.reserved_tokens, row.alone, row.prompt_tokens
+            )
 
+        in_memory = {**self.running, **self.held}
         plan = scheduler.plan(
-            [candidate(r) for r in self.waiting],
-            [candidate(r) for r in self.running.values()],
-            self._limits(),
+            [candidate(r) for r in self.waiting], [candidate(r) for r in in_memory.values()], self._limits()
         )
         if plan.pause:
-            self._back_to_waiting([self.running[row_id] for row_id in plan.pause])
+            self._back_to_waiting([in_memory[row_id] for row_id in plan.pause])
             report.paused += len(plan.pause)
         by_id = {row.row_id: row for row in self.waiting}
         admitted = [by_id[row_id] for row_id in plan.admit]
@@ -136,9 +141,9 @@ class Engine:
                         self.waiting[:0] = rows[index + 1 :]
                         return False
                 return True
-            if isinstance(error, OutOfMemory) and self.running:
+            if isinstance(error, OutOfMemory) and (self.running or self.held):
                 self.waiting.insert(0, rows[0])  # it may fit alone, or once a neighbour has left
-                self.kv_ceiling = footprint(self.running.values())
+                self.kv_ceiling = self.footprint
                 return False
             self._fail(rows[0], error)
             return True
@@ -166,7 +171,7 @@ class Engine:
             return
         report.restarted = len(rows)
         if isinstance(error, OutOfMemory):
-            self.kv_ceiling = max(1, footprint(rows[:-1]))  # the youngest row's share freed
+            self.kv_ceiling = max(1, footprint([*rows[:-1], *self.held.values()]))  # the youngest's freed
         else:
             for row in rows:
                 row.alone = True  # one at a time: the row that breaks the model fails by itself
@@ -175,14 +180,33 @@ class Engine:
     def _back_to_waiting(self, rows: list[Sequence]) -> None:
         """Paused or failed-with-the-batch rows, first in line again (recomputed from their prompt)."""
         ids = {row.row_id for row in rows}
-        if len(ids) == len(self.running):
+        if ids >= set(self.running):
             self._drop_all()
         else:
-            self.batch.drop(ids)
+            self.batch.drop(ids & set(self.running))
+        self.held_batch.drop(ids & set(self.held))
         for row in rows:
             self.running.pop(row.row_id, None)
+            self.held.pop(row.row_id, None)
             row.restart()
         self.waiting[:0] = rows
+
+    def _hold_or_release(self) -> None:
+        """Backlog rows out of the decode steps while tickets are in (scheduler.hold), back after."""
+
+        def lanes(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
+            return [scheduler.Candidate(r.row_id, r.lane, r.reserved_tokens, r.alone) for r in rows]
+
+        if scheduler.hold(lanes(self.running.values()), lanes(self.waiting), self.limits):
+            backlog = {row_id for row_id, row in self.running.items() if row.lane != scheduler.INTERACTIVE}
+            if backlog:
+                self.held_batch.absorb(self.batch.take(backlog))
+                self.held.update({row_id: self.running.pop(row_id) for row_id in backlog})
+        elif self.held:
+            self.batch.absorb(self.held_batch)
+            self.running.update(self.held)
+            self.held.clear()
+            self.held_batch = self.runner.new_batch()
 
     def _drop_all(self) -> None:
         self.running.clear()
@@ -198,8 +222,8 @@ class Engine:
         self.batch.drop(done)
         for row_id in done:
             self.on_finished(self.running.pop(row_id))
-        if not self.running:
-            self.kv_ceiling = None  # an empty batch: try the full capacity again
+        if not self.running and not self.held:
+            self.kv_ceiling = None  # an empty cache: try the full capacity again
 
 
 def footprint(rows: Iterable[Sequence]) -> int:

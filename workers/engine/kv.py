@@ -48,11 +48,28 @@ class Batch:
     def add(self, row_ids: list[str], cache: Any, length: int) -> None:
         """Merge rows prefilled together, unpadded (their cache holds exactly `length` positions each)."""
         device = cache.layers[0].keys.device
-        row_mask = torch.ones((len(row_ids), length), dtype=torch.long, device=device)
+        self._join(list(row_ids), cache, torch.ones((len(row_ids), length), dtype=torch.long, device=device))
+
+    def absorb(self, other: Batch) -> None:
+        """Merge another batch's rows (a held group coming back) after this one's."""
+        if other.mask is not None:
+            self._join(other.row_ids, other.cache, other.mask)
+
+    def take(self, row_ids: set[str]) -> Batch:
+        """Move these rows, with their cache, out into a batch of their own."""
+        taken = Batch()
+        order = [row for row in self.row_ids if row in row_ids]
+        if order and self.mask is not None:
+            taken.row_ids = order
+            taken.cache, taken.mask = self._select([self.row_ids.index(row) for row in order])
+            self.drop(set(order))
+        return taken
+
+    def _join(self, row_ids: list[str], cache: Any, mask: torch.Tensor) -> None:
         if self.cache is None or self.mask is None:
-            self.row_ids, self.cache, self.mask = list(row_ids), cache, row_mask
+            self.row_ids, self.cache, self.mask = row_ids, cache, mask
             return
-        width = max(self.mask.shape[1], length)
+        width = max(self.mask.shape[1], mask.shape[1])
         merged = []
         for (keys, values), (new_keys, new_values) in zip(_layers(self.cache), _layers(cache), strict=True):
             merged.append(
@@ -62,9 +79,21 @@ class Batch:
                 )
             )
         old = torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0))
-        new = torch.nn.functional.pad(row_mask, (width - length, 0))
+        new = torch.nn.functional.pad(mask, (width - mask.shape[1], 0))
         self.cache, self.mask = _build(merged), torch.cat([old, new], dim=0)
-        self.row_ids.extend(row_ids)
+        self.row_ids = [*self.row_ids, *row_ids]
+
+    def _select(self, keep: list[int]) -> tuple[Any, torch.Tensor]:
+        """The cache and mask of these rows only, trimmed of the padding none of them needs."""
+        assert self.mask is not None
+        index = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask.index_select(0, index)
+        start = mask.shape[1] - int(mask.sum(dim=1).max())  # left-padded: real positions are last
+        layers = [
+            (keys.index_select(0, index)[:, :, start:], values.index_select(0, index)[:, :, start:])
+            for keys, values in _layers(self.cache)
+        ]
+        return _build(layers), mask[:, start:].contiguous()
 
     def drop(self, row_ids: set[str]) -> None:
         """Remove finished rows; trim the padding columns no remaining row needs."""
@@ -74,15 +103,7 @@ class Batch:
         if not keep:
             self.row_ids, self.cache, self.mask = [], None, None
             return
-        index = torch.tensor(keep, device=self.mask.device)
-        mask = self.mask.index_select(0, index)
-        used = int(mask.sum(dim=1).max())
-        start = mask.shape[1] - used  # every remaining row is left-padded: its real positions are last
-        layers = [
-            (keys.index_select(0, index)[:, :, start:], values.index_select(0, index)[:, :, start:])
-            for keys, values in _layers(self.cache)
-        ]
-        self.cache, self.mask = _build(layers), mask[:, start:].contiguous()
+        self.cache, self.mask = self._select(keep)
         self.row_ids = [self.row_ids[i] for i in keep]
 
     @property

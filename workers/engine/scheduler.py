@@ -11,6 +11,11 @@ Rules, in order:
   (workers/engine/kv.py), so what rows hold together is rows x the longest, not their sum;
 - an interactive row that finds no slot or no room pauses the youngest backlog rows until it fits
   (they go back to waiting and are recomputed later): a ticket never waits for a backlog answer;
+- backlog rows admitted at one step prefill at most `backlog_prefill_tokens` positions together
+  (one row always may), so a ticket arriving mid-step waits for little prefill;
+- no backlog row is admitted while an interactive row runs: a prefill stalls every running row for
+  its length (a 1 MP photo's is several decode steps' worth), and a ticket's answer must not pay for
+  the backlog's refills; backlog slots freed meanwhile are refilled once the tickets are done;
 - a row too large for the cache even alone is admitted when nothing else runs (it fails or succeeds
   on its own, never for its neighbours);
 - a row marked `alone` (a suspect: its last delivery died with it) runs only with nothing beside it,
@@ -30,6 +35,18 @@ class Limits:
     max_rows: int
     kv_tokens: int
     reserved_interactive: int = 1
+    hold_backlog: bool = False  # backlog rows skip decode steps (cache kept) while tickets are in
+    # Most prefill positions of backlog rows admitted at one step (one row always may): a ticket that
+    # arrives during a step waits at most that much prefill, not a whole delivery's.
+    backlog_prefill_tokens: int = 1 << 30
+
+
+def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits) -> bool:
+    """Whether backlog rows sit out the next decode steps, their cache kept: while any ticket is in
+    the engine, where a step's cost grows with its rows (the CPU: rows x the model's work), so a
+    ticket decodes as fast as alone. On a GPU a decode step is bound by reading the weights, extra
+    rows are nearly free, and holding them would only cost the backlog its steps."""
+    return limits.hold_backlog and any(c.lane == INTERACTIVE for c in (*running, *waiting))
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,7 @@ class Candidate:
     lane: str
     reserved_tokens: int
     alone: bool = False
+    prompt_tokens: int = 0  # positions its prefill computes
 
 
 @dataclass
@@ -58,6 +76,7 @@ def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause
         return result
     kept = list(running)
     backlog_rows = max(0, limits.max_rows - limits.reserved_interactive)
+    prefill = 0  # backlog prefill positions admitted in this plan
     ordered = [c for c in waiting if c.lane == INTERACTIVE] + [c for c in waiting if c.lane != INTERACTIVE]
     for candidate in ordered:
         if candidate.alone:
@@ -66,7 +85,9 @@ def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause
                 return result
             continue
         interactive = candidate.lane == INTERACTIVE
-        if not interactive and len(kept) >= backlog_rows:
+        if not interactive and (len(kept) >= backlog_rows or any(c.lane == INTERACTIVE for c in kept)):
+            continue
+        if not interactive and prefill and prefill + candidate.prompt_tokens > limits.backlog_prefill_tokens:
             continue
         if not _fits(candidate, kept, limits) and interactive and pause:
             _pause_for(candidate, kept, limits, result)
@@ -74,6 +95,7 @@ def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause
             continue
         result.admit.append(candidate.row_id)
         kept.append(candidate)
+        prefill += 0 if interactive else candidate.prompt_tokens
     return result
 
 
