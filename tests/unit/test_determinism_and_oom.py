@@ -15,11 +15,9 @@ from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
+from tests.support.engine_runs import engine_tokens
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
-from workers.engine import scheduler
-from workers.engine.engine import Engine
-from workers.engine.sequence import Sequence
 from workers.pipeline import assemble
 from workers.slots import Message
 
@@ -38,25 +36,6 @@ def _image(height: int, width: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=g)
 
 
-def _engine_tokens(
-    backend: FuyuBackend, items: list[GenerationInput], arrivals: list[int]
-) -> list[list[int]]:
-    done: dict[str, Sequence] = {}
-    engine = Engine(
-        backend.step_model(), scheduler.Limits(8, 1 << 20, 0), lambda row: done.__setitem__(row.row_id, row)
-    )
-    pending = sorted(range(len(items)), key=lambda i: arrivals[i])
-    while pending or not engine.idle:
-        while pending and arrivals[pending[0]] <= engine.steps:
-            index = pending.pop(0)
-            inputs, positions = backend.row_inputs(items[index])
-            engine.submit(
-                Sequence(str(index), inputs, positions, items[index].max_new_tokens, backend.eos_id)
-            )
-        engine.step()
-    return [done[str(i)].tokens for i in range(len(items))]
-
-
 def test_same_job_same_tokens_in_30_engine_compositions(backend: FuyuBackend) -> None:
     """NF4 on the CPU: the target's tokens alone equal its tokens beside any neighbours, joining at
     any step (the fp32 oracle against generate() is tests/unit/test_engine.py)."""
@@ -68,13 +47,13 @@ def test_same_job_same_tokens_in_30_engine_compositions(backend: FuyuBackend) ->
             ["a", "这是什么？", "what colour is the box", "x " * 30, "refund?", "😀 | \\n"], 1
         )
     ]
-    alone = _engine_tokens(backend, [target], [0])[0]
+    alone = engine_tokens(backend, [target], [0])[0]
     for _ in range(30):
         batch = rng.sample(others, rng.randint(1, 5))
         position = rng.randint(0, len(batch))
         batch.insert(position, target)
         arrivals = [rng.randint(0, 6) for _ in batch]
-        assert _engine_tokens(backend, batch, arrivals)[position] == alone
+        assert engine_tokens(backend, batch, arrivals)[position] == alone
 
 
 def test_out_of_memory_fails_only_the_job_that_cannot_fit_alone(

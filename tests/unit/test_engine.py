@@ -345,3 +345,12 @@ def test_a_suspect_runs_with_nothing_beside_it() -> None:
     assert scheduler.plan([_a("s", alone=True), _a("t")], [], limits).admit == ["s"]
     assert scheduler.plan([_a("s", alone=True), _a("t")], [_a("r")], limits).admit == ["t"]
     assert scheduler.plan([_a("t")], [_a("s", alone=True)], limits).admit == []
+
+
+def test_a_lowered_memory_ceiling_keeps_every_other_limit() -> None:
+    from workers.backends.echo import EchoBackend
+
+    limits = scheduler.Limits(8, 10_000, 2, hold_backlog=True, backlog_prefill_tokens=2048)
+    engine = Engine(EchoBackend().step_model(), limits, lambda _row: None)
+    engine.kv_ceiling = 3_000  # as after an out-of-memory step
+    assert engine._limits() == scheduler.Limits(8, 3_000, 2, hold_backlog=True, backlog_prefill_tokens=2048)

@@ -13,6 +13,7 @@ Failures are settled here, per row, so one job never fails for its neighbours:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -93,8 +94,7 @@ class Engine:
     def _limits(self) -> scheduler.Limits:
         if self.kv_ceiling is None:
             return self.limits
-        kv = min(self.limits.kv_tokens, self.kv_ceiling)
-        return scheduler.Limits(self.limits.max_rows, kv, self.limits.reserved_interactive)
+        return dataclasses.replace(self.limits, kv_tokens=min(self.limits.kv_tokens, self.kv_ceiling))
 
     def _expire(self) -> None:
         now = self.clock()
