@@ -203,6 +203,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
             "jobs": pipeline.jobs_seen,
             "busy_ratio": round(pipeline.busy_ratio, 4),
             **pipeline.describe(),
+            **pipeline.live(),
             "buffered": tasks.buffered(app),
             "batch_in_progress_s": round(pipeline.batch_for_s or 0.0, 1) or None,
         },

@@ -118,7 +118,7 @@ class Metrics:
         )
         self.kv_used = Gauge(
             "mrc_engine_kv_tokens_used",
-            "Cache positions the running rows may reach (rows x the longest row at its limit)",
+            "Cache positions the rows in memory (running, held) may reach: rows x the longest at its limit",
             registry=r,
         )
         self.kv_capacity = Gauge(

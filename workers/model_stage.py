@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any
 
 from shared import logs
-from shared.errors import InternalError, ModelError, MrcError, WorkerUnusable
+from shared.errors import ModelError, MrcError, WorkerUnusable
 from shared.settings import Settings
 from workers import images, stages
 from workers.admission import Admission
@@ -69,17 +69,19 @@ class ModelStage:
         return self._busy_s / max(1e-9, time.perf_counter() - self._first_batch_at)
 
     def describe(self) -> dict[str, Any]:
-        """What /readyz and the heartbeat report about the engine."""
-        engine = self.engine.engine
+        """The engine's limits, fixed at start (/readyz, the heartbeat)."""
         return {
-            "engine_rows_running": len(engine.running),
-            "engine_rows_waiting": len(engine.waiting),
             "engine_max_rows": self.limits.max_rows,
             "engine_kv_tokens": self.limits.kv_tokens,
             "engine_kv_measured_from": self.kv_measured,
             "engine_reserved_interactive": self.limits.reserved_interactive,
             "engine_hold_backlog": self.limits.hold_backlog,
         }
+
+    def live(self) -> dict[str, Any]:
+        """The engine's rows now (the heartbeat; /readyz is set once and would show them frozen)."""
+        engine = self.engine.engine
+        return {"engine_rows_running": len(engine.running), "engine_rows_waiting": len(engine.waiting)}
 
     def close(self) -> None:
         self.engine.stop()
@@ -154,7 +156,7 @@ class ModelStage:
         if row.admitted_at is not None and row.finished_at is not None:
             slot.timings["inference"] = (row.finished_at - row.admitted_at) * 1000
         if row.error is not None:
-            slot.error = row.error if isinstance(row.error, MrcError) else InternalError(repr(row.error))
+            slot.error = row.error
             return
         slot.text = self.backend.detokenize(row.tokens)
         slot.output_tokens = len(row.tokens)

@@ -17,8 +17,6 @@ delivery to finish.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +34,6 @@ from workers import images, stages
 from workers.admission import Admission
 from workers.backends.base import ModelBackend
 from workers.cache import ResultCache, job_cache_key
-from workers.engine.service import EngineService
 from workers.finisher import Finisher, Requeue
 from workers.metrics import Metrics
 from workers.model_stage import ModelStage
@@ -69,16 +66,6 @@ class LanePools:
     def shutdown(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _init_thread(lane: str) -> Callable[[], None]:
-    def init() -> None:
-        images.init_decode_thread()
-        if lane != "interactive":
-            with contextlib.suppress(OSError, AttributeError):  # Linux: niceness is per thread
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-    return init
 
 
 @dataclass
@@ -126,10 +113,6 @@ class Pipeline:
         return self.model.busy_ratio
 
     @property
-    def engine(self) -> EngineService:
-        return self.model.engine
-
-    @property
     def batch_since(self) -> float | None:
         """When the oldest delivery in hand began (monotonic); None when none is in hand."""
         with self._lock:
@@ -160,8 +143,12 @@ class Pipeline:
         return None if since is None else time.monotonic() - since
 
     def describe(self) -> dict[str, object]:
-        """What /readyz and the heartbeat report about the engine."""
+        """What /readyz reports about the engine: its limits, fixed at start."""
         return self.model.describe()
+
+    def live(self) -> dict[str, object]:
+        """What the heartbeat adds: the engine's rows now."""
+        return self.model.live()
 
     def close(self) -> None:
         self.model.close()

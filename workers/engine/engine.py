@@ -103,15 +103,8 @@ class Engine:
             self._fail(row, Expired("the job's deadline passed while it waited for the model"))
 
     def _admit(self, report: StepReport) -> None:
-        def candidate(row: Sequence) -> scheduler.Candidate:
-            return scheduler.Candidate(
-                row.row_id, row.lane, row.reserved_tokens, row.alone, row.prompt_tokens
-            )
-
         in_memory = {**self.running, **self.held}
-        plan = scheduler.plan(
-            [candidate(r) for r in self.waiting], [candidate(r) for r in in_memory.values()], self._limits()
-        )
+        plan = scheduler.plan(_candidates(self.waiting), _candidates(in_memory.values()), self._limits())
         if plan.pause:
             self._back_to_waiting([in_memory[row_id] for row_id in plan.pause])
             report.paused += len(plan.pause)
@@ -194,10 +187,7 @@ class Engine:
     def _hold_or_release(self) -> None:
         """Backlog rows out of the decode steps while tickets are in (scheduler.hold), back after."""
 
-        def lanes(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
-            return [scheduler.Candidate(r.row_id, r.lane, r.reserved_tokens, r.alone) for r in rows]
-
-        if scheduler.hold(lanes(self.running.values()), lanes(self.waiting), self.limits):
+        if scheduler.hold(_candidates(self.running.values()), _candidates(self.waiting), self.limits):
             backlog = {row_id for row_id, row in self.running.items() if row.lane != scheduler.INTERACTIVE}
             if backlog:
                 self.held_batch.absorb(self.batch.take(backlog))
@@ -224,6 +214,11 @@ class Engine:
             self.on_finished(self.running.pop(row_id))
         if not self.running and not self.held:
             self.kv_ceiling = None  # an empty cache: try the full capacity again
+
+
+def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
+    """The rows as the pure policy sees them."""
+    return [scheduler.Candidate(r.row_id, r.lane, r.reserved_tokens, r.alone, r.prompt_tokens) for r in rows]
 
 
 def footprint(rows: Iterable[Sequence]) -> int:

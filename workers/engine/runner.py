@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -38,7 +39,8 @@ class StepModel(Protocol):
     def decode(self, batch: Any, last_tokens: list[int]) -> list[int]: ...
 
 
-Threads = Any  # Callable[[int], None] | None: sets CPU threads for a call of that many positions
+# Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.
+Threads = Callable[[int], object] | None
 
 
 class Runner:

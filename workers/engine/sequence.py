@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shared.errors import MrcError
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -23,7 +25,7 @@ class Sequence:
     exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded
     finish_reason: FinishReason | None = None
-    error: Exception | None = None  # why it failed, when it did (an MrcError)
+    error: MrcError | None = None  # why it failed, when it did
     # Wall-clock seconds, set by the engine: first admitted, first token generated, finished.
     submitted_at: float = 0.0
     admitted_at: float | None = None

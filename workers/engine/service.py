@@ -35,7 +35,7 @@ class EngineService:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = Engine(runner, limits, self._finished, clock)
-        self.limits, self.metrics, self.on_progress, self.clock = limits, metrics, on_progress, clock
+        self.metrics, self.on_progress, self.clock = metrics, on_progress, clock
         self.log = logs.get_logger()
         self._inbox: list[tuple[Sequence, Future[Sequence]]] = []
         self._futures: dict[str, Future[Sequence]] = {}
