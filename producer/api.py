@@ -15,6 +15,7 @@ backlog jobs only); another lane's job answers 404, as an unknown one does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +34,7 @@ from producer.client import Client, Submission
 from shared import frames, logs, names, reach
 from shared.dimensions import image_size
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.jobs import limit_problem
 from shared.records import valid_event_id
 from shared.settings import Settings
 from shared.sniff import SUPPORTED_FORMATS, sniff_format
@@ -220,11 +222,6 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
     if fields["lane"] not in names.LANES:
         raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
     image = fields["image"]
-    if data is not None:
-        _check_image(data, client.settings)
-        image = client.upload_bytes(data)[0]
-    elif not str(image).startswith("s3://"):
-        raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
     submission = Submission(
         image=image,
         prompt=fields["prompt"],
@@ -233,8 +230,21 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
         max_new_tokens=fields["max_new_tokens"],
         ticket_id=fields["ticket_id"],
         deadline=fields["deadline"],
+        response_format=fields["response_format"],
     )
-    job = client.build_job(submission)
+    # The limits first: nothing is uploaded for a job that would be refused anyway.
+    problem = limit_problem(
+        client.settings, submission.prompt, submission.max_new_tokens, submission.job_id,
+        client.response_format(submission),
+    )  # fmt: skip
+    if problem:
+        raise UsageError(problem)
+    if data is not None:
+        _check_image(data, client.settings)
+        image = client.upload_bytes(data)[0]
+    elif not str(image).startswith("s3://"):
+        raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
+    job = client.build_job(dataclasses.replace(submission, image=image))
     created = client.enqueue(job, block=False)
     body = {"job_id": job.job_id, "status_url": f"/v1/jobs/{job.job_id}"}
     return JSONResponse(body, status_code=202 if created else 200)

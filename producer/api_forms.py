@@ -7,11 +7,14 @@ a JSON one (no `str.isdigit`, which says yes to "²"), and a body too deeply nes
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from shared.response_format import ResponseFormat
 
 
 class JobRequest(BaseModel):
@@ -24,22 +27,31 @@ class JobRequest(BaseModel):
     lane: str = "interactive"
     max_new_tokens: int | None = None
     deadline: str | None = None
-    response_format: None = Field(
-        default=None, description="structured answers: in the contract, not supported by this version yet"
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description='structured answers: {"type": "json_schema", "schema": {...}} or '
+        '{"type": "choice", "choices": [...]} (multipart: the same object as a JSON string)',
     )
 
     @field_validator("response_format", mode="before")
     @classmethod
-    def _no_structured_answers_yet(cls, value: object) -> None:
-        if value is not None and value != "":
-            raise ValueError("structured answers are not supported by this version")
-        return
+    def _multipart_json(cls, value: object) -> object:
+        """A form field is a string: the format as JSON text (empty: none)."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return None
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError("response_format: not JSON") from None
 
 
 def multipart_schema() -> dict[str, Any]:
     properties: dict[str, Any] = {name: {"type": "string"} for name in JobRequest.model_fields}
     properties["image"] = {"type": "string", "format": "binary"}
     properties["max_new_tokens"] = {"type": "integer"}
+    properties["response_format"] = {"type": "string", "description": "the response_format object as JSON"}
     return {"type": "object", "required": ["image", "prompt"], "properties": properties}
 
 
@@ -78,7 +90,7 @@ async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, b
 
 def checked(data: object) -> dict[str, Any] | JSONResponse:
     try:
-        return JobRequest.model_validate(data).model_dump()
+        return JobRequest.model_validate(data).model_dump(by_alias=True)
     except ValidationError as exc:
         return invalid_job(list(exc.errors()))
     except RecursionError:

@@ -38,7 +38,9 @@ CHUNK_LINES = 5000
 _PART = 500  # jobs per enqueue round trip (fewer when the lane has less room)
 _UPLOAD_THREADS = 8
 _READ_THREADS = 16
-_REUSED = "custom_id already used in this run by another job (image, prompt or max_new_tokens)"
+_REUSED = (
+    "custom_id already used in this run by another job (image, prompt, max_new_tokens or response_format)"
+)
 
 
 @dataclass
@@ -200,6 +202,7 @@ class Backlog:
                 "lane": "backlog",
                 "max_new_tokens": new,
                 "ticket_id": line.ticket_id,
+                "response_format": line.response_format,
             }
         )
 
@@ -371,13 +374,14 @@ class Backlog:
 def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) -> dict[str, Any]:
     base = {"custom_id": entry["custom_id"], "job_id": entry["job_id"]}
     if result is None:
-        return {**base, "status": "pending", "text": None, "error": None, "result_uri": None}
+        return {**base, "status": "pending", "text": None, "error": None, "result_uri": None, "output": None}
     return {
         **base,
         "status": result["status"],
         "text": result.get("text"),
         "error": result.get("error"),
         "result_uri": uri,
+        "output": result.get("output"),  # structured answers: the parsed JSON, or the choice
     }
 
 

@@ -41,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, help="tokens to generate (1..MRC_MAX_NEW_TOKENS_LIMIT)")
     p.add_argument("--ticket-id", help="upstream ticket id, copied into the result")
     p.add_argument("--deadline", help="RFC 3339 time after which the job is not run (result: expired)")
+    answer = p.add_mutually_exclusive_group()
+    answer.add_argument(
+        "--json-schema",
+        metavar="FILE_OR_JSON",
+        help="constrain the answer to JSON valid against this JSON Schema (inline JSON or a file)",
+    )
+    answer.add_argument("--choice", metavar="A,B,C", help="constrain the answer to one of these strings")
     p.add_argument("--wait", action="store_true", help="wait and print the result JSON")
     p.add_argument(
         "--no-block",
@@ -103,7 +110,34 @@ def _submission(args: argparse.Namespace) -> Any:
         max_new_tokens=args.max_new_tokens,
         ticket_id=args.ticket_id,
         deadline=args.deadline,
+        response_format=_response_format(args),
     )
+
+
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--json-schema (inline JSON, else a file's) or --choice as the job's response_format."""
+    if args.choice is not None:
+        from shared.response_format import parse_choice_list
+
+        return {"type": "choice", "choices": parse_choice_list(args.choice)}
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as handle:
+                text = handle.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(
+                f"--json-schema: {args.json_schema!r} is neither inline JSON nor a readable file ({exc})"
+            ) from None
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"--json-schema: not JSON ({str(exc)[:120]})") from None
+    if not isinstance(schema, dict):
+        raise UsageError("--json-schema: a JSON Schema is a JSON object")
+    return {"type": "json_schema", "schema": schema}
 
 
 def _validate_submit(args: argparse.Namespace, settings: Settings) -> None:

@@ -8,7 +8,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +16,12 @@ from typing import Any
 from celery import Celery
 
 from shared import logs, names, prompts
+from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, limit_problem, local_image_problem
 from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
+from shared.response_format import ChoiceFormat, JsonSchemaFormat
 from shared.settings import Settings
 from shared.sniff import sniff_format
 from shared.stores import ImageSource, ResultStore, open_stores
@@ -40,6 +42,8 @@ class Submission:
     max_new_tokens: int | None = None
     ticket_id: str | None = None
     deadline: str | None = None
+    # Structured answers: {"type": "json_schema", "schema": {...}} or {"type": "choice", "choices": [...]}
+    response_format: Mapping[str, Any] | JsonSchemaFormat | ChoiceFormat | None = None
 
 
 class Client:
@@ -66,7 +70,8 @@ class Client:
     # ---- validation ----
     def validate(self, sub: Submission) -> None:
         """Every check that needs neither Redis nor S3: a bad submission is refused before either."""
-        problem = limit_problem(self.settings, sub.prompt, sub.max_new_tokens, sub.job_id)
+        fmt = self.response_format(sub)
+        problem = limit_problem(self.settings, sub.prompt, sub.max_new_tokens, sub.job_id, fmt)
         if problem:
             raise UsageError(problem)
         if sub.lane not in names.LANES:
@@ -81,6 +86,13 @@ class Client:
             raise UsageError("image_source_forbidden: only local files and s3:// URIs are accepted")
         else:
             self._check_local_image(Path(text))
+
+    @staticmethod
+    def response_format(sub: Submission) -> JsonSchemaFormat | ChoiceFormat | None:
+        try:
+            return response_formats.parse(sub.response_format)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     def _check_local_image(self, path: Path) -> None:
         problem = local_image_problem(path, self.settings.max_image_bytes)
@@ -122,6 +134,7 @@ class Client:
             "max_new_tokens": max_new,
             "ticket_id": sub.ticket_id,
             "deadline": sub.deadline,
+            "response_format": self.response_format(sub),
         }
         try:
             return Job.from_message(fields)

@@ -1,8 +1,10 @@
 """Backlog manifests: one JSON object a line, read as a stream, each line checked on its own.
 
 A line: `{"custom_id": ..., "image": "s3://bucket/key" or a local path, "prompt": ...,
-"max_new_tokens": optional int, "ticket_id": optional str}`. A line that breaks a rule becomes an
-`Invalid` with its line number and the reason; it never stops the lines after it.
+"max_new_tokens": optional int, "ticket_id": optional str, "response_format": optional
+{"type": "json_schema", "schema": {...}} or {"type": "choice", "choices": [...]}}`. A line that
+breaks a rule becomes an `Invalid` with its line number and the reason; it never stops the lines
+after it.
 
 Job ids: `<run_id>.<custom_id>` when the custom id fits the job-id alphabet and length, else
 `<run_id>:<sha256 of the custom id, 32 hex>`. Run ids hold no `.` or `:`, so the two forms never meet,
@@ -22,12 +24,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared import names
+from shared import response_format as response_formats
 from shared.jobs import JOB_ID_RE, limit_problem, local_image_problem
+from shared.response_format import ChoiceFormat, JsonSchemaFormat
 from shared.settings import Settings
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 RUN_ID_RULE = "1-64 of [A-Za-z0-9_-], starting with a letter or digit"
-_FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id"}
+_FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id", "response_format"}
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_LINE_BYTES = 64 * 1024
 
@@ -43,6 +47,7 @@ class Line:
     prompt: str
     max_new_tokens: int | None
     ticket_id: str | None
+    response_format: JsonSchemaFormat | ChoiceFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | In
         prompt=data["prompt"],
         max_new_tokens=data.get("max_new_tokens"),
         ticket_id=data.get("ticket_id"),
+        response_format=response_formats.parse(data.get("response_format")),
     )
 
 
@@ -125,7 +131,11 @@ def _problem(data: dict[str, Any], settings: Settings) -> str | None:
     ticket = data.get("ticket_id")
     if ticket is not None and (not isinstance(ticket, str) or len(ticket) > 256):
         return "ticket_id must be a string of at most 256 characters"
-    problem = limit_problem(settings, data["prompt"], new)
+    try:
+        fmt = response_formats.parse(data.get("response_format"))
+    except ValueError as exc:
+        return str(exc)
+    problem = limit_problem(settings, data["prompt"], new, response_format=fmt)
     if problem:
         return problem
     return _image_problem(data["image"], settings)

@@ -86,6 +86,13 @@ class Cancelled(MrcError):
     code = "cancelled"
 
 
+class AnswerIncomplete(MrcError):
+    """A constrained answer reached max_new_tokens before its grammar was complete; the result's text
+    holds what was generated. Not retryable: greedy decoding would stop at the same place."""
+
+    code = "answer_incomplete"
+
+
 class InternalError(MrcError):
     """A fault in mrc itself; the message says where."""
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.errors import InvalidJob, MrcError
+from shared.response_format import ResponseFormat, canonical, size_problem
 from shared.settings import Settings
 
 JOB_SCHEMA = "mrc.job/1"
@@ -51,7 +52,11 @@ def prompt_problem(prompt: str) -> str | None:
 
 
 def limit_problem(
-    settings: Settings, prompt: str, max_new_tokens: int | None = None, job_id: str | None = None
+    settings: Settings,
+    prompt: str,
+    max_new_tokens: int | None = None,
+    job_id: str | None = None,
+    response_format: ResponseFormat | None = None,
 ) -> str | None:
     """What puts a job outside this deployment's limits, or None: the one check the producer (before
     anything is uploaded or sent) and the worker (for whatever it receives) both apply."""
@@ -65,6 +70,8 @@ def limit_problem(
         return f"max_new_tokens must be between 1 and {limit}, got {max_new_tokens}"
     if job_id is not None and not JOB_ID_RE.match(job_id):
         return f"job_id {job_id[:40]!r}: {_JOB_ID_RULE}"
+    if response_format is not None:
+        return size_problem(response_format, settings.max_response_format_bytes, settings.max_choices)
     return None
 
 
@@ -83,16 +90,7 @@ class Job(BaseModel):
     ticket_id: str | None = Field(default=None, max_length=256)
     submitted_at: str = Field(default_factory=now_rfc3339)
     deadline: str | None = None
-    # Structured answers are in the contract but not in this version: a job that asks for one is
-    # refused, never run as free text the caller would take for a constrained answer.
-    response_format: None = None
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _no_structured_answers_yet(cls, value: object) -> None:
-        if value is not None:
-            raise ValueError("structured answers (response_format) are not supported by this version")
-        return
+    response_format: ResponseFormat | None = None  # structured answers (shared/response_format.py)
 
     @field_validator("job_id")
     @classmethod
@@ -123,12 +121,18 @@ class Job(BaseModel):
         return value
 
     def to_message(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude={"response_format"})
+        message = self.model_dump(by_alias=True, exclude={"response_format"})
+        if self.response_format is not None:  # absent otherwise: messages of free jobs stay as they were
+            message["response_format"] = self.response_format.model_dump(by_alias=True)
+        return message
 
     def fingerprint(self) -> str:
-        """What makes two submissions the same job (not who sent it or when): the image, the prompt
-        and the generation length. One job id holds one fingerprint for life."""
-        material = json.dumps([self.image_uri, self.prompt, self.max_new_tokens], ensure_ascii=False)
+        """What makes two submissions the same job (not who sent it or when): the image, the prompt,
+        the generation length and the response format. One job id holds one fingerprint for life."""
+        parts: list[object] = [self.image_uri, self.prompt, self.max_new_tokens]
+        if self.response_format is not None:  # free jobs keep the fingerprints they always had
+            parts.append(canonical(self.response_format))
+        material = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
     @classmethod
@@ -209,6 +213,10 @@ class JobResult(BaseModel):
     timings_ms: Timings = Field(default_factory=Timings)
     submitted_at: str
     finished_at: str = Field(default_factory=now_rfc3339)
+    # The job's response_format as submitted, and the answer read as it asked (the parsed JSON value,
+    # or the chosen string); both null for free-text jobs.
+    response_format: dict[str, Any] | None = None
+    output: Any = None
     # Beyond the contract's fields: Job.fingerprint(), so a reused job id never overwrites this result.
     job_fingerprint: str | None = None
 

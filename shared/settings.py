@@ -131,6 +131,11 @@ class Settings(BaseSettings):
     max_new_tokens_default: int = Field(default=64, ge=1)
     max_new_tokens_limit: int = Field(default=512, ge=1)
     max_prompt_chars: int = Field(default=8000, ge=1)
+    # Structured answers (response_format): the largest schema or choice list, as compact JSON bytes,
+    # and the most choices; compiled grammars kept per worker (by the format's hash).
+    max_response_format_bytes: int = Field(default=16384, ge=64)
+    max_choices: int = Field(default=64, ge=1)
+    grammar_cache_size: int = Field(default=256, ge=1)
     max_prompt_tokens: int = Field(default=512, ge=1)
     truncate_prompts: bool = True
     max_image_bytes: int = Field(default=32 * 1024 * 1024, ge=1)

@@ -139,19 +139,6 @@ def test_bad_jobs_get_a_4xx_with_an_error_code(api: TestClient, body: object, st
     assert reply.json()["error"]["code"] in ("invalid_job", "image_source_forbidden")
 
 
-def test_a_structured_answer_is_refused_until_this_version_can_enforce_one(
-    api: TestClient, uploaded: str
-) -> None:
-    body = {
-        "image": uploaded,
-        "prompt": "Refund?",
-        "response_format": {"type": "choice", "choices": ["a", "b"]},
-    }
-    reply = api.post("/v1/jobs", json=body, headers=AUTH)
-    assert reply.status_code == 422
-    assert "response_format" in reply.json()["error"]["message"]
-
-
 def test_bodies_over_the_limit_are_413_even_without_a_length(api: TestClient) -> None:
     big = b"x" * 1_400_000  # the limit: 200,000 image bytes + 1 MiB of form
     reply = api.post("/v1/jobs", content=big, headers={**AUTH, "Content-Type": "application/json"})

@@ -1,0 +1,216 @@
+"""Structured answers: a job's `response_format`, checked where no torch runs (mrc submit, manifests,
+mrc-api, and the worker's first look at a message), and the answer read back from the generated text.
+
+The worker constrains generation with a grammar compiled from the format (workers/grammar.py); what is
+refused here is what that grammar cannot guarantee. A JSON Schema keyword the decoder would silently
+ignore (`oneOf` exclusivity, `uniqueItems`, `not`...) is refused by name rather than accepted and broken:
+a caller who asks for a constraint gets it, or is told at submission that it cannot be had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+# Keywords the grammar enforces: every answer it allows validates against them (tests/unit/
+# test_structured.py checks this against jsonschema, schema by generated schema).
+ENFORCED = frozenset(
+    {
+        "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
+        "properties", "required", "additionalProperties",
+        "items", "prefixItems", "minItems", "maxItems",
+        "minLength", "maxLength", "pattern",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    }
+)  # fmt: skip
+# Words that say something to people and nothing to a validator.
+ANNOTATIONS = frozenset(
+    {"$schema", "$id", "$comment", "title", "description", "default", "examples", "deprecated",
+     "readOnly", "writeOnly"}
+)  # fmt: skip
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties")
+HARD_MAX_BYTES = 1 << 20
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+class JsonSchemaFormat(BaseModel):
+    """`{"type": "json_schema", "schema": {...}}`: the answer is JSON that validates against it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+    @field_validator("schema_")
+    @classmethod
+    def _enforceable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # A ceiling before the schema is walked, whatever the deployment's own (smaller) limit says.
+        if len(json.dumps(value)) > HARD_MAX_BYTES:
+            raise ValueError(f"the schema is over {HARD_MAX_BYTES} bytes")
+        problem = schema_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+class ChoiceFormat(BaseModel):
+    """`{"type": "choice", "choices": [...]}`: the answer is exactly one of the strings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["choice"]
+    choices: list[str]
+
+    @field_validator("choices")
+    @classmethod
+    def _usable(cls, value: list[str]) -> list[str]:
+        problem = choices_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+ResponseFormat = Annotated[JsonSchemaFormat | ChoiceFormat, Field(discriminator="type")]
+
+
+_ADAPTER: TypeAdapter[JsonSchemaFormat | ChoiceFormat] = TypeAdapter(ResponseFormat)
+
+
+def parse(value: object) -> JsonSchemaFormat | ChoiceFormat | None:
+    """A response format from JSON data (a dict, or a model already), or None; ValueError saying
+    which field is wrong otherwise."""
+    if value is None or isinstance(value, JsonSchemaFormat | ChoiceFormat):
+        return value
+    try:
+        return _ADAPTER.validate_python(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        where = ".".join(loc[1:] if loc and loc[0] in ("json_schema", "choice") else loc)
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        raise ValueError(f"response_format{'.' + where if where else ''}: {message}") from None
+
+
+def choices_problem(choices: list[str]) -> str | None:
+    if not choices:
+        return "the list is empty"
+    seen: set[str] = set()
+    for choice in choices:
+        if not choice:
+            return "an empty string is not a choice"
+        if any(ord(c) < 32 or ord(c) == 127 for c in choice):
+            return f"{choice[:40]!r} contains a control character"
+        if choice in seen:
+            return f"{choice[:40]!r} is listed twice"
+        seen.add(choice)
+    return None
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why the decoder cannot enforce this schema (invalid JSON Schema, or a keyword it does not
+    enforce, named with its place), or None."""
+    try:
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/" + "/".join(str(p) for p in exc.absolute_path)
+        return f"not valid JSON Schema at {where}: {exc.message[:200]}"
+    except Exception as exc:  # whatever a hostile schema makes the validator raise is a refusal
+        return f"not valid JSON Schema: {type(exc).__name__}: {str(exc)[:200]}"
+    return _unenforced(schema, "")
+
+
+def _unenforced(schema: object, path: str) -> str | None:
+    if not isinstance(schema, dict):  # true / false: valid subschemas, enforced as they are
+        return None
+    for key, value in schema.items():
+        where = f"{path}/{key}"
+        if key in ANNOTATIONS:
+            continue
+        if key not in ENFORCED:
+            return f"at {where}: {key!r} is not enforced by the decoder; supported: {_supported()}"
+        problem = _keyword_problem(key, value, where, schema)
+        if problem:
+            return problem
+    return None
+
+
+def _keyword_problem(key: str, value: Any, where: str, schema: dict[str, Any]) -> str | None:
+    if key == "$ref" and not str(value).startswith("#"):
+        return f"at {where}: only local references (#/...) are followed, never fetched"
+    if key in _NUMBERS and isinstance(value, bool):
+        return f"at {where}: the draft-04 boolean form is not supported; give the bound as a number"
+    if key == "items" and isinstance(value, list):
+        return f"at {where}: a list of item schemas (draft-07 tuples) is not supported; use prefixItems"
+    if key == "required":
+        listed = schema.get("properties", {})
+        missing = [name for name in value if name not in listed]
+        if missing:
+            return f"at {where}: {missing[0]!r} is required but not in properties, so it cannot be generated"
+    if key in _SCHEMA_MAPS:
+        return _first(_unenforced(sub, f"{where}/{name}") for name, sub in value.items())
+    if key in _SCHEMA_LISTS:
+        return _first(_unenforced(sub, f"{where}/{i}") for i, sub in enumerate(value))
+    if key in _SCHEMA_ONE:
+        return _unenforced(value, where)
+    return None
+
+
+def _first(problems: Any) -> str | None:
+    return next((p for p in problems if p), None)
+
+
+def _supported() -> str:
+    return ", ".join(sorted(ENFORCED))
+
+
+def canonical(fmt: JsonSchemaFormat | ChoiceFormat) -> str:
+    """The format as compact, key-sorted JSON: what its size limit counts and its hash covers."""
+    return json.dumps(
+        fmt.model_dump(by_alias=True), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+
+
+def digest(fmt: JsonSchemaFormat | ChoiceFormat) -> str:
+    return hashlib.sha256(canonical(fmt).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def size_problem(fmt: JsonSchemaFormat | ChoiceFormat, max_bytes: int, max_choices: int) -> str | None:
+    """The deployment's limits (settings): compact size and number of choices."""
+    size = len(canonical(fmt).encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        return f"response_format is {size} bytes as compact JSON; the limit is {max_bytes}"
+    if isinstance(fmt, ChoiceFormat) and len(fmt.choices) > max_choices:
+        return f"response_format has {len(fmt.choices)} choices; the limit is {max_choices}"
+    return None
+
+
+def read_output(fmt: JsonSchemaFormat | ChoiceFormat, text: str) -> Any:
+    """The answer as the caller asked for it: the parsed JSON value, or the chosen string. Raises
+    ValueError when the text is not one (never expected of a constrained answer: a last guard, so an
+    `output` that does not validate is never handed out)."""
+    if isinstance(fmt, ChoiceFormat):
+        if text not in fmt.choices:
+            raise ValueError(f"the answer {text[:60]!r} is not one of the choices")
+        return text
+    value = json.loads(text)
+    error = jsonschema.exceptions.best_match(_validator(fmt.schema_).iter_errors(value))
+    if error is not None:
+        raise ValueError(f"the answer does not validate against its schema: {error.message[:200]}")
+    return value
+
+
+def _validator(schema: dict[str, Any]) -> Any:
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+def parse_choice_list(text: str) -> list[str]:
+    """`--choice refund,replace,no_action` -> the list (each entry stripped of surrounding spaces)."""
+    return [part.strip() for part in text.split(",")]
