@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import redis
 
 from shared.names import cache_counter_keys, cache_entry_key
+from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
 from shared.settings import Settings
 from workers.backends.base import ModelBackend, PromptPlan
 
@@ -52,21 +53,30 @@ def cache_key(
 
 
 def job_cache_key(
-    backend: ModelBackend, settings: Settings, max_new_tokens: int, image_sha256: str, plan: PromptPlan
+    backend: ModelBackend,
+    settings: Settings,
+    max_new_tokens: int,
+    image_sha256: str,
+    plan: PromptPlan,
+    response_format: JsonSchemaFormat | ChoiceFormat | None = None,
 ) -> str:
-    """The key of one job: its model as loaded, every setting that changes the answer, its image
-    bytes and its prompt exactly as the model sees it (token ids where the backend has them)."""
+    """The key of one job: its model as loaded, every setting that changes the answer (its response
+    format included: a constrained answer is another answer), its image bytes and its prompt exactly
+    as the model sees it (token ids where the backend has them)."""
+    generation: dict[str, object] = {
+        "decoding": "greedy",
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": settings.max_prompt_tokens,
+        "truncate_prompts": settings.truncate_prompts,
+        "max_image_side": settings.max_image_side,
+    }
+    if response_format is not None:  # free jobs keep the keys they always had
+        generation["response_format"] = digest(response_format)
     return cache_key(
         model_id=backend.model_id,
         revision=backend.revision,
         quantization=backend.quantization,
-        generation={
-            "decoding": "greedy",
-            "max_new_tokens": max_new_tokens,
-            "max_prompt_tokens": settings.max_prompt_tokens,
-            "truncate_prompts": settings.truncate_prompts,
-            "max_image_side": settings.max_image_side,
-        },
+        generation=generation,
         image_sha256=image_sha256,
         prompt=plan.text if plan.ids is None else plan.ids,
     )

@@ -54,6 +54,19 @@ class Metrics:
             buckets=(256, 1024, 4096, 8192, 16384, 32768, 65536, 131072),
             registry=r,
         )
+        self.grammar_compile = Histogram(
+            "mrc_grammar_compile_seconds",
+            "Compile time of a structured answer's grammar (a cache miss), by format type",
+            ["type"],
+            buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10),
+            registry=r,
+        )
+        self.grammar_cache = Counter(
+            "mrc_grammar_cache_total",
+            "Compiled-grammar look-ups, by result (hit, miss)",
+            ["result"],
+            registry=r,
+        )
         self.buffered = Gauge(
             "mrc_worker_buffered_jobs",
             "Jobs the worker holds and has not started (celery-batches' buffer)",

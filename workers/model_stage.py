@@ -16,7 +16,8 @@ from functools import partial
 from typing import Any
 
 from shared import logs
-from shared.errors import ModelError, MrcError, WorkerUnusable
+from shared.errors import AnswerIncomplete, InternalError, InvalidJob, ModelError, MrcError, WorkerUnusable
+from shared.response_format import ChoiceFormat, JsonSchemaFormat, read_output
 from shared.settings import Settings
 from workers import images, stages
 from workers.admission import Admission
@@ -24,6 +25,7 @@ from workers.backends.base import GenerationInput, ModelBackend
 from workers.engine import capacity, scheduler
 from workers.engine.sequence import Sequence as Row
 from workers.engine.service import EngineService
+from workers.grammar import Constraint
 from workers.metrics import Metrics
 from workers.slots import Slot
 
@@ -141,11 +143,27 @@ class ModelStage:
         assert slot.job is not None
         job, plan = slot.job, slot.plan
         item = GenerationInput(slot.decoded.tensor, plan.text, job.max_new_tokens, plan.ids)
+        constraint = self._constraint(job.response_format)
         inputs, positions = self.backend.row_inputs(item)
         return Row(
             self.engine.row_id(job.job_id), inputs, positions, job.max_new_tokens, self.backend.eos_id,
-            lane=job.lane, alone=slot.suspect, deadline=self.admission.deadline_s(job),
+            lane=job.lane, alone=slot.suspect, deadline=self.admission.deadline_s(job), constraint=constraint,
         )  # fmt: skip
+
+    def _constraint(self, fmt: JsonSchemaFormat | ChoiceFormat | None) -> Constraint | None:
+        """The row's grammar (compiled here, on the lane's pool, once per format); InvalidJob when the
+        format does not compile or this model cannot constrain answers."""
+        if fmt is None:
+            return None
+        grammars = getattr(self.backend, "grammars", None)
+        if grammars is None:
+            raise InvalidJob(f"the model backend {self.backend.model_id!r} cannot constrain answers")
+        constraint: Constraint
+        constraint, seconds = grammars.constraint(fmt)
+        self.metrics.grammar_cache.labels(result="miss" if seconds is not None else "hit").inc()
+        if seconds is not None:
+            self.metrics.grammar_compile.labels(type=fmt.type).observe(seconds)
+        return constraint
 
     def _take_row(self, slot: Slot, row: Row) -> None:
         """What the engine made of one job: its text, or its own error; the failure streak."""
@@ -155,11 +173,21 @@ class ModelStage:
             slot.first_token_at = row.first_token_at
         if row.admitted_at is not None and row.finished_at is not None:
             slot.timings["inference"] = (row.finished_at - row.admitted_at) * 1000
+        slot.output_tokens = len(row.tokens)
         if row.error is not None:
             slot.error = row.error
+            if isinstance(row.error, AnswerIncomplete):
+                slot.text = self.backend.detokenize(row.tokens)  # what was generated, for the caller
             return
-        slot.text = self.backend.detokenize(row.tokens)
-        slot.output_tokens = len(row.tokens)
+        text = self.backend.detokenize(row.tokens)
+        assert slot.job is not None
+        if slot.job.response_format is not None:
+            try:
+                slot.output = read_output(slot.job.response_format, text)
+            except ValueError as exc:
+                slot.error = InternalError(f"the constrained answer cannot be read: {exc}")
+                return
+        slot.text = text
         slot.finish_reason = row.finish_reason
         slot.attention_path = "masked" if row.shared_steps else "causal"
 

@@ -49,7 +49,11 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
     return JobResult(
         job_id=slot.job_id,
         status="failed" if failed else "succeeded",
-        text=None if failed else slot.text,
+        text=slot.text,  # a failed job has none, except answer_incomplete: what was generated
+        response_format=job.response_format.model_dump(by_alias=True)
+        if job and job.response_format
+        else None,
+        output=None if failed else slot.output,
         error=ErrorInfo.from_error(error) if error else None,
         finish_reason=None if failed else slot.finish_reason,  # type: ignore[arg-type]
         lane=job.lane if job else "interactive",

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from shared import logs, names
 from shared.errors import InternalError, MrcError
 from shared.records import JobRecords
+from shared.response_format import read_output
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore
 from workers import images, stages
@@ -272,14 +273,16 @@ class Pipeline:
             assert slot.encoded is not None
             assert slot.plan is not None
             slot.cache_key = job_cache_key(
-                self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan
-            )
+                self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan,
+                slot.job.response_format,
+            )  # fmt: skip
         try:
             hits = self.cache.get_many([str(slot.cache_key) for slot in live])
         except Exception as exc:  # a cache that is down costs GPU time, never a job
             self.log.warning("MRC_CACHE_READ_FAILED", jobs=len(live), error=repr(exc)[:300])
             hits = [None] * len(live)
         for slot, hit in zip(live, hits, strict=True):
+            hit = _usable_hit(slot, hit)
             self.metrics.cache.labels(result="hit" if hit else "miss").inc()
             if hit is not None:
                 slot.text, slot.output_tokens, slot.cache_hit = (
@@ -307,6 +310,18 @@ class Pipeline:
     @staticmethod
     def _live(slots: list[Slot]) -> list[Slot]:
         return [s for s in slots if s.live]
+
+
+def _usable_hit(slot: Slot, hit: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A cache entry as the job will use it: a constrained job's answer read back as its format asks
+    (`slot.output`); an entry that does not read is a miss (the model answers again)."""
+    if hit is None or slot.job is None or slot.job.response_format is None:
+        return hit
+    try:
+        slot.output = read_output(slot.job.response_format, str(hit["text"]))
+    except (ValueError, KeyError):
+        return None
+    return hit
 
 
 def assemble(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from shared.errors import MrcError
 from shared.jobs import JOB_ID_RE, Job
@@ -37,6 +37,7 @@ class Slot:
     decoded: images.DecodedImage | None = None
     plan: PromptPlan | None = None
     text: str | None = None
+    output: Any = None  # the answer read as its response_format asked (parsed JSON, or the choice)
     output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
     finishing: bool = False

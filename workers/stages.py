@@ -37,7 +37,7 @@ def timed(what: str, work: Callable[[], T]) -> tuple[T | MrcError, float]:
 def parse(body: object, settings: Settings) -> Job:
     """The job in a message, within this deployment's limits (InvalidJob otherwise)."""
     job = Job.from_message(body)
-    problem = limit_problem(settings, job.prompt, job.max_new_tokens)
+    problem = limit_problem(settings, job.prompt, job.max_new_tokens, response_format=job.response_format)
     if problem:
         raise InvalidJob(problem)
     return job

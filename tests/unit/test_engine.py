@@ -156,17 +156,17 @@ class _Faulty:
     def new_batch(self) -> Any:
         return self.inner.new_batch()
 
-    def prefill(self, inputs: list[Any]) -> Any:
+    def prefill(self, inputs: list[Any], masks: Any = None) -> Any:
         for one in inputs:
             if self.prefill_fault is not None and (error := self.prefill_fault(one)) is not None:
                 raise error
-        return self.inner.prefill(inputs)
+        return self.inner.prefill(inputs, masks)
 
-    def decode(self, batch: Any, last: list[int]) -> list[int]:
+    def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
         self.decodes.append(list(batch.row_ids))
         if self.decode_fault is not None and (error := self.decode_fault(batch.row_ids)) is not None:
             raise error
-        return self.inner.decode(batch, last)
+        return self.inner.decode(batch, last, masks)
 
 
 def _drive(engine: Engine, rows: list[tuple[Sequence, int]], limit: int = 500) -> None:

@@ -73,6 +73,9 @@ class ModelBackend(Protocol):
 
     # --- the iteration-level engine (workers/engine/) ---
     eos_id: int
+    # Structured answers: the grammar compiler for this model's vocabulary (workers/grammar.py), or
+    # None where the backend has no vocabulary to constrain (a job with a response_format fails there).
+    grammars: Any
 
     def step_model(self) -> Any:
         """The engine's model calls: a StepModel (workers/engine/runner.py)."""

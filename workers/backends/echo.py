@@ -65,7 +65,8 @@ class EchoSteps:
     def new_batch(self) -> EchoRows:
         return EchoRows()
 
-    def prefill(self, inputs: list[Any]) -> tuple[list[int], Any, int]:
+    def prefill(self, inputs: list[Any], masks: Any = None) -> tuple[list[int], Any, int]:
+        _no_grammar(masks)
         items: list[GenerationInput] = inputs
         self.backend.prefills.extend(item.prompt for item in items)
         self.backend.prefill_groups.append(len(items))
@@ -75,7 +76,8 @@ class EchoSteps:
         scripts = [self.backend.script(item) for item in items]
         return [script[0] for script in scripts], [(s, i) for s, i in zip(scripts, items, strict=True)], 1
 
-    def decode(self, batch: EchoRows, last_tokens: list[int]) -> list[int]:
+    def decode(self, batch: EchoRows, last_tokens: list[int], masks: Any = None) -> list[int]:
+        _no_grammar(masks)
         self.backend.calls.append(len(batch))
         self._maybe_fail([batch.scripts[row_id][1] for row_id in batch.row_ids])
         if self.backend.token_s:
@@ -92,6 +94,13 @@ class EchoSteps:
         backend = self.backend
         if backend.fail_on and any(backend.fail_on in item.prompt for item in items):
             raise backend.error
+
+
+def _no_grammar(masks: Any) -> None:
+    """The echo model has no vocabulary to mask (`grammars` is None: constrained jobs are refused
+    before they reach it); a mask here would be a fault in the engine."""
+    if masks is not None and masks() is not None:
+        raise AssertionError("the echo model cannot apply a grammar mask")
 
 
 class EchoBackend:
@@ -116,6 +125,7 @@ class EchoBackend:
         self.prefills: list[str] = []  # the prompt of each row the engine prefilled, in order
         self.prefill_groups: list[int] = []  # rows per prefill call (equal-length rows go together)
         self.eos_id = EOS
+        self.grammars = None  # no vocabulary to constrain: jobs with a response_format are refused
         self._vocab: dict[str, int] = {}
         self._words: list[str] = ["", ""]
 

@@ -94,6 +94,7 @@ class FuyuBackend:
         self.attention_kernel = "not_measured"
         self.attention_kernel_padded = "not_measured"
         self.revision = "unloaded"
+        self.grammars: Any = None
 
     def _path(self) -> str:
         if self.source == "tiny":
@@ -148,6 +149,11 @@ class FuyuBackend:
             }
         )
         self.control_text = (*prompts.FUYU_CONTROL_TEXT, *tokenizer.all_special_tokens)
+        from workers.grammar import Grammars
+
+        # The logits' width (the lm head's): the model's vocabulary can be larger than the tokenizer's.
+        vocab = int(self.model.get_output_embeddings().out_features)
+        self.grammars = Grammars(tokenizer, vocab, self.eos_id, self.settings.grammar_cache_size)
 
     def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
         """The ids the model will see: control-token text defused, then checked id by id (the text
@@ -285,7 +291,27 @@ class FuyuBackend:
             engine.submit(Sequence(f"warm-{index}", inputs, positions, 4, self.eos_id, exact_steps=True))
         engine.step()  # both admitted (prefilled, merged) and one step decoded: the next is decode only
         self.attention_kernel_padded = attention.attest(engine.step, self.device)
+        self._warm_grammar(runner)
         return self.attention_kernel
+
+    def _warm_grammar(self, runner: Any) -> None:
+        """One constrained row to its end: the grammar mask's kernel loads (and fails) here, at start,
+        rather than on the first job that asks for a structured answer."""
+        from shared.response_format import ChoiceFormat
+        from workers.engine import scheduler
+        from workers.engine.engine import Engine
+        from workers.engine.sequence import Sequence
+
+        done: list[Sequence] = []
+        constraint, _ = self.grammars.constraint(ChoiceFormat(type="choice", choices=["yes", "no"]))
+        small = GenerationInput(image=torch_full_image(48, 64), prompt="warm up", max_new_tokens=4)
+        inputs, positions = self.row_inputs(small)
+        engine = Engine(runner, scheduler.Limits(1, 1 << 20, 0), done.append)
+        engine.submit(Sequence("warm-grammar", inputs, positions, 4, self.eos_id, constraint=constraint))
+        while not engine.idle:
+            engine.step()
+        if done[0].error is not None or self.detokenize(done[0].tokens) not in ("yes", "no"):
+            raise ModelError(f"the grammar mask does not hold at warm-up: {done[0].error or done[0].tokens}")
 
     def describe(self) -> dict[str, str]:
         implementation = str(getattr(getattr(self.model, "config", None), "_attn_implementation", "unknown"))

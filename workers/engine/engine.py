@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from shared.errors import Expired, MrcError, OutOfMemory
 from workers import inference
-from workers.engine import scheduler
+from workers.engine import masks, scheduler
 from workers.engine.runner import RowBatch, StepModel
 from workers.engine.sequence import Sequence
 
@@ -74,7 +74,7 @@ class Engine:
         if self.running:
             rows = [self.running[row_id] for row_id in self.batch.row_ids]
             try:
-                nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows])
+                nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows], _masks_of(rows))
             except Exception as exc:
                 self._decode_failed(exc, report)
             else:
@@ -125,7 +125,7 @@ class Engine:
         for row in rows:
             row.admitted_at = row.admitted_at or now
         try:
-            tokens, cache, length = self.runner.prefill([row.inputs for row in rows])
+            tokens, cache, length = self.runner.prefill([row.inputs for row in rows], _masks_of(rows))
         except Exception as exc:
             error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
             if len(rows) > 1:  # one at a time: a row that breaks the model or does not fit, by itself
@@ -214,6 +214,14 @@ class Engine:
             self.on_finished(self.running.pop(row_id))
         if not self.running and not self.held:
             self.kv_ceiling = None  # an empty cache: try the full capacity again
+
+
+def _masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
+    """The rows' grammar mask, built when the model call asks for it; None: every row is free."""
+    constraints = [row.constraint for row in rows]
+    if all(c is None for c in constraints):
+        return None
+    return lambda: masks.for_rows(constraints)
 
 
 def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:

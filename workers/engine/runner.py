@@ -11,7 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
+from workers.engine import masks as grammar_masks
 from workers.engine.kv import Batch
+from workers.engine.masks import MaskFn
 
 
 class RowBatch(Protocol):
@@ -34,9 +36,9 @@ class RowBatch(Protocol):
 class StepModel(Protocol):
     def new_batch(self) -> RowBatch: ...
 
-    def prefill(self, inputs: list[Any]) -> tuple[list[int], Any, int]: ...
+    def prefill(self, inputs: list[Any], masks: MaskFn | None = None) -> tuple[list[int], Any, int]: ...
 
-    def decode(self, batch: Any, last_tokens: list[int]) -> list[int]: ...
+    def decode(self, batch: Any, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]: ...
 
 
 # Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.
@@ -52,18 +54,19 @@ class Runner:
         return Batch()
 
     @torch.inference_mode()
-    def prefill(self, inputs: list[Any]) -> tuple[list[int], Any, int]:
+    def prefill(self, inputs: list[Any], masks: MaskFn | None = None) -> tuple[list[int], Any, int]:
         """(each row's first generated token, the rows' cache, positions each holds) for jobs of one
-        input length, prefilled together: no padding, so prefill takes the causal path, no mask."""
+        input length, prefilled together: no padding, so prefill takes the causal path, no mask.
+        `masks`: the rows' grammar mask (structured answers), asked for once the call is launched."""
         joined = inputs[0] if len(inputs) == 1 else {k: torch.cat([i[k] for i in inputs]) for k in inputs[0]}
         length = int(joined["input_ids"].shape[1])
         if self.threads is not None:
             self.threads(int(joined["input_ids"].numel()))
         out = _freeing_on_oom(lambda: self.model(**joined, use_cache=True, logits_to_keep=1))
-        return [int(t) for t in out.logits[:, -1].argmax(dim=-1).tolist()], out.cache, length
+        return _pick(out.logits[:, -1], masks), out.cache, length
 
     @torch.inference_mode()
-    def decode(self, batch: Batch, last_tokens: list[int]) -> list[int]:
+    def decode(self, batch: Batch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
         """One step for every running row: feed each row's last token, return each row's next."""
         assert batch.mask is not None
         mask, positions = batch.next_step()
@@ -76,7 +79,15 @@ class Runner:
             )
         )
         batch.commit(mask, out.cache)
-        return [int(t) for t in out.logits[:, -1].argmax(dim=-1).tolist()]
+        return _pick(out.logits[:, -1], masks)
+
+
+def _pick(logits: Any, masks: MaskFn | None) -> list[int]:
+    """Greedy: each row's most likely token, among those its grammar allows where it has one."""
+    bitmask = masks() if masks is not None else None
+    if bitmask is not None:
+        logits = grammar_masks.apply(logits, bitmask)
+    return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
 
 def _freeing_on_oom(call: Any) -> Any:

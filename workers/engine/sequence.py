@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shared.errors import MrcError
+from shared.errors import AnswerIncomplete, MrcError
+from workers.engine.masks import RowConstraint
 
 FinishReason = Literal["stop", "length"]
 
@@ -23,6 +24,7 @@ class Sequence:
     alone: bool = False  # a suspect (its last delivery died with it): nothing runs beside it
     deadline: float | None = None  # wall-clock seconds; past it at admission, the row expires
     exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
+    constraint: RowConstraint | None = None  # its grammar (structured answers); None: free text
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded
     finish_reason: FinishReason | None = None
     error: MrcError | None = None  # why it failed, when it did
@@ -45,13 +47,25 @@ class Sequence:
         return self.prompt_tokens + self.max_new_tokens
 
     def accept(self, token: int) -> bool:
-        """Take one generated token; True when the row is finished (end-of-text or its own limit)."""
+        """Take one generated token; True when the row is finished (end-of-text or its own limit).
+        A constrained row that reaches its limit before its answer is whole fails `answer_incomplete`."""
+        if self.constraint is not None:
+            try:
+                self.constraint.accept(token)
+            except MrcError as exc:
+                self.error = exc
+                return True
         if token == self.eos_id and not self.exact_steps:
             self.finish_reason = "stop"
             return True
         self.tokens.append(token)
         if len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
+            if self.constraint is not None and not self.constraint.complete:
+                self.error = AnswerIncomplete(
+                    f"the constrained answer reached max_new_tokens ({self.max_new_tokens}) before it was "
+                    "complete; raise max_new_tokens or simplify the format"
+                )
             return True
         return False
 
@@ -60,4 +74,6 @@ class Sequence:
         again, so a pause costs compute, never a different answer."""
         self.tokens.clear()
         self.finish_reason = None
+        if self.constraint is not None:
+            self.constraint.reset()
         self.restarts += 1

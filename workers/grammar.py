@@ -1,0 +1,117 @@
+"""Structured answers on the worker: a grammar per response format (xgrammar), compiled once per
+format and kept by its hash, and one matcher per row that says, at every decode step, which tokens
+may come next (docs/design.md says why xgrammar).
+
+The producer checked the format without torch (shared/response_format.py); this compiles it again
+against the model's own vocabulary, and a format that does not compile fails its job alone
+(`invalid_job`). The engine asks each constrained row for its mask (workers/engine/masks.py); free
+rows are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from shared.errors import InvalidJob, ModelError
+from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
+
+
+class Constraint:
+    """One row's grammar state: which tokens may follow what it has generated so far."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def accept(self, token: int) -> None:
+        # The mask allowed only tokens the grammar accepts, so a refusal is a fault in the mask's
+        # application (a wrong vocabulary size, a mask applied to the wrong row), not the job's.
+        if not self.matcher.accept_token(token):
+            raise ModelError(f"the grammar refused token {token}, which its own mask allowed")
+
+    @property
+    def complete(self) -> bool:
+        """The answer so far is a whole answer (the grammar's root is matched)."""
+        return bool(self.matcher.is_completed())
+
+    def reset(self) -> None:
+        """Back to an empty answer (the row is recomputed from its prompt)."""
+        self.matcher.reset()
+
+
+class Grammars:
+    """The compiler for one model's vocabulary, and the compiled grammars it keeps (LRU, bounded)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_id: int, keep: int, threads: int = 1) -> None:
+        import xgrammar
+
+        self._xgr = xgrammar
+        # The model's vocabulary can be larger than the tokenizer's (padded embeddings): ids past the
+        # tokenizer's are never allowed. End-of-text is the one stop token: it ends a complete answer.
+        self.info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=[eos_id]
+        )
+        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.keep = keep
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def constraint(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Constraint, float | None]:
+        """A fresh row state for this format, and the seconds its compile took (None: cached)."""
+        compiled, seconds = self.compiled(fmt)
+        return Constraint(self._xgr.GrammarMatcher(compiled), self.vocab_size), seconds
+
+    def compiled(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Any, float | None]:
+        key = digest(fmt)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key], None
+        began = time.perf_counter()
+        compiled = self._compile(fmt)  # outside the lock: formats compile in parallel on the lane pools
+        seconds = time.perf_counter() - began
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.keep:
+                self._compiled.popitem(last=False)
+        return compiled, seconds
+
+    def _compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
+        try:
+            if isinstance(fmt, ChoiceFormat):
+                return self.compiler.compile_grammar(choice_ebnf(fmt.choices))
+            # No free whitespace: a weak model would otherwise pad the answer with spaces until its
+            # token limit. Separators are JSON's usual ", " and ": ".
+            grammar = self._xgr.Grammar.from_json_schema(json.dumps(fmt.schema_), any_whitespace=False)
+            return self.compiler.compile_grammar(strict_strings(str(grammar)))
+        except Exception as exc:  # the library's errors are RuntimeError/ValueError with its reason
+            raise InvalidJob(f"response_format does not compile to a grammar: {str(exc)[:300]}") from None
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded string as [^"\\\r\n]: raw control
+# characters (U+0000-U+001F, which JSON requires escaped) pass, and a strict JSON parser then refuses
+# the answer (tests/unit/test_structured.py found it). Its unbounded strings exclude them; bounded ones
+# are narrowed to the same here (no escapes inside them: a smaller set of valid strings, never an
+# invalid one).
+_LOOSE_CHARACTERS = r"[^\"\\\r\n]"
+_STRICT_CHARACTERS = r"[^\0-\x1f\"\\]"
+
+
+def strict_strings(ebnf: str) -> str:
+    return ebnf.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose sentences are exactly the choices, each written as an EBNF string literal."""
+    return "root ::= " + " | ".join(_literal(choice) for choice in choices)
+
+
+def _literal(text: str) -> str:
+    # JSON string escapes are the EBNF literal's own (\", \\, \uXXXX); characters beyond the Basic
+    # Multilingual Plane stay as themselves, never as a surrogate pair the grammar would not match.
+    return json.dumps(text, ensure_ascii=False)
