@@ -51,6 +51,7 @@ bench: install
 	$(PY) tests/bench/bench_cpu_contention.py
 	$(PY) tests/bench/bench_preprocess.py
 	$(PY) tests/bench/bench_throughput.py
+	$(PY) tests/bench/bench_structured.py
 	$(PY) tests/bench/bench_priority.py
 	$(PY) tests/bench/bench_broker.py
 	$(PY) tests/bench/bench_enqueue.py

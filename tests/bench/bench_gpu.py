@@ -12,6 +12,8 @@ Rows per mode:
   engine   the worker's iteration-level engine (workers/engine/) on the decode row's jobs, at most
            1, 8 and 32 rows: images/s against the static `generate()` batch of the same size, and the
            engine's cache capacity measured from free memory (what /readyz reports)
+  structured  16 rows all grammar-constrained vs none (generated tokens/s, the same steps), one step's
+           mask alone, and grammar compile times cold and cached (tests/bench/bench_structured.py)
 Every figure is also written to --json.
 
     MRC_DEVICE=cuda .venv/bin/python tests/bench/bench_gpu.py [--modes nf4,bf16] [--batches 1,8,32] [--json F]
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402 - after sys.path is set
 
 from shared.settings import Settings  # noqa: E402 - after sys.path is set
+from tests.bench import bench_structured  # noqa: E402 - after sys.path is set
 from workers.backends.base import GenerationInput  # noqa: E402 - after sys.path is set
 from workers.backends.fuyu import FuyuBackend  # noqa: E402 - after sys.path is set
 from workers.backends.tiny import ensure_tiny_model  # noqa: E402 - after sys.path is set
@@ -188,6 +191,15 @@ def run_mode(folder: Path, mode: str, batches: list[int], device: str, repeats: 
             f"[{mode}] prefill-heavy, batch {row['batch']:>2}: {row['images_per_s']:7.2f} images/s",
             flush=True,
         )
+    # Structured answers: 16 rows all constrained vs none, same steps (tests/bench/bench_structured.py).
+    # The mask's fill cost grows with the tokenizer's vocabulary: this model has the tiny tokenizer (no
+    # Fuyu-8B tokenizer without the weights' repository), so the fill is a lower bound on Fuyu-8B's.
+    figures["structured"] = {
+        "overhead": bench_structured.overhead(backend, 16, 64, repeats),
+        "mask_step_ms": bench_structured.mask_step_ms(backend, 16),
+        "compile": bench_structured.compile_times(backend),
+    }
+    print(f"[{mode}] structured answers: {figures['structured']}", flush=True)
     del backend
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
