@@ -203,7 +203,7 @@ def test_constrained_answers_validate_and_free_rows_beside_them_are_unchanged(
 ) -> None:
     formats: list[Any] = [{"type": "json_schema", "schema": s} for s in drawn]
     formats.append({"type": "choice", "choices": ["refund", "replace", "no_action"]})
-    jobs = [(_item(i, 160), fmt) for i, fmt in enumerate(formats)]
+    jobs = [(_item(i, 512), fmt) for i, fmt in enumerate(formats)]  # room for the largest drawn answer
     free = [(_item(i + 7, 6), None) for i in range(2)]  # free rows: noise, unless the mask touched them
     done = _run(backend, _rows(backend, jobs + free), arrivals[: len(jobs) + len(free)])
     for index, (item, fmt) in enumerate(jobs):
