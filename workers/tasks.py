@@ -34,6 +34,11 @@ class Batches(celery_batches.Batches):  # type: ignore[misc]  # celery_batches i
     from taking any fresh job until the first ETA passed (up to MRC_RETRY_MAX_S)."""
 
     def Strategy(self, task: Any, app: Celery, consumer: Any) -> Any:
+        # Made again at every consumer (re)start. After a lost broker connection Celery clears the
+        # event loop's timers, celery-batches' flush timer among them, while celery-batches keeps its
+        # handle and so never starts another: part-full batches then waited for a full one, forever
+        # for the last jobs (found by the Redis failover test). A fresh start, a fresh timer.
+        self._tref = None
         handler = super().Strategy(task, app, consumer)
         waiting: set[str] = set()
         self._waiting_for_eta = waiting
