@@ -54,6 +54,7 @@ bench: install
 	$(PY) tests/bench/bench_structured.py
 	$(PY) tests/bench/bench_priority.py
 	$(PY) tests/bench/bench_broker.py
+	$(PY) tests/bench/bench_durability.py
 	$(PY) tests/bench/bench_enqueue.py
 	$(PY) tests/bench/bench_api.py
 

@@ -31,7 +31,7 @@ from producer.api_front import Front, Limits, caller_of
 from producer.api_guard import Keys, RateLimiter
 from producer.api_waits import Waits
 from producer.client import Client, Submission
-from shared import frames, logs, names, reach
+from shared import frames, logs, names, reach, redis_target
 from shared.dimensions import image_size
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.jobs import limit_problem
@@ -54,13 +54,14 @@ class Intake:
     def __init__(self, settings: Settings, client: Client | None = None) -> None:
         self.settings = settings
         self._client = client
-        self.waits = Waits(settings.redis_url, settings.connect_timeout_s, settings.api_wait_threads)
+        self.waits = Waits(settings, settings.api_wait_threads)
         self._probe: Any = None  # one S3 connection for /readyz (boto3 clients are made once, not per probe)
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "mrc_api_requests_total", "Requests", ["route", "method", "status"], registry=self.registry
         )
         self.seconds = Histogram("mrc_api_request_seconds", "Request time", ["route"], registry=self.registry)
+        self.registry.register(redis_target.FailoverCollector())
 
     @property
     def client(self) -> Client:
@@ -144,7 +145,7 @@ class Intake:
             await run_in_threadpool(self._probe_s3)
         except Exception as exc:
             return JSONResponse({"status": "not_ready", "reason": f"S3: {exc!r}"[:300]}, status_code=503)
-        return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "ready", **redis_target.status(self.settings)})
 
     def _probe_s3(self) -> None:
         if self._probe is None:

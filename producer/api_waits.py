@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from shared import names
+from shared import names, redis_target
 from shared.records import TERMINAL, unstored_result
+from shared.settings import Settings
 
 SOCKET_TIMEOUT_S = 10.0
 SLICE_S = 5.0  # one XREAD BLOCK at most this long: well inside SOCKET_TIMEOUT_S
@@ -33,17 +34,25 @@ ReadResult = Callable[[str], dict[str, Any] | None]
 class Waits:
     """The long-polls' own threads and Redis pool, and the waits built on them."""
 
-    def __init__(self, redis_url: str, connect_timeout_s: float, threads: int) -> None:
+    def __init__(self, settings: Settings, threads: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mrc-wait")
-        connections = redis.BlockingConnectionPool.from_url(
-            redis_url,
-            decode_responses=True,
-            socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=connect_timeout_s,
-            max_connections=threads,
-            timeout=SOCKET_TIMEOUT_S,  # a free connection, else ConnectionError (a 503)
-        )
-        self._redis = redis.Redis(connection_pool=connections)
+        options: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_timeout": SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": settings.connect_timeout_s,
+        }
+        if redis_target.uses_sentinel(settings):
+            # One connection per thread at most (each wait holds one): a plain pool of that size never
+            # runs out, and it follows the master Sentinel names.
+            self._redis = redis_target.client(settings, max_connections=threads, **options)
+        else:
+            connections = redis.BlockingConnectionPool.from_url(
+                settings.redis_url,
+                max_connections=threads,
+                timeout=SOCKET_TIMEOUT_S,  # a free connection, else ConnectionError (a 503)
+                **options,
+            )
+            self._redis = redis.Redis(connection_pool=connections)
 
     async def _run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)

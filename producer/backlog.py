@@ -72,7 +72,9 @@ class Backlog:
         self.client = client
         self.settings = client.settings
         self.runs = runs or RunRecords(
-            connect(self.settings.redis_url, self.settings.connect_timeout_s, retries=3)
+            connect(self.settings, self.settings.connect_timeout_s, retries=3),
+            self.settings.redis_wait_replicas,
+            self.settings.redis_wait_timeout_ms,
         )
         self.files = files or open_run_files(self.settings)
         self._producer: Any = None  # kombu producer whose channel captures messages (`_capture`)

@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from producer import backlog_cli
-from shared import logs, names, reach
+from shared import logs, names, reach, redis_target
 from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.settings import Settings, describe_error, unknown_variables
 
@@ -185,7 +185,7 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
     from shared.records import connect
 
-    client = connect(settings.redis_url, settings.connect_timeout_s, retries=2)
+    client = connect(settings, settings.connect_timeout_s, retries=2)
     if args.serve_metrics is not None:
         return _serve_lane_metrics(client, args.serve_metrics)
     while True:
@@ -205,6 +205,7 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
 
     registry = CollectorRegistry()
     registry.register(LaneCollector(client))
+    registry.register(redis_target.FailoverCollector())
     server, _thread = start_http_server(port, registry=registry)
     logs.get_logger().info("MRC_HTTP_LISTENING", port=server.server_address[1], what="lane metrics")
     stop = threading.Event()
@@ -233,7 +234,7 @@ def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
 
     if not valid_event_id(args.after):
         raise UsageError("--after: an event id (1700000000000-0, each part below 2^64) or 0")
-    records = RedisJobRecords(connect(settings.redis_url, settings.connect_timeout_s, retries=3))
+    records = RedisJobRecords(connect(settings, settings.connect_timeout_s, retries=3))
     after, page = args.after, 1000
     while True:
         found = records.events_after(after, block_s=5.0 if args.follow else 0.0, count=page)
@@ -287,14 +288,14 @@ _NEEDS = {
 
 
 # Replies of a Redis that is there but cannot serve now (loading, a replica after a failover): transient.
-_TRANSIENT_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN")
+_TRANSIENT_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS")
 
 
 def _refused_by_redis(exc: redis.ResponseError, settings: Settings) -> int:
     """Redis answered with an error: transient states are 'cannot serve now' (exit 5), anything else a
     refused command (exit 1), never reported as unreachable."""
     text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    where = reach.redis_address(settings.redis_url)
+    where = redis_target.where(settings)
     if text.upper().startswith(_TRANSIENT_REPLIES):
         print(f"mrc: Redis at {where} cannot serve now: {text}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except redis.ResponseError as exc:
         return _refused_by_redis(exc, settings)
     except (redis.RedisError, OperationalError) as exc:  # Redis went away after the check
-        where = reach.redis_address(settings.redis_url)
+        where = redis_target.where(settings)
         print(f"mrc: cannot reach Redis at {where}: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except MrcError as exc:

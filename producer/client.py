@@ -62,7 +62,7 @@ class Client:
         self.images: ImageSource = images
         self.results: ResultStore = results
         self.records: JobRecords = records or RedisJobRecords(
-            connect(settings.redis_url, settings.connect_timeout_s, retries=3)
+            connect(settings, settings.connect_timeout_s, retries=3)
         )
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from shared import names
+from shared import names, redis_target
 from shared.lane_metrics import lane_view
 from shared.settings import Settings
 
@@ -26,6 +26,7 @@ def collect(client: Any, settings: Settings) -> dict[str, Any]:
         "backlog_limit": settings.backlog_max_depth,
         "dead_letter": int(client.llen(names.dead_letter_key())),
         "workers": _workers(client),
+        "redis": redis_target.status(settings),
         "cache": {
             "hits": hits,
             "misses": misses,
@@ -84,11 +85,22 @@ def render_text(view: dict[str, Any]) -> str:
     lines.append(f"{'dead-letter':<12} {view['dead_letter']}")
     lines.append(f"{'rejected':<12} {view['rejected']}")
     lines += [_worker_line(w) for w in view["workers"]]
+    if "redis" in view:
+        lines.append(_redis_line(view["redis"]))
     hits, misses, rate = view["cache"]["hits"], view["cache"]["misses"], view["cache"]["hit_rate"]
     lines.append(
         f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else "")
     )
     return "\n".join(lines)
+
+
+def _redis_line(redis: dict[str, Any]) -> str:
+    if not redis.get("redis_sentinel"):
+        return f"{'redis':<12} {redis['redis_master']}"
+    return (
+        f"{'redis':<12} master {redis['redis_master']} (Sentinel {redis['redis_sentinel_master']!r}, "
+        f"{redis['redis_failovers']} failovers seen)"
+    )
 
 
 def render_rich(view: dict[str, Any], console: Any = None) -> None:

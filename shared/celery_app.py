@@ -6,7 +6,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared import names
+from shared import names, redis_target
 from shared.settings import Settings
 
 
@@ -14,7 +14,10 @@ def make_celery(settings: Settings) -> Celery:
     app = Celery("mrc", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         # Redis, with queue entries that are not message envelopes set aside instead of fatal.
-        broker_transport="shared.transport:Transport",
+        # (over a master found through Sentinel when MRC_REDIS_SENTINELS is set)
+        broker_transport="shared.transport:SentinelTransport"
+        if redis_target.uses_sentinel(settings)
+        else "shared.transport:Transport",
         # JSON only: a pickled message is refused by the worker's consumer, never executed.
         task_serializer="json",
         accept_content=["json"],
@@ -46,6 +49,7 @@ def make_celery(settings: Settings) -> Celery:
             "socket_connect_timeout": 10,
             "retry_on_timeout": True,
             "health_check_interval": 30,
+            **redis_target.transport_options(settings),
         },
         broker_connection_timeout=settings.connect_timeout_s,
         broker_connection_retry_on_startup=True,

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from shared import redis_target
 from shared.errors import ServiceUnreachable, StoreUnavailable
 from shared.settings import Settings
 
@@ -22,13 +23,11 @@ def redis_address(url: str) -> str:
 
 def check_redis(settings: Settings) -> None:
     timeout = settings.connect_timeout_s
-    client = redis.Redis.from_url(
-        settings.redis_url, socket_connect_timeout=timeout, socket_timeout=timeout, retry=None
-    )
+    client = redis_target.client(settings, socket_connect_timeout=timeout, socket_timeout=timeout, retry=None)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise ServiceUnreachable(f"Redis at {redis_address(settings.redis_url)}", _first_line(exc)) from None
+        raise ServiceUnreachable(f"Redis at {redis_target.where(settings)}", _first_line(exc)) from None
     finally:
         client.close()
 

@@ -11,8 +11,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import names
+from shared import names, redis_target
 from shared.jobs import State, now_rfc3339
+from shared.settings import Settings
 
 RECORD_TTL_S = 7 * 24 * 3600
 # A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept".
@@ -68,12 +69,13 @@ return 0
 """
 
 
-def connect(url: str, connect_timeout: float = 5.0, retries: int = 10) -> redis.Redis:
-    """A client that rides out a Redis restart: reconnects and retries with exponential backoff
-    (about 30 s in all with the default 10 retries: right for a worker, too long for a person at a
-    command line, who gets fewer) instead of failing the first command after the connection dropped."""
-    return redis.Redis.from_url(
-        url,
+def connect(settings: Settings, connect_timeout: float = 5.0, retries: int = 10) -> redis.Redis:
+    """A client that rides out a Redis restart or a failover: reconnects (to the master Sentinel names
+    now, where MRC_REDIS_SENTINELS is set) and retries with exponential backoff (about 30 s in all with
+    the default 10 retries: right for a worker, too long for a person at a command line, who gets
+    fewer) instead of failing the first command after the connection dropped."""
+    return redis_target.client(
+        settings,
         decode_responses=True,
         socket_timeout=10,
         socket_connect_timeout=connect_timeout,
@@ -125,8 +127,8 @@ class RedisJobRecords:
         self._release = client.register_script(_RELEASE_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str) -> RedisJobRecords:
-        return cls(connect(url))
+    def from_settings(cls, settings: Settings) -> RedisJobRecords:
+        return cls(connect(settings))
 
     def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
         """Take the job id for one submission: its claim token, or None when the id is taken. Until

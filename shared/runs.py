@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from shared import names
+from shared.errors import ServiceUnreachable
 from shared.jobs import now_rfc3339
 from shared.records import RECORD_TTL_S
 
@@ -74,8 +75,10 @@ run_key = names.run_record_key
 
 
 class RunRecords:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, wait_replicas: int = 0, wait_timeout_ms: int = 1000) -> None:
         self._redis = client
+        # MRC_REDIS_WAIT_REPLICAS: a chunk is acknowledged only once that many replicas hold it.
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._cancel = client.register_script(CANCEL_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
@@ -126,7 +129,13 @@ class RunRecords:
                     RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message, depth_limit
                 ]  # fmt: skip
                 self._enqueue(keys=keys, args=args, client=pipe)
+            if self.wait_replicas > 0:  # on the same connection as the writes: WAIT covers them
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
             replies = pipe.execute()
+        if self.wait_replicas > 0 and int(replies.pop()) < self.wait_replicas:
+            raise ServiceUnreachable(
+                "Redis replicas", f"under {self.wait_replicas} acked the chunk in {self.wait_timeout_ms} ms"
+            )
         return [reply if isinstance(reply, str) else int(reply) for reply in replies]
 
     def cancel_many(self, job_ids: Sequence[str]) -> int:

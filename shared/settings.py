@@ -28,6 +28,18 @@ class Settings(BaseSettings):
 
     # --- services (CONTRACT.md) ---
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Sentinel: `host:port,host:port,...`; when set, every Redis user finds the master through them and
+    # follows a failover (MRC_REDIS_URL's host is then not used; its db number, user and password are).
+    redis_sentinels: str = ""
+    redis_sentinel_master: str = "mymaster"
+    redis_sentinel_password: str = ""  # the Sentinels' own `requirepass` (Redis's is in MRC_REDIS_URL)
+    redis_sentinel_username: str = ""
+    redis_sentinel_tls: bool = False  # TLS to the Sentinels (to Redis itself: a rediss:// MRC_REDIS_URL)
+    # Durability: after a publish (and a worker's ack), wait for this many replicas to acknowledge it
+    # (Redis WAIT) for at most redis_wait_timeout_ms; a publish not replicated in time is not
+    # acknowledged to the caller (exit 5 / 503, the caller retries with the same job id). 0: off.
+    redis_wait_replicas: int = Field(default=0, ge=0)
+    redis_wait_timeout_ms: int = Field(default=1000, ge=1)
     s3_endpoint_url: str = ""
     s3_bucket: str = "mrc"
     s3_prefix: str = ""
@@ -180,6 +192,15 @@ class Settings(BaseSettings):
         database = url.path.strip("/") if url.scheme != "unix" else ""
         if database and not database.isdigit():
             raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
+        return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinels_usable(cls, value: str) -> str:
+        for entry in filter(None, (part.strip() for part in value.split(","))):
+            host, _, port = entry.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"MRC_REDIS_SENTINELS: {entry!r} is not host:port (e.g. 10.0.0.5:26379)")
         return value
 
     @field_validator("s3_endpoint_url")

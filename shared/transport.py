@@ -38,7 +38,8 @@ from kombu.transport import virtual as kombu_virtual
 from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
-from shared import names
+from shared import names, redis_target
+from shared.errors import ServiceUnreachable
 
 # Called at every poll of a consumer's channel (the worker's liveness: an idle consumer polls every
 # `Channel.idle_wait_s`); None outside a worker.
@@ -300,6 +301,14 @@ class Channel(kombu_redis.Channel):
     #: wakes it at once; a backlog message waits at most this long.
     idle_wait_s = 0.2
     QoS = QoS
+    #: MRC_REDIS_WAIT_REPLICAS / _TIMEOUT_MS (0: a publish and an ack return without waiting).
+    wait_replicas = 0
+    wait_timeout_ms = 1000
+    from_transport_options = (  # type: ignore[assignment]  # kombu's declared tuple, two names longer
+        *kombu_redis.Channel.from_transport_options,
+        "wait_replicas",
+        "wait_timeout_ms",
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -325,11 +334,33 @@ class Channel(kombu_redis.Channel):
             self._captured, self._tables = None, None
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        if self._captured is None and self.wait_replicas > 0 and "_publish_batch" not in kwargs:
+            self._put_replicated(queue, message)
+            return
         if self._captured is None:
             super()._put(queue, message, **kwargs)
             return
         pri = self._get_message_priority(message, reverse=False)
         self._captured.append((self._q_for_pri(queue, pri), kombu_json.dumps(message)))
+
+    def _put_replicated(self, queue: str, message: Any) -> None:
+        """The durability knob (MRC_REDIS_WAIT_REPLICAS): the push and a WAIT on one connection, so
+        the publish returns only once that many replicas hold it. Not replicated in time: raised as
+        ServiceUnreachable (never retried here: a retried push could queue the job twice), so the
+        caller is not told it was accepted and submits again under the same job id."""
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+            pipe.lpush(key, kombu_json.dumps(message))
+            if self._expires and queue in self._expires:
+                for pri in self.priority_steps:
+                    pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            acknowledged = int(pipe.execute()[-1])
+        if acknowledged < self.wait_replicas:
+            raise ServiceUnreachable(
+                "Redis replicas",
+                f"{acknowledged} of {self.wait_replicas} acked the publish in {self.wait_timeout_ms} ms",
+            )
 
     def get_table(self, exchange: str) -> Any:
         if self._tables is None:
@@ -439,3 +470,50 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+class SentinelChannel(Channel):
+    """The same channel over a master found through Sentinel (MRC_REDIS_SENTINELS): every connection
+    the pool opens asks the Sentinels for the master first, and one that finds a demoted master
+    (READONLY), a master in the middle of a failover (NOREPLICAS...) or a dead one fails and
+    reconnects, so the pop script, the unacked hash, the heartbeat and `give_back` follow a failover.
+
+    kombu's SentinelChannel with our Channel in front of it: its fanout and bookkeeping are kept, and a
+    `sentinel://h1:p1;sentinel://h2:p2` broker URL works as it does in kombu. With the `sentinels`
+    option (how mrc's settings arrive) the pool is mrc's (shared/redis_target.py): connections that
+    re-ask the Sentinels at every reconnect, and the failover logged and counted like every client's."""
+
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master_name = "mymaster"
+    sentinel_kwargs: dict[str, Any] | None = None
+    from_transport_options = (  # type: ignore[assignment]
+        *Channel.from_transport_options,
+        "sentinels",
+        "master_name",
+        "sentinel_kwargs",
+    )
+
+    def _get_pool(self, asynchronous: bool = False) -> Any:
+        params = self._connparams(asynchronous=asynchronous)
+        self.keyprefix_fanout = self.keyprefix_fanout.format(db=params["db"])
+        return self._sentinel_managed_pool(asynchronous)
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        if self.sentinels:  # the async consumer's connection class is derived from these
+            self.connection_class = redis_target.FailoverConnection  # type: ignore[assignment]
+            self.connection_class_ssl = redis_target.FailoverSSLConnection  # type: ignore[assignment]
+        return super()._connparams(asynchronous)
+
+    def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
+        params = self._connparams(asynchronous)
+        params.pop("host", None)
+        params.pop("port", None)
+        addresses = [(str(host), int(port)) for host, port in self.sentinels]
+        master = getattr(self, "master_name", None) or "mymaster"  # transport options, set by kombu
+        kwargs = dict(getattr(self, "sentinel_kwargs", None) or {})
+        return redis_target.pool_for(addresses, master, kwargs, **params)
+
+
+class SentinelTransport(Transport):
+    Channel = SentinelChannel
+    default_port = 26379  # type: ignore[assignment]  # kombu's Sentinel transport's

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from shared import logs, names, reach
+from shared import logs, names, reach, redis_target
 from shared.errors import ServiceUnreachable
 from shared.settings import Settings, describe_error, unknown_variables
 
@@ -115,7 +115,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     metrics = Metrics()
     state = health.HealthState()
     lane_keys = [key for lane in lanes for key in names.queue_keys(lane)]
-    depth_client = connect(settings.redis_url, settings.connect_timeout_s, retries=0)
+    depth_client = connect(settings, settings.connect_timeout_s, retries=0)
     liveness = Liveness(
         settings.stuck_after_s,
         lambda: sum(int(depth_client.llen(key)) for key in lane_keys) > 0,
@@ -125,7 +125,10 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     transport.lane_limits = {
         names.queue_name("backlog"): (settings.worker_deliveries - 1) * settings.batch_max_jobs
     }
-    server = health.serve(settings.metrics_port, state, metrics, liveness=liveness)
+    server = health.serve(
+        settings.metrics_port, state, metrics, liveness=liveness,
+        redis_status=lambda: redis_target.status(settings),
+    )  # fmt: skip
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
 
     backend = make_backend(settings)
@@ -144,15 +147,15 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     images_from, results = open_stores(settings)
     results.ensure_bucket()
-    records = RedisJobRecords.from_url(settings.redis_url)
+    records = RedisJobRecords.from_settings(settings)
     app = make_celery(settings)
-    cache = RedisResultCache(connect(settings.redis_url))
+    cache = RedisResultCache(connect(settings))
     pipeline = assemble(
         backend, images_from, results, records, settings,
         metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, worker=hostname,
     )  # fmt: skip
     liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since))
-    fatal_client = connect(settings.redis_url, settings.connect_timeout_s, retries=1)
+    fatal_client = connect(settings, settings.connect_timeout_s, retries=1)
 
     def on_fatal(reason: str) -> None:
         state.set_not_ready(f"unusable: {reason}")
@@ -194,7 +197,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         without_heartbeat=True,
     )
     heartbeat = Heartbeat(
-        connect(settings.redis_url),
+        connect(settings),
         hostname,
         lambda: {
             "hostname": hostname,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -11,6 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from workers.liveness import Liveness
 from workers.metrics import Metrics
+
+RedisStatus = Callable[[], dict[str, Any]]
 
 
 class HealthState:
@@ -35,7 +38,9 @@ class HealthState:
             return None if self._ready is None else dict(self._ready)
 
 
-def _handler(state: HealthState, metrics: Metrics, liveness: Liveness | None) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    state: HealthState, metrics: Metrics, liveness: Liveness | None, redis_status: RedisStatus | None
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
@@ -57,7 +62,7 @@ def _handler(state: HealthState, metrics: Metrics, liveness: Liveness | None) ->
                 if ready is None:
                     self._json(503, {"status": "not_ready", "reason": state.reason})
                 else:
-                    self._json(200, {"status": "ready", **ready})
+                    self._json(200, {"status": "ready", **ready, **(redis_status() if redis_status else {})})
             elif path == "/metrics":
                 self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
             else:
@@ -70,10 +75,16 @@ def _handler(state: HealthState, metrics: Metrics, liveness: Liveness | None) ->
 
 
 def serve(
-    port: int, state: HealthState, metrics: Metrics, host: str = "0.0.0.0", liveness: Liveness | None = None
+    port: int,
+    state: HealthState,
+    metrics: Metrics,
+    host: str = "0.0.0.0",
+    liveness: Liveness | None = None,
+    redis_status: RedisStatus | None = None,
 ) -> ThreadingHTTPServer:
-    """Start serving in a daemon thread; port 0 picks a free port (read it from server_address)."""
-    server = ThreadingHTTPServer((host, port), _handler(state, metrics, liveness))
+    """Start serving in a daemon thread; port 0 picks a free port (read it from server_address).
+    `redis_status`: the Redis master in use now, read at each /readyz (it changes with a failover)."""
+    server = ThreadingHTTPServer((host, port), _handler(state, metrics, liveness, redis_status))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="mrc-health", daemon=True).start()
     return server

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from shared import redis_target
+
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900)
 _JOBS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -27,6 +29,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        r.register(redis_target.FailoverCollector())
         self.jobs = Counter(
             "mrc_jobs_total", "Jobs finished, by outcome", ["status", "code", "lane"], registry=r
         )

@@ -1,0 +1,261 @@
+"""Where Redis is: one address (MRC_REDIS_URL), or a master found through Sentinel (MRC_REDIS_SENTINELS)
+that follows a failover. Every Redis user in mrc builds its client here, so every one of them — the
+producer, the API, the worker's records, cache, heartbeats and events, `mrc` commands, the lane
+exporter — finds the master the same way; the Celery broker does too (shared/transport.py's
+SentinelChannel builds its pool with `sentinel_pool`).
+
+A failover is seen where a client looks the master up again (redis-py does on every new connection,
+and a connection to a demoted master fails with READONLY and reconnects): each process logs
+`MRC_REDIS_FAILOVER` once per change of master, with the old and the new address, and counts it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+from redis.connection import SSLConnection
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+
+from shared import logs
+from shared.settings import Settings
+
+_lock = threading.Lock()
+# The master this process last found, per Sentinel group (their addresses and the master's name).
+_masters: dict[tuple[Any, ...], tuple[str, int]] = {}
+failovers = 0  # changes of master this process has seen (mrc_redis_failovers_total)
+_managers: dict[tuple[Any, ...], Sentinel] = {}
+
+
+def sentinel_addresses(settings: Settings) -> list[tuple[str, int]]:
+    entries = [part.strip() for part in settings.redis_sentinels.split(",") if part.strip()]
+    return [(host.strip("[]"), int(port)) for host, _, port in (e.rpartition(":") for e in entries)]
+
+
+def uses_sentinel(settings: Settings) -> bool:
+    return bool(sentinel_addresses(settings))
+
+
+# Replies of a node in the middle of a failover: not this command's fault, and gone in a moment.
+# redis-py already turns READONLY (a demoted master) into a reconnect; these join it.
+TRANSIENT_REPLIES = ("NOREPLICAS", "MASTERDOWN", "LOADING")
+
+
+class FailoverConnection(SentinelManagedConnection):
+    """A connection to the Sentinel-named master that treats a node's failover replies as a lost
+    connection (disconnect: the next connect asks the Sentinels again), so every client's retry, and
+    the broker's reconnect, rides them out. Without this, NOREPLICAS from a new master whose replicas
+    are still syncing reached kombu as a plain ResponseError and stopped the worker."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if str(exc).startswith(TRANSIENT_REPLIES):
+                self.disconnect()
+                raise redis.ConnectionError(f"Redis in a failover: {str(exc)[:120]}") from exc
+            raise
+
+
+class FailoverSSLConnection(FailoverConnection, SSLConnection):
+    pass
+
+
+class ResolvingConnection(FailoverConnection):
+    """For mrc's own clients (records, cache, heartbeats, events, the API, `mrc`), which retry a
+    command on the same connection object: its reconnect asks the Sentinels too. Not for the broker's
+    connections: kombu watches a connection's socket in its event loop, and a reconnect it did not
+    make would leave the pop script's reply on a socket nobody reads (the message stuck as unacked
+    until the visibility timeout); kombu reconnects its channel itself on a connection error."""
+
+    _resolved = False  # set while connect_to connects to an address it has just looked up
+
+    def connect_to(self, address: Any) -> None:
+        self._resolved = True
+        try:
+            super().connect_to(address)
+        finally:
+            self._resolved = False
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        """redis-py 8.1 reconnects a dropped connection inside a command's retry through this method,
+        not through connect(), so it went back to the address it had: the dead master, for the whole
+        retry budget (30 s), after which the worker gave up. Here every reconnect asks the Sentinels."""
+        if not self._sock and not self._resolved and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+class ResolvingSSLConnection(ResolvingConnection, SSLConnection):
+    pass
+
+
+class _TrackingSentinel(Sentinel):
+    """redis-py's Sentinel client, noting every master it discovers (a change is a failover)."""
+
+    def discover_master(self, service_name: str) -> Any:
+        address = super().discover_master(service_name)
+        # Sorted: redis-py moves the Sentinel that answered to the front of its list.
+        kwargs = [s.connection_pool.connection_kwargs for s in self.sentinels]
+        group = (tuple(sorted((str(k.get("host")), int(k.get("port", 0))) for k in kwargs)), service_name)
+        note_master(group, (str(address[0]), int(address[1])))
+        return address
+
+
+def note_master(group: tuple[Any, ...], address: tuple[str, int]) -> None:
+    global failovers
+    with _lock:
+        old = _masters.get(group)
+        _masters[group] = address
+        if old is None or old == address:
+            return
+        failovers += 1
+    logs.get_logger().warning(
+        "MRC_REDIS_FAILOVER", old=f"{old[0]}:{old[1]}", new=f"{address[0]}:{address[1]}", failovers=failovers
+    )
+
+
+def sentinel_kwargs(settings: Settings) -> dict[str, Any]:
+    """How to talk to the Sentinels themselves (their own password and TLS, not Redis's)."""
+    kwargs: dict[str, Any] = {"socket_timeout": settings.connect_timeout_s}
+    kwargs["socket_connect_timeout"] = settings.connect_timeout_s
+    if settings.redis_sentinel_password:
+        kwargs["password"] = settings.redis_sentinel_password
+    if settings.redis_sentinel_username:
+        kwargs["username"] = settings.redis_sentinel_username
+    if settings.redis_sentinel_tls:
+        kwargs["ssl"] = True
+    return kwargs
+
+
+def manager(settings: Settings) -> Sentinel:
+    return manager_for(sentinel_addresses(settings), sentinel_kwargs(settings))
+
+
+def manager_for(addresses: list[tuple[str, int]], kwargs: dict[str, Any]) -> Sentinel:
+    """One Sentinel client per process and configuration (its connections to the Sentinels shared)."""
+    key = (tuple(addresses), tuple(sorted(kwargs.items())))
+    with _lock:
+        if key not in _managers:
+            _managers[key] = _TrackingSentinel(list(addresses), sentinel_kwargs=dict(kwargs))
+        return _managers[key]
+
+
+def pool_for(
+    addresses: list[tuple[str, int]], master: str, kwargs: dict[str, Any], **connection: Any
+) -> SentinelConnectionPool:
+    """A pool whose every new connection goes to the master the Sentinels name now."""
+    ssl = connection.pop("ssl", False)
+    connection.setdefault("connection_class", ResolvingSSLConnection if ssl else ResolvingConnection)
+    return SentinelConnectionPool(master, manager_for(addresses, kwargs), **connection)
+
+
+def url_params(url: str) -> dict[str, Any]:
+    """What MRC_REDIS_URL still says when the master comes from Sentinel: db, user, password, TLS."""
+    parts = urlsplit(url)
+    params: dict[str, Any] = {"db": int(parts.path.strip("/") or 0) if parts.scheme != "unix" else 0}
+    if parts.username:
+        params["username"] = unquote(parts.username)
+    if parts.password:
+        params["password"] = unquote(parts.password)
+    if parts.scheme == "rediss":
+        params["ssl"] = True
+    return params
+
+
+def sentinel_pool(settings: Settings, **connection: Any) -> SentinelConnectionPool:
+    params = {**url_params(settings.redis_url), **connection}
+    return pool_for(
+        sentinel_addresses(settings), settings.redis_sentinel_master, sentinel_kwargs(settings), **params
+    )
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """The broker's share of these settings (shared/transport.py reads them as transport options)."""
+    options: dict[str, Any] = {
+        "wait_replicas": settings.redis_wait_replicas,
+        "wait_timeout_ms": settings.redis_wait_timeout_ms,
+    }
+    if uses_sentinel(settings):
+        options.update(
+            sentinels=sentinel_addresses(settings),
+            master_name=settings.redis_sentinel_master,
+            sentinel_kwargs=sentinel_kwargs(settings),
+        )
+    return options
+
+
+def client(settings: Settings, *, max_connections: int | None = None, **options: Any) -> redis.Redis:
+    """A client for the master: MRC_REDIS_URL's, or the one Sentinel names (following failovers).
+    `options` are redis-py's connection options (timeouts, retry, decode_responses)."""
+    if max_connections is not None:
+        options["max_connections"] = max_connections
+    if not uses_sentinel(settings):
+        return redis.Redis.from_url(settings.redis_url, **options)
+    # Each connection carries the retry (as from_url gives it): a connect that finds the old master
+    # dead retries, and each retry asks the Sentinels again, so a failover is ridden out.
+    return redis.Redis(connection_pool=sentinel_pool(settings, **options))
+
+
+def master_address(settings: Settings) -> str:
+    """host:port of the master in use now (asks Sentinel; MRC_REDIS_URL's otherwise), safe to print."""
+    if not uses_sentinel(settings):
+        parts = urlsplit(settings.redis_url)
+        return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
+    host, port = manager(settings).discover_master(settings.redis_sentinel_master)
+    return f"{host}:{port}"
+
+
+def where(settings: Settings) -> str:
+    """What an error message names: the address, or the Sentinels and the master's name."""
+    if uses_sentinel(settings):
+        return f"Sentinel master {settings.redis_sentinel_master!r} via {settings.redis_sentinels}"
+    parts = urlsplit(settings.redis_url)
+    return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
+
+
+def wait_for_replicas(conn: redis.Redis, settings: Settings, what: str) -> None:
+    """The durability knob: block until MRC_REDIS_WAIT_REPLICAS replicas hold this connection's writes,
+    or raise redis.ConnectionError (the write may be lost in a failover: not acknowledged)."""
+    wanted = settings.redis_wait_replicas
+    if wanted <= 0:
+        return
+    acknowledged = int(conn.execute_command("WAIT", wanted, settings.redis_wait_timeout_ms))
+    if acknowledged < wanted:
+        raise redis.ConnectionError(
+            f"{what}: {acknowledged} of {wanted} replicas acknowledged in {settings.redis_wait_timeout_ms} ms"
+        )
+
+
+def status(settings: Settings) -> dict[str, Any]:
+    """What /readyz and `mrc queues` say about Redis: the master in use (as this process last found
+    it through Sentinel, or MRC_REDIS_URL's), whether it came from Sentinel, the failovers seen."""
+    if not uses_sentinel(settings):
+        return {"redis_master": where(settings), "redis_sentinel": False}
+    group = (tuple(sorted(sentinel_addresses(settings))), settings.redis_sentinel_master)
+    with _lock:
+        found = _masters.get(group)
+    master = f"{found[0]}:{found[1]}" if found is not None else None
+    return {
+        "redis_master": master,
+        "redis_sentinel": True,
+        "redis_sentinel_master": settings.redis_sentinel_master,
+        "redis_failovers": failovers,
+    }
+
+
+class FailoverCollector(Collector):
+    """`mrc_redis_failovers_total`: changes of master this process has seen (its counter lives here,
+    so every process that talks to Redis can serve it: the worker, the API, the lane exporter)."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "mrc_redis_failovers", "Changes of Redis master this process has followed (Sentinel)"
+        )
+        family.add_metric([], float(failovers))
+        yield family
