@@ -34,6 +34,10 @@ def make_celery(settings: Settings) -> Celery:
         # never take the last batch's worth (shared/transport.py, lane_limits), so a ticket is always
         # fetched, and finds a thread, at once.
         worker_prefetch_multiplier=1,
+        # After a lost broker connection Celery cuts the prefetch to what the tasks in progress leave
+        # and gives it back as tasks complete; batched requests (celery-batches) never report that, so
+        # a worker could stay at one message at a time (or stall) after a Redis failover.
+        worker_enable_prefetch_count_reduction=False,
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_s,
             "queue_order_strategy": "priority",

@@ -2,7 +2,7 @@
 that follows a failover. Every Redis user in mrc builds its client here, so every one of them — the
 producer, the API, the worker's records, cache, heartbeats and events, `mrc` commands, the lane
 exporter — finds the master the same way; the Celery broker does too (shared/transport.py's
-SentinelChannel builds its pool with `sentinel_pool`).
+SentinelChannel builds its pool with `pool_for`).
 
 A failover is seen where a client looks the master up again (redis-py does on every new connection,
 and a connection to a demoted master fails with READONLY and reconnects): each process logs
@@ -202,34 +202,12 @@ def client(settings: Settings, *, max_connections: int | None = None, **options:
     return redis.Redis(connection_pool=sentinel_pool(settings, **options))
 
 
-def master_address(settings: Settings) -> str:
-    """host:port of the master in use now (asks Sentinel; MRC_REDIS_URL's otherwise), safe to print."""
-    if not uses_sentinel(settings):
-        parts = urlsplit(settings.redis_url)
-        return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
-    host, port = manager(settings).discover_master(settings.redis_sentinel_master)
-    return f"{host}:{port}"
-
-
 def where(settings: Settings) -> str:
     """What an error message names: the address, or the Sentinels and the master's name."""
     if uses_sentinel(settings):
         return f"Sentinel master {settings.redis_sentinel_master!r} via {settings.redis_sentinels}"
     parts = urlsplit(settings.redis_url)
     return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
-
-
-def wait_for_replicas(conn: redis.Redis, settings: Settings, what: str) -> None:
-    """The durability knob: block until MRC_REDIS_WAIT_REPLICAS replicas hold this connection's writes,
-    or raise redis.ConnectionError (the write may be lost in a failover: not acknowledged)."""
-    wanted = settings.redis_wait_replicas
-    if wanted <= 0:
-        return
-    acknowledged = int(conn.execute_command("WAIT", wanted, settings.redis_wait_timeout_ms))
-    if acknowledged < wanted:
-        raise redis.ConnectionError(
-            f"{what}: {acknowledged} of {wanted} replicas acknowledged in {settings.redis_wait_timeout_ms} ms"
-        )
 
 
 def status(settings: Settings) -> dict[str, Any]:

@@ -183,9 +183,13 @@ def test_rate_limit_and_a_full_backlog_say_when_to_retry(api_env: dict[str, str]
 
 def test_health_ready_metrics_and_schema(api: TestClient) -> None:
     assert api.get("/healthz").json() == {"status": "alive"}
-    assert api.get("/readyz").json() == {"status": "ready"}
+    ready = api.get("/readyz").json()
+    assert ready["status"] == "ready"
+    assert ready["redis_sentinel"] is False
+    assert ready["redis_master"].startswith("127.0.0.1:")  # the master in use: the URL's, no Sentinel
     api.get("/v1/jobs/x", headers=AUTH)
     text = api.get("/metrics").text
+    assert "mrc_redis_failovers_total 0.0" in text
     assert 'mrc_api_requests_total{method="GET",route="/v1/jobs/{job_id}",status="404"}' in text
     schema = api.get("/openapi.json").json()
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/result", "/v1/events"} <= set(schema["paths"])

@@ -105,7 +105,7 @@ def test_an_event_wait_is_cut_into_reads_shorter_than_the_socket_timeout(
     """Waits below and above the connection's socket timeout (made 1 s here) both end in an answer."""
     monkeypatch.setattr(api_waits, "SOCKET_TIMEOUT_S", 1.0)
     monkeypatch.setattr(api_waits, "SLICE_S", 0.5)
-    waits = api_waits.Waits(env["MRC_REDIS_URL"], 3.0, 4)
+    waits = api_waits.Waits(services.settings_from_env(env), 4)
     began = time.monotonic()
     try:
         assert asyncio.run(waits.events(_future_event_id(), wait)) == []

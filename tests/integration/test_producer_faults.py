@@ -65,7 +65,7 @@ def test_an_interrupted_submit_frees_its_job_id(
 def test_a_claim_whose_producer_died_before_publishing_frees_itself(
     client: Client, worker: services.Worker, image: Path, env: dict[str, str]
 ) -> None:
-    records = RedisJobRecords(connect(env["MRC_REDIS_URL"]), claim_ttl_s=1)
+    records = RedisJobRecords(connect(services.settings_from_env(env)), claim_ttl_s=1)
     job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
     assert records.claim(job.job_id, job.lane, job.fingerprint())  # ...and the producer was SIGKILLed
     # A live claim not yet published is waited out, never answered "same job": it may never be sent.
