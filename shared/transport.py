@@ -472,7 +472,7 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-class SentinelChannel(Channel):
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     """The same channel over a master found through Sentinel (MRC_REDIS_SENTINELS): every connection
     the pool opens asks the Sentinels for the master first, and one that finds a demoted master
     (READONLY), a master in the middle of a failover (NOREPLICAS...) or a dead one fails and
@@ -484,27 +484,22 @@ class SentinelChannel(Channel):
     re-ask the Sentinels at every reconnect, and the failover logged and counted like every client's."""
 
     sentinels: tuple[tuple[str, int], ...] = ()
-    master_name = "mymaster"
-    sentinel_kwargs: dict[str, Any] | None = None
     from_transport_options = (  # type: ignore[assignment]
-        *Channel.from_transport_options,
+        *kombu_redis.SentinelChannel.from_transport_options,
+        "wait_replicas",
+        "wait_timeout_ms",
         "sentinels",
-        "master_name",
-        "sentinel_kwargs",
     )
-
-    def _get_pool(self, asynchronous: bool = False) -> Any:
-        params = self._connparams(asynchronous=asynchronous)
-        self.keyprefix_fanout = self.keyprefix_fanout.format(db=params["db"])
-        return self._sentinel_managed_pool(asynchronous)
 
     def _connparams(self, asynchronous: bool = False) -> Any:
         if self.sentinels:  # the async consumer's connection class is derived from these
-            self.connection_class = redis_target.FailoverConnection  # type: ignore[assignment]
+            self.connection_class = redis_target.FailoverConnection
             self.connection_class_ssl = redis_target.FailoverSSLConnection  # type: ignore[assignment]
         return super()._connparams(asynchronous)
 
     def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
+        if not self.sentinels:
+            return super()._sentinel_managed_pool(asynchronous)
         params = self._connparams(asynchronous)
         params.pop("host", None)
         params.pop("port", None)
