@@ -4,21 +4,11 @@ and a traceback, and a person at a terminal is not left guessing whether their j
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 import redis
 
 from shared import redis_target
 from shared.errors import ServiceUnreachable, StoreUnavailable
 from shared.settings import Settings
-
-
-def redis_address(url: str) -> str:
-    """host:port of a Redis URL, without credentials: safe to print."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return parts.path
-    return f"{parts.hostname}:{parts.port or 6379}"
 
 
 def check_redis(settings: Settings) -> None:
