@@ -301,7 +301,7 @@ class Channel(kombu_redis.Channel):
     #: wakes it at once; a backlog message waits at most this long.
     idle_wait_s = 0.2
     QoS = QoS
-    #: MRC_REDIS_WAIT_REPLICAS / _TIMEOUT_MS (0: a publish and an ack return without waiting).
+    #: MRC_REDIS_WAIT_REPLICAS / _TIMEOUT_MS (0: a publish returns without waiting; acks never wait).
     wait_replicas = 0
     wait_timeout_ms = 1000
     from_transport_options = (  # type: ignore[assignment]  # kombu's declared tuple, two names longer
