@@ -26,12 +26,12 @@ from typing import Any
 from producer import manifest
 from producer.client import Client
 from producer.manifest import Invalid, Line
-from shared import names, prompts
+from shared import encoding, names, prompts
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, UsageError
 from shared.jobs import Job, parse_rfc3339
 from shared.records import TERMINAL, connect
-from shared.runs import CANCELLED, FULL, Queued, RunRecords
+from shared.runs import CANCELLED, FULL, PartNotReplicated, Queued, RunRecords
 from shared.stores import RunFiles, open_run_files
 
 CHUNK_LINES = 5000
@@ -142,7 +142,7 @@ class Backlog:
         stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
         entries.sort(key=lambda e: int(e["line"]))
         invalid = sum(1 for e in entries if "invalid" in e)
-        body = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries)
+        body = "".join(encoding.to_text(e) + "\n" for e in entries)
         self.files.put_text(self._index_key(run_id, number), body)
         self.runs.count(run_id, lines=len(chunk), valid=len(entries) - invalid, invalid=invalid)
         progress.lines += len(chunk)
@@ -175,7 +175,11 @@ class Backlog:
             part = jobs[at : at + min(_PART, room)]
             throttle.take(len(part))
             limit = self.settings.backlog_max_depth
-            replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]), limit)
+            unreplicated: PartNotReplicated | None = None
+            try:
+                replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]), limit)
+            except PartNotReplicated as exc:  # queued on the master; counted below, then the run stops
+                replies, unreplicated = exc.replies, exc
             for (line, job), reply in zip(part, replies, strict=True):
                 if reply in (CANCELLED, FULL):
                     break  # this job and the rest of the part: not queued
@@ -188,6 +192,10 @@ class Backlog:
                     entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
                     continue
                 entries.append({"line": line.number, "custom_id": line.custom_id, "job_id": job.job_id})
+            if unreplicated is not None:
+                # The chunk's index is not written: a resume looks at every line of it again (what is
+                # queued stays; what a failover lost is queued anew). Nothing past it is queued unconfirmed.
+                raise unreplicated
             if CANCELLED in replies:
                 return True
         return False
@@ -326,18 +334,16 @@ class Backlog:
                         for entry, result in zip(batch, results, strict=True):
                             if "invalid" in entry:
                                 counts["invalid"] += 1
-                                errors.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                                errors.write(encoding.to_text(entry) + "\n")
                                 continue
                             row = _result_row(entry, result, self.client.results.result_uri(entry["job_id"]))
                             counts[row["status"]] += 1
                             if row["status"] == "failed":
                                 codes[(row["error"] or {}).get("code", "unknown")] += 1
-                                errors.write(
-                                    json.dumps({"line": entry["line"], **row}, ensure_ascii=False) + "\n"
-                                )
+                                errors.write(encoding.to_text({"line": entry["line"], **row}) + "\n")
                             if result and result.get("finished_at"):
                                 last_finish[:] = [max([result["finished_at"], *last_finish])]
-                            yield json.dumps(row, ensure_ascii=False) + "\n"
+                            yield encoding.to_text(row) + "\n"
 
             results_uri = self.files.write_lines(self._key(run_id, "results.jsonl"), rows())
             errors.seek(0)

@@ -18,7 +18,7 @@ from celery import Celery
 from shared import logs, names, prompts
 from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
-from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
+from shared.errors import MrcError, NotReplicated, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, limit_problem, local_image_problem
 from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
 from shared.response_format import ChoiceFormat, JsonSchemaFormat
@@ -87,10 +87,9 @@ class Client:
         else:
             self._check_local_image(Path(text))
 
-    @staticmethod
-    def response_format(sub: Submission) -> JsonSchemaFormat | ChoiceFormat | None:
+    def response_format(self, sub: Submission) -> JsonSchemaFormat | ChoiceFormat | None:
         try:
-            return response_formats.parse(sub.response_format)
+            return response_formats.parse(sub.response_format, self.settings.max_response_format_bytes)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
@@ -204,6 +203,17 @@ class Client:
             if not self.records.renew(job.job_id, token):  # the look outlasted the claim's lease
                 return None
             self._send(job)
+        except NotReplicated as exc:  # queued on the master: the claim stands, so a retry is the same job
+            self.records.confirm(job.job_id, token, checked)
+            exc.job_id = job.job_id
+            self.log.warning(
+                "MRC_NOT_REPLICATED",
+                job_id=job.job_id,
+                lane=job.lane,
+                replicas=exc.acknowledged,
+                wanted=exc.wanted,
+            )
+            raise
         except BaseException:
             self.records.release(job.job_id, token)
             raise
@@ -236,6 +246,12 @@ class Client:
     def _send(self, job: Job) -> None:
         send_job(self.celery, job.to_message(), job.lane)
 
+    def replicated(self) -> bool | None:
+        """With MRC_REDIS_WAIT_REPLICAS: whether the replicas hold every publish so far (a resubmitted
+        job's first one included); None without it."""
+        wanted = self.settings.redis_wait_replicas
+        return self.records.replicated(wanted, self.settings.redis_wait_timeout_ms) if wanted else None
+
     def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
         if fingerprint and fingerprint != job.fingerprint():
             raise UsageError(
@@ -256,13 +272,14 @@ class Client:
             self.enqueue(job)
         return [job.job_id for job in jobs]
 
-    def requeue_dead_letters(self, limit: int) -> tuple[int, int]:
+    def requeue_dead_letters(self, limit: int) -> tuple[int, int, int]:
         """Send dead-lettered jobs back with fresh attempts, oldest first; their old failed result is
         replaced when they finish. Each entry moves to a processing list first and leaves it only once
         sent, so a failed send or a killed requeue loses nothing. An entry that is not a valid job is
-        kept (and counted) for a person to look at. Returns (requeued, invalid)."""
+        kept (and counted) for a person to look at. Returns (requeued, invalid, requeued but not
+        confirmed by MRC_REDIS_WAIT_REPLICAS replicas)."""
         self.records.recover_dead_letters()
-        requeued = invalid = 0
+        requeued = invalid = unreplicated = 0
         for _ in range(min(limit, self.records.dead_letter_count())):
             raw = self.records.take_dead_letter()
             if raw is None:
@@ -276,6 +293,12 @@ class Client:
             try:
                 self.records.reset_attempts(job.job_id)
                 self._send(job)
+            except NotReplicated:  # sent: it leaves the dead letters; the caller hears it is not durable yet
+                self.records.ack_dead_letter(raw)
+                self.log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="dlq requeue")
+                unreplicated += 1
+                requeued += 1
+                continue
             except BaseException:
                 self.records.set_state(job.job_id, "failed", dead_letter="1")
                 self.records.return_dead_letter(raw)
@@ -283,7 +306,7 @@ class Client:
             self.records.ack_dead_letter(raw)
             self.log.info("MRC_DLQ_REQUEUED", job_id=job.job_id, lane=job.lane)
             requeued += 1
-        return requeued, invalid
+        return requeued, invalid, unreplicated
 
     # ---- read back ----
     def result(self, job_id: str) -> dict[str, Any] | None:
@@ -340,5 +363,5 @@ def _dead_letter_job(raw: str) -> Job | None:
     try:
         entry = json.loads(raw)
         return Job.from_message(entry.get("job") if isinstance(entry, dict) else None)
-    except (ValueError, MrcError):
+    except (ValueError, MrcError, RecursionError):
         return None

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from shared import names
+from shared import encoding, names
 from shared import response_format as response_formats
 from shared.jobs import JOB_ID_RE, limit_problem, local_image_problem
 from shared.response_format import ChoiceFormat, JsonSchemaFormat
@@ -91,11 +91,14 @@ def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | In
     if not text:
         return None
     try:
-        data = json.loads(text)
+        data = encoding.loads(text)  # nesting past its bound is a ValueError, never a RecursionError
     except (ValueError, UnicodeDecodeError) as exc:
         return Invalid(number, f"not JSON: {exc}"[:200])
     if not isinstance(data, dict):
         return Invalid(number, "not a JSON object")
+    unwritable = encoding.unwritable(data)
+    if unwritable:  # a custom id, prompt or schema string no store could write
+        return Invalid(number, unwritable)
     custom = data.get("custom_id")
     custom_id = custom if isinstance(custom, str) else None
     problem = _problem(data, settings)
@@ -110,7 +113,9 @@ def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | In
         prompt=data["prompt"],
         max_new_tokens=data.get("max_new_tokens"),
         ticket_id=data.get("ticket_id"),
-        response_format=response_formats.parse(data.get("response_format")),
+        response_format=response_formats.parse(
+            data.get("response_format"), settings.max_response_format_bytes
+        ),
     )
 
 
@@ -132,7 +137,7 @@ def _problem(data: dict[str, Any], settings: Settings) -> str | None:
     if ticket is not None and (not isinstance(ticket, str) or len(ticket) > 256):
         return "ticket_id must be a string of at most 256 characters"
     try:
-        fmt = response_formats.parse(data.get("response_format"))
+        fmt = response_formats.parse(data.get("response_format"), settings.max_response_format_bytes)
     except ValueError as exc:
         return str(exc)
     problem = limit_problem(settings, data["prompt"], new, response_format=fmt)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from shared import encoding
 from shared.errors import InvalidJob, MrcError
 from shared.response_format import ResponseFormat, canonical, size_problem
 from shared.settings import Settings
@@ -140,6 +141,10 @@ class Job(BaseModel):
         """Parse a message body; anything malformed or of an unknown schema is InvalidJob."""
         if not isinstance(data, dict):
             raise InvalidJob(f"job message must be a JSON object, got {type(data).__name__}")
+        # What no store or log could write, or no walk could follow, is refused before anything reads it.
+        problem = encoding.depth_problem(data) or encoding.unwritable(data)
+        if problem:
+            raise InvalidJob(problem)
         schema = data.get("schema", JOB_SCHEMA)
         if schema != JOB_SCHEMA:
             raise InvalidJob(f"unknown job schema {str(schema)[:40]!r}; this worker reads {JOB_SCHEMA}")

@@ -48,7 +48,7 @@ def _in_flight(client: redis.Redis) -> dict[str, int]:
     for _tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
         try:
             routing_key = json.loads(raw)[2]
-        except (ValueError, TypeError, IndexError):
+        except (ValueError, TypeError, IndexError, RecursionError):
             continue
         lane = str(routing_key).removeprefix("mrc.")
         counts[lane] = counts.get(lane, 0) + 1
@@ -61,7 +61,7 @@ def _submitted_at(raw: bytes | str) -> datetime | None:
         message = json.loads(raw)
         body = json.loads(base64.b64decode(message["body"]))
         return parse_rfc3339(str(body[1]["job"]["submitted_at"]))
-    except (ValueError, TypeError, KeyError, IndexError):
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
         return None
 
 

@@ -3,8 +3,9 @@
 Escaping keeps every line splittable on unescaped `|` and a value on one line:
 `\\` -> `\\\\`, `|` -> `\\|`, newline -> `\\n`, carriage return -> `\\r`, and every other character
 that some reader treats as a line break or a terminal control (C0 and C1 controls, DEL, U+2028,
-U+2029) -> `\\uXXXX`: Python's `str.splitlines()` alone breaks on \\v, \\f, \\x1c-\\x1e, U+0085,
-U+2028 and U+2029, and ESC lets a value repaint an operator's terminal.
+U+2029), or that no stream can encode (a lone surrogate) -> `\\uXXXX`: Python's `str.splitlines()`
+alone breaks on \\v, \\f, \\x1c-\\x1e, U+0085, U+2028 and U+2029, and ESC lets a value repaint an
+operator's terminal.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ _ESCAPES = {"\\": "\\\\", "|": "\\|", "\n": "\\n", "\r": "\\r"}
 _UNESCAPES = {"\\": "\\", "|": "|", "n": "\n", "r": "\r"}
 # Everything else that must never reach a line raw: the other C0 controls (tab too), DEL, C1 controls (U+0085
 # is NEL), and the Unicode line and paragraph separators.
-_CONTROL_RE = re.compile("[\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
-_NEEDS_ESCAPE_RE = re.compile("[\\\\|\n\r\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
+# Lone surrogates (U+D800-U+DFFF, from JSON like "\ud83d") too: no stream could encode them.
+_CONTROL_RE = re.compile("[\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_NEEDS_ESCAPE_RE = re.compile("[\\\\|\n\r\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _FIRST_KEYS = ("ts", "level")
 
 

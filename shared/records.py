@@ -11,9 +11,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import names, redis_target
+from shared import encoding, names, redis_target
 from shared.jobs import State, now_rfc3339
-from shared.settings import Settings
+from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
 
 RECORD_TTL_S = 7 * 24 * 3600
 # A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept".
@@ -77,7 +77,7 @@ def connect(settings: Settings, connect_timeout: float = 5.0, retries: int = 10)
     return redis_target.client(
         settings,
         decode_responses=True,
-        socket_timeout=10,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,  # above any WAIT the settings allow
         socket_connect_timeout=connect_timeout,
         health_check_interval=30,
         retry=Retry(ExponentialBackoff(cap=5.0, base=0.1), retries=retries),
@@ -95,6 +95,7 @@ class JobRecords(Protocol):
     def renew(self, job_id: str, token: str) -> bool: ...
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool: ...
     def release(self, job_id: str, token: str) -> None: ...
+    def replicated(self, replicas: int, timeout_ms: int) -> bool: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
@@ -149,6 +150,15 @@ class RedisJobRecords:
         args: list[str | int] = [token, RECORD_TTL_S, "1" if checked else "0"]
         return bool(self._confirm(keys=[names.job_key(job_id)], args=args))
 
+    def replicated(self, replicas: int, timeout_ms: int) -> bool:
+        """Whether this many replicas now hold everything the master held a moment ago (a resubmitted
+        job's earlier publish included): a write of our own, then a WAIT for it. The replication stream
+        is in order, so a replica that has our write has every write before it."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(names.replication_probe_key(), now_rfc3339(), px=60_000)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            return int(pipe.execute()[-1]) >= replicas
+
     def release(self, job_id: str, token: str) -> None:
         """Undo this holder's claim whose message never reached the queue."""
         self._release(keys=[names.job_key(job_id)], args=[token])
@@ -166,7 +176,7 @@ class RedisJobRecords:
         return dict(record)
 
     def dead_letter(self, entry: dict[str, object]) -> None:
-        self._redis.lpush(names.dead_letter_key(), json.dumps(entry, ensure_ascii=False))
+        self._redis.lpush(names.dead_letter_key(), encoding.to_text(entry))
 
     def dead_letters(self, limit: int = 100) -> list[dict[str, object]]:
         return [json.loads(raw) for raw in self._redis.lrange(names.dead_letter_key(), 0, limit - 1)]

@@ -11,10 +11,11 @@ and a connection to a demoted master fails with READONLY and reconnects): each p
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from prometheus_client.core import CounterMetricFamily
@@ -22,7 +23,7 @@ from prometheus_client.registry import Collector
 from redis.connection import SSLConnection
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from shared import logs
+from shared import encoding, logs
 from shared.settings import Settings
 
 _lock = threading.Lock()
@@ -158,7 +159,7 @@ def pool_for(
 def url_params(url: str) -> dict[str, Any]:
     """What MRC_REDIS_URL still says when the master comes from Sentinel: db, user, password, TLS."""
     parts = urlsplit(url)
-    params: dict[str, Any] = {"db": int(parts.path.strip("/") or 0) if parts.scheme != "unix" else 0}
+    params: dict[str, Any] = {"db": int(parts.path.strip("/") or 0)}
     if parts.username:
         params["username"] = unquote(parts.username)
     if parts.password:
@@ -173,6 +174,26 @@ def sentinel_pool(settings: Settings, **connection: Any) -> SentinelConnectionPo
     return pool_for(
         sentinel_addresses(settings), settings.redis_sentinel_master, sentinel_kwargs(settings), **params
     )
+
+
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
+def broker_tls(settings: Settings) -> dict[str, Any] | None:
+    """The broker's TLS options for a rediss:// MRC_REDIS_URL, as redis-py reads the same URL for
+    every other client: certificates verified unless `?ssl_cert_reqs=none`, the CA and client files
+    from `?ssl_ca_certs=` / `ssl_certfile` / `ssl_keyfile`. None for redis://. Celery's broker ignores
+    the scheme once its transport is named (shared/celery_app.py), so without this it connected in
+    clear text: to a TLS-only Redis not at all, to one that takes both with AUTH and jobs unencrypted."""
+    parts = urlsplit(settings.redis_url)
+    if parts.scheme != "rediss":
+        return None
+    query = dict(parse_qsl(parts.query))
+    options: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS.get(query.get("ssl_cert_reqs", "required").lower(),
+                                                               ssl.CERT_REQUIRED)}  # fmt: skip
+    options.update({key: query[key] for key in _TLS_FILES if key in query})
+    return options
 
 
 def transport_options(settings: Settings) -> dict[str, Any]:
@@ -195,6 +216,9 @@ def client(settings: Settings, *, max_connections: int | None = None, **options:
     `options` are redis-py's connection options (timeouts, retry, decode_responses)."""
     if max_connections is not None:
         options["max_connections"] = max_connections
+    # A value no job should carry (a lone surrogate from another producer) is written as U+FFFD rather
+    # than failing the write that records the job's outcome (shared/encoding.py).
+    options.setdefault("encoding_errors", encoding.REPLACE)
     if not uses_sentinel(settings):
         return redis.Redis.from_url(settings.redis_url, **options)
     # Each connection carries the retry (as from_url gives it): a connect that finds the old master
@@ -207,7 +231,7 @@ def where(settings: Settings) -> str:
     if uses_sentinel(settings):
         return f"Sentinel master {settings.redis_sentinel_master!r} via {settings.redis_sentinels}"
     parts = urlsplit(settings.redis_url)
-    return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
+    return f"{parts.hostname}:{parts.port or 6379}"
 
 
 def status(settings: Settings) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
 from shared import names, redis_target
-from shared.errors import ServiceUnreachable
+from shared.errors import NotReplicated
 
 # Called at every poll of a consumer's channel (the worker's liveness: an idle consumer polls every
 # `Channel.idle_wait_s`); None outside a worker.
@@ -53,6 +53,18 @@ IDLE_KEY = f"{names.REDIS_PREFIX}idle"  # never written: a consumer with no queu
 
 REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
+
+# One publish, pushed once: KEYS[1] the list, KEYS[2] the publish's marker; ARGV[1] the message,
+# ARGV[2] how long the marker lives (ms). Returns 1 when pushed now, 0 when an earlier attempt did.
+_PUSH_ONCE_SCRIPT = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then
+    redis.call('LPUSH', KEYS[1], ARGV[1])
+    return 1
+end
+return 0
+"""
+# Longer than every retry of one publish can take (redis-py's and Celery's: seconds each).
+PUSH_TTL_MS = 600_000
 
 # KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now,
 # ARGV[2..] "1" where the list's consumer acks (its message gets an unacked record), else "0".
@@ -107,7 +119,7 @@ def give_back(client: Any, task_ids: Collection[str]) -> int:
         try:
             payload, _exchange, routing_key = json.loads(bytes_to_str(raw))
             task_id = payload["headers"]["id"]
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             continue
         if task_id not in wanted:
             continue
@@ -126,7 +138,7 @@ def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
     typed values (datetime, UUID, Decimal) in headers come back typed, as kombu delivers them."""
     try:
         message = kombu_json.loads(bytes_to_str(raw))
-    except (ValueError, TypeError, UnicodeDecodeError):
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
         return None
@@ -137,7 +149,7 @@ def parse_unacked(raw: bytes | str) -> list[Any] | None:
     """An unacked record ([payload, exchange, routing_key]) as kombu's restore reads it, or None."""
     try:
         record = kombu_json.loads(bytes_to_str(raw))
-    except (ValueError, TypeError, UnicodeDecodeError):
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(record, list) or len(record) != 3 or not isinstance(record[0], dict):
         return None
@@ -334,33 +346,38 @@ class Channel(kombu_redis.Channel):
             self._captured, self._tables = None, None
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
-        if self._captured is None and self.wait_replicas > 0 and "_publish_batch" not in kwargs:
-            self._put_replicated(queue, message)
+        if self._captured is not None:
+            pri = self._get_message_priority(message, reverse=False)
+            self._captured.append((self._q_for_pri(queue, pri), kombu_json.dumps(message)))
             return
-        if self._captured is None:
+        push_id = (message.get("headers") or {}).get(names.PUSH_HEADER)
+        if "_publish_batch" in kwargs or (push_id is None and self.wait_replicas == 0):
             super()._put(queue, message, **kwargs)
             return
-        pri = self._get_message_priority(message, reverse=False)
-        self._captured.append((self._q_for_pri(queue, pri), kombu_json.dumps(message)))
+        self._put_once(queue, message, push_id)
 
-    def _put_replicated(self, queue: str, message: Any) -> None:
-        """The durability knob (MRC_REDIS_WAIT_REPLICAS): the push and a WAIT on one connection, so
-        the publish returns only once that many replicas hold it. Not replicated in time: raised as
-        ServiceUnreachable (never retried here: a retried push could queue the job twice), so the
-        caller is not told it was accepted and submits again under the same job id."""
+    def _put_once(self, queue: str, message: Any, push_id: str | None) -> None:
+        """mrc's own publishes: pushed once per push id (whoever retries the call: redis-py after a
+        timeout, Celery after a lost connection, the push lands once), then, with the durability knob
+        (MRC_REDIS_WAIT_REPLICAS), a WAIT on the same connection. Fewer replicas in time raises
+        NotReplicated: the message is queued on the master, not yet on its replicas; the caller says
+        so (it is not "nothing enqueued") and a resubmission under the same job id is the same job."""
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
-            pipe.lpush(key, kombu_json.dumps(message))
+            if push_id is None:
+                pipe.lpush(key, kombu_json.dumps(message))
+            else:
+                once = client.register_script(_PUSH_ONCE_SCRIPT)
+                once(keys=[key, names.push_key(str(push_id))], args=[kombu_json.dumps(message), PUSH_TTL_MS],
+                     client=pipe)  # fmt: skip
             if self._expires and queue in self._expires:
                 for pri in self.priority_steps:
                     pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-            acknowledged = int(pipe.execute()[-1])
-        if acknowledged < self.wait_replicas:
-            raise ServiceUnreachable(
-                "Redis replicas",
-                f"{acknowledged} of {self.wait_replicas} acked the publish in {self.wait_timeout_ms} ms",
-            )
+            if self.wait_replicas > 0:
+                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            replies = pipe.execute()
+        if self.wait_replicas > 0 and int(replies[-1]) < self.wait_replicas:
+            raise NotReplicated(int(replies[-1]), self.wait_replicas, self.wait_timeout_ms)
 
     def get_table(self, exchange: str) -> Any:
         if self._tables is None:

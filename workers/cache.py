@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import redis
 
+from shared import encoding
 from shared.names import cache_counter_keys, cache_entry_key
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
 from shared.settings import Settings
@@ -112,4 +113,4 @@ class RedisResultCache:
         return [None if raw is None else dict(json.loads(raw)) for raw in raws]
 
     def put(self, key: str, value: dict[str, Any], ttl_s: int) -> None:
-        self._redis.set(cache_entry_key(key), json.dumps(value, ensure_ascii=False), ex=ttl_s)
+        self._redis.set(cache_entry_key(key), encoding.to_text(value), ex=ttl_s)

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from shared import names
+from shared import encoding, names
 from shared.errors import ImageTooLarge
 
 
@@ -43,7 +43,7 @@ class MemoryStore:
         return None
 
     def put_result(self, job_id: str, result: dict[str, Any]) -> str:
-        self.put_bytes(names.result_key(self.prefix, job_id), json.dumps(result, ensure_ascii=False).encode())
+        self.put_bytes(names.result_key(self.prefix, job_id), encoding.to_bytes(result))
         return self.result_uri(job_id)
 
     def get_result(self, job_id: str) -> dict[str, Any] | None:

@@ -11,7 +11,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
-from shared import names
+from shared import encoding, names
 from shared.errors import ImageTooLarge, StoreUnavailable
 from shared.settings import Settings
 
@@ -164,7 +164,7 @@ class S3ResultStore:
 
     def put_result(self, job_id: str, result: dict[str, Any]) -> str:
         key = names.result_key(self.prefix, job_id)
-        body = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode()
+        body = encoding.to_bytes(result, separators=(",", ":"))  # never fails on what a job carried
         self.connection.put(self.bucket, key, body, "application/json")
         return names.s3_uri(self.bucket, key)
 

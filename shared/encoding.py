@@ -1,0 +1,127 @@
+"""Text every store, queue and log line can hold, and JSON no input can break.
+
+Python strings may hold lone surrogates (U+D800-U+DFFF): `json.loads` makes one of `"\\ud83d"` (what
+a JavaScript client sends after cutting an emoji in half) and the command line makes them of bytes
+that are not UTF-8. UTF-8 cannot encode them, so a result, a Redis record or a cache entry holding
+one fails to write. The producer refuses such text at submission (`unwritable`, every field of a
+job and of a manifest line); whatever still arrives (a message from another producer) can never stop
+a writer: `to_bytes` writes U+FFFD in its place.
+
+JSON nested deeper than Python's recursion limit makes `json.loads` (and every recursive walk after
+it) raise RecursionError: `loads` turns that into the ValueError a malformed document raises.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+from typing import Any
+
+# Deepest nesting of a JSON value any mrc input may have (a response_format schema, a manifest line,
+# an API body): far beyond any real schema, far below where a recursive walk runs out of stack.
+MAX_DEPTH = 64
+
+
+def _replace(error: UnicodeError) -> tuple[str | bytes, int]:
+    """U+FFFD for what cannot be encoded (a lone surrogate) or decoded (bytes that are not UTF-8).
+    An encoder takes a non-ASCII replacement only as bytes (CPython's UTF-8 codec refuses the str)."""
+    if isinstance(error, UnicodeEncodeError):
+        return "\ufffd".encode() * (error.end - error.start), error.end
+    if isinstance(error, UnicodeDecodeError):
+        return "\ufffd", error.end
+    raise error
+
+
+REPLACE = "mrc.replace"  # the error handler's name, for str.encode and redis-py's `encoding_errors`
+codecs.register_error(REPLACE, _replace)
+
+
+def encode(text: str) -> bytes:
+    """UTF-8, a lone surrogate written as U+FFFD: never raises."""
+    return text.encode("utf-8", REPLACE)
+
+
+def clean(text: str) -> str:
+    """The same text with every lone surrogate replaced by U+FFFD (valid pairs are never split)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return encode(text).decode("utf-8")
+    return text
+
+
+def to_bytes(value: Any, **dumps: Any) -> bytes:
+    """JSON as UTF-8 bytes for a store: never fails on what a job carried."""
+    return encode(json.dumps(value, ensure_ascii=False, **dumps))
+
+
+def to_text(value: Any, **dumps: Any) -> str:
+    """JSON text that encodes as UTF-8 (for Redis values and JSONL lines)."""
+    return clean(json.dumps(value, ensure_ascii=False, **dumps))
+
+
+class TooDeep(ValueError):
+    """JSON nested past MAX_DEPTH (or past what the parser can hold)."""
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads, with nesting past MAX_DEPTH (or past what the parser can hold) a ValueError."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise TooDeep("JSON nested too deeply") from None
+    problem = depth_problem(value)
+    if problem:
+        raise TooDeep(problem)
+    return value
+
+
+def depth_problem(value: Any, limit: int = MAX_DEPTH) -> str | None:
+    """Why this JSON value is nested too deeply, or None. Iterative: a hostile value cannot exhaust
+    the stack here."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return f"JSON nested more than {limit} levels deep"
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def unwritable(value: Any, where: str = "") -> str | None:
+    """The place of the first string (or object key) that is not valid Unicode, or number that JSON
+    cannot hold (`1e999` parses as infinity), with why; None when every store can write the value.
+    Iterative, like `depth_problem`."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return f"{path or 'value'}: not valid Unicode (a lone surrogate, e.g. half of an emoji)"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return f"{path or 'value'}: a number JSON cannot hold ({item})"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not _encodes(key):
+                    return f"{clean(name)}: a key that is not valid Unicode (a lone surrogate)"
+                stack.append((child, clean(name)))
+        elif isinstance(item, list | tuple):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
