@@ -33,7 +33,7 @@ from producer.api_waits import Waits
 from producer.client import Client, Submission
 from shared import frames, logs, names, reach, redis_target
 from shared.dimensions import image_size
-from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.jobs import limit_problem
 from shared.records import valid_event_id
 from shared.settings import Settings
@@ -246,9 +246,16 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
     elif not str(image).startswith("s3://"):
         raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
     job = client.build_job(dataclasses.replace(submission, image=image))
-    created = client.enqueue(job, block=False)
-    body = {"job_id": job.job_id, "status_url": f"/v1/jobs/{job.job_id}"}
-    return JSONResponse(body, status_code=202 if created else 200)
+    body: dict[str, Any] = {"job_id": job.job_id, "status_url": f"/v1/jobs/{job.job_id}"}
+    try:
+        created = client.enqueue(job, block=False)
+        replicated = True if created else client.replicated()
+    except NotReplicated:  # queued on the master: accepted, not yet durable (docs/contract.md)
+        created, replicated = True, False
+    if replicated is not None:  # MRC_REDIS_WAIT_REPLICAS is on: every answer says
+        body["replicated"] = replicated
+    headers = None if replicated is not False else {"Mrc-Replicated": "false"}
+    return JSONResponse(body, status_code=202 if created else 200, headers=headers)
 
 
 def app_from_env() -> FastAPI:

@@ -19,10 +19,12 @@ from pydantic import ValidationError
 
 from producer import backlog_cli
 from shared import logs, names, reach, redis_target
-from shared.errors import MrcError, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.settings import Settings, describe_error, unknown_variables
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
+# Enqueued on the Redis master, but fewer replicas than MRC_REDIS_WAIT_REPLICAS confirmed it in time.
+EXIT_NOT_REPLICATED = 6
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -152,11 +154,19 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
     client = Client(settings)
     job = client.build_job(_submission(args))
-    client.enqueue(job, block=not args.no_block)
+    try:
+        # A resubmission is the same job: with MRC_REDIS_WAIT_REPLICAS, say whether it is durable now.
+        replicated = client.enqueue(job, block=not args.no_block) or client.replicated() is not False
+        if not replicated:
+            print(f"mrc: job {job.job_id} was queued before; the Redis replicas have not confirmed it yet",
+                  file=sys.stderr)  # fmt: skip
+    except NotReplicated as exc:  # queued: the id is the caller's to resubmit under; the wait goes on
+        print(f"mrc: {exc.message}", file=sys.stderr)
+        replicated = False
     job_id = job.job_id
     if not args.wait:
         print(job_id)
-        return EXIT_OK
+        return EXIT_OK if replicated else EXIT_NOT_REPLICATED
     try:
         result = client.wait(job_id, args.timeout)
     except TimeoutError as exc:
@@ -254,8 +264,11 @@ def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
         for entry in client.records.dead_letters(args.limit):
             _print_json(entry)
     elif args.dlq_command == "requeue":
-        requeued, invalid = client.requeue_dead_letters(args.limit)
-        print(json.dumps({"requeued": requeued, "invalid": invalid}))
+        requeued, invalid, unreplicated = client.requeue_dead_letters(args.limit)
+        print(json.dumps({"requeued": requeued, "invalid": invalid, "not_replicated": unreplicated}))
+        if unreplicated:
+            print(f"mrc: {unreplicated} requeued job(s) not confirmed by the Redis replicas", file=sys.stderr)
+            return EXIT_NOT_REPLICATED
     else:
         print(json.dumps({"purged": client.records.purge_dead_letters()}))
     return EXIT_OK
@@ -286,6 +299,14 @@ _NEEDS = {
     "dlq": (True, False),
 }
 
+
+# What a refusal exits with (the contract's exit codes).
+_EXITS: tuple[tuple[type[MrcError], int], ...] = (
+    (UsageError, EXIT_USAGE),
+    (QueueFull, EXIT_QUEUE_FULL),
+    (NotReplicated, EXIT_NOT_REPLICATED),
+    (ServiceUnreachable, EXIT_UNREACHABLE),
+)
 
 # Replies of a Redis that is there but cannot serve now (loading, a replica after a failover): transient.
 _TRANSIENT_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS")
@@ -318,15 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _CHECKS.get(args.command, lambda a, s: None)(args, settings)
         reach.check(settings, need_redis=need_redis, need_s3=need_s3)
         return _COMMANDS[args.command](args, settings)
-    except UsageError as exc:
+    except (UsageError, QueueFull, NotReplicated, ServiceUnreachable) as exc:
         print(f"mrc: {exc.message}", file=sys.stderr)
-        return EXIT_USAGE
-    except QueueFull as exc:
-        print(f"mrc: {exc.message}", file=sys.stderr)
-        return EXIT_QUEUE_FULL
-    except ServiceUnreachable as exc:
-        print(f"mrc: {exc.message}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return next(code for kind, code in _EXITS if isinstance(exc, kind))
     except StoreUnavailable as exc:  # S3 went away after the check
         print(f"mrc: cannot reach S3: {exc.message.splitlines()[0][:300]}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from celery import Celery
@@ -55,6 +56,8 @@ def make_celery(settings: Settings) -> Celery:
             "health_check_interval": 30,
             **redis_target.transport_options(settings),
         },
+        # TLS for a rediss:// MRC_REDIS_URL (verified certificates unless the URL says otherwise).
+        broker_use_ssl=redis_target.broker_tls(settings) or False,
         broker_connection_timeout=settings.connect_timeout_s,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
@@ -94,4 +97,7 @@ def send_job(
         # bulk enqueue's time; the job id says which job it is.
         argsrepr="()",
         kwargsrepr=f"{{'job': {job_id!r}}}",
+        # One id for this publish, the same through Celery's and redis-py's retries of it: the transport
+        # pushes a message once per id (shared/transport.py), so a retried push never queues it twice.
+        headers={names.PUSH_HEADER: uuid.uuid4().hex},
     )

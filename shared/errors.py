@@ -132,6 +132,24 @@ class ServiceUnreachable(MrcError):
         self.service = service
 
 
+class NotReplicated(MrcError):
+    """The push landed on the Redis master, but fewer replicas than MRC_REDIS_WAIT_REPLICAS confirmed
+    it in time: enqueued, not yet durable (exit 6, HTTP 202 with `"replicated": false`). A failover
+    now could lose it; submitting again under the same job id is the same job (producer side only)."""
+
+    code = "not_replicated"
+    retryable = True
+
+    def __init__(self, acknowledged: int, wanted: int, timeout_ms: int, what: str = "the publish") -> None:
+        self.job_id: str | None = None  # set by the producer that published it
+        super().__init__(
+            f"enqueued, but only {acknowledged} of {wanted} Redis replicas confirmed {what} within "
+            f"{timeout_ms} ms: a failover now could lose it; submit again under the same job id to make sure "
+            "(the same job, never a second one)"
+        )
+        self.acknowledged, self.wanted = acknowledged, wanted
+
+
 class UsageError(MrcError):
     """A caller passed bad arguments; nothing was enqueued."""
 
@@ -145,7 +163,7 @@ class WorkerUnusable(BaseException):
 
 
 # Never in a result: the job was not enqueued.
-PRODUCER_CODES: tuple[str, ...] = ("queue_full", "service_unreachable")
+PRODUCER_CODES: tuple[str, ...] = ("queue_full", "service_unreachable", "not_replicated")
 
 
 def _codes(root: type[MrcError]) -> list[str]:

@@ -19,6 +19,9 @@ class MemoryJobRecords:
         self.events: list[dict[str, str]] = []
         self._lock = threading.Lock()
 
+    def replicated(self, replicas: int, timeout_ms: int) -> bool:
+        return True  # one process, no replicas to wait for
+
     def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
         with self._lock:
             if job_id in self.records:

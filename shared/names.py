@@ -68,6 +68,20 @@ def events_key() -> str:
     return f"{REDIS_PREFIX}events"
 
 
+def push_key(push_id: str) -> str:
+    """Marks one publish as done for a few minutes: a publish retried after its first attempt landed
+    (a reply lost to a timeout or a dropped connection) finds it and pushes nothing twice."""
+    return f"{REDIS_PREFIX}pushed:{push_id}"
+
+
+def replication_probe_key() -> str:
+    """A key written just to WAIT for (shared/records.py, `replicated`)."""
+    return f"{REDIS_PREFIX}replication-probe"
+
+
+PUSH_HEADER: Final = "mrc_push"  # the message header naming one publish (shared/celery_app.py)
+
+
 def dead_letter_key() -> str:
     return f"{REDIS_PREFIX}dlq"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from shared import names
-from shared.errors import ServiceUnreachable
+from shared.errors import NotReplicated
 from shared.jobs import now_rfc3339
 from shared.records import RECORD_TTL_S
 
@@ -74,6 +74,20 @@ class Queued:
 run_key = names.run_record_key
 
 
+class PartNotReplicated(NotReplicated):
+    """A part of a run was recorded and queued, and fewer replicas than asked confirmed it: `replies`
+    says what each of its jobs became, as enqueue_many would have returned."""
+
+    def __init__(self, replies: list[int | str], acknowledged: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(acknowledged, wanted, timeout_ms, "this part of the run")
+        self.message = (
+            f"the run stopped: its last part was queued, but only {acknowledged} of {wanted} Redis replicas "
+            f"confirmed it within {timeout_ms} ms; once they are back, resume the run (mrc backlog --resume "
+            "RUN_ID): what is queued stays queued, and what a failover lost is queued again"
+        )
+        self.replies = replies
+
+
 class RunRecords:
     def __init__(self, client: redis.Redis, wait_replicas: int = 0, wait_timeout_ms: int = 1000) -> None:
         self._redis = client
@@ -132,11 +146,11 @@ class RunRecords:
             if self.wait_replicas > 0:  # on the same connection as the writes: WAIT covers them
                 pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
             replies = pipe.execute()
-        if self.wait_replicas > 0 and int(replies.pop()) < self.wait_replicas:
-            raise ServiceUnreachable(
-                "Redis replicas", f"under {self.wait_replicas} acked the chunk in {self.wait_timeout_ms} ms"
-            )
-        return [reply if isinstance(reply, str) else int(reply) for reply in replies]
+        replicas = int(replies.pop()) if self.wait_replicas > 0 else None
+        queued = [reply if isinstance(reply, str) else int(reply) for reply in replies]
+        if replicas is not None and replicas < self.wait_replicas:
+            raise PartNotReplicated(queued, replicas, self.wait_replicas, self.wait_timeout_ms)
+        return queued
 
     def cancel_many(self, job_ids: Sequence[str]) -> int:
         with self._redis.pipeline(transaction=False) as pipe:

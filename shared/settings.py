@@ -14,7 +14,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Quantization = Literal["nf4", "bf16", "fp16", "fp32"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_REDIS_SCHEMES = ("redis", "rediss")
+# The shortest socket timeout of mrc's Redis clients (shared/records.py; the broker's is 30 s), and the
+# longest WAIT allowed below it: a command past its socket timeout is retried, a WAIT must never be.
+REDIS_SOCKET_TIMEOUT_S = 10
+WAIT_TIMEOUT_CEILING_MS = 5000
 
 
 def _default_home() -> str:
@@ -35,10 +39,11 @@ class Settings(BaseSettings):
     redis_sentinel_password: str = ""  # the Sentinels' own `requirepass` (Redis's is in MRC_REDIS_URL)
     redis_sentinel_username: str = ""
     redis_sentinel_tls: bool = False  # TLS to the Sentinels (to Redis itself: a rediss:// MRC_REDIS_URL)
-    # Durability: after a publish (and a worker's ack), wait for this many replicas to acknowledge it
-    # (Redis WAIT) for at most redis_wait_timeout_ms; a publish not replicated in time is not
-    # acknowledged to the caller (exit 5 / 503, the caller retries with the same job id). 0: off.
+    # Durability: after a publish, wait for this many replicas to acknowledge it (Redis WAIT) for at
+    # most redis_wait_timeout_ms; a publish not replicated in time is answered as enqueued but not
+    # replicated (exit 6 / 202 with "replicated": false; the same job id again is the same job). 0: off.
     redis_wait_replicas: int = Field(default=0, ge=0)
+    # At most WAIT_TIMEOUT_CEILING_MS: a WAIT that outlasted a client's socket timeout would be retried.
     redis_wait_timeout_ms: int = Field(default=1000, ge=1)
     s3_endpoint_url: str = ""
     s3_bucket: str = "mrc"
@@ -182,14 +187,18 @@ class Settings(BaseSettings):
     def _redis_url_usable(cls, value: str) -> str:
         url = urlsplit(value)
         if url.scheme not in _REDIS_SCHEMES:
-            raise ValueError("MRC_REDIS_URL must start with redis://, rediss:// or unix://")
+            # unix:// sockets: the broker (kombu) takes them only as its own redis+socket:// form, and
+            # Sentinel never; refused here rather than at the first publish.
+            raise ValueError(
+                "MRC_REDIS_URL must start with redis:// or rediss:// (unix sockets are not supported)"
+            )
         try:
             port = url.port  # raises for a port that is not a number in 0-65535
         except ValueError:
             raise ValueError("MRC_REDIS_URL has a port that is not a number from 1 to 65535") from None
-        if url.scheme != "unix" and (not url.hostname or port == 0):
+        if not url.hostname or port == 0:
             raise ValueError("MRC_REDIS_URL needs a host, e.g. redis://127.0.0.1:6379/0")
-        database = url.path.strip("/") if url.scheme != "unix" else ""
+        database = url.path.strip("/")
         if database and not database.isdigit():
             raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
         return value
@@ -224,6 +233,11 @@ class Settings(BaseSettings):
             raise ValueError("need 1 <= MRC_MAX_NEW_TOKENS_DEFAULT <= MRC_MAX_NEW_TOKENS_LIMIT")
         if self.retry_base_s > self.retry_max_s:
             raise ValueError("need MRC_RETRY_BASE_S <= MRC_RETRY_MAX_S")
+        if self.redis_wait_timeout_ms > WAIT_TIMEOUT_CEILING_MS:
+            raise ValueError(
+                f"need MRC_REDIS_WAIT_TIMEOUT_MS <= {WAIT_TIMEOUT_CEILING_MS}: a longer WAIT outlasts the "
+                f"Redis clients' socket timeout ({REDIS_SOCKET_TIMEOUT_S} s), whose retry would wait again"
+            )
         if self.retry_max_s * 1.5 >= self.visibility_timeout_s:
             # A retry waits out its countdown unacked in a worker: past the visibility timeout it
             # would be handed out a second time. 1.5: the jitter's upper end.

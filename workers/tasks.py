@@ -18,6 +18,7 @@ from celery_batches import SimpleRequest
 
 from shared import logs, names
 from shared.celery_app import send_job
+from shared.errors import NotReplicated
 from shared.settings import Settings
 from workers.pipeline import Pipeline
 from workers.slots import Message
@@ -135,11 +136,18 @@ def _give_back(give_back: Callable[[list[str]], int] | None, request_ids: list[s
 
 
 def make_requeue(app: Celery) -> Callable[[str, object, float], None]:
-    """Put a job back on its lane after `delay` seconds (a Celery countdown), same task id."""
+    """Put a job back on its lane after `delay` seconds (a Celery countdown), same task id. A retry
+    that reached the master but not enough replicas (MRC_REDIS_WAIT_REPLICAS) is queued: logged, never
+    raised (raising here would end the worker with the retry queued and its delivery given back too)."""
+    log = logs.get_logger()
 
     def requeue(request_id: str, body: object, delay: float) -> None:
         job = dict(body) if isinstance(body, dict) else {}
         job.setdefault("job_id", request_id)
-        send_job(app, job, str(job.get("lane", "interactive")), countdown=delay)
+        try:
+            send_job(app, job, str(job.get("lane", "interactive")), countdown=delay)
+        except NotReplicated as exc:
+            log.warning("MRC_NOT_REPLICATED", job_id=job["job_id"], what="retry", replicas=exc.acknowledged,
+                        wanted=exc.wanted)  # fmt: skip
 
     return requeue

@@ -108,7 +108,7 @@ def test_dlq_requeue_keeps_invalid_entries_and_sends_the_rest(
     entries = ["{not json", json.dumps({"job": {"job_id": "x"}}), json.dumps({"job": job.to_message()})]
     for raw in entries:
         _dead_letter(client, raw)
-    assert client.requeue_dead_letters(100) == (1, 2)
+    assert client.requeue_dead_letters(100) == (1, 2, 0)
     assert sorted(client.records._redis.lrange(names.dead_letter_key(), 0, -1)) == sorted(entries[:2])
     assert client.records._redis.llen(names.dead_letter_processing_key()) == 0
     assert _ran(client, job.job_id)
@@ -129,7 +129,7 @@ def test_dlq_requeue_that_cannot_send_loses_nothing(
     # A requeue killed between taking an entry and sending it leaves it in the processing list:
     assert client.records.take_dead_letter() == raw
     client.celery.send_task = interrupted.real  # type: ignore[method-assign]  # the fault injected
-    assert client.requeue_dead_letters(10) == (1, 0)
+    assert client.requeue_dead_letters(10) == (1, 0, 0)
     assert _ran(client, job.job_id)
 
 

@@ -1,0 +1,145 @@
+"""MRC_REDIS_WAIT_REPLICAS against a real Redis with no replica: every publish lands on the master
+and none is confirmed. The answer says exactly that — enqueued, not replicated (exit 6, 202 with
+`"replicated": false`) — never "nothing enqueued"; the claim stands, so the same job id again is the
+same job and the queue holds one message; a backlog run stops at its first unconfirmed part and a
+resume queues nothing twice; the worker's own retry publish is logged, never raised."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from fastapi.testclient import TestClient
+
+from producer.api import create_app
+from scripts import devservices as services
+from scripts.devservices import run_cli
+from shared import names
+from shared.celery_app import make_celery
+from tests.support import imagegen
+from workers.tasks import make_requeue
+
+pytestmark = pytest.mark.integration
+KEY = "k-replication"
+
+
+@pytest.fixture
+def unreplicated(
+    tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
+    """A Redis of this test's own with no replica, the durability knob on, the session's S3."""
+    redis = services.start_redis(tmp_path / "redis")
+    own = {
+        **env,
+        "MRC_REDIS_URL": redis.url,
+        "MRC_REDIS_WAIT_REPLICAS": "1",
+        "MRC_REDIS_WAIT_TIMEOUT_MS": "100",
+    }
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    yield own
+    redis.stop()
+
+
+def _queued(env: dict[str, str], lane: str = "interactive") -> list[str]:
+    client = redis_lib.Redis.from_url(env["MRC_REDIS_URL"])
+    return [
+        json.loads(m)["headers"]["id"] for key in names.queue_keys(lane) for m in client.lrange(key, 0, -1)
+    ]
+
+
+def _record(env: dict[str, str], job_id: str) -> dict[bytes, bytes]:
+    return dict(redis_lib.Redis.from_url(env["MRC_REDIS_URL"]).hgetall(names.job_key(job_id)))
+
+
+@pytest.fixture
+def photo(tmp_path: Path) -> Path:
+    path = tmp_path / "parcel.jpg"
+    path.write_bytes(imagegen.photo(64, 48, seed=3))
+    return path
+
+
+def test_submit_says_enqueued_not_replicated_and_a_retry_is_the_same_job(
+    unreplicated: dict[str, str], photo: Path
+) -> None:
+    args = ("submit", "--image", str(photo), "--prompt", "Refund?", "--job-id", "wait-1")
+    first = run_cli(unreplicated, *args)
+    assert first.returncode == 6, first.stderr
+    assert first.stdout.strip() == "wait-1"
+    assert "0 of 1 Redis replicas" in first.stderr
+    assert _queued(unreplicated) == ["wait-1"]
+    assert _record(unreplicated, "wait-1")[b"published"] == b"1"  # the claim stands
+    again = run_cli(unreplicated, *args)
+    assert again.returncode == 6, again.stderr
+    assert "queued before" in again.stderr
+    assert _queued(unreplicated) == ["wait-1"]  # the same job: never a second message
+    other = run_cli(unreplicated, *args[:-2])  # no id given: the generated one is printed
+    assert other.returncode == 6, other.stderr
+    assert _queued(unreplicated) == [other.stdout.strip(), "wait-1"]
+    off = run_cli({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}, *args)
+    assert off.returncode == 0, off.stderr  # without the knob: a duplicate, as always
+
+
+def test_the_api_answers_202_with_replicated_false(unreplicated: dict[str, str], photo: Path) -> None:
+    api_env = {**unreplicated, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest()}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with TestClient(create_app(services.settings_from_env(api_env))) as api:
+        form = {"prompt": "Refund?", "job_id": "wait-api"}
+        files = {"image": ("p.jpg", photo.read_bytes(), "image/jpeg")}
+        reply = api.post("/v1/jobs", data=form, files=files, headers=headers)
+        assert reply.status_code == 202, reply.text
+        assert reply.json() == {"job_id": "wait-api", "status_url": "/v1/jobs/wait-api", "replicated": False}
+        assert reply.headers["Mrc-Replicated"] == "false"
+        again = api.post("/v1/jobs", data=form, files=files, headers=headers)
+        assert again.status_code == 200, again.text
+        assert again.json()["replicated"] is False
+    assert _queued(unreplicated) == ["wait-api"]
+
+
+def test_a_backlog_run_stops_unconfirmed_and_its_resume_queues_nothing_twice(
+    unreplicated: dict[str, str], photo: Path, tmp_path: Path
+) -> None:
+    manifest = tmp_path / "m.jsonl"
+    rows = [{"custom_id": f"c{i}", "image": str(photo), "prompt": f"Refund {i}?"} for i in range(3)]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = run_cli(unreplicated, "backlog", str(manifest), "--run-id", "wait-run")
+    assert done.returncode == 6, done.stderr
+    assert "resume the run" in done.stderr
+    assert sorted(_queued(unreplicated, "backlog")) == [f"wait-run.c{i}" for i in range(3)]
+    resumed = run_cli({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}, "backlog", "--resume", "wait-run")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(_queued(unreplicated, "backlog")) == [f"wait-run.c{i}" for i in range(3)]
+
+
+def test_the_workers_retry_publish_is_queued_and_logged_never_raised(
+    unreplicated: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shared import logs
+
+    logs.configure("INFO")
+    app = make_celery(services.settings_from_env(unreplicated))
+    job: dict[str, Any] = {
+        "job_id": "retry-1",
+        "image_uri": "s3://mrc/a.jpg",
+        "prompt": "p",
+        "max_new_tokens": 1,
+    }
+    make_requeue(app)("retry-1", job, 0.5)  # raised NotReplicated before, which ended the worker
+    assert _queued(unreplicated) == ["retry-1"]
+    assert "MRC_NOT_REPLICATED" in capsys.readouterr().err
+
+
+def test_one_publish_is_pushed_once_whoever_retries_it(unreplicated: dict[str, str]) -> None:
+    """The push id travels with the message: a second push of it (redis-py re-running a pipeline
+    after a lost reply, Celery re-publishing after a lost connection) lands nothing."""
+    app = make_celery(services.settings_from_env({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}))
+    for _ in range(3):
+        queue = names.queue_name("interactive")
+        app.send_task(names.TASK_NAME, kwargs={"job": {}}, task_id="once-1", queue=queue,
+                      headers={names.PUSH_HEADER: "push-fixed"})  # fmt: skip
+    assert _queued(unreplicated) == ["once-1"]
