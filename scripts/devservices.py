@@ -83,24 +83,42 @@ class Service:
         return stop(self.proc, sig)
 
 
-def start_redis(workdir: Path, appendonly: bool = False, port: int | None = None) -> Service:
+def start_redis(workdir: Path, appendonly: bool = False, port: int | None = None, tls: Any = None) -> Service:
+    """A redis-server on loopback. `tls` (tests/support/tls.Certificates): TLS only, no plain port;
+    its URL is rediss:// and names the CA to trust."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (make install puts it there through apt)")
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"redis-{port}.log"
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
+    args = [exe, "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
+    if tls is None:
+        args += ["--port", str(port)]
+    else:
+        args += ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"]
+        args += [
+            "--tls-cert-file",
+            str(tls.cert),
+            "--tls-key-file",
+            str(tls.key),
+            "--tls-ca-cert-file",
+            str(tls.ca),
+        ]
     args += ["--appendonly", "yes", "--appendfsync", "everysec"] if appendonly else ["--appendonly", "no"]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
 
     def ping() -> bool:
+        if tls is not None:
+            return b"Ready to accept connections" in log_path.read_bytes()
         with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
 
     _wait_or_stop(ping, 20, "redis-server", proc)
+    if tls is not None:
+        return Service(proc, f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tls.ca}", port, log_path)
     return Service(proc, f"redis://127.0.0.1:{port}/0", port, log_path)
 
 
