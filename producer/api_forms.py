@@ -3,18 +3,21 @@
 Every field goes through one pydantic model (JobRequest) whatever the form, so the API accepts
 exactly what the next step accepts: a multipart `max_new_tokens` is parsed by the same integer rule as
 a JSON one (no `str.isdigit`, which says yes to "²"), and a body too deeply nested to parse is a 400.
+Parsing and checking run off the event loop (`job_fields` hands them to the thread pool), and the
+response_format is only shaped here: its size limit, then its schema, are checked with the rest of
+the job (producer/api.py), so a large hostile schema never holds up other requests.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from shared.response_format import ResponseFormat
+from shared import encoding
 
 
 class JobRequest(BaseModel):
@@ -27,7 +30,7 @@ class JobRequest(BaseModel):
     lane: str = "interactive"
     max_new_tokens: int | None = None
     deadline: str | None = None
-    response_format: ResponseFormat | None = Field(
+    response_format: dict[str, Any] | None = Field(
         default=None,
         description='structured answers: {"type": "json_schema", "schema": {...}} or '
         '{"type": "choice", "choices": [...]} (multipart: the same object as a JSON string)',
@@ -42,9 +45,9 @@ class JobRequest(BaseModel):
         if not value.strip():
             return None
         try:
-            return json.loads(value)
-        except (ValueError, RecursionError):
-            raise ValueError("response_format: not JSON") from None
+            return encoding.loads(value)
+        except ValueError:
+            raise ValueError("response_format: not JSON (or nested too deeply)") from None
 
 
 def multipart_schema() -> dict[str, Any]:
@@ -78,17 +81,24 @@ async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, b
             data = await upload.read()
             fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         fields["image"] = ""
-        return checked(fields), data
+        return await run_in_threadpool(checked, fields), data
     if kind != "application/json":
         return error(415, "invalid_job", "send application/json or multipart/form-data"), None
+    return await run_in_threadpool(parsed, await request.body()), None
+
+
+def parsed(body: bytes) -> dict[str, Any] | JSONResponse:
     try:
-        body = await request.json()
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-        return error(400, "invalid_job", "the body is not JSON (or is nested too deeply)"), None
-    return checked(body), None
+        data = encoding.loads(body)  # nesting past its bound is a ValueError
+    except (ValueError, UnicodeDecodeError):
+        return error(400, "invalid_job", "the body is not JSON (or is nested too deeply)")
+    return checked(data)
 
 
 def checked(data: object) -> dict[str, Any] | JSONResponse:
+    problem = encoding.unwritable(data, "body")
+    if problem:
+        return error(422, "invalid_job", problem[:300])
     try:
         return JobRequest.model_validate(data).model_dump(by_alias=True)
     except ValidationError as exc:

@@ -16,27 +16,10 @@ from typing import Annotated, Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-# Keywords the grammar enforces: every answer it allows validates against them (tests/unit/
-# test_structured.py checks this against jsonschema, schema by generated schema).
-ENFORCED = frozenset(
-    {
-        "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
-        "properties", "required", "additionalProperties",
-        "items", "prefixItems", "minItems", "maxItems",
-        "minLength", "maxLength", "pattern",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-    }
-)  # fmt: skip
-# Words that say something to people and nothing to a validator.
-ANNOTATIONS = frozenset(
-    {"$schema", "$id", "$comment", "title", "description", "default", "examples", "deprecated",
-     "readOnly", "writeOnly"}
-)  # fmt: skip
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties")
+from shared import encoding, schema_rules
+
+# A ceiling whatever the deployment's own (smaller) limit says: checked before the schema is walked.
 HARD_MAX_BYTES = 1 << 20
-_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -50,10 +33,7 @@ class JsonSchemaFormat(BaseModel):
     @field_validator("schema_")
     @classmethod
     def _enforceable(cls, value: dict[str, Any]) -> dict[str, Any]:
-        # A ceiling before the schema is walked, whatever the deployment's own (smaller) limit says.
-        if len(json.dumps(value)) > HARD_MAX_BYTES:
-            raise ValueError(f"the schema is over {HARD_MAX_BYTES} bytes")
-        problem = schema_problem(value)
+        problem = _outer_problem(value, HARD_MAX_BYTES) or schema_problem(value)
         if problem:
             raise ValueError(problem)
         return value
@@ -82,11 +62,15 @@ ResponseFormat = Annotated[JsonSchemaFormat | ChoiceFormat, Field(discriminator=
 _ADAPTER: TypeAdapter[JsonSchemaFormat | ChoiceFormat] = TypeAdapter(ResponseFormat)
 
 
-def parse(value: object) -> JsonSchemaFormat | ChoiceFormat | None:
+def parse(value: object, max_bytes: int = HARD_MAX_BYTES) -> JsonSchemaFormat | ChoiceFormat | None:
     """A response format from JSON data (a dict, or a model already), or None; ValueError saying
-    which field is wrong otherwise."""
+    which field is wrong otherwise. Nesting, text no store could write and the size limit come first,
+    so an oversized or hostile schema is refused before anything walks it."""
     if value is None or isinstance(value, JsonSchemaFormat | ChoiceFormat):
         return value
+    problem = _outer_problem(value, max_bytes, "response_format")
+    if problem:
+        raise ValueError(problem)
     try:
         return _ADAPTER.validate_python(value)
     except ValidationError as exc:
@@ -95,6 +79,17 @@ def parse(value: object) -> JsonSchemaFormat | ChoiceFormat | None:
         where = ".".join(loc[1:] if loc and loc[0] in ("json_schema", "choice") else loc)
         message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         raise ValueError(f"response_format{'.' + where if where else ''}: {message}") from None
+
+
+def _outer_problem(value: object, max_bytes: int, name: str = "the schema") -> str | None:
+    """Nesting, text no store can write, and compact size: what is checked before anything walks it."""
+    problem = encoding.depth_problem(value) or encoding.unwritable(value, name)
+    if problem:
+        return problem
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    if size > max_bytes:
+        return f"{name} is {size} bytes as compact JSON; the limit is {max_bytes}"
+    return None
 
 
 def choices_problem(choices: list[str]) -> str | None:
@@ -123,51 +118,7 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
         return f"not valid JSON Schema at {where}: {exc.message[:200]}"
     except Exception as exc:  # whatever a hostile schema makes the validator raise is a refusal
         return f"not valid JSON Schema: {type(exc).__name__}: {str(exc)[:200]}"
-    return _unenforced(schema, "")
-
-
-def _unenforced(schema: object, path: str) -> str | None:
-    if not isinstance(schema, dict):  # true / false: valid subschemas, enforced as they are
-        return None
-    for key, value in schema.items():
-        where = f"{path}/{key}"
-        if key in ANNOTATIONS:
-            continue
-        if key not in ENFORCED:
-            return f"at {where}: {key!r} is not enforced by the decoder; supported: {_supported()}"
-        problem = _keyword_problem(key, value, where, schema)
-        if problem:
-            return problem
-    return None
-
-
-def _keyword_problem(key: str, value: Any, where: str, schema: dict[str, Any]) -> str | None:
-    if key == "$ref" and not str(value).startswith("#"):
-        return f"at {where}: only local references (#/...) are followed, never fetched"
-    if key in _NUMBERS and isinstance(value, bool):
-        return f"at {where}: the draft-04 boolean form is not supported; give the bound as a number"
-    if key == "items" and isinstance(value, list):
-        return f"at {where}: a list of item schemas (draft-07 tuples) is not supported; use prefixItems"
-    if key == "required":
-        listed = schema.get("properties", {})
-        missing = [name for name in value if name not in listed]
-        if missing:
-            return f"at {where}: {missing[0]!r} is required but not in properties, so it cannot be generated"
-    if key in _SCHEMA_MAPS:
-        return _first(_unenforced(sub, f"{where}/{name}") for name, sub in value.items())
-    if key in _SCHEMA_LISTS:
-        return _first(_unenforced(sub, f"{where}/{i}") for i, sub in enumerate(value))
-    if key in _SCHEMA_ONE:
-        return _unenforced(value, where)
-    return None
-
-
-def _first(problems: Any) -> str | None:
-    return next((p for p in problems if p), None)
-
-
-def _supported() -> str:
-    return ", ".join(sorted(ENFORCED))
+    return schema_rules.problem(schema)
 
 
 def canonical(fmt: JsonSchemaFormat | ChoiceFormat) -> str:
@@ -199,7 +150,7 @@ def read_output(fmt: JsonSchemaFormat | ChoiceFormat, text: str) -> Any:
         if text not in fmt.choices:
             raise ValueError(f"the answer {text[:60]!r} is not one of the choices")
         return text
-    value = json.loads(text)
+    value = encoding.loads(text)  # deeper than encoding.MAX_DEPTH: a ValueError, never a RecursionError
     error = jsonschema.exceptions.best_match(_validator(fmt.schema_).iter_errors(value))
     if error is not None:
         raise ValueError(f"the answer does not validate against its schema: {error.message[:200]}")

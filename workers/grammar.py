@@ -20,18 +20,42 @@ from shared.errors import InvalidJob, ModelError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
 
 
+class SurrogateGuard:
+    """The grammar library (xgrammar 0.2.9) matches a character class byte by byte and lets the
+    UTF-8 encoding of a surrogate (ED A0-BF xx, U+D800-U+DFFF) through: no valid text holds one, the
+    tokenizer decodes it (with any byte token beside it, a closing quote included) to U+FFFD, and the
+    answer stops parsing (tests/unit/test_schema_rules.py found it). A byte-fallback vocabulary (Fuyu's)
+    writes one only as a token ending in byte ED followed by one starting with A0-BF: after the first,
+    the second is masked out. Valid characters U+D000-U+D7FF (ED 80-9F xx) stay allowed."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
+        import torch
+
+        self.leads = frozenset(i for i, raw in enumerate(decoded_vocab) if raw.endswith(b"\xed"))
+        seconds = [i for i, raw in enumerate(decoded_vocab) if raw[:1] and 0xA0 <= raw[0] <= 0xBF]
+        words = (vocab_size + 31) // 32
+        keep = torch.full((words,), -1, dtype=torch.int32)
+        for token in seconds:
+            keep[token // 32] &= ~(1 << (token % 32)) if token % 32 < 31 else 0x7FFFFFFF
+        self.keep = keep
+
+
 class Constraint:
     """One row's grammar state: which tokens may follow what it has generated so far."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, guard: SurrogateGuard | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.guard = guard
+        self.keep: Any = None  # the guard's mask row, once the last token was a surrogate's lead
 
     def accept(self, token: int) -> None:
         # The mask allowed only tokens the grammar accepts, so a refusal is a fault in the mask's
         # application (a wrong vocabulary size, a mask applied to the wrong row), not the job's.
         if not self.matcher.accept_token(token):
             raise ModelError(f"the grammar refused token {token}, which its own mask allowed")
+        guard = self.guard
+        self.keep = guard.keep if guard is not None and token in guard.leads else None
 
     @property
     def complete(self) -> bool:
@@ -41,6 +65,7 @@ class Constraint:
     def reset(self) -> None:
         """Back to an empty answer (the row is recomputed from its prompt)."""
         self.matcher.reset()
+        self.keep = None
 
 
 class Grammars:
@@ -52,10 +77,9 @@ class Grammars:
         self._xgr = xgrammar
         # The model's vocabulary can be larger than the tokenizer's (padded embeddings): ids past the
         # tokenizer's are never allowed. End-of-text is the one stop token: it ends a complete answer.
-        self.info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=[eos_id]
-        )
+        self.info = tokenizer_info(tokenizer, vocab_size, eos_id)
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
+        self.guard = SurrogateGuard(self.info.decoded_vocab, vocab_size)
         self.vocab_size = vocab_size
         self.keep = keep
         self._compiled: OrderedDict[str, Any] = OrderedDict()
@@ -64,7 +88,7 @@ class Grammars:
     def constraint(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Constraint, float | None]:
         """A fresh row state for this format, and the seconds its compile took (None: cached)."""
         compiled, seconds = self.compiled(fmt)
-        return Constraint(self._xgr.GrammarMatcher(compiled), self.vocab_size), seconds
+        return Constraint(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.guard), seconds
 
     def compiled(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Any, float | None]:
         key = digest(fmt)
@@ -84,13 +108,49 @@ class Grammars:
     def _compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
         try:
             if isinstance(fmt, ChoiceFormat):
-                return self.compiler.compile_grammar(choice_ebnf(fmt.choices))
-            # No free whitespace: a weak model would otherwise pad the answer with spaces until its
-            # token limit. Separators are JSON's usual ", " and ": ".
-            grammar = self._xgr.Grammar.from_json_schema(json.dumps(fmt.schema_), any_whitespace=False)
-            return self.compiler.compile_grammar(strict_strings(str(grammar)))
+                compiled = self.compiler.compile_grammar(choice_ebnf(fmt.choices))
+            else:
+                # No free whitespace: a weak model would otherwise pad the answer with spaces until its
+                # token limit. Separators are JSON's usual ", " and ": ".
+                grammar = self._xgr.Grammar.from_json_schema(json.dumps(fmt.schema_), any_whitespace=False)
+                compiled = self.compiler.compile_grammar(strict_strings(str(grammar)))
         except Exception as exc:  # the library's errors are RuntimeError/ValueError with its reason
             raise InvalidJob(f"response_format does not compile to a grammar: {str(exc)[:300]}") from None
+        if not self._any_first_token(compiled):
+            raise InvalidJob("response_format allows no answer: its grammar admits no first token")
+        return compiled
+
+    def _any_first_token(self, compiled: Any) -> bool:
+        """Whether an answer can start at all (a grammar dead at its start, e.g. a $ref cycle with no
+        way out, fails its job here rather than at its first decode step)."""
+        mask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        return bool((mask != 0).any())
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, eos_id: int) -> Any:
+    """The vocabulary as the grammar sees it. The library reads the tokenizer's special tokens
+    (`<pad>`, `<s>`, `<unk>`) as text ("<pad>" is five characters to it) while detokenizing drops
+    them: an answer holding one parsed in the grammar and not in the result (tests/unit/
+    test_schema_rules.py found a string one character short). Every special token but end-of-text is
+    made empty here, which the library treats as never allowed."""
+    import xgrammar
+
+    found = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos_id])
+    vocab = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size:
+            vocab[index] = token
+    for index in getattr(tokenizer, "all_special_ids", []):
+        if index != eos_id and 0 <= index < vocab_size:
+            vocab[index] = ""
+    return xgrammar.TokenizerInfo(
+        vocab,
+        vocab_type=found.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=[eos_id],
+        add_prefix_space=found.add_prefix_space,
+    )
 
 
 # xgrammar 0.2.9 writes the characters of a length-bounded string as [^"\\\r\n]: raw control

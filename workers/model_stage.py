@@ -15,7 +15,7 @@ from concurrent.futures import Future, as_completed
 from functools import partial
 from typing import Any
 
-from shared import logs
+from shared import encoding, logs
 from shared.errors import AnswerIncomplete, InternalError, InvalidJob, ModelError, MrcError, WorkerUnusable
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, read_output
 from shared.settings import Settings
@@ -179,14 +179,20 @@ class ModelStage:
             if isinstance(row.error, AnswerIncomplete):
                 slot.text = self.backend.detokenize(row.tokens)  # what was generated, for the caller
             return
-        text = self.backend.detokenize(row.tokens)
         assert slot.job is not None
-        if slot.job.response_format is not None:
-            try:
+        try:
+            text = self.backend.detokenize(row.tokens)
+            if slot.job.response_format is not None:
                 slot.output = read_output(slot.job.response_format, text)
-            except ValueError as exc:
-                slot.error = InternalError(f"the constrained answer cannot be read: {exc}")
-                return
+        except encoding.TooDeep as exc:  # a recursive schema's answer, deeper than anything reads back
+            slot.error = InvalidJob(
+                f"the answer is {exc}: answers are read back up to {encoding.MAX_DEPTH} levels; bound the "
+                "schema's recursion (or give fewer max_new_tokens)"
+            )
+            return
+        except Exception as exc:  # this row's failure alone, never its delivery's
+            slot.error = InternalError(f"the answer cannot be read: {type(exc).__name__}: {str(exc)[:300]}")
+            return
         slot.text = text
         slot.finish_reason = row.finish_reason
         slot.attention_path = "masked" if row.shared_steps else "causal"

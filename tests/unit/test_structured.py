@@ -21,6 +21,7 @@ from shared import response_format as rf
 from shared.errors import AnswerIncomplete, InvalidJob
 from shared.jobs import Job, limit_problem
 from shared.settings import Settings
+from tests.support import schema_draws
 from tests.support.refund import REFUND_SCHEMA
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
@@ -103,43 +104,7 @@ def test_a_job_carries_its_format_and_its_fingerprint_covers_it() -> None:
     assert free.fingerprint() == Job.from_message(MESSAGE).fingerprint()
 
 
-WORDS = ["refund", "replace", "no_action", "wet", "crushed"]
-# Schemas within the supported subset: objects, arrays, enums, bounded strings, integer ranges,
-# booleans, nesting.
-_leaf = st.one_of(
-    st.just({"type": "boolean"}),
-    st.builds(
-        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-        st.integers(-50, 50), st.integers(0, 200),
-    ),
-    st.builds(
-        lambda lo, span: {"type": "string", "minLength": lo, "maxLength": lo + span},
-        st.integers(0, 3), st.integers(0, 6),
-    ),
-    st.builds(
-        lambda words: {"enum": words},
-        st.lists(st.sampled_from(WORDS), min_size=1, max_size=4, unique=True),
-    ),
-)  # fmt: skip
-_names = st.sampled_from(["refund", "damage", "carrier", "count", "note", "ok"])
-
-
-def _object(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
-    def build(props: dict[str, Any], required_all: bool) -> dict[str, Any]:
-        schema = {"type": "object", "properties": props, "additionalProperties": False}
-        return {**schema, "required": sorted(props)} if required_all else schema
-
-    return st.builds(build, st.dictionaries(_names, children, min_size=1, max_size=3), st.booleans())
-
-
-def _array(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
-    return st.builds(
-        lambda item, lo, span: {"type": "array", "items": item, "minItems": lo, "maxItems": lo + span},
-        children, st.integers(0, 2), st.integers(0, 2),
-    )  # fmt: skip
-
-
-schemas = st.recursive(_leaf, lambda inner: st.one_of(_object(inner), _array(inner)), max_leaves=6)
+schemas = schema_draws.supported
 
 
 @settings(max_examples=60, deadline=None, database=None)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 class RowConstraint(Protocol):
     matcher: Any
     vocab_size: int
+    keep: Any  # a mask row ANDed into this row's (workers/grammar.py, SurrogateGuard), or None
 
     def accept(self, token: int) -> None: ...
 
@@ -44,6 +45,9 @@ def for_rows(constraints: Sequence[RowConstraint | None]) -> Any:
         chosen[0].matcher.fill_next_token_bitmask(mask, indices[0])  # type: ignore[union-attr]
     else:
         _batch().batch_fill_next_token_bitmask([c.matcher for c in chosen], mask, indices)  # type: ignore[union-attr]
+    for index, constraint in zip(indices, chosen, strict=True):
+        if constraint is not None and constraint.keep is not None:
+            mask[index] &= constraint.keep
     return mask
 
 

@@ -14,6 +14,7 @@ import torch
 from workers.engine import masks as grammar_masks
 from workers.engine.kv import Batch
 from workers.engine.masks import MaskFn
+from workers.engine.sequence import DEAD_END
 
 
 class RowBatch(Protocol):
@@ -83,11 +84,15 @@ class Runner:
 
 
 def _pick(logits: Any, masks: MaskFn | None) -> list[int]:
-    """Greedy: each row's most likely token, among those its grammar allows where it has one."""
+    """Greedy: each row's most likely token, among those its grammar allows where it has one; a row
+    whose grammar allows no token at all (a dead end of its schema) gets DEAD_END instead."""
     bitmask = masks() if masks is not None else None
-    if bitmask is not None:
-        logits = grammar_masks.apply(logits, bitmask)
-    return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    if bitmask is None:
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    logits = grammar_masks.apply(logits, bitmask)
+    best, tokens = logits.max(dim=-1)
+    dead = torch.isneginf(best)
+    return [DEAD_END if d else int(t) for t, d in zip(tokens.tolist(), dead.tolist(), strict=True)]
 
 
 def _freeing_on_oom(call: Any) -> Any:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shared.errors import AnswerIncomplete, MrcError
+from shared.errors import AnswerIncomplete, InvalidJob, MrcError
 from workers.engine.masks import RowConstraint
 
 FinishReason = Literal["stop", "length"]
+# The token a model call reports for a row whose grammar mask allowed no token at all.
+DEAD_END = -1
 
 
 @dataclass(eq=False)
@@ -49,6 +51,12 @@ class Sequence:
     def accept(self, token: int) -> bool:
         """Take one generated token; True when the row is finished (end-of-text or its own limit).
         A constrained row that reaches its limit before its answer is whole fails `answer_incomplete`."""
+        if token == DEAD_END:  # the grammar allowed nothing: the schema's fault, never the model's
+            self.error = InvalidJob(
+                f"the response_format allows no continuation after {len(self.tokens)} generated tokens (a "
+                "pattern or recursive $ref that matches nothing from here): no answer can satisfy it"
+            )
+            return True
         if self.constraint is not None:
             try:
                 self.constraint.accept(token)

@@ -1,0 +1,149 @@
+"""Job content that used to stop workers, through every door, against the session's real worker.
+
+A lone surrogate ("\\ud83d": half an emoji, as a JavaScript client sends after cutting one) anywhere
+in a job is refused at submission (CLI, API, manifest line); one that arrives anyway, in a message
+from another producer, fails its own job with a stored result and the worker goes on. A schema whose
+grammar reaches a dead end fails its job as `invalid_job`, never `model_error`: jobs in a row past the
+failure streak leave the worker running. A manifest line nested deeper than any parser goes is an
+invalid line; the other lines run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from producer.api import create_app
+from producer.client import Client, Submission
+from scripts import devservices as services
+from scripts.devservices import Worker, run_cli
+from shared.celery_app import send_job
+from tests.support import imagegen
+
+pytestmark = pytest.mark.integration
+
+HALF_EMOJI = "\ud83d"
+KEY = "k-hostile"
+
+
+@pytest.fixture
+def photo(tmp_path: Path) -> Path:
+    path = tmp_path / "parcel.jpg"
+    path.write_bytes(imagegen.photo(96, 64, seed=7))
+    return path
+
+
+def _refused_by_cli(env: dict[str, str], photo: Path, *flags: str) -> str:
+    done = run_cli(env, "submit", "--image", str(photo), *flags)
+    assert done.returncode == 2, (flags, done.stdout, done.stderr)
+    assert done.stdout == ""
+    return done.stderr
+
+
+def test_text_no_store_could_write_is_refused_at_every_door(
+    env: dict[str, str], client: Client, photo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    schema = json.dumps({"type": "string", "description": HALF_EMOJI}, ensure_ascii=True)
+    assert "not valid Unicode" in _refused_by_cli(env, photo, "--prompt", "Refund?", "--json-schema", schema)
+    # Bytes that are not UTF-8 reach Python's argv as lone surrogates too.
+    assert "not valid Unicode" in _refused_by_cli(
+        env, photo, "--prompt", "Refund?", "--ticket-id", "T-\udcff"
+    )
+    assert "not valid Unicode" in _refused_by_cli(env, photo, "--prompt", "Refund \udcff?")
+    assert "not valid Unicode" in _refused_by_cli(env, photo, "--prompt", "x", "--choice", "ok,n\udcffo")
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    api_env = {**env, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest()}
+    image_uri = client.upload_image(photo)[0]
+    with TestClient(create_app(services.settings_from_env(api_env))) as api:
+        for body in (
+            {"image": image_uri, "prompt": f"Refund? {HALF_EMOJI}"},
+            {"image": image_uri, "prompt": "Refund?", "ticket_id": HALF_EMOJI},
+            {"image": image_uri, "prompt": "Refund?",
+             "response_format": {"type": "json_schema", "schema": {"type": "string", "title": HALF_EMOJI}}},
+        ):  # fmt: skip
+            raw = json.dumps(body, ensure_ascii=True)  # "\ud83d" on the wire, as a JS client writes it
+            reply = api.post(
+                "/v1/jobs",
+                content=raw,
+                headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            )
+            assert reply.status_code == 422, reply.text
+            assert reply.json()["error"]["code"] == "invalid_job"
+            assert "not valid Unicode" in reply.json()["error"]["message"]
+
+    manifest = tmp_path / "m.jsonl"
+    lines = [
+        json.dumps(
+            {"custom_id": f"c{HALF_EMOJI}", "image": str(photo), "prompt": "Refund?"}, ensure_ascii=True
+        ),
+        json.dumps({"custom_id": "ok", "image": str(photo), "prompt": "Refund?"}),
+        "[" * 30000 + "]" * 30000,  # nested past any parser: an invalid line, the others run
+    ]
+    manifest.write_text("\n".join(lines) + "\n")
+    done = run_cli(env, "backlog", str(manifest), "--run-id", "hostile-1", "--strict")
+    assert done.returncode == 2, done.stderr
+    assert "2 invalid line(s)" in done.stderr
+    assert "not valid Unicode" in done.stderr
+    assert "nested" in done.stderr
+
+
+def _result(client: Client, job_id: str) -> dict[str, Any]:
+    return client.wait(job_id, 180)
+
+
+def test_a_hostile_message_from_another_producer_fails_alone_and_the_worker_goes_on(
+    client: Client, worker: Worker, photo: Path
+) -> None:
+    uri = client.upload_image(photo)[0]
+    hostile = {
+        "job_id": "hostile-surrogate",
+        "image_uri": uri,
+        "prompt": "Refund?",
+        "max_new_tokens": 4,
+        "ticket_id": f"T-{HALF_EMOJI}",
+        "response_format": {"type": "json_schema", "schema": {"type": "string", "description": HALF_EMOJI}},
+    }
+    send_job(client.celery, hostile, "interactive")  # past every producer check
+    deep: Any = "x"
+    for _ in range(80):
+        deep = [deep]
+    send_job(
+        client.celery,
+        {**hostile, "job_id": "hostile-deep", "ticket_id": "T-1", "prompt": deep},
+        "interactive",
+    )
+    fine = client.submit(photo, "Refund?", max_new_tokens=4)
+    for job_id in ("hostile-surrogate", "hostile-deep"):
+        result = _result(client, job_id)
+        assert result["status"] == "failed"
+        assert result["error"]["code"] == "invalid_job", result["error"]
+    assert _result(client, fine)["status"] == "succeeded"
+    assert worker.proc.poll() is None, "the worker stopped"
+
+
+def test_schemas_whose_grammar_dead_ends_fail_as_the_jobs_own_and_never_stop_the_worker(
+    client: Client, worker: Worker, photo: Path
+) -> None:
+    """Six in a row: past MRC_MODEL_FAILURE_STREAK (5), which counts model errors only."""
+    dead_end = {"type": "json_schema", "schema": {"type": "string", "pattern": "a[^\\s\\S]"}}
+    ids = client.submit_many(
+        [
+            Submission(image=photo, prompt=f"Refund {i}?", max_new_tokens=8, response_format=dead_end)
+            for i in range(6)
+        ]
+    )
+    for job_id in ids:
+        result = _result(client, job_id)
+        assert result["status"] == "failed"
+        assert result["error"]["code"] == "invalid_job"
+        assert "allows no continuation" in result["error"]["message"]
+    assert _result(client, client.submit(photo, "Refund?", max_new_tokens=4))["status"] == "succeeded"
+    assert worker.proc.poll() is None, "the worker stopped"
+    assert not worker.find("MRC_FATAL")
