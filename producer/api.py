@@ -25,6 +25,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer.api_forms import JobRequest, error, invalid_job, job_fields, multipart_schema
 from producer.api_front import Front, Limits, caller_of
@@ -163,6 +164,19 @@ async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     return invalid_job(errors, "request")
 
 
+# The framework's own refusals (no such route, a method the route has not, a multipart body the parser
+# refuses: no boundary, too many fields, a field over 1 MiB) in the contract's error shape.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "invalid_job", 415: "invalid_job"}
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+    detail = getattr(exc, "detail", None) or "refused"
+    headers = getattr(exc, "headers", None)
+    return error(status, _HTTP_CODES.get(status, "invalid_job" if status < 500 else "internal_error"),
+                 str(detail)[:300], headers)  # fmt: skip
+
+
 def limits(settings: Settings) -> Limits:
     body = settings.api_max_body_bytes or settings.max_image_bytes + (1 << 20)
     return Limits(body_bytes=body, bodies=settings.api_max_bodies, drain_bytes=settings.api_drain_bytes)
@@ -178,6 +192,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
 
     app = FastAPI(title="mrc intake", version="1", description=__doc__, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     body = {
         "requestBody": {
             "required": True,

@@ -175,7 +175,7 @@ class Front:
         if isinstance(exc, UNAVAILABLE):
             which = "Redis" if isinstance(exc, redis.RedisError | OperationalError) else "S3"
             if isinstance(exc, ServiceUnreachable):
-                which = exc.message.split(" ", 1)[0]
+                which = exc.service
             self.log.warning("MRC_API_UNAVAILABLE", path=path, service=which, error=repr(exc)[:300])
             message = f"{which} cannot be reached now; retry later"
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})

@@ -52,6 +52,9 @@ class Keys:
         return None if lanes is None else Caller(digest[:12], lanes)
 
 
+_PRUNE_MIN = 1024
+
+
 class RateLimiter:
     """A token bucket per caller, in this process: `rate` requests a second, bursts of `burst`."""
 
@@ -59,6 +62,7 @@ class RateLimiter:
         self.rate, self.burst, self.clock = rate, burst, clock
         self._buckets: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
+        self._prune_at = _PRUNE_MIN
 
     def retry_after(self, name: str) -> float:
         """0 when the request may go now (a token taken), else the seconds until one is free."""
@@ -66,6 +70,7 @@ class RateLimiter:
             return 0.0
         now = self.clock()
         with self._lock:
+            self._prune(now)
             tokens, at = self._buckets.get(name, (float(self.burst), now))
             tokens = min(float(self.burst), tokens + (now - at) * self.rate)
             if tokens >= 1:
@@ -73,3 +78,19 @@ class RateLimiter:
                 return 0.0
             self._buckets[name] = (tokens, now)
             return (1 - tokens) / self.rate
+
+    def _prune(self, now: float) -> None:
+        """Forget the buckets that have filled up again (a full bucket is what a new caller gets): one
+        per client address without keys would otherwise grow for the life of the process. Amortised:
+        done when the table doubles."""
+        if len(self._buckets) < self._prune_at:
+            return
+        self._buckets = {
+            name: (tokens, at)
+            for name, (tokens, at) in self._buckets.items()
+            if tokens + (now - at) * self.rate < self.burst
+        }
+        self._prune_at = max(_PRUNE_MIN, 2 * len(self._buckets))
+
+    def __len__(self) -> int:
+        return len(self._buckets)

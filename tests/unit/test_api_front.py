@@ -62,3 +62,105 @@ def test_no_more_bodies_are_read_at_once_than_the_bound() -> None:
     front, counted = _front(slow_route)
     assert asyncio.run(both()) == (202, 503)
     assert sorted(status for _route, status in counted) == [202, 503]
+
+
+def test_the_frameworks_own_refusals_have_the_contracts_error_shape() -> None:
+    """No such route, a method the route has not, a multipart body the parser refuses: each was a
+    bare {"detail": ...} before."""
+    from fastapi.testclient import TestClient
+
+    from producer.api import create_app
+    from shared.settings import Settings
+
+    with TestClient(create_app(Settings())) as api:
+        image = {"image": ("a.jpg", b"x")}
+        replies = {
+            404: api.get("/v1/nope"),
+            405: api.delete("/v1/jobs"),
+            400: api.post("/v1/jobs", content=b"x", headers={"Content-Type": "multipart/form-data"}),
+        }
+        too_big = api.post("/v1/jobs", files=image, data={"prompt": "x" * (2 << 20)})
+        too_many = api.post("/v1/jobs", files=image, data={f"f{i}": "x" for i in range(1100)})
+    for status, reply in [*replies.items(), (400, too_big), (400, too_many)]:
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert set(error) == {"code", "message"}
+        assert error["code"] in {"not_found", "method_not_allowed", "invalid_job"}
+
+
+def test_a_service_out_of_reach_is_named_once() -> None:
+    from shared.errors import ServiceUnreachable
+
+    front, _counted = _front(lambda *_: None)
+    status, _headers, body = front._fault(
+        ServiceUnreachable("Redis", "connection refused"), {"path": "/v1/jobs"}
+    )
+    assert status == 503
+    assert b'"Redis cannot be reached now' in body  # it read "cannot cannot be reached"
+
+
+def test_the_rate_limiters_table_forgets_callers_whose_bucket_filled_again() -> None:
+    now = [0.0]
+    limiter = RateLimiter(10.0, 5, clock=lambda: now[0])
+    for i in range(3000):
+        assert limiter.retry_after(f"client-{i}") == 0.0
+    now[0] = 60.0  # every bucket is full again: indistinguishable from a caller never seen
+    for i in range(2000):  # the table reaches its next pruning size meanwhile
+        limiter.retry_after(f"late-{i}")
+    assert len(limiter) <= 2000  # the 3000 early callers are gone
+    for _ in range(5):
+        limiter.retry_after("busy")
+    assert limiter.retry_after("busy") > 0  # a caller still drawing on its bucket is kept
+
+
+def test_a_body_is_parsed_and_checked_off_the_event_loop(monkeypatch: Any) -> None:
+    """A request whose checks run long (a schema of thousands of patterns) must not hold up the
+    others: /healthz answers while the check is still running."""
+    import threading
+
+    from producer import api_forms
+    from producer.api import create_app
+    from shared.settings import Settings
+
+    entered, released, returned = threading.Event(), threading.Event(), threading.Event()
+    real = api_forms.checked
+
+    def slow_check(data: object) -> Any:
+        entered.set()
+        released.wait(5)  # on the event loop, this would stall /healthz until it returned
+        returned.set()
+        return real(data)
+
+    monkeypatch.setattr(api_forms, "checked", slow_check)
+    app = create_app(Settings(connect_timeout_s=0.5))
+    order: list[str] = []
+
+    async def call(method: str, path: str, body: bytes = b"") -> int:
+        headers = [(b"content-type", b"application/json")] if body else []
+        scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b"",
+                 "client": ("127.0.0.1", 1), "server": ("t", 80), "scheme": "http", "http_version": "1.1",
+                 "root_path": ""}  # fmt: skip
+        parts = [{"type": "http.request", "body": body, "more_body": False}]
+        statuses: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        await app(scope, receive, send)
+        return statuses[0]
+
+    async def scenario() -> None:
+        submit = asyncio.create_task(call("POST", "/v1/jobs", b'{"image": "s3://mrc/a.jpg", "prompt": "x"}'))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        assert await call("GET", "/healthz") == 200
+        order.append("late" if returned.is_set() else "healthz")
+        released.set()
+        await submit
+
+    asyncio.run(scenario())
+    assert order == ["healthz"]

@@ -44,6 +44,8 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_REDIS_URL", "redis://127.0.0.1:6379/zero"),
         ("MRC_S3_ENDPOINT_URL", "minio:9000"),
         ("MRC_RETRY_BASE_S", "120"),
+        ("MRC_REDIS_URL", "unix:///run/redis.sock"),  # passed, then the broker failed uncaught
+        ("MRC_REDIS_WAIT_TIMEOUT_MS", "60000"),  # past the socket timeout: the push would be retried
     ],
 )
 def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
