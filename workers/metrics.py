@@ -141,7 +141,16 @@ class Metrics:
             "mrc_engine_kv_tokens_capacity", "Cache positions the engine admits up to", registry=r
         )
         self.steps = Counter("mrc_engine_steps_total", "Engine steps that ran the model", registry=r)
-        self.generated = Counter("mrc_engine_generated_tokens_total", "Tokens generated", registry=r)
+        self.generated = Counter(
+            "mrc_engine_generated_tokens_total",
+            "Tokens of finished answers (end-of-text excluded)",
+            registry=r,
+        )
+        self.discarded = Counter(
+            "mrc_engine_discarded_tokens_total",
+            "Tokens generated and thrown away: runs paused for a ticket or recomputed after a failed step",
+            registry=r,
+        )
         self.paused = Counter(
             "mrc_engine_paused_rows_total",
             "Rows sent back to waiting (paused for a ticket, or their step failed)",

@@ -167,10 +167,10 @@ class ModelStage:
 
     def _take_row(self, slot: Slot, row: Row) -> None:
         """What the engine made of one job: its text, or its own error; the failure streak."""
-        if row.admitted_at is not None:
-            slot.admitted_at = row.admitted_at
+        if row.first_admitted_at is not None:
+            slot.admitted_at = row.first_admitted_at  # its wait in the queue ends at its first admission
         if row.first_token_at is not None:
-            slot.first_token_at = row.first_token_at
+            slot.first_token_at = row.first_token_at  # of the run that made its answer
         if row.admitted_at is not None and row.finished_at is not None:
             slot.timings["inference"] = (row.finished_at - row.admitted_at) * 1000
         slot.output_tokens = len(row.tokens)

@@ -26,3 +26,15 @@ def engine_tokens(
             )
         engine.step()
     return [done[str(i)].tokens for i in range(len(items))]
+
+
+def drive(engine: Engine, arrivals: list[tuple[Sequence, int]], limit: int = 500) -> None:
+    """Submit each row at its arrival step; step until every row has finished (at most `limit` steps)."""
+    pending = sorted(arrivals, key=lambda pair: pair[1])
+    while pending or not engine.idle:
+        while pending and pending[0][1] <= engine.steps:
+            engine.submit(pending.pop(0)[0])
+        engine.step()
+        assert engine.steps < limit, (
+            f"no end after {limit} steps: waiting {[r.row_id for r in engine.waiting]}"
+        )

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.settings import Settings
+from tests.support.engine_runs import drive
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import scheduler
@@ -169,13 +170,7 @@ class _Faulty:
         return self.inner.decode(batch, last, masks)
 
 
-def _drive(engine: Engine, rows: list[tuple[Sequence, int]], limit: int = 500) -> None:
-    pending = sorted(rows, key=lambda pair: pair[1])
-    while pending or not engine.idle:
-        while pending and pending[0][1] <= engine.steps:
-            engine.submit(pending.pop(0)[0])
-        engine.step()
-        assert engine.steps < limit, "the engine does not finish"
+_drive = drive
 
 
 def test_a_ticket_pauses_a_backlog_row_which_resumes_with_the_same_tokens(backend: FuyuBackend) -> None:
@@ -340,11 +335,25 @@ def test_backlog_prefill_per_step_is_bounded_so_a_ticket_waits_for_little() -> N
     assert scheduler.admit(huge, [], limits) == ["h"]  # one row always may
 
 
-def test_a_suspect_runs_with_nothing_beside_it() -> None:
+def test_a_suspect_runs_with_nothing_beside_it_and_nothing_is_admitted_past_it() -> None:
     limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
     assert scheduler.plan([_a("s", alone=True), _a("t")], [], limits).admit == ["s"]
-    assert scheduler.plan([_a("s", alone=True), _a("t")], [_a("r")], limits).admit == ["t"]
+    # It waits for the ticket running; nothing later is admitted past it, so it is never starved.
+    assert scheduler.plan([_a("s", alone=True), _a("t")], [_a("r")], limits).admit == []
     assert scheduler.plan([_a("t")], [_a("s", alone=True)], limits).admit == []
+    backlog = [_a("b1", "backlog"), _a("b2", "backlog")]
+    assert scheduler.plan([_a("b9", "backlog", alone=True), _a("b3", "backlog")], backlog, limits).admit == []
+
+
+def test_a_ticket_suspect_pauses_backlog_rows_and_a_backlog_suspect_gives_way_to_tickets() -> None:
+    limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
+    held = [_a("b1", "backlog"), _a("b2", "backlog")]  # running or held: both are in memory
+    plan = scheduler.plan([_a("s", alone=True)], held, limits)
+    assert (plan.admit, sorted(plan.pause)) == (["s"], ["b1", "b2"])
+    plan = scheduler.plan([_a("t")], [_a("b", "backlog", alone=True)], limits)
+    assert (plan.admit, plan.pause) == (["t"], ["b"])
+    plan = scheduler.plan([_a("b2", "backlog")], [_a("b", "backlog", alone=True)], limits)
+    assert (plan.admit, plan.pause) == ([], [])
 
 
 def test_a_lowered_memory_ceiling_keeps_every_other_limit() -> None:

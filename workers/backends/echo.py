@@ -31,6 +31,10 @@ class EchoRows:
     def width(self) -> int:
         return max(self.positions.values(), default=0)
 
+    @property
+    def held(self) -> int:
+        return sum(self.positions.values())
+
     def add(self, row_ids: list[str], cache: Any, length: int) -> None:
         for row_id, script in zip(row_ids, cache, strict=True):
             self.row_ids.append(row_id)

@@ -1,13 +1,17 @@
-"""The loop: admit waiting jobs (prefill alone, merge into the batch) -> one decode step for every
-running row -> retire rows that finished, handing each back at once.
+"""The loop: admit waiting jobs (prefill, join the batch) -> one decode step for every running row ->
+retire rows that finished, handing each back at once.
 
 Failures are settled here, per row, so one job never fails for its neighbours:
-- a prefill that fails is that job's alone (it ran alone): its error, except out of memory while
-  other rows run, which sends it back to waiting and admits nothing more until a row leaves;
+- a prefill that fails is that job's alone (it ran alone, or with rows of its length; those are then
+  prefilled one at a time): its error, except out of memory while other rows run, which sends it
+  back to waiting and admits nothing more until a row leaves;
 - a decode step that fails may have written part of the step into the cache, so every running row
-  goes back to waiting and is recomputed from its prompt (greedy: the same tokens again). Out of
-  memory also lowers the admission ceiling below what ran; any other error marks the rows `alone`,
+  goes back to waiting and is recomputed from its prompt (greedy: on the CPU in fp32 the same tokens
+  again; on a GPU a batch of another shape may round differently). Out of memory also lowers the
+  admission ceiling below what ran, for CEILING_STEPS steps; any other error marks the rows `alone`,
   so the one that breaks the model fails by itself and the others succeed;
+- out of memory in the batch's own bookkeeping (a join, a drop, a hold) is settled like a failed
+  step: the rows in memory go back to waiting, the ceiling is lowered; no job fails for it;
 - a device fault (WorkerUnusable) leaves the engine: nothing on this process can run any more.
 """
 
@@ -25,15 +29,24 @@ from workers.engine.runner import RowBatch, StepModel
 from workers.engine.sequence import Sequence
 
 Finished = Callable[[Sequence], None]
+# Decode steps a lowered admission ceiling lasts before full capacity is tried again: an out-of-memory
+# step may be transient (fragmentation, a neighbour process), and rows never all leave under load.
+CEILING_STEPS = 256
 
 
 @dataclass
 class StepReport:
     prefilled: int = 0
     decoded_rows: int = 0
-    generated: int = 0  # tokens generated in this step, first tokens included
+    finished: int = 0  # rows handed back (succeeded, failed, expired)
     paused: int = 0  # rows paused for a ticket
-    restarted: int = 0  # rows sent back because their decode step failed
+    restarted: int = 0  # rows sent back because their step (or the batch's bookkeeping) failed
+    discarded: int = 0  # generated tokens thrown away with the rows paused or restarted
+
+    @property
+    def moved(self) -> bool:
+        """Whether a row got anywhere: what liveness counts as progress."""
+        return bool(self.prefilled or self.decoded_rows or self.finished)
 
 
 class Engine:
@@ -52,7 +65,9 @@ class Engine:
         self.held: dict[str, Sequence] = {}
         self.held_batch: RowBatch = runner.new_batch()
         self.steps = 0
-        self.kv_ceiling: int | None = None  # lowered by out-of-memory, lifted when the batch empties
+        self.kv_ceiling: int | None = None  # lowered by out-of-memory (for CEILING_STEPS steps)
+        self._ceiling_at = 0
+        self._report = StepReport()
 
     def submit(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -67,18 +82,20 @@ class Engine:
         return footprint([*self.running.values(), *self.held.values()])
 
     def step(self) -> StepReport:
-        report = StepReport()
+        report = self._report = StepReport()
         self._expire()
-        self._hold_or_release()
-        self._admit(report)
+        if self.kv_ceiling is not None and self.steps - self._ceiling_at >= CEILING_STEPS:
+            self.kv_ceiling = None
+        if self._safely(self._hold_or_release):
+            self._admit()
         if self.running:
             rows = [self.running[row_id] for row_id in self.batch.row_ids]
             try:
                 nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows], _masks_of(rows))
             except Exception as exc:
-                self._decode_failed(exc, report)
+                self._decode_failed(exc)
             else:
-                report.decoded_rows, report.generated = len(rows), report.generated + len(rows)
+                report.decoded_rows = len(rows)
                 now, shared = self.clock(), len(rows) > 1
                 done = set()
                 for row, token in zip(rows, nexts, strict=True):
@@ -96,97 +113,140 @@ class Engine:
             return self.limits
         return dataclasses.replace(self.limits, kv_tokens=min(self.limits.kv_tokens, self.kv_ceiling))
 
+    def _lower_ceiling(self, tokens: int) -> None:
+        self.kv_ceiling, self._ceiling_at = max(1, tokens), self.steps
+
     def _expire(self) -> None:
         now = self.clock()
         for row in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:
             self.waiting.remove(row)
             self._fail(row, Expired("the job's deadline passed while it waited for the model"))
 
-    def _admit(self, report: StepReport) -> None:
+    def _admit(self) -> None:
         in_memory = {**self.running, **self.held}
         plan = scheduler.plan(_candidates(self.waiting), _candidates(in_memory.values()), self._limits())
         if plan.pause:
-            self._back_to_waiting([in_memory[row_id] for row_id in plan.pause])
-            report.paused += len(plan.pause)
+            if not self._back_to_waiting([in_memory[row_id] for row_id in plan.pause]):
+                return
+            self._report.paused += len(plan.pause)
         by_id = {row.row_id: row for row in self.waiting}
         admitted = [by_id[row_id] for row_id in plan.admit]
         for row in admitted:
             self.waiting.remove(row)
         groups = _equal_lengths(admitted)
         for index, group in enumerate(groups):
-            if not self._prefill(group, report):
+            if not self._prefill(group):
                 self.waiting[:0] = [row for rest in groups[index + 1 :] for row in rest]
                 break
 
-    def _prefill(self, rows: list[Sequence], report: StepReport) -> bool:
-        """Prefill rows of one input length together (unpadded) and merge them; False when admission
-        must stop for this step (the rows not prefilled are back in waiting)."""
+    def _prefill(self, rows: list[Sequence]) -> bool:
+        """Prefill rows of one input length together (unpadded) and join them to the batch; False when
+        admission must stop for this step (the rows not prefilled are back in waiting)."""
         now = self.clock()
         for row in rows:
-            row.admitted_at = row.admitted_at or now
+            row.admitted_at = now
+            row.first_admitted_at = row.first_admitted_at or now
         try:
             tokens, cache, length = self.runner.prefill([row.inputs for row in rows], _masks_of(rows))
         except Exception as exc:
             error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
             if len(rows) > 1:  # one at a time: a row that breaks the model or does not fit, by itself
                 for index, row in enumerate(rows):
-                    if not self._prefill([row], report):
+                    if not self._prefill([row]):
                         self.waiting[:0] = rows[index + 1 :]
                         return False
                 return True
             if isinstance(error, OutOfMemory) and (self.running or self.held):
-                self.waiting.insert(0, rows[0])  # it may fit alone, or once a neighbour has left
-                self.kv_ceiling = self.footprint
+                self._requeue(rows, restart=False)  # it may fit alone, or once a neighbour has left
+                self._lower_ceiling(self.footprint)
                 return False
             self._fail(rows[0], error)
             return True
-        report.prefilled += len(rows)
-        report.generated += len(rows)
+        if not self._safely(lambda: self.batch.add([row.row_id for row in rows], cache, length)):
+            self._requeue(rows, restart=False)  # its prefill is lost with the rest; nothing generated yet
+            return False
+        self._report.prefilled += len(rows)
         first = self.clock()
         ended = []
         for row, token in zip(rows, tokens, strict=True):
-            row.first_token_at = row.first_token_at or first
+            row.first_token_at = first
             self.running[row.row_id] = row
             if row.accept(token):  # ended at its first token: it leaves before any decode step
                 row.finished_at = first
                 ended.append(row.row_id)
-        self.batch.add([row.row_id for row in rows], cache, length)
         self._retire(set(ended))
         return not any(row.alone for row in rows)
 
     # ---------------------------------------------------------------- failures
-    def _decode_failed(self, exc: Exception, report: StepReport) -> None:
+    def _safely(self, bookkeeping: Callable[[], object]) -> bool:
+        """Run a change to the batches (a join, a drop, a hold or release); out of memory there is
+        settled like a failed step (every row in memory back to waiting, the ceiling lowered), never
+        a job's error and never the engine's end. False when that happened."""
+        try:
+            bookkeeping()
+        except Exception as exc:
+            if not isinstance(inference.classify(exc), OutOfMemory):
+                raise  # a fault in the engine itself: the service ends it (WorkerUnusable)
+            self._memory_failed()
+            return False
+        return True
+
+    def _memory_failed(self) -> None:
+        rows = [*self.running.values(), *self.held.values()]
+        if rows:
+            self._lower_ceiling(footprint(rows[:-1]))  # the youngest's share freed
+        self.running.clear()
+        self.held.clear()
+        self.batch, self.held_batch = self.runner.new_batch(), self.runner.new_batch()  # no copy made
+        self._requeue(rows)
+        self._report.restarted += len(rows)
+
+    def _decode_failed(self, exc: Exception) -> None:
         error = inference.classify(exc)  # raises WorkerUnusable for a device fault
         rows = list(self.running.values())
         if len(rows) == 1:
             self._drop_all()
             self._fail(rows[0], error)
             return
-        report.restarted = len(rows)
+        self._report.restarted += len(rows)
         if isinstance(error, OutOfMemory):
-            self.kv_ceiling = max(1, footprint([*rows[:-1], *self.held.values()]))  # the youngest's freed
+            self._lower_ceiling(footprint([*rows[:-1], *self.held.values()]))  # the youngest's freed
         else:
             for row in rows:
                 row.alone = True  # one at a time: the row that breaks the model fails by itself
-        self._back_to_waiting(rows)
+        self._drop_all()
+        self._requeue(rows)
 
-    def _back_to_waiting(self, rows: list[Sequence]) -> None:
-        """Paused or failed-with-the-batch rows, first in line again (recomputed from their prompt)."""
+    def _back_to_waiting(self, rows: list[Sequence]) -> bool:
+        """Paused rows, first in line again (recomputed from their prompt). False when dropping them
+        ran out of memory (then every row in memory went back instead)."""
         ids = {row.row_id for row in rows}
-        if ids >= set(self.running):
-            self._drop_all()
-        else:
-            self.batch.drop(ids & set(self.running))
-        self.held_batch.drop(ids & set(self.held))
+
+        def drop() -> None:
+            if ids >= set(self.running):
+                self._drop_all()
+            else:
+                self.batch.drop(ids & set(self.running))
+            self.held_batch.drop(ids & set(self.held))
+
+        if not self._safely(drop):
+            return False
         for row in rows:
             self.running.pop(row.row_id, None)
             self.held.pop(row.row_id, None)
-            row.restart()
+        self._requeue(rows)
+        return True
+
+    def _requeue(self, rows: list[Sequence], restart: bool = True) -> None:
+        """Rows first in line again; `restart`: they had run, and are recomputed from their prompt."""
+        for row in rows:
+            if restart:
+                self._report.discarded += len(row.tokens)
+                row.restart()
         self.waiting[:0] = rows
 
     def _hold_or_release(self) -> None:
         """Backlog rows out of the decode steps while tickets are in (scheduler.hold), back after."""
-
         if scheduler.hold(_candidates(self.running.values()), _candidates(self.waiting), self.limits):
             backlog = {row_id for row_id, row in self.running.items() if row.lane != scheduler.INTERACTIVE}
             if backlog:
@@ -204,14 +264,18 @@ class Engine:
 
     def _fail(self, row: Sequence, error: MrcError) -> None:
         row.error, row.finished_at = error, self.clock()
+        self._report.finished += 1
         self.on_finished(row)
 
     def _retire(self, done: set[str]) -> None:
         if not done:
             return
-        self.batch.drop(done)
-        for row_id in done:
-            self.on_finished(self.running.pop(row_id))
+        finished = [self.running.pop(row_id) for row_id in done]
+        for row in finished:  # their answers are whole: handed back whatever the batch does next
+            self._report.finished += 1
+            self.on_finished(row)
+        if not self._safely(lambda: self.batch.drop(done)):
+            return
         if not self.running and not self.held:
             self.kv_ceiling = None  # an empty cache: try the full capacity again
 

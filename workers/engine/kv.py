@@ -107,6 +107,11 @@ class Batch:
         self.row_ids = [self.row_ids[i] for i in keep]
 
     @property
+    def held(self) -> int:
+        """Positions the rows really hold (padding not counted)."""
+        return 0 if self.mask is None else int(self.mask.sum())
+
+    @property
     def width(self) -> int:
         """Positions per row in the cache, padding included: what the batch really holds."""
         return 0 if self.mask is None else int(self.mask.shape[1])

@@ -19,7 +19,9 @@ Rules, in order:
 - a row too large for the cache even alone is admitted when nothing else runs (it fails or succeeds
   on its own, never for its neighbours);
 - a row marked `alone` (a suspect: its last delivery died with it) runs only with nothing beside it,
-  and nothing is admitted while it runs.
+  and nothing is admitted while it runs, nor past it while it waits (the rows in memory drain, so it
+  is never starved); a backlog suspect gives way to a ticket (paused), a ticket suspect pauses the
+  backlog rows in memory (held ones too) once no other ticket runs.
 """
 
 from __future__ import annotations
@@ -72,18 +74,16 @@ def admit(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits) -> l
 def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause: bool = True) -> Plan:
     """What to do at the next step. `running` is in admission order (the youngest last)."""
     result = Plan()
-    if any(c.alone for c in running):
-        return result
     kept = list(running)
+    if not _alone_running_yields(waiting, kept, result, pause):
+        return result
     backlog_rows = max(0, limits.max_rows - limits.reserved_interactive)
     prefill = 0  # backlog prefill positions admitted in this plan
     ordered = [c for c in waiting if c.lane == INTERACTIVE] + [c for c in waiting if c.lane != INTERACTIVE]
     for candidate in ordered:
         if candidate.alone:
-            if not kept:
-                result.admit.append(candidate.row_id)
-                return result
-            continue
+            _admit_alone(candidate, kept, result, pause)
+            return result  # nothing past a waiting suspect: the rows in memory drain, it is never starved
         interactive = candidate.lane == INTERACTIVE
         if not interactive and (len(kept) >= backlog_rows or any(c.lane == INTERACTIVE for c in kept)):
             continue
@@ -97,6 +97,28 @@ def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause
         kept.append(candidate)
         prefill += 0 if interactive else candidate.prompt_tokens
     return result
+
+
+def _alone_running_yields(waiting: Seq[Candidate], kept: list[Candidate], result: Plan, pause: bool) -> bool:
+    """A suspect runs with nothing beside it: False (admit nothing) while one runs, unless it is a
+    backlog one and a ticket waits: then it gives way as any backlog row does (paused, recomputed)."""
+    for row in [c for c in kept if c.alone]:
+        if pause and row.lane != INTERACTIVE and any(c.lane == INTERACTIVE for c in waiting):
+            kept.remove(row)
+            result.pause.append(row.row_id)
+        else:
+            return False
+    return True
+
+
+def _admit_alone(candidate: Candidate, kept: list[Candidate], result: Plan, pause: bool) -> None:
+    """A waiting suspect runs once nothing is kept; a ticket one pauses the backlog rows in memory
+    (held ones too) once no other ticket runs."""
+    if pause and candidate.lane == INTERACTIVE and all(c.lane != INTERACTIVE for c in kept):
+        result.pause += [c.row_id for c in reversed(kept)]
+        kept.clear()
+    if not kept:
+        result.admit.append(candidate.row_id)
 
 
 def _fits(candidate: Candidate, kept: list[Candidate], limits: Limits) -> bool:

@@ -30,12 +30,14 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded
     finish_reason: FinishReason | None = None
     error: MrcError | None = None  # why it failed, when it did
-    # Wall-clock seconds, set by the engine: first admitted, first token generated, finished.
+    # Wall-clock seconds, set by the engine: first admitted (its queue wait ends), admitted for the run
+    # that made its answer, that run's first token, finished. A pause or a failed step starts a new run.
     submitted_at: float = 0.0
+    first_admitted_at: float | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    shared_steps: int = 0  # decode steps it ran beside other rows (the masked attention path)
+    shared_steps: int = 0  # decode steps of its last run beside other rows (the masked attention path)
     restarts: int = 0  # times it was paused (or its batch failed) and recomputed from its prompt
 
     @property
@@ -82,6 +84,8 @@ class Sequence:
         again, so a pause costs compute, never a different answer."""
         self.tokens.clear()
         self.finish_reason = None
+        self.admitted_at = self.first_token_at = None
+        self.shared_steps = 0
         if self.constraint is not None:
             self.constraint.reset()
         self.restarts += 1

@@ -23,6 +23,9 @@ from workers.engine.sequence import Sequence
 from workers.metrics import Metrics
 
 _IDLE_WAIT_S = 1.0
+# A step that moved no row (every waiting row held back by the policy) is not run again before this
+# long, or before new work arrives: the loop never spins a core on rows that cannot move.
+_STALLED_WAIT_S = 0.05
 
 
 class EngineService:
@@ -74,18 +77,23 @@ class EngineService:
 
     # ---------------------------------------------------------------- the loop
     def _loop(self) -> None:
-        while self._take():
+        moved = True
+        while self._take(moved):
             began = time.perf_counter()
             try:
                 report = self.engine.step()
             except BaseException as exc:  # a device fault (or a bug in the engine): nothing can run now
                 self._die(exc)
                 return
+            moved = report.moved
             self._account(report, time.perf_counter() - began)
 
-    def _take(self) -> bool:
-        """Wait for work; move what arrived into the engine. False once stopping and idle."""
+    def _take(self, moved: bool = True) -> bool:
+        """Wait for work; move what arrived into the engine. False once stopping and idle. After a
+        step that moved no row, wait a little for new work before the next one."""
         with self._cond:
+            if not moved and not self._inbox and not self._stopping:
+                self._cond.wait(_STALLED_WAIT_S)
             while not self._inbox and self.engine.idle:
                 if self._stopping:
                     return False
@@ -98,10 +106,13 @@ class EngineService:
 
     def _finished(self, row: Sequence) -> None:
         future = self._futures.pop(row.row_id, None)
-        if row.admitted_at is not None:
+        if row.first_admitted_at is not None:
             self.metrics.admission_wait.labels(lane=row.lane).observe(
-                max(0.0, row.admitted_at - row.submitted_at)
+                max(0.0, row.first_admitted_at - row.submitted_at)
             )
+        # The tokens of its answer, counted once it is whole: end-of-text is not one, and neither are
+        # the tokens of a run that was paused or failed (mrc_engine_discarded_tokens_total).
+        self.metrics.generated.inc(len(row.tokens))
         if future is not None:
             future.set_result(row)
 
@@ -125,14 +136,13 @@ class EngineService:
         if ran:
             metrics.steps.inc()
             metrics.model_busy.inc(seconds)
-            metrics.generated.inc(report.generated)
+        if report.discarded:
+            metrics.discarded.inc(report.discarded)
         if report.decoded_rows:
             batch = engine.batch
-            width = batch.width
-            real = sum(row.length for row in engine.running.values())
             metrics.model_batch_jobs.observe(report.decoded_rows)
-            metrics.model_batch_tokens.observe(len(batch) * width)
-            metrics.padding.observe(1 - real / max(1, len(batch) * width))
+            metrics.model_batch_tokens.observe(len(batch) * batch.width)
+            metrics.padding.observe(padding(engine))
         if report.paused:
             metrics.paused.labels(reason="ticket").inc(report.paused)
             self.log.info("MRC_ENGINE_PAUSED", rows=report.paused, running=len(engine.running))
@@ -146,4 +156,12 @@ class EngineService:
         for lane, count in waiting.items():
             metrics.rows_waiting.labels(lane=lane).set(count)
         metrics.kv_used.set(engine.footprint)
-        self.on_progress(seconds if ran else 0.0)
+        if report.moved:  # progress is a row that got somewhere, not a step taken (/healthz)
+            self.on_progress(seconds)
+
+
+def padding(engine: Engine) -> float:
+    """Share of the cache positions a decode step read that were padding, not a row's own."""
+    batch = engine.batch
+    read = len(batch) * batch.width
+    return 1 - batch.held / read if read else 0.0

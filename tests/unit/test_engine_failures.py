@@ -1,0 +1,232 @@
+"""The engine under its failure rules, on the echo model's step model (no weights: each answer is a
+known script of tokens): suspects that must run alone without starving or blocking tickets, out of
+memory in the batch's bookkeeping, an out-of-memory ceiling that is not forever, progress that means a
+row moved, and the timings and token counts of rows that were paused or recomputed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from tests.support.engine_runs import drive
+from workers.backends.base import GenerationInput
+from workers.backends.echo import EchoBackend, EchoRows
+from workers.engine import engine as engine_module
+from workers.engine import scheduler
+from workers.engine.engine import Engine
+from workers.engine.sequence import Sequence
+from workers.engine.service import EngineService
+from workers.metrics import Metrics
+
+OOM = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+ECHO = EchoBackend()  # one vocabulary (the echo model numbers words as it meets them) for every run
+
+
+def _row(
+    row_id: str, lane: str = "backlog", new: int = 12, alone: bool = False, prompt: str = ""
+) -> Sequence:
+    words = " ".join(f"w{i}" for i in range(new))  # the echo answer: the image size, then these words
+    item = GenerationInput(torch.zeros((3, 8, 8), dtype=torch.uint8), prompt or f"{row_id} {words}", new)
+    return Sequence(row_id, item, 10, new, 0, lane, alone=alone)
+
+
+def _engine(limits: scheduler.Limits, steps: Any = None) -> tuple[Engine, dict[str, Sequence]]:
+    done: dict[str, Sequence] = {}
+    engine = Engine(steps or ECHO.step_model(), limits, lambda r: done.__setitem__(r.row_id, r))
+    return engine, done
+
+
+def _drive(engine: Engine, arrivals: list[tuple[Sequence, int]]) -> None:
+    drive(engine, arrivals, limit=400)
+
+
+def test_a_ticket_suspect_beside_held_backlog_rows_runs_and_they_resume() -> None:
+    """Held rows counted as kept and were released only once no ticket waited: the suspect waited for
+    them, they for it, and the engine spun, reporting progress at every step."""
+    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=1, hold_backlog=True)
+    engine, done = _engine(limits)
+    _drive(engine, [(_row("b1", new=30), 0), (_row("b2", new=30), 0), (_row("s", "interactive", 5, True), 3)])
+    assert sorted(done) == ["b1", "b2", "s"]
+    assert all(row.error is None for row in done.values())
+    assert done["s"].finished_at is not None
+
+
+def test_a_suspect_is_not_starved_by_the_rows_that_arrive_after_it() -> None:
+    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0)
+    engine, done = _engine(limits)
+    stream = [(_row(f"b{i}", new=6), i) for i in range(120)]  # a new backlog row at every step
+    _drive(engine, [*stream, (_row("s", new=4, alone=True), 1)])
+    finished_order = list(done)
+    assert finished_order.index("s") < finished_order.index("b60"), "later rows kept overtaking it"
+
+
+def test_a_ticket_does_not_wait_for_a_backlog_suspects_whole_answer() -> None:
+    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0)
+    engine, done = _engine(limits)
+    _drive(engine, [(_row("s", new=60, alone=True), 0), (_row("t", "interactive", 3), 5)])
+    assert done["s"].restarts == 1  # paused for the ticket, then recomputed
+    assert list(done) == ["t", "s"]
+    assert done["s"].tokens == _alone_tokens(_row("s", new=60, alone=True))
+
+
+def _alone_tokens(row: Sequence) -> list[int]:
+    engine, done = _engine(scheduler.Limits(max_rows=1, kv_tokens=1 << 20, reserved_interactive=0))
+    _drive(engine, [(row, 0)])
+    return done[row.row_id].tokens
+
+
+class _FlakyBatch(EchoRows):
+    """The echo batch, running out of memory on the join or drop numbered `fail_at`."""
+
+    calls = 0
+    fail_at: ClassVar[set[int]] = set()
+
+    def _maybe(self) -> None:
+        _FlakyBatch.calls += 1
+        if _FlakyBatch.calls in _FlakyBatch.fail_at:
+            raise OOM
+
+    def add(self, row_ids: list[str], cache: Any, length: int) -> None:
+        self._maybe()
+        super().add(row_ids, cache, length)
+
+    def drop(self, row_ids: set[str]) -> None:
+        self._maybe()
+        super().drop(row_ids)
+
+
+@pytest.mark.parametrize("fail_at", [{2}, {3}, {4, 5}, {6}])
+def test_out_of_memory_in_the_batchs_bookkeeping_is_settled_like_a_failed_step(fail_at: set[int]) -> None:
+    """A join held 3x the merged cache and a drop 3.1x: out of memory there reached the engine thread
+    and every job in hand came back a suspect. Now every row is recomputed and succeeds."""
+    steps = ECHO.step_model()
+    steps.new_batch = _FlakyBatch  # type: ignore[method-assign]
+    _FlakyBatch.calls, _FlakyBatch.fail_at = 0, fail_at
+    engine, done = _engine(scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0), steps)
+    rows = [(_row(f"r{i}", new=4 + 3 * i), i) for i in range(4)]
+    _drive(engine, rows)
+    for row, _arrival in rows:
+        assert done[row.row_id].error is None
+        assert done[row.row_id].tokens == _alone_tokens(_row(row.row_id, new=row.max_new_tokens))
+
+
+class _OomOnce:
+    """The echo step model, out of memory once, on the first decode step of three rows or more."""
+
+    def __init__(self) -> None:
+        self.inner, self.failed = ECHO.step_model(), False
+
+    def new_batch(self) -> Any:
+        return self.inner.new_batch()
+
+    def prefill(self, inputs: list[Any], masks: Any = None) -> Any:
+        return self.inner.prefill(inputs, masks)
+
+    def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
+        if len(batch) >= 3 and not self.failed:
+            self.failed = True
+            raise OOM
+        return self.inner.decode(batch, last, masks)
+
+
+def test_a_transient_out_of_memory_ceiling_is_lifted_under_steady_load() -> None:
+    """It lasted until running and held rows were both empty: never, under steady load."""
+    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0)
+    engine, done = _engine(limits, _OomOnce())
+    long = (_row("long", new=engine_module.CEILING_STEPS + 200), 0)  # runs throughout: it never empties
+    stream = [
+        long,
+        *((_row(f"b{i}", new=8), 1 + i // 2) for i in range(2 * (engine_module.CEILING_STEPS + 40))),
+    ]
+    seen: list[tuple[int | None, int]] = []  # (the ceiling, rows running) after each step
+    pending = sorted(stream, key=lambda pair: pair[1])
+    while pending:
+        while pending and pending[0][1] <= engine.steps:
+            engine.submit(pending.pop(0)[0])
+        engine.step()
+        seen.append((engine.kv_ceiling, len(engine.running)))
+    lowered = next((i for i, (c, _n) in enumerate(seen) if c is not None), None)
+    assert lowered is not None, "the injected out-of-memory step never happened"
+    lifted = next(i for i in range(lowered, len(seen)) if seen[i][0] is None)
+    assert lifted <= lowered + engine_module.CEILING_STEPS + 1
+    assert seen[lifted][1] > 0, "lifted only because the engine emptied"
+    assert all(row.error is None for row in done.values())
+
+
+def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
+    """A paused row: first_token and inference came from the discarded run, shared_steps kept
+    counting, and its thrown-away tokens (and every end-of-text) counted as generated."""
+    metrics = Metrics()
+    limits = scheduler.Limits(max_rows=2, kv_tokens=1 << 20, reserved_interactive=0)
+    paced = EchoBackend(token_s=0.002)
+    service = EngineService(paced.step_model(), limits, metrics).start()
+    try:
+        b1, b2 = _row("b1", new=40), _row("b2", new=40)
+        futures = [service.submit(b1), service.submit(b2)]
+        while not b2.tokens or len(b2.tokens) < 5:
+            time.sleep(0.005)
+        ticket = service.submit(_row("t", "interactive", 3))
+        rows = [f.result(timeout=60) for f in [*futures, ticket]]
+    finally:
+        service.stop()
+    paused = next(row for row in rows if row.restarts)
+    assert paused.first_admitted_at is not None
+    assert paused.admitted_at is not None
+    assert paused.first_admitted_at < paused.admitted_at  # its queue wait ended at the first run
+    assert paused.first_token_at is not None
+    assert paused.first_token_at >= paused.admitted_at
+    generated = metrics.registry.get_sample_value("mrc_engine_generated_tokens_total")
+    discarded = metrics.registry.get_sample_value("mrc_engine_discarded_tokens_total")
+    assert generated == sum(len(row.tokens) for row in rows)  # answers only: no end-of-text, no reruns
+    assert discarded is not None
+    assert discarded >= 5
+
+
+def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin() -> None:
+    """A backlog row no slot is left for (every row kept for tickets) cannot move: /healthz must not
+    hear of progress, and the loop must wait instead of stepping at full speed."""
+    limits = scheduler.Limits(max_rows=1, kv_tokens=1 << 20, reserved_interactive=1)
+    progress: list[float] = []
+    service = EngineService(ECHO.step_model(), limits, Metrics(), progress.append).start()
+    try:
+        service.submit(_row("b"))
+        stop = threading.Event()
+        stop.wait(0.5)
+        steps = service.engine.steps
+    finally:
+        service.stop()
+    assert progress == []
+    assert steps <= 0.5 / 0.05 + 2  # bounded by the loop's wait, on any machine
+
+
+def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative() -> None:
+    """It went negative: a row's length counted the token not yet fed to the cache."""
+    from pathlib import Path
+
+    from shared.settings import Settings
+    from workers.backends.fuyu import FuyuBackend
+    from workers.engine.runner import Runner
+    from workers.engine.service import padding
+
+    backend = FuyuBackend(
+        Settings(model="tiny", home=str(Path(__file__).resolve().parents[2] / ".cache" / "mrc"),
+                 quantization="fp32", device="cpu")
+    )  # fmt: skip
+    backend.load()
+    engine, _done = _engine(scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0),
+                            Runner(backend.model))  # fmt: skip
+    for index, (height, width) in enumerate([(48, 64), (90, 120), (200, 150)]):
+        item = GenerationInput(torch.full((3, height, width), 40 * index, dtype=torch.uint8), "Refund?", 6)
+        inputs, positions = backend.row_inputs(item)
+        engine.submit(Sequence(str(index), inputs, positions, 6, backend.eos_id))
+    ratios = []
+    while not engine.idle:
+        if engine.step().decoded_rows:
+            ratios.append(padding(engine))
+    assert ratios
+    assert all(0.0 <= ratio < 1.0 for ratio in ratios), ratios
+    assert max(ratios) > 0  # rows of three lengths: some of what a step read was padding
