@@ -262,11 +262,11 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
         raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
     job = client.build_job(dataclasses.replace(submission, image=image))
     body: dict[str, Any] = {"job_id": job.job_id, "status_url": f"/v1/jobs/{job.job_id}"}
+    replicated: bool | None = True if client.settings.redis_wait_replicas else None
     try:
         created = client.enqueue(job, block=False)
-        replicated = True if created else client.replicated()
-    except NotReplicated:  # queued on the master: accepted, not yet durable (docs/contract.md)
-        created, replicated = True, False
+    except NotReplicated as exc:  # queued on the master: accepted, not yet durable (docs/contract.md)
+        created, replicated = not exc.duplicate, False
     if replicated is not None:  # MRC_REDIS_WAIT_REPLICAS is on: every answer says
         body["replicated"] = replicated
     headers = None if replicated is not False else {"Mrc-Replicated": "false"}

@@ -154,12 +154,9 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
     client = Client(settings)
     job = client.build_job(_submission(args))
+    replicated = True
     try:
-        # A resubmission is the same job: with MRC_REDIS_WAIT_REPLICAS, say whether it is durable now.
-        replicated = client.enqueue(job, block=not args.no_block) or client.replicated() is not False
-        if not replicated:
-            print(f"mrc: job {job.job_id} was queued before; the Redis replicas have not confirmed it yet",
-                  file=sys.stderr)  # fmt: skip
+        client.enqueue(job, block=not args.no_block)
     except NotReplicated as exc:  # queued: the id is the caller's to resubmit under; the wait goes on
         print(f"mrc: {exc.message}", file=sys.stderr)
         replicated = False

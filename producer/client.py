@@ -169,7 +169,9 @@ class Client:
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job)
             if token is None:
-                return self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
+                duplicate = self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
+                self._confirm_replicated(job)
+                return duplicate
             sent = self._send_claimed(job, token)
             if sent is not None:
                 return sent
@@ -246,11 +248,18 @@ class Client:
     def _send(self, job: Job) -> None:
         send_job(self.celery, job.to_message(), job.lane)
 
-    def replicated(self) -> bool | None:
-        """With MRC_REDIS_WAIT_REPLICAS: whether the replicas hold every publish so far (a resubmitted
-        job's first one included); None without it."""
-        wanted = self.settings.redis_wait_replicas
-        return self.records.replicated(wanted, self.settings.redis_wait_timeout_ms) if wanted else None
+    def _confirm_replicated(self, job: Job) -> None:
+        """A resubmission is the same job; with MRC_REDIS_WAIT_REPLICAS it is answered as such only
+        once the replicas hold the earlier publish, NotReplicated (duplicate) otherwise: a caller that
+        resubmits after exit 6 / "replicated": false learns whether its job is durable now."""
+        wanted, timeout_ms = self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
+        if wanted <= 0:
+            return
+        found = self.records.replicas(wanted, timeout_ms)
+        if found < wanted:
+            error = NotReplicated(found, wanted, timeout_ms, "the earlier submission of this job")
+            error.job_id, error.duplicate = job.job_id, True
+            raise error
 
     def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
         if fingerprint and fingerprint != job.fingerprint():

@@ -142,6 +142,7 @@ class NotReplicated(MrcError):
 
     def __init__(self, acknowledged: int, wanted: int, timeout_ms: int, what: str = "the publish") -> None:
         self.job_id: str | None = None  # set by the producer that published it
+        self.duplicate = False  # the job was published before, by an earlier submission of it
         super().__init__(
             f"enqueued, but only {acknowledged} of {wanted} Redis replicas confirmed {what} within "
             f"{timeout_ms} ms: a failover now could lose it; submit again under the same job id to make sure "

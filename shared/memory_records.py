@@ -19,8 +19,8 @@ class MemoryJobRecords:
         self.events: list[dict[str, str]] = []
         self._lock = threading.Lock()
 
-    def replicated(self, replicas: int, timeout_ms: int) -> bool:
-        return True  # one process, no replicas to wait for
+    def replicas(self, wanted: int, timeout_ms: int) -> int:
+        return wanted  # one process: nothing to wait for
 
     def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
         with self._lock:

@@ -95,7 +95,7 @@ class JobRecords(Protocol):
     def renew(self, job_id: str, token: str) -> bool: ...
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool: ...
     def release(self, job_id: str, token: str) -> None: ...
-    def replicated(self, replicas: int, timeout_ms: int) -> bool: ...
+    def replicas(self, wanted: int, timeout_ms: int) -> int: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
@@ -150,14 +150,14 @@ class RedisJobRecords:
         args: list[str | int] = [token, RECORD_TTL_S, "1" if checked else "0"]
         return bool(self._confirm(keys=[names.job_key(job_id)], args=args))
 
-    def replicated(self, replicas: int, timeout_ms: int) -> bool:
-        """Whether this many replicas now hold everything the master held a moment ago (a resubmitted
-        job's earlier publish included): a write of our own, then a WAIT for it. The replication stream
-        is in order, so a replica that has our write has every write before it."""
+    def replicas(self, wanted: int, timeout_ms: int) -> int:
+        """How many replicas (waiting for `wanted` at most `timeout_ms`) hold everything the master
+        held a moment ago, a resubmitted job's earlier publish included: a write of our own, then a
+        WAIT for it. The replication stream is in order: a replica with our write has all before it."""
         with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(names.replication_probe_key(), now_rfc3339(), px=60_000)
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-            return int(pipe.execute()[-1]) >= replicas
+            pipe.execute_command("WAIT", wanted, timeout_ms)
+            return int(pipe.execute()[-1])
 
     def release(self, job_id: str, token: str) -> None:
         """Undo this holder's claim whose message never reached the queue."""

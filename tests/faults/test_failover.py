@@ -25,6 +25,8 @@ from scripts.devservices import wait_for
 from tests.support.failover import BACKLOG_LINES, Outcome, Run
 
 pytestmark = pytest.mark.faults
+# Messages one worker holds at most (MRC_WORKER_DELIVERIES x MRC_BATCH_MAX_JOBS, the defaults).
+HELD_AT_MOST = 3 * 16
 
 
 @pytest.fixture
@@ -40,12 +42,27 @@ def _kill(cluster, port: int) -> None:  # type: ignore[no-untyped-def]
     cluster.node(port).proc.send_signal(signal.SIGKILL)
 
 
-def _checks(outcome: Outcome, extras: bool = False) -> None:
+def _checks(outcome: Outcome, extras: bool = False, lossless: bool = True) -> None:
+    """What every failover run must show; printed with the worker's story when it does not."""
+    try:
+        _check(outcome, extras)
+        if lossless:
+            assert outcome.lost == [], f"acknowledged but never finished: {outcome.lost[:10]}"
+    except AssertionError:
+        print(outcome.diagnostics())
+        raise
+
+
+def _check(outcome: Outcome, extras: bool) -> None:
     """What every failover run must show, whatever the durability setting; `extras`: the run had the
     backlog run and the lane exporter."""
     assert outcome.new_port != outcome.old_port
     assert outcome.recovery_s is not None, "no submission was acknowledged after the failover"
     assert len(outcome.acknowledged) > 10  # a stream before, during and after the fault
+    # Computed twice only where a failover can cause it (docs/scaling.md): a job in the worker's hands
+    # at the fault whose unacked record the new master holds older than its last heartbeat, handed out
+    # again after the visibility timeout while the first copy runs. At most what the worker held.
+    assert len(outcome.computed_twice) <= HELD_AT_MOST, outcome.computed_twice
     # Work done twice only where the docs say it can be: a redelivery the worker skipped, its result
     # being in S3 already (never a second result object: results are keyed by job id, written once).
     # Each change of master logged once per process (Sentinel may fail over twice in a row on a busy
@@ -72,14 +89,13 @@ def test_sigkill_with_replica_acks_loses_nothing_acknowledged(run: Run) -> None:
     outcome = run.run(_kill)
     print(outcome.report("SIGKILL, MRC_REDIS_WAIT_REPLICAS=1"))
     _checks(outcome, extras=True)
-    assert outcome.lost == [], f"acknowledged but never finished: {outcome.lost[:10]}"
 
 
 @pytest.mark.parametrize("run", [0], indirect=True, ids=["wait-off"])
 def test_sigkill_without_replica_acks_reports_what_it_lost(run: Run) -> None:
     outcome = run.run(_kill, extras=False)
     print(outcome.report("SIGKILL, MRC_REDIS_WAIT_REPLICAS=0"))
-    _checks(outcome)
+    _checks(outcome, lossless=False)
 
 
 @pytest.mark.parametrize("run", [1], indirect=True, ids=["wait-1"])
@@ -90,7 +106,6 @@ def test_a_clean_shutdown_of_the_primary_fails_over_with_nothing_lost(run: Run) 
     outcome = run.run(shutdown, extras=False)
     print(outcome.report("SIGTERM, MRC_REDIS_WAIT_REPLICAS=1"))
     _checks(outcome)
-    assert outcome.lost == []
 
 
 @pytest.mark.parametrize("run", [1], indirect=True, ids=["wait-1"])
@@ -113,6 +128,5 @@ def test_a_partitioned_primary_comes_back_as_a_replica_and_never_takes_a_job(run
     outcome = run.run(partition, extras=False)
     print(outcome.report("SIGSTOP then SIGCONT, MRC_REDIS_WAIT_REPLICAS=1"))
     _checks(outcome)
-    assert outcome.lost == []
     assert refused_on_return in (["NOREPLICAS"], ["READONLY"]), refused_on_return
     assert run.cluster.role(outcome.old_port) == "slave"

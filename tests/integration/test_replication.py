@@ -76,7 +76,7 @@ def test_submit_says_enqueued_not_replicated_and_a_retry_is_the_same_job(
     assert _record(unreplicated, "wait-1")[b"published"] == b"1"  # the claim stands
     again = run_cli(unreplicated, *args)
     assert again.returncode == 6, again.stderr
-    assert "queued before" in again.stderr
+    assert "earlier submission of this job" in again.stderr
     assert _queued(unreplicated) == ["wait-1"]  # the same job: never a second message
     other = run_cli(unreplicated, *args[:-2])  # no id given: the generated one is printed
     assert other.returncode == 6, other.stderr

@@ -48,6 +48,24 @@ class Outcome:
     readyz_master: str | None = None
     queues_master: str | None = None
     exporter: str = ""
+    lost_records: dict[str, dict[str, str]] = field(default_factory=dict)
+    lanes_at_end: dict[str, int] = field(default_factory=dict)
+
+    def diagnostics(self) -> str:
+        """What a failing run's log must show to find its cause afterwards: the state of what was
+        lost, and the worker's own story around the fault (printed by the test on failure: CI keeps
+        it)."""
+        lines = self.worker_log.splitlines()
+        interesting = [line for line in lines if not line.startswith(("MRC_SUCCESS|", "MRC_BATCH|"))]
+        return "\n".join(
+            [
+                f"lost (first 10): {self.lost[:10]}",
+                f"their records at the end: {self.lost_records}",
+                f"lanes at the end: {self.lanes_at_end}",
+                f"worker log: {len(lines)} lines; the last 150 that are not per-job successes:",
+                *interesting[-150:],
+            ]
+        )
 
     def report(self, name: str) -> str:
         return (
@@ -211,6 +229,12 @@ class Run:
             settled = settled + 1 if self._idle(client) else 0
             time.sleep(0.5)
         self.outcome.lost = pending
+        try:
+            self.outcome.lost_records = {job_id: client.records.get(job_id) for job_id in pending[:10]}
+            self.outcome.lanes_at_end = {lane: client.lane_depth(lane) for lane in names.LANES}
+            self.outcome.lanes_at_end["unacked"] = int(client.records._redis.hlen(names.UNACKED_KEY))  # type: ignore[attr-defined]
+        except Exception as exc:  # the diagnostics must never hide the outcome
+            self.outcome.lanes_at_end = {f"unreadable: {exc!r}"[:200]: -1}
         assert self.worker is not None
         text = self.worker.log_path.read_text(errors="replace")
         self.outcome.worker_log = text
