@@ -189,6 +189,8 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
 
     intake = Intake(settings, client)
     openai = OpenAIRoutes(intake)
+    # The usage totals' own connection, no retries: a scrape while Redis is away answers at once (up 0).
+    usage_redis = connect(settings, settings.connect_timeout_s, retries=0)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -196,6 +198,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         yield
         openai.stop()
         intake.close()
+        usage_redis.close()
 
     app = FastAPI(title="mrc intake", version="1", description=__doc__, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -219,8 +222,7 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
     ):
         app.add_api_route(path, handler, methods=["GET"])
     openai.mount(app)
-    # Its own connection, no retries: a scrape while Redis is away answers at once (up = 0).
-    intake.registry.register(UsageCollector(connect(settings, settings.connect_timeout_s, retries=0)))
+    intake.registry.register(UsageCollector(usage_redis))
     keys = Keys(settings.api_keys)
     limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
     app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=intake.count)

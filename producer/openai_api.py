@@ -49,6 +49,19 @@ def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     return int(raw)
 
 
+def _stored(files: Files, owner: str, file_id: str) -> dict[str, Any]:
+    try:
+        return public(files.get(owner, file_id))
+    except OpenAIError:
+        raise OpenAIError(
+            409,
+            "a file with this Idempotency-Key is being stored; retry shortly",
+            None,
+            "conflict",
+            headers={"x-should-retry": "true", "retry-after": "1"},
+        ) from None
+
+
 class OpenAIRoutes:
     """State and handlers of the OpenAI-compatible routes; the batch stack is built on first use."""
 
@@ -144,17 +157,22 @@ class OpenAIRoutes:
                     "purpose",
                     "unsupported_value",
                 )
-            file_id = new_file_id()
             key = request.headers.get("idempotency-key")
+            file_id, fresh = new_file_id(), True
             if key is not None:
                 file_id, fresh = await run_in_threadpool(
-                    batches.book.idempotent, "file", caller.owner, key, file_id
+                    batches.book.idempotent, "file", caller.owner, key, new_file_id()
                 )
-                if not fresh:
-                    return JSONResponse(public(await run_in_threadpool(files.get, caller.owner, file_id)))
-            meta = await run_in_threadpool(
-                files.create, caller.owner, upload.file, upload.filename or "", str(purpose), file_id
-            )
+            if not fresh:  # a retried upload: the file the first one stored
+                return JSONResponse(await run_in_threadpool(_stored, files, caller.owner, file_id))
+            try:
+                meta = await run_in_threadpool(
+                    files.create, caller.owner, upload.file, upload.filename or "", str(purpose), file_id
+                )
+            except BaseException:
+                if key is not None:  # nothing stored: a retry stores it afresh
+                    await run_in_threadpool(batches.book.unmap, "file", caller.owner, key)
+                raise
         logs.get_logger().info(
             "MRC_FILE_CREATED",
             file_id=meta["id"],
