@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer.api_front import caller_of
 from producer.openai_batch_book import BatchBook
-from producer.openai_batch_run import Runner
+from producer.openai_batch_run import Keeper, Runner
 from producer.openai_batches import Batches, CreateBatch
 from producer.openai_chat import Chat, Models
 from producer.openai_errors import OpenAIError
@@ -73,48 +73,46 @@ class OpenAIRoutes:
         self.chat = Chat(intake, self.models)
         self._batches: Batches | None = None
         self._files: Files | None = None
-        self._runner: Runner | None = None
-        self._keeper = threading.Event()
+        self._book: BatchBook | None = None
+        self._keeper: Keeper | None = None
 
     def redis(self) -> Any:
         if self._redis is None:
             self._redis = connect(self.settings, self.settings.connect_timeout_s, retries=2)
         return self._redis
 
+    def book(self) -> BatchBook:
+        if self._book is None:
+            self._book = BatchBook(self.redis())
+        return self._book
+
     def _stack(self) -> tuple[Files, Batches]:
+        """The files and batches machinery, built on first use (S3 clients, the producer client)."""
         with self._lock:
             if self._batches is None or self._files is None:
                 from producer.backlog import Backlog
-                from shared.stores.s3 import S3Connection
+                from shared.stores.s3 import S3Connection, S3RunFiles
 
-                self._files = Files(self.settings, S3Connection(self.settings))
-                book = BatchBook(self.redis())
-                self._runner = Runner(
-                    Backlog(self.intake.client), book, self._files, self.models, self.redis()
-                )
-                self._batches = Batches(self._runner, book, self._files)
-                if self._keeper.is_set():
-                    self._runner.start()
+                connection = S3Connection(self.settings)
+                self._files = Files(self.settings, connection)
+                backlog = Backlog(self.intake.client, files=S3RunFiles(connection, self.settings))
+                runner = Runner(backlog, self.book(), self._files, self.models, self.redis())
+                self._batches = Batches(runner, self.book(), self._files)
             return self._files, self._batches
 
     def start(self) -> None:
-        """The batch keeper of this process: built and started on the first look, in its own thread
-        (an API whose Redis or S3 is down still starts)."""
-        self._keeper.set()
-        threading.Thread(target=self._quietly_build, name="mrc-batch-start", daemon=True).start()
-
-    def _quietly_build(self) -> None:
-        try:
-            self._stack()
-        except Exception as exc:
-            logs.get_logger().warning("MRC_BATCH_KEEPER_ERROR", error=repr(exc)[:300])
+        """This process's batch keeper (it resumes, expires and finishes batches in flight)."""
+        self._keeper = Keeper(
+            self.settings.openai_batch_poll_s, lambda: self.book().active(), lambda: self._stack()[1].runner
+        )
+        self._keeper.start()
 
     def stop(self) -> None:
-        self._keeper.clear()
-        if self._runner is not None:
-            self._runner.stop()
-            self._runner.backlog.runs.close()
-            self._runner.backlog.files.connection.close()  # type: ignore[attr-defined]  # the S3 files
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._batches is not None:
+            self._batches.runner.stop()
+            self._batches.runner.backlog.runs.close()
         if self._files is not None:
             self._files.connection.close()
         if self._redis is not None:

@@ -57,6 +57,36 @@ def input_key(prefix: str, batch_id: str) -> str:
     return names.run_key(prefix, batch_id, "input.jsonl")
 
 
+class Keeper:
+    """The thread that looks after the batches in flight, every MRC_OPENAI_BATCH_POLL_S. Looking needs
+    Redis only; the batch machinery (its S3 clients and all) is built when there is a batch."""
+
+    def __init__(self, poll_s: float, active: Callable[[], list[str]], runner: Callable[[], Runner]) -> None:
+        self.poll_s, self.active, self.runner = poll_s, active, runner
+        self._stop = threading.Event()
+        self._quiet_until = 0.0
+        self.log = logs.get_logger()
+
+    def start(self) -> None:
+        threading.Thread(target=self._keep, name="mrc-batch-keeper", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                batch_ids = self.active()
+                if batch_ids:
+                    runner = self.runner()
+                    for batch_id in batch_ids:
+                        runner.advance(batch_id)
+            except Exception as exc:  # Redis or S3 away: the next pass tries again; logged once a minute
+                if time.monotonic() >= self._quiet_until:
+                    self._quiet_until = time.monotonic() + 60
+                    self.log.warning("MRC_BATCH_KEEPER_ERROR", error=repr(exc)[:300])
+
+
 class Runner:
     def __init__(self, backlog: Backlog, book: BatchBook, files: Files, models: Models, redis: Any) -> None:
         self.backlog, self.book, self.files, self.models = backlog, book, files, models
@@ -64,26 +94,10 @@ class Runner:
         self.log = logs.get_logger()
         self._stop = threading.Event()
         self._work = threading.BoundedSemaphore(4)  # enqueues and finalizes at once in this process
-        self._thread: threading.Thread | None = None
-        self._quiet_until = 0.0
-
-    # ------------------------------------------------------------------ the keeper
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._keep, name="mrc-batch-keeper", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
+        """Work in progress stops at its next step (its lease lapses; a later pass resumes it)."""
         self._stop.set()
-
-    def _keep(self) -> None:
-        while not self._stop.wait(self.settings.openai_batch_poll_s):
-            try:
-                for batch_id in self.book.active():
-                    self.advance(batch_id)
-            except Exception as exc:  # Redis or S3 away: the next pass tries again; logged once a minute
-                if time.monotonic() >= self._quiet_until:
-                    self._quiet_until = time.monotonic() + 60
-                    self.log.warning("MRC_BATCH_KEEPER_ERROR", error=repr(exc)[:300])
 
     def advance(self, batch_id: str) -> None:
         record = self.book.get(batch_id)

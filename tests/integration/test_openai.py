@@ -396,6 +396,14 @@ def test_cancel_and_the_window_end_leave_every_line_in_the_error_file(oai_env: d
         errors = lines_of(sdk, done.error_file_id)
         codes = sorted((line["error"] or line["response"]["body"]["error"])["code"] for line in errors)
         assert codes == ["batch_cancelled"] * 6 + ["invalid_value"]
+        refused = [lines[-1], request_line("t", oai_env["MRC_MODEL"], "Refund?", inline, temperature=1)]
+        upload = sdk.files.create(file=("refused.jsonl", "\n".join(refused).encode()), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_final(sdk, batch.id, 60)  # no line is a request mrc runs
+        assert (done.status, done.errors.data[0].code) == ("failed", "no_valid_requests")  # type: ignore[union-attr, index]
+        assert len(lines_of(sdk, done.error_file_id)) == 2
     with idle_stack(oai_env, 4, MRC_OPENAI_BATCH_WINDOW_S="1") as (sdk, _client):
         upload = sdk.files.create(file=("three.jsonl", "\n".join(lines[:3]).encode()), purpose="batch")
         batch = sdk.batches.create(
