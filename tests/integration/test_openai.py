@@ -376,26 +376,35 @@ def idle_stack(oai_env: dict[str, str], db: int, **settings: str) -> Iterator[tu
     client.close()
 
 
-def test_cancel_and_the_window_end_leave_every_line_in_the_error_file(oai_env: dict[str, str]) -> None:
+def test_cancel_resume_and_the_window_end_leave_every_line_in_the_error_file(oai_env: dict[str, str]) -> None:
     inline = data_url(imagegen.photo(60, 60, seed=47))
     # No worker reads this database: the model a request may name is the deployment's MRC_MODEL.
     lines = [request_line(f"r{n}", oai_env["MRC_MODEL"], "Refund?", inline) for n in range(6)] + ["[]"]
+
+    def depth_reaches(client: Client, depth: int) -> None:
+        deadline = time.monotonic() + 60
+        while client.lane_depth("backlog") < depth:
+            assert time.monotonic() < deadline, client.lane_depth("backlog")
+            time.sleep(0.1)
+
     with idle_stack(oai_env, 3, MRC_BACKLOG_MAX_DEPTH="2") as (sdk, client):
         upload = sdk.files.create(file=("six.jsonl", "\n".join(lines).encode()), purpose="batch")
         batch = sdk.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-        deadline = time.monotonic() + 60
-        while client.lane_depth("backlog") < 2:  # two queued; the enqueue waits for room for the rest
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        depth_reaches(client, 2)  # two queued; the enqueue waits for room for the rest
+    # That API process is gone mid-enqueue; the next one resumes the run: one more fits, none twice.
+    with idle_stack(oai_env, 3, MRC_BACKLOG_MAX_DEPTH="3") as (sdk, client):
+        depth_reaches(client, 3)
         assert sdk.batches.cancel(batch.id).status == "cancelling"
         done = wait_final(sdk, batch.id, 60)
+        assert client.lane_depth("backlog") == 3
         assert (done.status, done.output_file_id, done.cancelled_at is not None) == ("cancelled", None, True)
         assert (done.request_counts.total, done.request_counts.failed) == (7, 7)  # type: ignore[union-attr]
         errors = lines_of(sdk, done.error_file_id)
-        codes = sorted((line["error"] or line["response"]["body"]["error"])["code"] for line in errors)
-        assert codes == ["batch_cancelled"] * 6 + ["invalid_value"]
+        assert [line["custom_id"] for line in errors] == [f"r{n}" for n in range(6)] + [None]
+        codes = [(line["error"] or line["response"]["body"]["error"])["code"] for line in errors]
+        assert codes == ["batch_cancelled"] * 6 + ["invalid_value"]  # 3 queued, 3 never queued: all unrun
         refused = [lines[-1], request_line("t", oai_env["MRC_MODEL"], "Refund?", inline, temperature=1)]
         upload = sdk.files.create(file=("refused.jsonl", "\n".join(refused).encode()), purpose="batch")
         batch = sdk.batches.create(
