@@ -70,13 +70,7 @@ class Output:
             self.backlog.files.write_lines(output_key, output_lines())
             errors.seek(0)
             self.backlog.files.write_lines(errors_key, errors)
-        owner = record["owner"]
-        done = {"output_file_id": "", "error_file_id": ""}
-        for kind, key, name in (("output", output_key, "output"), ("errors", errors_key, "error")):
-            if counts[kind]:
-                file_id = self.book.set_if_absent(batch_id, f"{name}_file_planned", new_file_id())
-                self.files.add_output(owner, file_id, key, sizes[kind], f"{batch_id}_{name}.jsonl")
-                done[f"{name}_file_id"] = file_id
+        done = self._describe(batch_id, record["owner"], counts, sizes, (output_key, errors_key))
         final = {"cancelled": "cancelled", "expired": "expired"}.get(ended_by) or (
             "completed" if counts["jobs"] else self._all_refused(batch_id)
         )
@@ -103,6 +97,19 @@ class Output:
             failed=counts["errors"],
             seconds=round(time.monotonic() - began, 3),
         )
+
+    def _describe(
+        self, batch_id: str, owner: str, counts: Counter[str], sizes: dict[str, int], keys: tuple[str, str]
+    ) -> dict[str, str]:
+        """The output and error files as the owner's files (none for an empty one); their ids are
+        chosen once per batch, so writing again describes the same files."""
+        done = {"output_file_id": "", "error_file_id": ""}
+        for kind, key, name in (("output", keys[0], "output"), ("errors", keys[1], "error")):
+            if counts[kind]:
+                file_id = self.book.set_if_absent(batch_id, f"{name}_file_planned", new_file_id())
+                self.files.add_output(owner, file_id, key, sizes[kind], f"{batch_id}_{name}.jsonl")
+                done[f"{name}_file_id"] = file_id
+        return done
 
     def _all_refused(self, batch_id: str) -> str:
         errors = {
