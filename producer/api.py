@@ -32,13 +32,15 @@ from producer.api_front import Front, Limits, caller_of
 from producer.api_guard import Keys, RateLimiter
 from producer.api_waits import Waits
 from producer.client import Client, Submission
+from producer.openai_errors import OpenAIErrors
 from shared import frames, logs, names, reach, redis_target
 from shared.dimensions import image_size
 from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
-from shared.jobs import limit_problem
-from shared.records import valid_event_id
+from shared.jobs import Job, limit_problem
+from shared.records import connect, valid_event_id
 from shared.settings import Settings
 from shared.sniff import SUPPORTED_FORMATS, sniff_format
+from shared.usage import UsageCollector
 
 _IMAGE_CODES = frozenset({"image_source_forbidden", "unsupported_image_format", "image_too_large"})
 # ?wait=SECONDS: finite and not negative; held at most MRC_API_RESULT_WAIT_MAX_S whatever is asked
@@ -55,6 +57,7 @@ class Intake:
     def __init__(self, settings: Settings, client: Client | None = None) -> None:
         self.settings = settings
         self._client = client
+        self._own_client = False  # made here (closed at shutdown), or the caller's
         self.waits = Waits(settings, settings.api_wait_threads)
         self._probe: Any = None  # one S3 connection for /readyz (boto3 clients are made once, not per probe)
         self.registry = CollectorRegistry()
@@ -68,7 +71,13 @@ class Intake:
     def client(self) -> Client:
         if self._client is None:
             self._client = Client(self.settings)
+            self._own_client = True
         return self._client
+
+    def close(self) -> None:
+        self.waits.close()
+        if self._client is not None and self._own_client:
+            self._client.close()
 
     def count(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, method=method, status=str(status)).inc()
@@ -81,6 +90,7 @@ class Intake:
         lane = str(fields.get("lane") or "interactive")
         if lane in names.LANES and lane not in caller_of(request.scope).lanes:
             return error(403, "forbidden", f"this key may not use the {lane} lane")
+        fields["api_key"] = caller_of(request.scope).key_id
         try:
             return await run_in_threadpool(_enqueue, self.client, fields, data)
         except QueueFull as exc:
@@ -156,7 +166,10 @@ class Intake:
         self._probe.probe(self.settings.s3_bucket)
 
     async def metrics(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: the usage totals are read from Redis at scrape time.
+        return Response(
+            await run_in_threadpool(generate_latest, self.registry), media_type=CONTENT_TYPE_LATEST
+        )
 
 
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
@@ -179,16 +192,27 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 def limits(settings: Settings) -> Limits:
     body = settings.api_max_body_bytes or settings.max_image_bytes + (1 << 20)
-    return Limits(body_bytes=body, bodies=settings.api_max_bodies, drain_bytes=settings.api_drain_bytes)
+    # A chat request carries its image as base64 (4 characters per 3 bytes); a file is a batch's input.
+    chat = settings.api_max_body_bytes or (settings.max_image_bytes + 2) // 3 * 4 + (1 << 20)
+    paths = (("/v1/chat/", chat), ("/v1/files", settings.openai_file_max_bytes + (1 << 20)))
+    return Limits(body, settings.api_max_bodies, settings.api_drain_bytes, paths=paths)
 
 
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
+    from producer.openai_api import OpenAIRoutes  # it builds on this module (prepare_job)
+
     intake = Intake(settings, client)
+    openai = OpenAIRoutes(intake)
+    # The usage totals' own connection, no retries: a scrape while Redis is away answers at once (up 0).
+    usage_redis = connect(settings, settings.connect_timeout_s, retries=0)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        openai.start()
         yield
-        intake.waits.close()
+        openai.stop()
+        intake.close()
+        usage_redis.close()
 
     app = FastAPI(title="mrc intake", version="1", description=__doc__, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -212,9 +236,12 @@ def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
         ("/metrics", intake.metrics),
     ):
         app.add_api_route(path, handler, methods=["GET"])
+    openai.mount(app)
+    intake.registry.register(UsageCollector(usage_redis))
     keys = Keys(settings.api_keys)
     limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
     app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=intake.count)
+    app.add_middleware(OpenAIErrors)  # outermost: errors on the OpenAI routes leave in OpenAI's shape
     return app
 
 
@@ -234,7 +261,9 @@ def _check_image(data: bytes, settings: Settings) -> None:
             )
 
 
-def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Response:
+def prepare_job(client: Client, fields: dict[str, Any], data: bytes | None) -> Job:
+    """The job a request asks for, its image uploaded, after every check (UsageError otherwise):
+    what /v1/jobs and /v1/chat/completions both enqueue."""
     if fields["lane"] not in names.LANES:
         raise UsageError(f"lane must be one of {', '.join(names.LANES)}")
     image = fields["image"]
@@ -247,6 +276,7 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
         ticket_id=fields["ticket_id"],
         deadline=fields["deadline"],
         response_format=fields["response_format"],
+        api_key=fields.get("api_key"),
     )
     # The limits first: nothing is uploaded for a job that would be refused anyway.
     problem = limit_problem(
@@ -260,7 +290,11 @@ def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Resp
         image = client.upload_bytes(data)[0]
     elif not str(image).startswith("s3://"):
         raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
-    job = client.build_job(dataclasses.replace(submission, image=image))
+    return client.build_job(dataclasses.replace(submission, image=image))
+
+
+def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Response:
+    job = prepare_job(client, fields, data)
     body: dict[str, Any] = {"job_id": job.job_id, "status_url": f"/v1/jobs/{job.job_id}"}
     replicated: bool | None = True if client.settings.redis_wait_replicas else None
     try:

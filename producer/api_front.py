@@ -53,6 +53,11 @@ class Limits:
     bodies: int  # request bodies being read at once
     drain_bytes: int  # past the limit, read and drop at most this much before closing
     body_wait_s: float = 10.0  # wait this long for a turn to read a body, then 503
+    # (path prefix, limit): routes whose bodies are bigger than a job's (a base64 image, a batch file)
+    paths: tuple[tuple[str, int], ...] = ()
+
+    def for_path(self, path: str) -> int:
+        return next((limit for prefix, limit in self.paths if path.startswith(prefix)), self.body_bytes)
 
 
 def json_body(
@@ -128,7 +133,7 @@ class Front:
         return None
 
     async def _with_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.limits.body_bytes
+        limit = self.limits.for_path(str(scope.get("path", "")))
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _drain(receive, self.limits.drain_bytes, int(declared))
@@ -142,10 +147,20 @@ class Front:
             await _drain(receive, self.limits.drain_bytes, None)
             await _reply(send, json_body(503, "busy", "too many uploads at once", {"Retry-After": "2"}))
             return
+        bodies, held = self._bodies, [True]
+
+        def done_with_body() -> None:
+            if held[0]:
+                held[0] = False
+                bodies.release()
+
+        # A route that goes on long after it let go of its body (a chat completion waiting for its
+        # answer) gives its turn back early by calling this; every other route holds it to its end.
+        scope.setdefault("state", {})["done_with_body"] = done_with_body
         try:
             await self._limited(scope, receive, send, limit)
         finally:
-            self._bodies.release()
+            done_with_body()
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         seen, over, ended = 0, False, False

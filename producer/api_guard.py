@@ -15,6 +15,12 @@ from shared import names
 class Caller:
     name: str  # the key's hash prefix, or the client address when keys are off: the rate-limit bucket
     lanes: frozenset[str]
+    key_id: str | None = None  # the key's hash prefix (12 hex); None when keys are off
+
+    @property
+    def owner(self) -> str:
+        """Whose files and batches these are: the key's id, or `none` without keys."""
+        return self.key_id or "none"
 
 
 class Keys:
@@ -49,7 +55,7 @@ class Keys:
             return None
         digest = hashlib.sha256(token.strip().encode()).hexdigest()
         lanes = self.entries.get(digest)
-        return None if lanes is None else Caller(digest[:12], lanes)
+        return None if lanes is None else Caller(digest[:12], lanes, digest[:12])
 
 
 _PRUNE_MIN = 1024

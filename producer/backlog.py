@@ -27,11 +27,13 @@ from producer import manifest
 from producer.client import Client
 from producer.manifest import Invalid, Line
 from shared import encoding, names, prompts
+from shared import usage as usage_book
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, UsageError
 from shared.jobs import Job, parse_rfc3339
 from shared.records import TERMINAL, connect
 from shared.runs import CANCELLED, FULL, PartNotReplicated, Queued, RunRecords
+from shared.settings import Settings
 from shared.stores import RunFiles, open_run_files
 
 CHUNK_LINES = 5000
@@ -65,6 +67,7 @@ class Progress:
 
 
 OnProgress = Callable[[Progress], None]
+Parse = Callable[[int, bytes, str, Settings], "Line | Invalid | None"]
 
 
 class Backlog:
@@ -89,8 +92,10 @@ class Backlog:
         block: bool = True,
         rate: float | None = None,
         on_progress: OnProgress | None = None,
+        parse: Parse = manifest.parse,
     ) -> Progress:
-        """Enqueue a manifest's lines under `run_id`; returns what this call did."""
+        """Enqueue a manifest's lines under `run_id`; returns what this call did. `parse` reads one
+        line (another format's lines: an OpenAI batch file, producer/openai_batch_lines.py)."""
         if not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
         record = self.runs.start(run_id, source)
@@ -108,7 +113,7 @@ class Backlog:
                 progress.invalid += invalid
                 progress.already += index.count("\n") - invalid
             else:
-                self._enqueue_chunk(run_id, number, chunk, progress, block, throttle, on_progress)
+                self._enqueue_chunk(run_id, number, chunk, progress, block, throttle, on_progress, parse)
             if on_progress:
                 on_progress(progress)
         if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
@@ -124,8 +129,9 @@ class Backlog:
         block: bool,
         throttle: _Throttle,
         on_progress: OnProgress | None,
+        parse: Parse,
     ) -> None:
-        parsed = [p for n, raw in chunk if (p := manifest.parse(n, raw, run_id, self.settings)) is not None]
+        parsed = [p for n, raw in chunk if (p := parse(n, raw, run_id, self.settings)) is not None]
         images = self._upload([p.image for p in parsed if isinstance(p, Line)], progress)
         entries: list[dict[str, Any]] = []
         jobs: list[tuple[Line, Job]] = []
@@ -213,6 +219,7 @@ class Backlog:
                 "max_new_tokens": new,
                 "ticket_id": line.ticket_id,
                 "response_format": line.response_format,
+                "api_key": line.api_key,
             }
         )
 
@@ -277,9 +284,11 @@ class Backlog:
         codes: Counter[str] = Counter()
         recent = invalid = 0
         since = time.time() - 60
+        usage = usage_book.empty_sums()
         for batch in manifest.batched(self.entries(run_id), 1000):
             invalid += sum(1 for e in batch if "invalid" in e)
             ids = [e["job_id"] for e in batch if "job_id" in e]
+            usage_book.add_records(usage, self.runs.usage(ids))
             for state, code, updated in self.runs.states(ids):
                 states[state or "unknown"] += 1
                 if state == "failed":
@@ -304,6 +313,7 @@ class Backlog:
             "invalid_lines": invalid,
             "rate_per_s": round(rate, 2),
             "eta_s": round(left / rate, 1) if rate > 0 else None,
+            "usage": usage,  # the finished jobs' tokens (their results' `usage`, summed)
         }
 
     def cancel(self, run_id: str) -> int:

@@ -209,9 +209,11 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
     from prometheus_client import CollectorRegistry, start_http_server
 
     from shared.lane_metrics import LaneCollector
+    from shared.usage import UsageCollector
 
     registry = CollectorRegistry()
     registry.register(LaneCollector(client))
+    registry.register(UsageCollector(client))
     registry.register(redis_target.FailoverCollector())
     server, _thread = start_http_server(port, registry=registry)
     logs.get_logger().info("MRC_HTTP_LISTENING", port=server.server_address[1], what="lane metrics")

@@ -44,6 +44,7 @@ class Submission:
     deadline: str | None = None
     # Structured answers: {"type": "json_schema", "schema": {...}} or {"type": "choice", "choices": [...]}
     response_format: Mapping[str, Any] | JsonSchemaFormat | ChoiceFormat | None = None
+    api_key: str | None = None  # the mrc-api key's id (Job.api_key): usage totals per key
 
 
 class Client:
@@ -66,6 +67,14 @@ class Client:
         )
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()
+
+    def close(self) -> None:
+        """Let go of the S3, Redis and broker connections this client opened."""
+        for part in (self.images, self.results, self.records):
+            connection = getattr(part, "connection", None) or getattr(part, "_redis", None)
+            if connection is not None:
+                connection.close()
+        self.celery.close()
 
     # ---- validation ----
     def validate(self, sub: Submission) -> None:
@@ -134,6 +143,7 @@ class Client:
             "ticket_id": sub.ticket_id,
             "deadline": sub.deadline,
             "response_format": self.response_format(sub),
+            "api_key": sub.api_key,
         }
         try:
             return Job.from_message(fields)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from shared import encoding, names
 from shared import response_format as response_formats
@@ -34,6 +34,7 @@ RUN_ID_RULE = "1-64 of [A-Za-z0-9_-], starting with a letter or digit"
 _FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id", "response_format"}
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_LINE_BYTES = 64 * 1024
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Line:
     max_new_tokens: int | None
     ticket_id: str | None
     response_format: JsonSchemaFormat | ChoiceFormat | None = None
+    api_key: str | None = None  # who asked, for the usage totals (a batch through mrc-api)
 
 
 @dataclass(frozen=True)
@@ -68,16 +70,16 @@ def job_id_for(run_id: str, custom_id: str) -> str:
     return f"{run_id}:{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
 
 
-def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+def read_lines(stream: IO[bytes], max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
     """(line number, raw line) for every line, blank ones included (they are skipped later).
 
-    A line never costs more than MAX_LINE_BYTES of memory: past that, its first MAX_LINE_BYTES + 1
-    bytes stand for it (enough for `parse` to refuse it) and the rest is read and dropped, so a file
+    A line never costs more than `max_bytes` of memory: past that, its first `max_bytes` + 1 bytes
+    stand for it (enough for `parse` to refuse it) and the rest is read and dropped, so a file
     without newlines is never read whole."""
     number = 0
-    while raw := stream.readline(MAX_LINE_BYTES + 1):
+    while raw := stream.readline(max_bytes + 1):
         number += 1
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+        if len(raw) > max_bytes and not raw.endswith(b"\n"):
             while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
                 pass
         yield number, raw
@@ -190,8 +192,8 @@ def chunks(lines: Iterable[tuple[int, bytes]], size: int) -> Iterator[tuple[int,
         yield number, chunk
 
 
-def batched(items: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
-    batch: list[dict[str, Any]] = []
+def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    batch: list[T] = []
     for item in items:
         batch.append(item)
         if len(batch) == size:

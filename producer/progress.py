@@ -39,8 +39,14 @@ def describe(data: dict[str, Any]) -> str:
     return (
         f"run {data['run_id']}: {data['succeeded']}/{data['jobs']} done, {data['failed']} failed{codes}, "
         f"{data['queued']} queued, {data['running']} running, {data['invalid_lines']} invalid lines, "
-        f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}"
+        f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}{_tokens(data.get('usage'))}"
     )
+
+
+def _tokens(usage: dict[str, int] | None) -> str:
+    if not usage:
+        return ""
+    return f", tokens {usage.get('prompt_tokens', 0)} in / {usage.get('completion_tokens', 0)} out"
 
 
 class Display:

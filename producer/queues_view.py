@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from shared import names, redis_target
+from shared import usage as usage_book
 from shared.lane_metrics import lane_view
 from shared.settings import Settings
 
@@ -32,6 +33,8 @@ def collect(client: Any, settings: Settings) -> dict[str, Any]:
             "misses": misses,
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         },
+        # Tokens of finished jobs per API key (`none`: submitted without one), fleet totals
+        "usage_by_key": usage_book.totals(client),
     }
 
 
@@ -91,7 +94,15 @@ def render_text(view: dict[str, Any]) -> str:
     lines.append(
         f"{'cache':<12} {hits} hits / {misses} misses" + (f" ({rate:.1%})" if rate is not None else "")
     )
+    lines += [_usage_line(key, counts) for key, counts in view.get("usage_by_key", {}).items()]
     return "\n".join(lines)
+
+
+def _usage_line(key: str, counts: dict[str, int]) -> str:
+    return (
+        f"{'usage':<12} key {key}: {counts.get('jobs', 0)} jobs, {counts.get('prompt_tokens', 0)} prompt "
+        f"tokens ({counts.get('image_tokens', 0)} image), {counts.get('completion_tokens', 0)} completion"
+    )
 
 
 def _redis_line(redis: dict[str, Any]) -> str:
@@ -143,3 +154,5 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         f"dead letters {view['dead_letter']}, rejected entries {view['rejected']}, "
         f"cache {cache['hits']} hits / {cache['misses']} misses, backlog limit {view['backlog_limit']}"
     )
+    for key, counts in view.get("usage_by_key", {}).items():
+        console.print(_usage_line(key, counts))

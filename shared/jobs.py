@@ -92,6 +92,10 @@ class Job(BaseModel):
     submitted_at: str = Field(default_factory=now_rfc3339)
     deadline: str | None = None
     response_format: ResponseFormat | None = None  # structured answers (shared/response_format.py)
+    # Who submitted it through mrc-api: the key's id (the first 12 hex of its sha256), for the usage
+    # totals per key; None from `mrc submit`, `mrc backlog` and an API without keys. Never part of
+    # the fingerprint (the same job from two callers is the same job).
+    api_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{12}$")
 
     @field_validator("job_id")
     @classmethod
@@ -122,7 +126,9 @@ class Job(BaseModel):
         return value
 
     def to_message(self) -> dict[str, Any]:
-        message = self.model_dump(by_alias=True, exclude={"response_format"})
+        message = self.model_dump(by_alias=True, exclude={"response_format", "api_key"})
+        if self.api_key is not None:  # absent otherwise, as response_format: old messages unchanged
+            message["api_key"] = self.api_key
         if self.response_format is not None:  # absent otherwise: messages of free jobs stay as they were
             message["response_format"] = self.response_format.model_dump(by_alias=True)
         return message
@@ -196,6 +202,17 @@ class Timings(BaseModel):
     total: float = 0.0
 
 
+class Usage(BaseModel):
+    """What the answer took: its prompt positions (text and image, the model's control tokens
+    included) and the tokens it generated (the end-of-text token excluded). A cache hit reports the
+    answer it reuses; a job the model never ran reports zeros."""
+
+    prompt_tokens: int = 0
+    image_tokens: int = 0  # the image's share of prompt_tokens
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
 class JobResult(BaseModel):
     """The one object written per job to results/<job_id>.json."""
 
@@ -216,6 +233,7 @@ class JobResult(BaseModel):
     model: ModelInfo
     cache_hit: bool = False
     timings_ms: Timings = Field(default_factory=Timings)
+    usage: Usage = Field(default_factory=Usage)
     submitted_at: str
     finished_at: str = Field(default_factory=now_rfc3339)
     # The job's response_format as submitted, and the answer read as it asked (the parsed JSON value,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -19,8 +17,7 @@ from prometheus_client.registry import Collector
 
 from shared import names
 from shared.jobs import parse_rfc3339
-
-_CACHE_S = 1.0  # scrapes from several Prometheus replicas within a second read Redis once
+from shared.scrape import ScrapeCache
 
 
 def lane_view(client: redis.Redis) -> dict[str, dict[str, float]]:
@@ -67,12 +64,10 @@ def _submitted_at(raw: bytes | str) -> datetime | None:
 
 class LaneCollector(Collector):
     def __init__(self, client: redis.Redis) -> None:
-        self._client = client
-        self._lock = threading.Lock()
-        self._cached: tuple[float, dict[str, Any] | None] = (-1e18, None)
+        self._view: ScrapeCache[dict[str, Any]] = ScrapeCache(lambda: lane_view(client))
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        view = self._view()
+        view = self._view.get()
         depth = GaugeMetricFamily("mrc_queue_depth", "Jobs waiting on the lane", labels=["lane"])
         flight = GaugeMetricFamily(
             "mrc_queue_in_flight", "Jobs taken by a worker, not yet acked", labels=["lane"]
@@ -91,15 +86,3 @@ class LaneCollector(Collector):
             dead.add_metric([], view["dead_letter"]["depth"])
             yield from (depth, flight, age, dead)
         yield up
-
-    def _view(self) -> dict[str, Any] | None:
-        with self._lock:
-            at, view = self._cached
-            if time.monotonic() - at < _CACHE_S:
-                return view
-            try:
-                view = lane_view(self._client)
-            except redis.RedisError:
-                view = None  # a scrape never fails for Redis: mrc_queue_metrics_up says so
-            self._cached = (time.monotonic(), view)
-            return view

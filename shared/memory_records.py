@@ -6,6 +6,7 @@ import json
 import secrets
 import threading
 
+from shared import usage as usage_book
 from shared.jobs import State
 
 
@@ -17,6 +18,7 @@ class MemoryJobRecords:
         self.dlq: list[dict[str, object]] = []  # oldest first
         self.processing: list[str] = []
         self.events: list[dict[str, str]] = []
+        self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
         self._lock = threading.Lock()
 
     def replicas(self, wanted: int, timeout_ms: int) -> int:
@@ -93,6 +95,26 @@ class MemoryJobRecords:
         with self._lock:
             record = self.records.setdefault(job_id, {})
             record.update({"attempts": "0", "solo_runs": "0", "state": "queued"})
+            record.pop("usage_counted", None)
+
+    def count_usage(self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool) -> bool:
+        args = usage_book.count_args(api_key, usage, cache_hit)
+        with self._lock:
+            record = self.records.get(job_id)
+            if record is not None:
+                if record.get("usage_counted") == "1":
+                    return False
+                fields = dict(
+                    zip(usage_book.RECORD_FIELDS, (args[1], args[2], args[3], args[5]), strict=True)
+                )
+                record.update({"usage_counted": "1", **{k: str(v) for k, v in fields.items()}})
+            key = str(args[0])
+            counts = self.usage.setdefault(key, {})
+            for kind, value in zip(("prompt_tokens", "image_tokens", "completion_tokens", "total_tokens",
+                                    "cache_hits"), args[1:], strict=True):  # fmt: skip
+                counts[kind] = counts.get(kind, 0) + int(value)
+            counts["jobs"] = counts.get("jobs", 0) + 1
+            return True
 
     def list_lengths(self, keys: list[str]) -> int:
         return 0  # no queues in process

@@ -55,6 +55,36 @@ def run_record_key(run_id: str) -> str:
     return f"{REDIS_PREFIX}run:{run_id}"
 
 
+def usage_totals_key() -> str:
+    """Redis hash of token totals per API key: `<key>|<kind>` -> count (shared/usage.py)."""
+    return f"{REDIS_PREFIX}usage:keys"
+
+
+def batch_key(batch_id: str) -> str:
+    """Redis hash of an OpenAI-style batch (producer/openai_batches.py): its state, times, file ids."""
+    return f"{REDIS_PREFIX}batch:{batch_id}"
+
+
+def batch_lease_key(batch_id: str, what: str) -> str:
+    """Who works on a batch now (`enqueue`, `finalize`): one mrc-api process at a time."""
+    return f"{REDIS_PREFIX}batch:{batch_id}:{what}"
+
+
+def batches_key(owner: str) -> str:
+    """Sorted set of an owner's batch ids by creation time (`GET /v1/batches`, paged)."""
+    return f"{REDIS_PREFIX}batches:{owner}"
+
+
+def active_batches_key() -> str:
+    """Set of batch ids not yet in a final state: what mrc-api's batch keeper looks after."""
+    return f"{REDIS_PREFIX}batches:active"
+
+
+def idempotency_key(scope: str, owner: str, digest: str) -> str:
+    """An Idempotency-Key's object (a file or a batch), per owner, kept a day."""
+    return f"{REDIS_PREFIX}idem:{scope}:{owner}:{digest}"
+
+
 def worker_key(hostname: str) -> str:
     return f"{REDIS_PREFIX}worker:{hostname}"
 
@@ -98,6 +128,12 @@ def result_key(prefix: str, job_id: str) -> str:
 def run_key(prefix: str, run_id: str, name: str) -> str:
     """A backlog run's file: `<prefix>runs/<run_id>/<name>` (results.jsonl, errors.jsonl, index/...)."""
     return f"{prefix}runs/{run_id}/{name}"
+
+
+def file_key(prefix: str, owner: str, file_id: str, ext: str) -> str:
+    """An uploaded file (`.jsonl`) and every file's description (`.json`), per owner:
+    `<prefix>files/<owner>/<file_id>.<ext>` (a batch's output lives in its run's folder)."""
+    return f"{prefix}files/{owner}/{file_id}.{ext}"
 
 
 def input_key(prefix: str, sha256: str, ext: str) -> str:

@@ -12,6 +12,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from shared import encoding, names, redis_target
+from shared import usage as usage_book
 from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
 
@@ -103,6 +104,9 @@ class JobRecords(Protocol):
     def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]: ...
     def solo_run(self, job_id: str) -> int: ...
     def reset_attempts(self, job_id: str) -> None: ...
+    def count_usage(
+        self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool
+    ) -> bool: ...
     def list_lengths(self, keys: list[str]) -> int: ...
     def dead_letter(self, entry: dict[str, object]) -> None: ...
     def dead_letters(self, limit: int = 100) -> list[dict[str, object]]: ...
@@ -126,6 +130,7 @@ class RedisJobRecords:
         self._renew = client.register_script(_RENEW_SCRIPT)
         self._confirm = client.register_script(_CONFIRM_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
+        self._count_usage = client.register_script(usage_book.COUNT_SCRIPT)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisJobRecords:
@@ -224,9 +229,15 @@ class RedisJobRecords:
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
             pipe.hset(key, mapping={"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1"})
-            pipe.hdel(key, "dead_letter", "error_code", "error_message")
+            pipe.hdel(key, "dead_letter", "error_code", "error_message", "usage_counted")  # runs again
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
+
+    def count_usage(self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool) -> bool:
+        """Add a finished job's usage to its key's totals and keep it in its record, once per job
+        (shared/usage.py); True when counted now."""
+        keys = [names.job_key(job_id), names.usage_totals_key()]
+        return bool(self._count_usage(keys=keys, args=usage_book.count_args(api_key, usage, cache_hit)))
 
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]:
         """The records of a delivery's jobs in one round trip; a backlog job's record also says

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from shared import names
+from shared import usage as usage_book
 from shared.errors import NotReplicated
 from shared.jobs import now_rfc3339
 from shared.records import RECORD_TTL_S
@@ -97,6 +98,9 @@ class RunRecords:
         self._cancel = client.register_script(CANCEL_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
 
+    def close(self) -> None:
+        self._redis.close()
+
     # ---- the run ----
     def get(self, run_id: str) -> dict[str, str]:
         return dict(self._redis.hgetall(run_key(run_id)))  # type: ignore[arg-type]  # decode_responses
@@ -164,3 +168,10 @@ class RunRecords:
             for job_id in job_ids:
                 pipe.hmget(names.job_key(job_id), ["state", "error_code", "updated_at"])
             return [(r[0], r[1], r[2]) for r in pipe.execute()]
+
+    def usage(self, job_ids: Sequence[str]) -> list[list[str | None]]:
+        """The usage fields each finished job's record keeps (shared/usage.py), in one round trip."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(names.job_key(job_id), list(usage_book.RECORD_FIELDS))
+            return [list(r) for r in pipe.execute()]

@@ -77,6 +77,19 @@ class Settings(BaseSettings):
     # waiting request holds one; more waiters queue for one, submissions never do.
     api_wait_threads: int = Field(default=256, ge=1)
     events_max: int = Field(default=100_000, ge=100)  # completion events kept in the Redis stream
+    # --- the OpenAI-compatible routes of mrc-api (producer/openai_*.py) ---
+    # POST /v1/chat/completions waits this long for the answer (less when the client says it gives up
+    # sooner), then answers 504 `answer_timeout` naming the job id; the job goes on.
+    openai_wait_s: float = Field(default=60.0, gt=0, le=3600)
+    # Largest file POST /v1/files takes (OpenAI's own limit for batch input: 200 MB); at most 5 GiB,
+    # what one S3 copy takes.
+    openai_file_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=5 * 1024**3)
+    openai_batch_max_lines: int = Field(default=50_000, ge=1)  # requests in one batch (OpenAI's: 50,000)
+    # The completion window `24h` stands for: past it, a batch's unfinished requests end `expired`.
+    openai_batch_window_s: float = Field(default=86_400.0, gt=0)
+    # How often each mrc-api process looks after the batches in flight (resumes their enqueue after a
+    # crash, expires them, writes their output files once every request has ended).
+    openai_batch_poll_s: float = Field(default=5.0, gt=0, le=3600)
     # --- model (CONTRACT.md) ---
     model: str = "adept/fuyu-8b"
     quantization: Quantization = "nf4"

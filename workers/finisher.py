@@ -76,6 +76,7 @@ class Finisher:
         self.records.set_state(
             slot.job_id, result.status, **({"error_code": result.error.code} if result.error else {})
         )
+        self._count_usage(slot, result)
         self._announce(result)
         outcomes.report(slot, result, self.backend, self.metrics, self.log)
         if result.status == "succeeded" and not slot.cache_hit:
@@ -102,12 +103,26 @@ class Finisher:
             "text": slot.text,
             "output_tokens": slot.output_tokens,
             "finish_reason": slot.finish_reason,
+            "prompt_tokens": slot.prompt_positions,  # a hit reports the usage of the answer it reuses
             "label": prompt_label(slot.job.prompt),
         }
         try:
             self.cache.put(slot.cache_key, value, self.settings.cache_ttl_s)
         except Exception as exc:
             self.log.warning("MRC_CACHE_WRITE_FAILED", job_id=slot.job_id, error=repr(exc)[:300])
+
+    def _count_usage(self, slot: Slot, result: JobResult) -> None:
+        """The answer's tokens to its key's totals, once per job (shared/usage.py). Best effort, as
+        the event: the result (which carries its usage) is the truth."""
+        try:
+            self.records.count_usage(
+                result.job_id,
+                slot.job.api_key if slot.job else None,
+                result.usage.model_dump(),
+                result.cache_hit,
+            )
+        except Exception as exc:
+            self.log.warning("MRC_USAGE_COUNT_FAILED", job_id=result.job_id, error=repr(exc)[:200])
 
     def _announce(self, result: JobResult) -> None:
         """A completion event for upstream systems that follow the stream instead of polling each job.

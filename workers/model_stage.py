@@ -174,6 +174,7 @@ class ModelStage:
         if row.admitted_at is not None and row.finished_at is not None:
             slot.timings["inference"] = (row.finished_at - row.admitted_at) * 1000
         slot.output_tokens = len(row.tokens)
+        slot.prompt_positions = row.prompt_tokens
         if row.error is not None:
             slot.error = row.error
             if isinstance(row.error, AnswerIncomplete):

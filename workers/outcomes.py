@@ -13,6 +13,7 @@ from shared.jobs import (
     ModelInfo,
     PromptInfo,
     Timings,
+    Usage,
     now_rfc3339,
     parse_rfc3339,
 )
@@ -81,8 +82,26 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             first_token=round(first_token_ms, 3),
             total=round(total_ms, 3),
         ),
+        usage=usage(slot, backend),
         submitted_at=submitted,
         finished_at=finished,
+    )
+
+
+def usage(slot: Slot, backend: ModelBackend) -> Usage:
+    """The answer's token counts, from the engine row (its prompt positions, its generated tokens) or
+    the cached answer it reuses; zeros for a job the model never took."""
+    positions = slot.prompt_positions
+    if positions is None and slot.cache_hit and slot.plan is not None:
+        positions = slot.plan.tokens + _image_tokens(slot, backend)  # an entry cached before usage
+    if positions is None:
+        return Usage()
+    completion = slot.output_tokens
+    return Usage(
+        prompt_tokens=positions,
+        image_tokens=min(positions, _image_tokens(slot, backend)),
+        completion_tokens=completion,
+        total_tokens=positions + completion,
     )
 
 

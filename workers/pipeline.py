@@ -291,6 +291,8 @@ class Pipeline:
                     True,
                 )
                 reason = hit.get("finish_reason")  # absent from entries cached before the engine
+                positions = hit.get("prompt_tokens")  # absent from entries cached before usage
+                slot.prompt_positions = positions if isinstance(positions, int) else None
                 slot.finish_reason = reason if reason in ("stop", "length") else None
 
     def _write_results(self, slots: list[Slot]) -> None:

@@ -39,6 +39,9 @@ class Slot:
     text: str | None = None
     output: Any = None  # the answer read as its response_format asked (parsed JSON, or the choice)
     output_tokens: int = 0
+    # Cache positions its prefill filled (image + prompt + the model's control tokens): the engine row's
+    # prompt_tokens, or the cached answer's; None when the model never took it (its usage reports 0).
+    prompt_positions: int | None = None
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
     finishing: bool = False
     suspect: bool = False  # its last delivery died with it in hand: it runs alone

@@ -51,6 +51,11 @@ class S3Connection:
             config=config,
         )
 
+    def close(self) -> None:
+        """Let go of the pooled connections (a process that makes stores again and again: mrc-api's
+        apps in tests)."""
+        self.client.close()
+
     def call(self, method: str, **kwargs: Any) -> Any:
         try:
             return getattr(self.client, method)(**kwargs)

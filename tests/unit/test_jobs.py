@@ -83,9 +83,15 @@ def test_result_serialises_with_the_contract_field_names() -> None:
     ).to_json_dict()
     assert list(result) == [
         "schema", "job_id", "status", "text", "error", "finish_reason", "lane", "ticket_id", "attempts",
-        "image", "prompt", "model", "cache_hit", "timings_ms", "submitted_at", "finished_at",
+        "image", "prompt", "model", "cache_hit", "timings_ms", "usage", "submitted_at", "finished_at",
         "response_format", "output", "job_fingerprint",
     ]  # fmt: skip
+    assert result["usage"] == {
+        "prompt_tokens": 0,
+        "image_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+    }
     assert result["schema"] == "mrc.result/1"
     assert list(result["timings_ms"]) == ["queued", "preprocess", "inference", "first_token", "total"]
 

@@ -341,3 +341,29 @@ def test_each_result_says_which_attention_path_it_took(store: MemoryStore) -> No
     paced = EchoBackend(token_s=0.05)  # 8 steps of 50 ms: the second row joins while the first decodes
     _pipeline(store, paced).run([_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")])
     assert {store.get_result(j)["model"]["attention_path"] for j in ("mx-1", "mx-2")} == {"masked"}
+
+
+def test_every_result_carries_its_usage_counted_once_per_key(store: MemoryStore) -> None:
+    """usage: the row's prompt positions (64x48 image: 2 patch rows of 3 + a newline = 8; the echo
+    model's one word each) and its generated tokens; a cache hit reports the answer it reuses, a job
+    the model never took reports zeros; the key's totals count each job once."""
+    from workers.memory_cache import MemoryResultCache
+
+    records = MemoryJobRecords()
+    pipeline = assemble(
+        EchoBackend(), store, store, records, Settings(), sleep=lambda _s: None, cache=MemoryResultCache()
+    )
+    key = "0123456789ab"
+    jobs = [_job("u1", api_key=key), _job("u-missing", image="s3://mrc/inputs/nope.jpg", api_key=key)]
+    assert pipeline.run(jobs) == ["succeeded", "failed"]
+    assert pipeline.run([_job("u2", api_key=key), _job("u1", api_key=key)]) == ["succeeded", "skipped"]
+    answered = {"prompt_tokens": 9, "image_tokens": 8, "completion_tokens": 2, "total_tokens": 11}
+    assert store.get_result("u1")["usage"] == answered  # "64x48: refund?": two tokens
+    assert store.get_result("u2")["cache_hit"] is True
+    assert store.get_result("u2")["usage"] == answered
+    assert store.get_result("u-missing")["usage"] == dict.fromkeys(answered, 0)
+    totals = records.usage[key]
+    assert (totals["jobs"], totals["prompt_tokens"], totals["completion_tokens"]) == (3, 18, 4)
+    assert totals["cache_hits"] == 1
+    assert records.get("u1")["usage_prompt"] == "9"
+    assert not records.count_usage("u1", key, answered, False)  # a result written again: not counted

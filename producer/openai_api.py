@@ -1,0 +1,275 @@
+"""The OpenAI-compatible routes of mrc-api, mounted beside /v1/jobs (same keys, rate limits, body
+limits and lanes: producer/api_front.py runs first):
+
+POST /v1/chat/completions · GET /v1/models[/{model}] · POST /v1/files · GET /v1/files ·
+GET/DELETE /v1/files/{id} · GET /v1/files/{id}/content · POST /v1/batches · GET /v1/batches ·
+GET /v1/batches/{id} · POST /v1/batches/{id}/cancel
+
+Shapes as OpenAI defines them, so the official SDKs work with `base_url` pointed here; errors in
+OpenAI's shape (producer/openai_errors.py). Files and batches belong to the key that made them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from producer.api_front import caller_of
+from producer.openai_batch_book import BatchBook
+from producer.openai_batch_run import Keeper, Runner
+from producer.openai_batches import Batches, CreateBatch
+from producer.openai_chat import Chat, Models
+from producer.openai_errors import OpenAIError
+from producer.openai_files import PURPOSES, Files, new_file_id, public
+from producer.openai_requests import ChatRequest, read_json
+from shared import logs
+from shared.records import connect
+
+_FILE_FORM = {"file", "purpose"}
+
+
+def _query(name: str, kind: str = "string", **schema: Any) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": {"type": kind, **schema}}
+
+
+def _body(schema: dict[str, Any], kind: str = "application/json") -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {kind: {"schema": schema}}}}
+
+
+def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+        raise OpenAIError(400, f"{name} must be an integer from {low} to {high}", name, "invalid_value")
+    return int(raw)
+
+
+def _stored(files: Files, owner: str, file_id: str) -> dict[str, Any]:
+    try:
+        return public(files.get(owner, file_id))
+    except OpenAIError:
+        raise OpenAIError(
+            409,
+            "a file with this Idempotency-Key is being stored; retry shortly",
+            None,
+            "conflict",
+            headers={"x-should-retry": "true", "retry-after": "1"},
+        ) from None
+
+
+class OpenAIRoutes:
+    """State and handlers of the OpenAI-compatible routes; the batch stack is built on first use."""
+
+    def __init__(self, intake: Any) -> None:
+        self.intake, self.settings = intake, intake.settings
+        self._redis: Any = None
+        self._lock = threading.Lock()
+        self.models = Models(self.settings, self.redis)
+        self.chat = Chat(intake, self.models)
+        self._batches: Batches | None = None
+        self._files: Files | None = None
+        self._book: BatchBook | None = None
+        self._keeper: Keeper | None = None
+
+    def redis(self) -> Any:
+        if self._redis is None:
+            self._redis = connect(self.settings, self.settings.connect_timeout_s, retries=2)
+        return self._redis
+
+    def book(self) -> BatchBook:
+        if self._book is None:
+            self._book = BatchBook(self.redis())
+        return self._book
+
+    def _stack(self) -> tuple[Files, Batches]:
+        """The files and batches machinery, built on first use (S3 clients, the producer client)."""
+        with self._lock:
+            if self._batches is None or self._files is None:
+                from producer.backlog import Backlog
+                from shared.stores.s3 import S3Connection, S3RunFiles
+
+                connection = S3Connection(self.settings)
+                self._files = Files(self.settings, connection)
+                backlog = Backlog(self.intake.client, files=S3RunFiles(connection, self.settings))
+                runner = Runner(backlog, self.book(), self._files, self.models, self.redis())
+                self._batches = Batches(runner, self.book(), self._files)
+            return self._files, self._batches
+
+    def start(self) -> None:
+        """This process's batch keeper (it resumes, expires and finishes batches in flight)."""
+        self._keeper = Keeper(
+            self.settings.openai_batch_poll_s, lambda: self.book().active(), lambda: self._stack()[1].runner
+        )
+        self._keeper.start()
+
+    def stop(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._batches is not None:
+            self._batches.runner.stop()
+            self._batches.runner.backlog.runs.close()
+        if self._files is not None:
+            self._files.connection.close()
+        if self._redis is not None:
+            self._redis.close()
+
+    # ------------------------------------------------------------------ files
+    async def create_file(self, request: Request) -> Response:
+        files, batches = await run_in_threadpool(self._stack)
+        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if kind != "multipart/form-data":
+            raise OpenAIError(
+                415,
+                "send multipart/form-data with a file part and purpose=batch",
+                None,
+                "unsupported_media_type",
+            )
+        caller = caller_of(request.scope)
+        async with request.form(max_files=1, max_fields=8) as form:
+            unknown = sorted(set(form.keys()) - _FILE_FORM)
+            if unknown:
+                raise OpenAIError(
+                    400,
+                    f"Unrecognized request argument supplied: {unknown[0][:64]} (files are kept "
+                    "until deleted)",
+                    unknown[0][:64],
+                    "unknown_parameter",
+                )
+            upload, purpose = form.get("file"), form.get("purpose")
+            if upload is None or isinstance(upload, str):
+                raise OpenAIError(
+                    400,
+                    "Missing required parameter: file (a file part)",
+                    "file",
+                    "missing_required_parameter",
+                )
+            if purpose not in PURPOSES:
+                raise OpenAIError(
+                    400,
+                    "purpose: mrc keeps files for the Batch API only (purpose=batch)",
+                    "purpose",
+                    "unsupported_value",
+                )
+            key = request.headers.get("idempotency-key")
+            file_id, fresh = new_file_id(), True
+            if key is not None:
+                file_id, fresh = await run_in_threadpool(
+                    batches.book.idempotent, "file", caller.owner, key, new_file_id()
+                )
+            if not fresh:  # a retried upload: the file the first one stored
+                return JSONResponse(await run_in_threadpool(_stored, files, caller.owner, file_id))
+            try:
+                meta = await run_in_threadpool(
+                    files.create, caller.owner, upload.file, upload.filename or "", str(purpose), file_id
+                )
+            except BaseException:
+                if key is not None:  # nothing stored: a retry stores it afresh
+                    await run_in_threadpool(batches.book.unmap, "file", caller.owner, key)
+                raise
+        logs.get_logger().info(
+            "MRC_FILE_CREATED",
+            file_id=meta["id"],
+            bytes=meta["bytes"],
+            requests=meta["lines"],
+            owner=caller.owner,
+        )
+        return JSONResponse(public(meta))
+
+    async def list_files(self, request: Request) -> Response:
+        files, _ = await run_in_threadpool(self._stack)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(400, "order must be asc or desc", "order", "invalid_value")
+        limit = _int(request, "limit", 10_000, 1, 10_000)
+        owner = caller_of(request.scope).owner
+        page = await run_in_threadpool(
+            files.list,
+            owner,
+            request.query_params.get("purpose"),
+            limit,
+            order,
+            request.query_params.get("after"),
+        )
+        return JSONResponse(page)
+
+    async def get_file(self, file_id: str, request: Request) -> Response:
+        files, _ = await run_in_threadpool(self._stack)
+        return JSONResponse(
+            public(await run_in_threadpool(files.get, caller_of(request.scope).owner, file_id))
+        )
+
+    async def file_content(self, file_id: str, request: Request) -> Response:
+        files, _ = await run_in_threadpool(self._stack)
+        chunks = await run_in_threadpool(files.content, caller_of(request.scope).owner, file_id)
+        return StreamingResponse(chunks, media_type="application/jsonl")
+
+    async def delete_file(self, file_id: str, request: Request) -> Response:
+        files, _ = await run_in_threadpool(self._stack)
+        deleted = await run_in_threadpool(files.delete, caller_of(request.scope).owner, file_id)
+        logs.get_logger().info("MRC_FILE_DELETED", file_id=file_id, owner=caller_of(request.scope).owner)
+        return JSONResponse(deleted)
+
+    # ------------------------------------------------------------------ batches
+    async def create_batch(self, request: Request) -> Response:
+        _, batches = await run_in_threadpool(self._stack)
+        body = read_json(await request.body())
+        caller, key = caller_of(request.scope), request.headers.get("idempotency-key")
+        return JSONResponse(await run_in_threadpool(batches.create, caller, body, key))
+
+    async def list_batches(self, request: Request) -> Response:
+        _, batches = await run_in_threadpool(self._stack)
+        limit = _int(request, "limit", 20, 1, 100)
+        after = request.query_params.get("after")
+        return JSONResponse(await run_in_threadpool(batches.list, caller_of(request.scope), after, limit))
+
+    async def get_batch(self, batch_id: str, request: Request) -> Response:
+        _, batches = await run_in_threadpool(self._stack)
+        return JSONResponse(await run_in_threadpool(batches.retrieve, caller_of(request.scope), batch_id))
+
+    async def cancel_batch(self, batch_id: str, request: Request) -> Response:
+        _, batches = await run_in_threadpool(self._stack)
+        return JSONResponse(await run_in_threadpool(batches.cancel, caller_of(request.scope), batch_id))
+
+    # ------------------------------------------------------------------ mount
+    def mount(self, app: FastAPI) -> None:
+        async def openai_error(_request: Request, exc: Exception) -> Response:
+            assert isinstance(exc, OpenAIError)
+            return exc.response()
+
+        app.add_exception_handler(OpenAIError, openai_error)
+        chat_body = _body(ChatRequest.model_json_schema())
+        file_form = {
+            "type": "object",
+            "required": ["file", "purpose"],
+            "properties": {
+                "file": {"type": "string", "format": "binary"},
+                "purpose": {"type": "string", "enum": ["batch"]},
+            },
+        }
+        listing = [_query("after"), _query("limit", "integer", minimum=1)]
+        routes: list[tuple[str, Any, str, dict[str, Any]]] = [
+            ("/v1/chat/completions", self.chat.create, "POST", chat_body),
+            ("/v1/models", self.chat.models_list, "GET", {}),
+            ("/v1/models/{model:path}", self.chat.model, "GET", {}),
+            ("/v1/files", self.create_file, "POST", _body(file_form, "multipart/form-data")),
+            (
+                "/v1/files",
+                self.list_files,
+                "GET",
+                {"parameters": [*listing, _query("purpose"), _query("order", enum=["asc", "desc"])]},
+            ),
+            ("/v1/files/{file_id}", self.get_file, "GET", {}),
+            ("/v1/files/{file_id}", self.delete_file, "DELETE", {}),
+            ("/v1/files/{file_id}/content", self.file_content, "GET", {}),
+            ("/v1/batches", self.create_batch, "POST", _body(CreateBatch.model_json_schema())),
+            ("/v1/batches", self.list_batches, "GET", {"parameters": listing}),
+            ("/v1/batches/{batch_id}", self.get_batch, "GET", {}),
+            ("/v1/batches/{batch_id}/cancel", self.cancel_batch, "POST", {}),
+        ]
+        for path, handler, method, extra in routes:
+            app.add_api_route(path, handler, methods=[method], openapi_extra=extra or None, tags=["openai"])

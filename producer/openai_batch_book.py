@@ -1,0 +1,164 @@
+"""OpenAI-style batches in Redis: each batch's record (state, times, file ids, counts once final), the
+owner's list of batches by age (paged), the set of batches in flight, per-batch leases (one mrc-api
+process enqueues or finalizes a batch at a time), and Idempotency-Key mappings. A batch id is also its
+backlog run's id (shared/runs.py keeps the run's own record)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from typing import Any
+
+import redis
+
+from shared import names
+from shared.runs import RUN_TTL_S
+
+FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+IDEMPOTENCY_TTL_S = 24 * 3600
+_TIMES = (
+    "created_at",
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+# KEYS[1] a lease; ARGV: token, ttl. Renew only the holder's lease. 1 if renewed.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def new_batch_id() -> str:
+    return f"batch_{secrets.token_hex(12)}"
+
+
+class BatchBook:
+    def __init__(self, client: redis.Redis) -> None:
+        self._redis = client
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    def create(self, batch_id: str, owner: str, fields: dict[str, str]) -> None:
+        key, listing = names.batch_key(batch_id), names.batches_key(owner)
+        with self._redis.pipeline() as pipe:  # MULTI: listed and in flight together, or neither
+            record = {**fields, "owner": owner}
+            pipe.hset(key, mapping=record)  # type: ignore[arg-type]  # str values
+            pipe.expire(key, RUN_TTL_S)
+            pipe.zadd(listing, {batch_id: float(fields["created_at"])})
+            pipe.expire(listing, RUN_TTL_S)
+            pipe.sadd(names.active_batches_key(), batch_id)
+            pipe.execute()
+
+    def get(self, batch_id: str) -> dict[str, str]:
+        return dict(self._redis.hgetall(names.batch_key(batch_id)))  # type: ignore[arg-type]  # decoded
+
+    def update(self, batch_id: str, **fields: str) -> None:
+        self._redis.hset(names.batch_key(batch_id), mapping=fields)  # type: ignore[arg-type]  # str values
+
+    def set_if_absent(self, batch_id: str, field: str, value: str) -> str:
+        """The field's value, set to `value` unless it had one."""
+        key = names.batch_key(batch_id)
+        self._redis.hsetnx(key, field, value)
+        return str(self._redis.hget(key, field))
+
+    def page(self, owner: str, after: str | None, limit: int) -> tuple[list[str], bool]:
+        """Up to `limit` of the owner's batch ids, newest first, after the id `after`."""
+        listing = names.batches_key(owner)
+        start = 0
+        if after is not None:
+            rank = self._redis.zrevrank(listing, after)
+            if rank is None:
+                return [], False
+            start = int(rank) + 1  # type: ignore[arg-type]  # a plain ZREVRANK answers an int
+        ids = [str(i) for i in self._redis.zrevrange(listing, start, start + limit)]
+        return ids[:limit], len(ids) > limit
+
+    def forget(self, owner: str, batch_id: str) -> None:
+        """A listed batch whose record expired."""
+        self._redis.zrem(names.batches_key(owner), batch_id)
+
+    def active(self) -> list[str]:
+        return sorted(str(i) for i in self._redis.smembers(names.active_batches_key()))
+
+    def settle(self, batch_id: str) -> None:
+        self._redis.srem(names.active_batches_key(), batch_id)
+
+    # ---- leases: who works on a batch now ----
+    def lease(self, batch_id: str, what: str, ttl_s: int) -> str | None:
+        token = secrets.token_hex(8)
+        taken = self._redis.set(names.batch_lease_key(batch_id, what), token, nx=True, ex=ttl_s)
+        return token if taken else None
+
+    def renew(self, batch_id: str, what: str, token: str, ttl_s: int) -> bool:
+        return bool(self._renew(keys=[names.batch_lease_key(batch_id, what)], args=[token, ttl_s]))
+
+    def release(self, batch_id: str, what: str, token: str) -> None:
+        self._release(keys=[names.batch_lease_key(batch_id, what)], args=[token])
+
+    def held(self, batch_id: str, what: str) -> bool:
+        return bool(self._redis.exists(names.batch_lease_key(batch_id, what)))
+
+    # ---- Idempotency-Key ----
+    def idempotent(self, scope: str, owner: str, key: str, new_id: str) -> tuple[str, bool]:
+        """The object an Idempotency-Key names (`new_id` if it names none yet), and whether it is new."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        mapping = names.idempotency_key(scope, owner, digest)
+        if self._redis.set(mapping, new_id, nx=True, ex=IDEMPOTENCY_TTL_S):
+            return new_id, True
+        return str(self._redis.get(mapping)), False
+
+    def unmap(self, scope: str, owner: str, key: str) -> None:
+        """Forget a mapping whose object could not be made (a retry then makes it afresh)."""
+        self._redis.delete(names.idempotency_key(scope, owner, hashlib.sha256(key.encode()).hexdigest()[:32]))
+
+
+def batch_object(record: dict[str, str], counts: dict[str, int], usage: dict[str, int]) -> dict[str, Any]:
+    """A batch as OpenAI's `batch` object."""
+    times = {name: int(float(record[name])) if record.get(name) else None for name in _TIMES}
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "id": record["id"],
+        "object": "batch",
+        "endpoint": record["endpoint"],
+        "errors": json.loads(record["errors"]) if record.get("errors") else None,
+        "input_file_id": record["input_file_id"],
+        "completion_window": record["completion_window"],
+        "status": record["status"],
+        "output_file_id": record.get("output_file_id") or None,
+        "error_file_id": record.get("error_file_id") or None,
+        **times,
+        "request_counts": {
+            "total": counts.get("total", 0),
+            "completed": counts.get("completed", 0),
+            "failed": counts.get("failed", 0),
+        },
+        "metadata": json.loads(record["metadata"]) if record.get("metadata") else None,
+        "model": record.get("model") or None,
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {
+                "cached_tokens": usage.get("cached_prompt_tokens", 0),
+                "image_tokens": usage.get("image_tokens", 0),
+            },
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+def now() -> str:
+    return f"{time.time():.3f}"

@@ -1,0 +1,403 @@
+"""A chat completion request, OpenAI's shape, read into one mrc job: what is accepted, refused and
+ignored, decided field by field (docs/contract.md lists the same table). Used by
+`POST /v1/chat/completions` and by every line of a batch file, so both refuse the same things with
+the same answer.
+
+Accepted: `model`, one `user` message whose content is one `text` part and one `image_url` part
+(`data:` URL, base64, or `s3://` in a bucket the workers may read), `max_tokens` /
+`max_completion_tokens`, `response_format` (`text`, `json_schema`, `json_object`), `metadata`
+(`ticket_id` -> the job's ticket id, `job_id` -> its job id; other keys are kept nowhere).
+Accepted where they change nothing for a greedy decoder: `temperature` 0, `top_p` 1, `n` 1, `stream`
+false, penalties 0, `logprobs` false, empty `stop` / `tools` / `logit_bias`, and identifiers (`user`,
+`seed`, `store`, ...). Anything else is refused by name: 400 with `param` naming it. What mrc's own job
+checks refuse (prompt limits, an image source, a schema the decoder cannot enforce) is 422, as on
+`POST /v1/jobs`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from producer.openai_errors import OpenAIError
+from shared import names
+from shared import response_format as response_formats
+from shared.jobs import limit_problem
+from shared.settings import Settings
+
+_DATA_URL = re.compile(r"^data:(?P<type>[A-Za-z0-9.+/-]*)(?P<params>(;[^;,]*)*?);base64,", re.ASCII)
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:", re.ASCII)
+_METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ImageURL(_Strict):
+    url: str = Field(description="data:image/...;base64,... or s3://bucket/key (never fetched from http)")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    role: str = Field(description="user (mrc takes one user message)")
+    content: str | list[Part] | None = None
+    name: str | None = None
+
+
+class JsonSchemaSpec(_Strict):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+Format = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class ChatRequest(_Strict):
+    """The fields OpenAI's chat completions define; what mrc does with each: module docstring."""
+
+    model: str
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: Format | None = None
+    metadata: dict[str, str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, int] | None = None
+    seed: int | None = None
+    user: str | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Any = None
+    safety_identifier: str | None = None
+
+
+# Values that change nothing for one greedy answer of plain text: accepted; any other value is refused.
+_NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: v == 0, "mrc decodes greedily: temperature must be 0 or absent"),
+    "top_p": (lambda v: v == 1, "mrc decodes greedily: top_p must be 1 or absent"),
+    "n": (lambda v: v == 1, "one answer per request: n must be 1 or absent"),
+    "stream": (
+        lambda v: v is False,
+        "streaming is not offered: stream must be false or absent (the "
+        "answer comes whole; for many requests use the Batch API)",
+    ),
+    "presence_penalty": (lambda v: v == 0, "penalties are not applied: presence_penalty must be 0"),
+    "frequency_penalty": (lambda v: v == 0, "penalties are not applied: frequency_penalty must be 0"),
+    "logprobs": (lambda v: v is False, "log probabilities are not returned: logprobs must be false"),
+    "top_logprobs": (lambda v: v == 0, "log probabilities are not returned: top_logprobs must be 0"),
+    "stop": (lambda v: v == [], "stop sequences are not supported"),
+    "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
+    "tools": (lambda v: v == [], "tools are not supported"),
+    "tool_choice": (lambda v: v == "none", "tools are not supported: tool_choice must be none or absent"),
+    "parallel_tool_calls": (lambda v: v is False, "tools are not supported"),
+    "functions": (lambda v: v == [], "functions are not supported"),
+    "function_call": (lambda v: v == "none", "functions are not supported"),
+    "modalities": (lambda v: v == ["text"], 'mrc answers in text only: modalities must be ["text"]'),
+    "service_tier": (lambda v: v in ("auto", "default"), "service_tier must be auto or default"),
+    "stream_options": (lambda v: False, "stream_options needs streaming, which is not offered"),
+    "audio": (lambda v: False, "audio output is not supported"),
+    "prediction": (lambda v: False, "predicted outputs are not supported"),
+    "reasoning_effort": (lambda v: False, "reasoning_effort is not supported"),
+    "verbosity": (lambda v: False, "verbosity is not supported"),
+    "web_search_options": (lambda v: False, "web search is not supported"),
+    "prompt_cache_retention": (lambda v: False, "prompt_cache_retention is not supported"),
+}
+# Identifiers and switches that do not change the answer: accepted, not kept.
+IGNORED = ("seed", "user", "store", "prompt_cache_key", "safety_identifier")
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """One chat request as an mrc job's fields (its image not uploaded yet)."""
+
+    model: str
+    prompt: str
+    image: str | None  # an s3:// URI, or None when the image came as bytes
+    data: bytes | None  # the image from a data: URL
+    max_new_tokens: int | None
+    response_format: dict[str, Any] | None
+    ticket_id: str | None
+    job_id: str | None  # metadata.job_id
+    image_param: str  # where the image was, for errors about it
+
+
+def param_of(loc: tuple[Any, ...]) -> str:
+    """pydantic's location as OpenAI writes a param (messages[0].content[1].image_url.url): the
+    names of union variants and the tags of tagged unions are not fields, and are left out."""
+    out, tag_next = "", False
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        if tag_next:  # a tagged union's tag (text, image_url, json_schema): the variant's name
+            tag_next = False
+            continue
+        if "[" in part or part in ("str", "list", "dict"):
+            tag_next = "tagged-union" in part
+            continue
+        out += ("." if out else "") + part
+        tag_next = part == "response_format"
+    return out
+
+
+def _invalid(exc: ValidationError, where: str = "") -> OpenAIError:
+    # A union reports each variant's complaint: the deepest one names the field that is wrong.
+    first = max(exc.errors(), key=lambda error: len(error.get("loc", ())))
+    loc = tuple(first.get("loc", ()))
+    param = ((where + ".") if where and loc else where) + param_of(loc)
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return OpenAIError(
+            400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"
+        )
+    if kind == "missing":
+        return OpenAIError(400, f"Missing required parameter: {param}", param, "missing_required_parameter")
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return OpenAIError(
+        400, f"Invalid value for {param or 'the request'}: {message}", param or None, "invalid_value"
+    )
+
+
+def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> ChatJob:
+    """The request checked and read; OpenAIError (400 / 422) naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) != 1:
+        raise OpenAIError(
+            400,
+            f"mrc takes exactly one user message (a text part and an image_url "
+            f"part); got {len(messages)} messages",
+            "messages",
+            "unsupported_value",
+        )
+    try:
+        request = ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    for field, (allowed, why) in _NO_OP.items():
+        value = getattr(request, field)
+        if value is not None and not allowed(value):
+            raise OpenAIError(400, f"Unsupported value for {field}: {why}", field, "unsupported_value")
+    prompt, prompt_param, image, image_param = _content(request.messages[0])
+    max_new = _max_tokens(request, settings)
+    fmt = _response_format(request)
+    ticket_id, job_id = _metadata(request.metadata, batch)
+    problem = limit_problem(settings, prompt, max_new, job_id, response_formats.parse(fmt))
+    if problem:
+        where = "metadata.job_id" if problem.startswith("job_id") else prompt_param
+        raise OpenAIError(422, problem, where, "invalid_job")
+    uri, data = _image(image.url, settings, image_param)
+    return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)
+
+
+def _content(message: Message) -> tuple[str, str, ImageURL, str]:
+    if message.role != "user":
+        raise OpenAIError(
+            400,
+            f"mrc takes one user message; got a {message.role!r} message",
+            "messages[0].role",
+            "unsupported_value",
+        )
+    parts = message.content if isinstance(message.content, list) else []
+    texts = [(i, p) for i, p in enumerate(parts) if isinstance(p, TextPart)]
+    images = [(i, p) for i, p in enumerate(parts) if isinstance(p, ImagePart)]
+    if len(texts) != 1 or len(images) != 1:
+        raise OpenAIError(
+            400,
+            "the user message's content must be a list of one text part and one "
+            f"image_url part; got {len(texts)} text and {len(images)} image_url",
+            "messages[0].content",
+            "unsupported_value",
+        )
+    (t, text), (i, image) = texts[0], images[0]
+    return (
+        text.text,
+        f"messages[0].content[{t}].text",
+        image.image_url,
+        f"messages[0].content[{i}].image_url.url",
+    )
+
+
+def _max_tokens(request: ChatRequest, settings: Settings) -> int | None:
+    a, b = request.max_tokens, request.max_completion_tokens
+    if a is not None and b is not None and a != b:
+        raise OpenAIError(
+            400, "max_tokens and max_completion_tokens differ; give one", "max_tokens", "invalid_value"
+        )
+    value = b if b is not None else a
+    limit = settings.max_new_tokens_limit
+    if value is not None and not 1 <= value <= limit:
+        param = "max_completion_tokens" if b is not None else "max_tokens"
+        raise OpenAIError(400, f"{param} must be between 1 and {limit}, got {value}", param, "invalid_value")
+    return value
+
+
+def _response_format(request: ChatRequest) -> dict[str, Any] | None:
+    fmt = request.response_format
+    if fmt is None or isinstance(fmt, TextFormat):
+        return None
+    if isinstance(fmt, JsonObjectFormat):
+        return {"type": "json_schema", "schema": {"type": "object"}}
+    if fmt.json_schema.schema_ is None:
+        raise OpenAIError(
+            400,
+            "response_format.json_schema.schema is required: the answer is constrained "
+            "to it while it is generated",
+            "response_format.json_schema.schema",
+            "missing_required_parameter",
+        )
+    converted = {"type": "json_schema", "schema": fmt.json_schema.schema_}
+    try:
+        response_formats.parse(converted)
+    except ValueError as exc:
+        message = str(exc).replace("response_format.schema", "response_format.json_schema.schema")
+        raise OpenAIError(422, message, "response_format.json_schema.schema", "invalid_job") from None
+    return converted
+
+
+def _metadata(metadata: dict[str, str] | None, batch: bool) -> tuple[str | None, str | None]:
+    if not metadata:
+        return None, None
+    check_metadata(metadata)
+    ticket = metadata.get("ticket_id")
+    if ticket is not None and len(ticket) > 256:
+        raise OpenAIError(
+            400, "metadata.ticket_id is at most 256 characters", "metadata.ticket_id", "invalid_value"
+        )
+    if batch and "job_id" in metadata:
+        raise OpenAIError(
+            400,
+            "metadata.job_id: a batch names its jobs after each line's custom_id",
+            "metadata.job_id",
+            "unsupported_value",
+        )
+    return ticket, metadata.get("job_id")
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512."""
+    if len(metadata) > _METADATA_KEYS:
+        raise OpenAIError(400, f"metadata holds at most {_METADATA_KEYS} pairs", "metadata", "invalid_value")
+    for key, value in metadata.items():
+        if len(key) > _METADATA_KEY_CHARS or len(value) > _METADATA_VALUE_CHARS:
+            raise OpenAIError(
+                400,
+                f"metadata keys are at most {_METADATA_KEY_CHARS} characters and values "
+                f"at most {_METADATA_VALUE_CHARS}",
+                f"metadata.{key[:64]}",
+                "invalid_value",
+            )
+
+
+def _image(url: str, settings: Settings, param: str) -> tuple[str | None, bytes | None]:
+    """(s3 URI, None) or (None, the bytes of a data: URL)."""
+    found = _DATA_URL.match(url)
+    if found:
+        encoded = url[found.end() :]
+        # base64 is 4 characters per 3 bytes: a string this long decodes to more than the limit
+        if len(encoded) > (settings.max_image_bytes + 2) // 3 * 4 + 4:
+            raise OpenAIError(
+                422,
+                f"the image is over the limit of {settings.max_image_bytes} bytes",
+                param,
+                "image_too_large",
+            )
+        try:
+            return None, base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise OpenAIError(400, "the data: URL is not valid base64", param, "invalid_value") from None
+    if url.startswith("data:"):
+        raise OpenAIError(
+            400, "a data: URL must be base64 (data:image/png;base64,...)", param, "invalid_value"
+        )
+    if url.startswith("s3://"):
+        try:
+            bucket, key = names.parse_s3_uri(url)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param, "invalid_value") from None
+        prefix = settings.image_sources.get(bucket)
+        if prefix is None or not names.key_allowed(key, prefix):
+            raise OpenAIError(
+                422,
+                f"image_source_forbidden: s3://{bucket}/ (under {prefix or 'any prefix'}) "
+                "is not where the workers may read images",
+                param,
+                "image_source_forbidden",
+            )
+        return url, None
+    kind = "a URL" if _URL.match(url) else "not a URL"
+    raise OpenAIError(
+        422,
+        f"image_source_forbidden: mrc fetches no URLs ({kind}); send the image as a "
+        "data: URL (base64) or an s3:// URI in the configured bucket",
+        param,
+        "image_source_forbidden",
+    )
+
+
+def read_json(raw: bytes | bytearray) -> object:
+    """A request body as JSON; OpenAIError 400 when it is not."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise OpenAIError(
+            400, "the body is not JSON (or is nested too deeply)", None, "invalid_json"
+        ) from None

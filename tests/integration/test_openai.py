@@ -1,0 +1,521 @@
+"""The OpenAI-compatible routes with the official `openai` SDK as the client, against mrc-api over
+HTTP, the session's Redis, S3 endpoint and worker (the tiny Fuyu, for answers and constrained ones).
+Batches whose requests must stay unfinished (cancel, expiry) run on a Redis database no worker reads:
+what they assert does not hang on any machine's speed."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from producer.client import Client
+from scripts import devservices as services
+from shared import usage as usage_book
+from shared.records import connect
+from tests.support import imagegen
+from tests.support.api_server import serve
+
+pytestmark = pytest.mark.integration
+
+KEY, RATED_KEY = "k-openai-full", "k-openai-rated"
+KEY_ID, RATED_ID = (hashlib.sha256(k.encode()).hexdigest()[:12] for k in (KEY, RATED_KEY))
+FINAL = ("completed", "failed", "expired", "cancelled")
+REFUND = {
+    "type": "object",
+    "properties": {"refund": {"type": "boolean"}},
+    "required": ["refund"],
+    "additionalProperties": False,
+}
+
+
+def _keys(*keys: str) -> str:
+    return ",".join(hashlib.sha256(k.encode()).hexdigest() for k in keys)
+
+
+@pytest.fixture(scope="module")
+def oai_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            patch.setenv(name, env[name])
+        yield {
+            **env,
+            "MRC_API_KEYS": _keys(KEY, RATED_KEY),
+            "MRC_MAX_IMAGE_BYTES": "200000",
+            "MRC_OPENAI_BATCH_POLL_S": "0.2",
+            "MRC_API_RATE_PER_S": "0",
+        }
+
+
+@pytest.fixture(scope="module")
+def base_url(oai_env: dict[str, str], worker: services.Worker) -> Iterator[str]:
+    with serve(oai_env) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sdk(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(sdk: openai.OpenAI) -> str:
+    deadline = time.monotonic() + 30
+    while not (served := sdk.models.list().data) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the worker's first heartbeat
+    assert served, "no model listed"
+    return served[0].id
+
+
+def data_url(data: bytes, kind: str = "jpeg") -> str:
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def ask(text: str, url: str) -> list[Any]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
+
+
+def request_line(custom_id: str, model: str, text: str, url: str, **body: Any) -> str:
+    payload = {"model": model, "messages": ask(text, url), "max_tokens": 6, **body}
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload}
+    )
+
+
+def wait_final(sdk: openai.OpenAI, batch_id: str, timeout: float = 180) -> Any:
+    deadline = time.monotonic() + timeout
+    while (batch := sdk.batches.retrieve(batch_id)).status not in FINAL:
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+    return batch
+
+
+def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [] if file_id is None else [json.loads(x) for x in sdk.files.content(file_id).text.splitlines()]
+
+
+def test_a_chat_completion_answers_a_photo_with_usage_once_per_idempotency_key(
+    sdk: openai.OpenAI, model: str, client: Client, env: dict[str, str], base_url: str
+) -> None:
+    url = data_url(imagegen.photo(96, 64, seed=41))
+    key = f"ticket-{time.monotonic_ns()}"
+    done = sdk.chat.completions.create(
+        model=model,
+        messages=ask("Is the parcel damaged?", url),
+        max_tokens=6,
+        metadata={"ticket_id": "T-9"},
+        extra_headers={"Idempotency-Key": key},
+    )
+    assert done.object == "chat.completion"
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(done.choices[0].message.content, str)
+    assert done.model == model
+    usage = done.usage
+    assert usage is not None
+    image_tokens = 3 * (4 + 1)  # 64x96: 3 rows of 4 patches, one newline each (Fuyu)
+    assert usage.model_dump()["prompt_tokens_details"]["image_tokens"] == image_tokens
+    assert usage.prompt_tokens > image_tokens + 4  # the question's tokens and the model's markers too
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 1 <= usage.completion_tokens <= 6
+    result = client.result(done.id)  # the id is the job id; the result object carries the same usage
+    assert result is not None
+    assert (result["lane"], result["ticket_id"]) == ("interactive", "T-9")
+    assert result["usage"] == {
+        "prompt_tokens": usage.prompt_tokens,
+        "image_tokens": image_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+    again = sdk.chat.completions.create(  # what the SDK's retry of it sends: the same key
+        model=model,
+        messages=ask("Is the parcel damaged?", url),
+        max_tokens=6,
+        metadata={"ticket_id": "T-9"},
+        extra_headers={"Idempotency-Key": key},
+    )
+    assert (again.id, again.choices[0].message.content) == (done.id, done.choices[0].message.content)
+    assert client.records.get(done.id)["attempts"] == "1"  # one job, run once
+    with pytest.raises(openai.ConflictError) as conflict:  # the key again, for another question
+        sdk.chat.completions.create(
+            model=model, messages=ask("Another question?", url), extra_headers={"Idempotency-Key": key}
+        )
+    assert conflict.value.response.headers["x-should-retry"] == "false"
+
+    view = json.loads(services.run_cli(env, "queues", "--json").stdout)
+    mine = view["usage_by_key"][KEY_ID]
+    assert mine["jobs"] >= 1
+    assert mine["prompt_tokens"] >= usage.prompt_tokens
+    assert mine["image_tokens"] >= image_tokens
+    metrics = sdk._client.get(f"{base_url}/metrics").text  # the API's /metrics (no key needed)
+    assert f'mrc_usage_tokens_total{{api_key="{KEY_ID}",kind="prompt"}}' in metrics
+
+
+def test_a_json_schema_answer_validates(sdk: openai.OpenAI, model: str) -> None:
+    done = sdk.chat.completions.create(
+        model=model,
+        messages=ask("Refund?", data_url(imagegen.photo(64, 64, seed=42))),
+        max_tokens=24,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "refund", "schema": REFUND, "strict": True},
+        },
+    )
+    assert done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].message.content or ""), REFUND)
+
+
+def test_errors_come_in_openai_shape_and_as_the_sdk_classes(
+    sdk: openai.OpenAI, model: str, base_url: str
+) -> None:
+    url = data_url(imagegen.photo(64, 64, seed=43))
+    cases: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None, str]] = [
+        ({"stream": True}, openai.BadRequestError, "stream", "unsupported_value"),
+        ({"temperature": 0.7}, openai.BadRequestError, "temperature", "unsupported_value"),
+        ({"n": 2}, openai.BadRequestError, "n", "unsupported_value"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            openai.BadRequestError,
+            "tools",
+            "unsupported_value",
+        ),
+        (
+            {"extra_body": {"guided_choice": ["a"]}},
+            openai.BadRequestError,
+            "guided_choice",
+            "unknown_parameter",
+        ),
+        ({"model": "gpt-4o"}, openai.NotFoundError, "model", "model_not_found"),
+        (
+            {"messages": ask("Refund?", data_url(b"not an image at all"))},
+            openai.UnprocessableEntityError,
+            "messages[0].content[1].image_url.url",
+            "unsupported_image_format",
+        ),
+        (
+            {"messages": ask("Refund?", "https://example.com/parcel.jpg")},
+            openai.UnprocessableEntityError,
+            "messages[0].content[1].image_url.url",
+            "image_source_forbidden",
+        ),
+    ]
+    for change, kind, param, code in cases:
+        call = {"model": model, "messages": ask("Refund?", url), **change}
+        with pytest.raises(kind) as caught:
+            sdk.chat.completions.create(**call)
+        error = caught.value
+        assert (error.param, error.code, type(error.body)) == (param, code, dict), change
+        assert error.type == ("invalid_request_error"), change
+        assert error.message, change
+    with (
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0) as stranger,
+        pytest.raises(openai.AuthenticationError) as unknown_key,
+    ):
+        stranger.models.list()
+    assert unknown_key.value.code == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as no_file:
+        sdk.files.retrieve("file-does-not-exist")
+    assert no_file.value.code == "not_found"
+    big = "data:image/jpeg;base64," + "A" * 2_000_000  # the body limit: base64 of 200,000 bytes + 1 MiB
+    with pytest.raises(openai.APIStatusError) as too_large:
+        sdk.chat.completions.create(model=model, messages=ask("Refund?", big))
+    assert too_large.value.status_code == 413
+    assert too_large.value.type == "invalid_request_error"
+
+
+def test_rate_limits_and_outages_answer_429_and_503_and_retries_enqueue_once(
+    oai_env: dict[str, str], model: str, env: dict[str, str]
+) -> None:
+    rated = {**oai_env, "MRC_API_RATE_PER_S": "1", "MRC_API_RATE_BURST": "1"}
+    with (
+        serve(rated) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key=RATED_KEY, max_retries=0) as quick,
+        openai.OpenAI(base_url=f"{url}/v1", api_key=RATED_KEY, max_retries=3) as patient,
+    ):
+        redis = connect(services.settings_from_env(env))
+        before = usage_book.totals(redis).get(RATED_ID, {})
+        quick.models.list()
+        with pytest.raises(openai.RateLimitError) as limited:
+            quick.models.list()
+        assert (limited.value.code, limited.value.type) == ("rate_limit_exceeded", "rate_limit_error")
+        assert int(limited.value.response.headers["retry-after"]) >= 1
+        # The SDK retries a 429 by itself: refused before the body is read, nothing was enqueued by it.
+        done = patient.chat.completions.create(
+            model=model, messages=ask("Refund?", data_url(imagegen.photo(64, 64, seed=44))), max_tokens=4
+        )
+        assert done.choices[0].message.content is not None
+        after = usage_book.totals(redis)[RATED_ID]  # what `mrc queues --json` shows as usage_by_key
+        redis.close()
+        assert after["jobs"] - before.get("jobs", 0) == 1
+    down = {
+        **oai_env,
+        "MRC_REDIS_URL": f"redis://127.0.0.1:{services.free_port()}/0",
+        "MRC_CONNECT_TIMEOUT_S": "0.5",
+    }
+    with (
+        serve(down) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as cut_off,
+        pytest.raises(openai.InternalServerError) as unavailable,
+    ):
+        cut_off.models.list()
+    assert unavailable.value.status_code == 503
+    assert (unavailable.value.code, unavailable.value.type) == ("service_unavailable", "server_error")
+
+
+def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
+    sdk: openai.OpenAI, model: str, client: Client, env: dict[str, str], tmp_path: Path
+) -> None:
+    photo = tmp_path / "parcel.jpg"
+    photo.write_bytes(imagegen.photo(80, 60, seed=45))
+    s3_image = client.upload_image(photo)[0]
+    inline = data_url(imagegen.photo(60, 60, seed=46))
+    schema = {"type": "json_schema", "json_schema": {"name": "refund", "schema": REFUND}}
+    lines = [
+        request_line("a", model, "Is it damaged?", inline),
+        request_line("b", model, "Refund?", s3_image, response_format=schema, max_tokens=24),
+        "",
+        "{not json",
+        request_line("t", model, "Refund?", inline, temperature=0.5),
+        request_line("a", model, "Same id again?", inline),
+        request_line("c", model, "What colour is it?", inline, metadata={"ticket_id": "T-3"}),
+        request_line("m", "no-such-model", "Refund?", inline),
+        request_line("h", model, "Refund?", "http://example.com/x.jpg"),
+    ]
+    upload = sdk.files.create(file=("backlog.jsonl", "\n".join(lines).encode()), purpose="batch")
+    assert (upload.purpose, upload.object) == ("batch", "file")
+    first = sdk.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"night": "1"},
+    )
+    assert first.status in ("validating", "in_progress")
+    done = wait_final(sdk, first.id)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 3, 5)  # type: ignore[union-attr]
+    outputs, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+    assert sorted(line["custom_id"] for line in outputs) == ["a", "b", "c"]
+    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "a", "h", "m", "t"]
+    assert len({line["id"] for line in outputs + errors}) == 8  # every request once, in one file only
+    for line in outputs:
+        body = line["response"]["body"]
+        assert (line["response"]["status_code"], body["object"], line["error"]) == (
+            200,
+            "chat.completion",
+            None,
+        )
+        assert body["id"] == line["response"]["request_id"]
+    jsonschema.validate(
+        json.loads(
+            next(x for x in outputs if x["custom_id"] == "b")["response"]["body"]["choices"][0]["message"][
+                "content"
+            ]
+        ),
+        REFUND,
+    )
+    by_id = {str(line["custom_id"]): line["response"] for line in errors}
+    assert {k: (v["status_code"], v["body"]["error"]["code"]) for k, v in by_id.items()} == {
+        "None": (400, "invalid_json"),
+        "t": (400, "unsupported_value"),
+        "a": (400, "duplicate_custom_id"),
+        "m": (404, "model_not_found"),
+        "h": (422, "image_source_forbidden"),
+    }
+    assert by_id["t"]["body"]["error"]["param"] == "temperature"
+    prompt = sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in outputs)
+    assert done.usage is not None
+    assert done.usage.input_tokens == prompt > 0
+    status = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
+    assert status["usage"]["prompt_tokens"] == prompt
+    assert (status["succeeded"], status["invalid_lines"]) == (3, 5)
+
+    second = wait_final(
+        sdk,
+        sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id,
+    )
+    assert second.id != first.id
+    assert second.status == "completed"
+    again = lines_of(sdk, second.output_file_id)
+    assert sorted(line["custom_id"] for line in again) == ["a", "b", "c"]
+    first_jobs = {line["response"]["request_id"] for line in outputs}
+    assert not first_jobs & {line["response"]["request_id"] for line in again}  # new jobs, new results
+    assert {second.output_file_id, second.error_file_id}.isdisjoint({done.output_file_id, done.error_file_id})
+    assert all(job.startswith(second.id) for job in (line["response"]["request_id"] for line in again))
+    page = sdk.batches.list(limit=1)
+    assert ([b.id for b in page.data], page.has_more) == ([second.id], True)
+    assert [b.id for b in sdk.batches.list(limit=1, after=second.id).data] == [first.id]
+    with pytest.raises(openai.ConflictError):  # nothing left to cancel
+        sdk.batches.cancel(first.id)
+    assert sdk.files.delete(upload.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(upload.id)
+    assert sdk.batches.retrieve(first.id).input_file_id == upload.id  # the batch kept its own copy
+
+
+@contextlib.contextmanager
+def idle_stack(oai_env: dict[str, str], db: int, **settings: str) -> Iterator[tuple[openai.OpenAI, Client]]:
+    """An API on a Redis database no worker reads: its batches' jobs stay queued."""
+    env = {**oai_env, "MRC_REDIS_URL": oai_env["MRC_REDIS_URL"].rsplit("/", 1)[0] + f"/{db}", **settings}
+    client = Client(services.settings_from_env(env))
+    with serve(env) as url, openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as sdk:
+        yield sdk, client
+    client.close()
+
+
+def test_cancel_resume_and_the_window_end_leave_every_line_in_the_error_file(oai_env: dict[str, str]) -> None:
+    inline = data_url(imagegen.photo(60, 60, seed=47))
+    # No worker reads this database: the model a request may name is the deployment's MRC_MODEL.
+    lines = [request_line(f"r{n}", oai_env["MRC_MODEL"], "Refund?", inline) for n in range(6)] + ["[]"]
+
+    def depth_reaches(client: Client, depth: int) -> None:
+        deadline = time.monotonic() + 60
+        while client.lane_depth("backlog") < depth:
+            assert time.monotonic() < deadline, client.lane_depth("backlog")
+            time.sleep(0.1)
+
+    with idle_stack(oai_env, 3, MRC_BACKLOG_MAX_DEPTH="2") as (sdk, client):
+        upload = sdk.files.create(file=("six.jsonl", "\n".join(lines).encode()), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        depth_reaches(client, 2)  # two queued; the enqueue waits for room for the rest
+    # That API process is gone mid-enqueue; the next one resumes the run: one more fits, none twice.
+    with idle_stack(oai_env, 3, MRC_BACKLOG_MAX_DEPTH="3") as (sdk, client):
+        depth_reaches(client, 3)
+        assert sdk.batches.cancel(batch.id).status == "cancelling"
+        done = wait_final(sdk, batch.id, 60)
+        assert client.lane_depth("backlog") == 3
+        assert (done.status, done.output_file_id, done.cancelled_at is not None) == ("cancelled", None, True)
+        assert (done.request_counts.total, done.request_counts.failed) == (7, 7)  # type: ignore[union-attr]
+        errors = lines_of(sdk, done.error_file_id)
+        assert [line["custom_id"] for line in errors] == [f"r{n}" for n in range(6)] + [None]
+        codes = [(line["error"] or line["response"]["body"]["error"])["code"] for line in errors]
+        assert codes == ["batch_cancelled"] * 6 + ["invalid_value"]  # 3 queued, 3 never queued: all unrun
+        refused = [lines[-1], request_line("t", oai_env["MRC_MODEL"], "Refund?", inline, temperature=1)]
+        upload = sdk.files.create(file=("refused.jsonl", "\n".join(refused).encode()), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_final(sdk, batch.id, 60)  # no line is a request mrc runs
+        assert (done.status, done.errors.data[0].code) == ("failed", "no_valid_requests")  # type: ignore[union-attr, index]
+        assert len(lines_of(sdk, done.error_file_id)) == 2
+    with idle_stack(oai_env, 4, MRC_OPENAI_BATCH_WINDOW_S="1") as (sdk, _client):
+        upload = sdk.files.create(file=("three.jsonl", "\n".join(lines[:3]).encode()), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_final(sdk, batch.id, 60)
+        assert (done.status, done.expired_at is not None) == ("expired", True)
+        errors = lines_of(sdk, done.error_file_id)
+        assert [line["error"]["code"] for line in errors] == ["batch_expired"] * 3
+        assert [line["custom_id"] for line in errors] == ["r0", "r1", "r2"]
+
+
+def test_schemathesis_finds_no_server_error_on_the_openai_routes(oai_env: dict[str, str]) -> None:
+    """Generated requests from the app's own schema, valid and invalid ones: never a 5xx, and every
+    error in OpenAI's shape."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    from producer.api import create_app
+
+    quick = {**oai_env, "MRC_OPENAI_WAIT_S": "0.5", "MRC_OPENAI_BATCH_POLL_S": "3600"}
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(services.settings_from_env(quick)))
+    failures: list[str] = []
+    calls: list[int] = []
+
+    def check(case: Any) -> None:
+        response = case.call(headers={"Authorization": f"Bearer {KEY}"})
+        calls.append(response.status_code)
+        where = f"{case.operation.method.upper()} {case.operation.path}"
+        if response.status_code >= 500:
+            failures.append(f"{where}: {response.status_code} {response.text[:200]}")
+        elif response.status_code >= 400 and not {"message", "type", "param", "code"} <= set(
+            response.json()["error"]
+        ):
+            failures.append(f"{where}: not OpenAI's error shape: {response.text[:200]}")
+
+    profile = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    for operation in schema.get_all_operations():
+        operation = operation.ok()
+        if not operation.path.startswith(("/v1/chat", "/v1/models", "/v1/files", "/v1/batches")):
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            try:
+                profile(given(case=operation.as_strategy(generation_mode=mode))(lambda case: check(case)))()
+            except Unsatisfiable:
+                assert mode is GenerationMode.NEGATIVE
+    assert not failures, failures[:5]
+    assert len(calls) >= 60, "schemathesis sent too few requests to mean anything"
+    assert any(400 <= code < 500 for code in calls)
+
+
+def test_the_readme_examples_run(base_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (services.ROOT / "README.md").read_text()
+    section = text.split("## From the OpenAI SDK", 1)[1].split("\n## ", 1)[0]
+    code = "\n".join(block.split("```", 1)[0] for block in section.split("```python\n")[1:])
+    assert "http://127.0.0.1:8000/v1" in code
+    assert "client.batches.create" in code
+    (tmp_path / "parcel.jpg").write_bytes(imagegen.photo(80, 60, seed=48))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MRC_KEY", KEY)
+    namespace: dict[str, Any] = {}
+    exec(
+        compile(
+            code.replace("http://127.0.0.1:8000/v1", f"{base_url}/v1").replace("POLL_S = 5", "POLL_S = 0.2"),
+            "README.md",
+            "exec",
+        ),
+        namespace,
+    )
+    assert namespace["answer"].object == "chat.completion"
+    assert namespace["batch"].status == "completed"
+    assert len(namespace["results"]) == namespace["batch"].request_counts.total
+
+
+def test_a_script_written_for_vllm_runs_with_base_url_key_and_model_changed(
+    base_url: str, model: str, tmp_path: Path
+) -> None:
+    script = (services.ROOT / "tests" / "support" / "vllm_style_client.py").read_text()
+    edits = {
+        'openai_api_key = "EMPTY"': f'openai_api_key = "{KEY}"',
+        'openai_api_base = "http://localhost:8000/v1"': f'openai_api_base = "{base_url}/v1"',
+        'model = "llava-hf/llava-1.5-7b-hf"': f'model = "{model}"',
+    }
+    for old, new in edits.items():
+        assert script.count(old) == 1, old
+        script = script.replace(old, new)
+    (tmp_path / "client.py").write_text(script)
+    (tmp_path / "parcel.jpg").write_bytes(imagegen.photo(80, 60, seed=49))
+    import subprocess
+    import sys
+
+    ran = subprocess.run(
+        [sys.executable, "client.py", "parcel.jpg"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "Chat completion output:" in ran.stdout
+    assert "Structured output:" in ran.stdout

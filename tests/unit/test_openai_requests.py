@@ -1,0 +1,152 @@
+"""The OpenAI-compatible surface without services: what a chat request may hold (accepted, refused by
+name, refused by mrc's job checks), errors in OpenAI's shape, and a batch file's request count."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+import pytest
+
+from producer.openai_errors import OpenAIError, from_usage_error, openai_body
+from producer.openai_files import count_requests
+from producer.openai_requests import parse_chat
+from shared.settings import Settings
+
+SETTINGS = Settings(s3_bucket="mrc-photos", s3_prefix="tenant-a/", max_image_bytes=1000)
+IMAGE = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"x" * 50).decode()
+
+
+def _request(**fields: Any) -> dict[str, Any]:
+    content = [{"type": "text", "text": "Refund?"}, {"type": "image_url", "image_url": {"url": IMAGE}}]
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def _refusal(body: object) -> tuple[int, str | None, str | None]:
+    with pytest.raises(OpenAIError) as caught:
+        parse_chat(body, SETTINGS)
+    return caught.value.status, caught.value.param, caught.value.code
+
+
+def test_a_plain_request_reads_into_one_job() -> None:
+    chat = parse_chat(
+        _request(max_completion_tokens=7, metadata={"ticket_id": "T-1", "job_id": "j-1"}), SETTINGS
+    )
+    assert (chat.prompt, chat.max_new_tokens, chat.ticket_id, chat.job_id) == ("Refund?", 7, "T-1", "j-1")
+    assert chat.image is None
+    assert (chat.data or b"").startswith(b"\x89PNG")
+    assert chat.image_param == "messages[0].content[1].image_url.url"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0, "top_p": 1, "n": 1, "stream": False, "presence_penalty": 0, "logprobs": False},
+        {"stop": [], "tools": [], "tool_choice": "none", "seed": 7, "user": "u-1", "store": True},
+        {"response_format": {"type": "text"}, "service_tier": "auto", "modalities": ["text"]},
+    ],
+)
+def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: dict[str, Any]) -> None:
+    assert parse_chat(_request(**fields), SETTINGS).response_format is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param", "code"),
+    [
+        ({"stream": True}, 400, "stream", "unsupported_value"),
+        ({"temperature": 0.2}, 400, "temperature", "unsupported_value"),
+        ({"n": 3}, 400, "n", "unsupported_value"),
+        ({"stop": ["\n"]}, 400, "stop", "unsupported_value"),
+        ({"logprobs": True}, 400, "logprobs", "unsupported_value"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options", "unsupported_value"),
+        ({"reasoning_effort": "low"}, 400, "reasoning_effort", "unsupported_value"),
+        ({"guided_json": {}}, 400, "guided_json", "unknown_parameter"),
+        ({"max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
+        ({"max_tokens": 5, "max_completion_tokens": 6}, 400, "max_tokens", "invalid_value"),
+        ({"max_completion_tokens": 100_000}, 400, "max_completion_tokens", "invalid_value"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "invalid_value"),
+        ({"metadata": {"job_id": "no spaces please"}}, 422, "metadata.job_id", "invalid_job"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+         "response_format.json_schema.schema", "missing_required_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}}, 422,
+         "response_format.json_schema.schema", "invalid_job"),
+        ({"messages": []}, 400, "messages", "unsupported_value"),
+        ({"messages": [{"role": "system", "content": "Be brief."}]}, 400, "messages[0].role",
+         "unsupported_value"),
+        ({"messages": [{"role": "user", "content": "No image?"}]}, 400, "messages[0].content",
+         "unsupported_value"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
+         "messages[0].content[0]", "invalid_value"),
+        ({"model": None}, 400, "model", "invalid_value"),
+    ],
+)  # fmt: skip
+def test_what_mrc_cannot_do_is_refused_by_name(
+    fields: dict[str, Any], status: int, param: str, code: str
+) -> None:
+    assert _refusal(_request(**fields)) == (status, param, code)
+
+
+@pytest.mark.parametrize(
+    ("url", "status", "code"),
+    [
+        ("https://example.com/a.jpg", 422, "image_source_forbidden"),
+        ("s3://other-bucket/a.jpg", 422, "image_source_forbidden"),
+        ("s3://mrc-photos/tenant-b/a.jpg", 422, "image_source_forbidden"),  # our bucket, another prefix
+        ("s3://mrc-photos/tenant-a/../x.jpg", 400, "invalid_value"),
+        ("data:image/png,not-base64", 400, "invalid_value"),
+        ("data:image/png;base64,@@@@", 400, "invalid_value"),
+        ("data:image/png;base64," + "A" * 2000, 422, "image_too_large"),  # decodes past 1,000 bytes
+    ],
+)
+def test_images_come_as_base64_or_from_our_bucket(url: str, status: int, code: str) -> None:
+    body = _request(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Refund?"}, {"type": "image_url", "image_url": {"url": url}}]}])  # fmt: skip
+    assert _refusal(body) == (status, "messages[0].content[1].image_url.url", code)
+    ours = _request(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "s3://mrc-photos/tenant-a/x.jpg", "detail": "high"}},
+        {"type": "text", "text": "Refund?"}]}])  # fmt: skip
+    assert parse_chat(ours, SETTINGS).image == "s3://mrc-photos/tenant-a/x.jpg"
+
+
+def test_json_object_and_json_schema_become_constrained_answers() -> None:
+    as_object = parse_chat(_request(response_format={"type": "json_object"}), SETTINGS)
+    assert as_object.response_format == {"type": "json_schema", "schema": {"type": "object"}}
+    schema = {"type": "object", "properties": {"refund": {"type": "boolean"}}, "required": ["refund"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    assert parse_chat(_request(response_format=fmt), SETTINGS).response_format == {
+        "type": "json_schema",
+        "schema": schema,
+    }
+
+
+def test_every_error_body_leaves_in_openai_shape() -> None:
+    mrc = openai_body(401, json.dumps({"error": {"code": "unauthorized", "message": "no key"}}).encode())
+    assert mrc == {"error": {"code": "invalid_api_key", "message": "no key", "type": "invalid_request_error",
+                             "param": None}}  # fmt: skip
+    fastapi = openai_body(405, b'{"detail": "Method Not Allowed"}')["error"]
+    assert (fastapi["message"], fastapi["type"], fastapi["code"]) == (
+        "Method Not Allowed",
+        "invalid_request_error",
+        None,
+    )
+    assert openai_body(503, b"plain text")["error"]["type"] == "server_error"
+    kept = openai_body(
+        504, OpenAIError(504, "slow", None, "answer_timeout", extra={"job_id": "j"}).response().body
+    )
+    expected = {"message": "slow", "type": "timeout_error", "param": None, "code": "answer_timeout"}
+    assert kept["error"] == {**expected, "job_id": "j"}
+    assert (from_usage_error("image_too_large: 9 pixels").status, from_usage_error("x").code) == (
+        422,
+        "invalid_job",
+    )
+    assert from_usage_error("job id j is already used by a different job (...)").status == 409
+
+
+@pytest.mark.parametrize(
+    ("text", "requests"),
+    [(b"", 0), (b"\n \n", 0), (b"{}", 1), (b"{}\n{}\n", 2), (b"{}\r\n\r\n{}", 2), (b" {}\n" * 3, 3)],
+)
+def test_a_batch_file_counts_its_non_blank_lines(text: bytes, requests: int) -> None:
+    assert count_requests(io.BytesIO(text)) == (len(text), requests)
