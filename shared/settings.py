@@ -122,6 +122,12 @@ class Settings(BaseSettings):
     # ticket arriving mid-step may wait for: one 1 MP photo's prefill (~1,300 positions) at a time on
     # the CPU, ~40 ms of Fuyu-8B prefill on an H200 (docs/benchmarks.md).
     engine_prefill_tokens: int = Field(default=2048, ge=1)
+    # How a decode step runs (workers/engine/runner.py): `rows` as they are, each attending to its own
+    # length (no padding); `fixed`, one call of bucketed shape over a prefix of the cache's slots
+    # (capturable); auto: fixed on CUDA, rows on the CPU.
+    engine_decode: Literal["auto", "rows", "fixed"] = "auto"
+    # CUDA graphs for the fixed steps, captured at warm-up (auto: on CUDA); off: eager steps.
+    engine_cuda_graphs: Literal["auto", "off"] = "auto"
     # Full deliveries' worth of messages a worker holds: at most this many x MRC_BATCH_MAX_JOBS (one
     # thread each, so a ticket's delivery never waits for a thread), of which backlog ones never take
     # the last MRC_BATCH_MAX_JOBS (shared/transport.py, lane_limits).

@@ -9,18 +9,21 @@ hundred positions, 64-wide matrices) gains nothing from a second thread. A large
 photos: thousands of positions) is another matter: two threads make it ~1.5x faster alone. Sleeping
 instead of spinning (OMP_WAIT_POLICY=PASSIVE) cost 2-3x on small calls and ~1.5x on large ones here.
 
-So each call takes its thread count from its size: one thread below SMALL_CALL_POSITIONS prefill
-positions (tickets, the tests, the demo: a CPU worker beside other processes keeps its speed), every
-usable core above it (batches, where threads pay; beside busy processes those still slow down, see
-docs/benchmarks.md). MRC_CPU_THREADS fixes the count instead. The image decode threads always use one
-each (workers/images.py).
+So each call takes its thread count from its size: one thread below a threshold, every usable core
+above it (beside busy processes those still slow down, see docs/benchmarks.md). A prefill's threshold
+is PREFILL_POSITIONS: an image's prefill (a 1 MP photo is ~1,300 positions) is a large matrix product
+that a second core speeds up, while a ticket's text-sized call is not. A decode step's is
+DECODE_POSITIONS of positions read: one position per row is little work, and below that threshold a
+step stays on one thread. MRC_CPU_THREADS fixes the count instead. The image decode threads always use
+one each (workers/images.py).
 """
 
 from __future__ import annotations
 
 import os
 
-SMALL_CALL_POSITIONS = 4096  # prefill positions (rows x padded length) of a call that runs on one thread
+PREFILL_POSITIONS = 1024  # prefill positions (rows x length) from which a prefill takes every core
+DECODE_POSITIONS = 4096  # cache positions a decode step reads from which it takes every core
 
 
 def usable_cores() -> int:
@@ -30,18 +33,19 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def choose(requested: int, positions: int, cores: int) -> int:
-    """Threads for one model call of `positions` prefill positions: `requested` when set (> 0)."""
+def choose(requested: int, positions: int, cores: int, kind: str = "prefill") -> int:
+    """Threads for one model call (`kind` prefill or decode) of `positions`: `requested` when set."""
     if requested > 0:
         return requested
-    return 1 if positions < SMALL_CALL_POSITIONS else cores
+    threshold = PREFILL_POSITIONS if kind == "prefill" else DECODE_POSITIONS
+    return 1 if positions < threshold else cores
 
 
-def apply(requested: int, positions: int) -> int:
+def apply(requested: int, positions: int, kind: str = "prefill") -> int:
     """Set torch's intra-op threads for the next model call on the CPU; returns the count."""
     import torch
 
-    threads = choose(requested, positions, usable_cores())
+    threads = choose(requested, positions, usable_cores(), kind)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

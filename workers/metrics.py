@@ -133,12 +133,20 @@ class Metrics:
             "mrc_engine_rows_waiting", "Rows waiting for admission, by lane", ["lane"], registry=r
         )
         self.kv_used = Gauge(
-            "mrc_engine_kv_tokens_used",
-            "Cache positions the rows in memory (running, held) may reach: rows x the longest at its limit",
-            registry=r,
+            "mrc_engine_kv_tokens_used", "Cache positions the rows in memory (running, held) hold", registry=r
         )
         self.kv_capacity = Gauge(
-            "mrc_engine_kv_tokens_capacity", "Cache positions the engine admits up to", registry=r
+            "mrc_engine_kv_tokens_capacity", "Cache positions allocated: slots x positions each", registry=r
+        )
+        self.slots_used = Gauge("mrc_engine_slots_used", "Cache slots rows hold (running, held)", registry=r)
+        self.slots = Gauge("mrc_engine_slots", "Cache slots allocated (rows in memory at most)", registry=r)
+        self.positions_read = Counter(
+            "mrc_engine_positions_read_total", "Cache positions decode steps read (attention)", registry=r
+        )
+        self.positions_padding = Counter(
+            "mrc_engine_positions_padding_total",
+            "Of those, positions no row holds (a fixed-shape step's padding)",
+            registry=r,
         )
         self.steps = Counter("mrc_engine_steps_total", "Engine steps that ran the model", registry=r)
         self.generated = Counter(

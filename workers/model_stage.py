@@ -47,20 +47,31 @@ class ModelStage:
         self._first_batch_at: float | None = None
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across deliveries
         self.engine_at = time.monotonic()  # the engine's last step (monotonic), for /healthz
-        measured, self.kv_measured = backend.kv_capacity()
+        # The cache: slots of `positions` each (one row to its longest), as many as memory holds, at most
+        # the settings' (workers/engine/capacity.py); allocated once, here.
+        self.positions = backend.slot_positions()
+        fit, self.kv_measured = backend.kv_capacity(self.positions)
+        slots = capacity.choose(
+            fit, settings.model_batch_max_jobs, settings.batch_token_budget, self.positions
+        )
         self.limits = scheduler.Limits(
-            max_rows=settings.model_batch_max_jobs,
-            kv_tokens=capacity.limit(measured, settings.batch_token_budget),
-            reserved_interactive=min(settings.engine_reserved_rows, settings.model_batch_max_jobs - 1),
+            max_rows=slots,
+            reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
             backlog_prefill_tokens=settings.engine_prefill_tokens,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
         )
-        self.engine = EngineService(backend.step_model(), self.limits, metrics, self._progress).start()
+        runner = backend.step_model(slots, self.positions)
+        self.cache_bytes = int(getattr(getattr(runner, "cache", None), "nbytes", 0))
+        self.decode = str(getattr(runner, "decode_mode", "rows"))
+        self.captured = backend.capture(runner)
+        self.engine = EngineService(runner, self.limits, metrics, self._progress).start()
+        metrics.kv_capacity.set(slots * self.positions)
         logs.get_logger().info(
-            "MRC_ENGINE_READY", max_rows=self.limits.max_rows, kv_tokens=self.limits.kv_tokens,
-            kv_measured=measured, measured_from=self.kv_measured,
-            reserved_interactive=self.limits.reserved_interactive, hold_backlog=self.limits.hold_backlog,
+            "MRC_ENGINE_READY", slots=slots, slot_positions=self.positions, cache_bytes=self.cache_bytes,
+            slots_memory_holds=fit, measured_from=self.kv_measured, decode=self.decode,
+            cuda_graphs=self.captured, reserved_interactive=self.limits.reserved_interactive,
+            hold_backlog=self.limits.hold_backlog,
         )  # fmt: skip
 
     @property
@@ -73,9 +84,12 @@ class ModelStage:
     def describe(self) -> dict[str, Any]:
         """The engine's limits, fixed at start (/readyz, the heartbeat)."""
         return {
-            "engine_max_rows": self.limits.max_rows,
-            "engine_kv_tokens": self.limits.kv_tokens,
+            "engine_slots": self.limits.max_rows,
+            "engine_slot_positions": self.positions,
+            "engine_cache_bytes": self.cache_bytes,
             "engine_kv_measured_from": self.kv_measured,
+            "engine_decode": self.decode,
+            "engine_cuda_graphs": self.captured,
             "engine_reserved_interactive": self.limits.reserved_interactive,
             "engine_hold_backlog": self.limits.hold_backlog,
         }
@@ -196,7 +210,7 @@ class ModelStage:
             return
         slot.text = text
         slot.finish_reason = row.finish_reason
-        slot.attention_path = "masked" if row.shared_steps else "causal"
+        slot.attention_path = "masked" if row.masked_steps else "causal"
 
     def _watch_failures(self, any_succeeded: bool, model_errors: list[ModelError]) -> None:
         """A model that fails job after job is the worker's fault, not the jobs': stop taking work

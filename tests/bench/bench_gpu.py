@@ -118,7 +118,7 @@ def engine_row(backend: FuyuBackend, items: list[GenerationInput], device: str, 
 
     def once() -> int:
         done: list[Sequence] = []
-        engine = Engine(backend.step_model(), scheduler.Limits(len(items), 1 << 30, 0), done.append)
+        engine = Engine(backend.step_model(len(items)), scheduler.Limits(len(items), 0), done.append)
         for index, item in enumerate(items):
             inputs, positions = backend.row_inputs(item)
             engine.submit(

@@ -80,7 +80,7 @@ def run_engine(
 ) -> tuple[int, float]:
     """(tokens generated, seconds) for every job admitted at once and run to its end."""
     done: list[Sequence] = []
-    engine = Engine(backend.step_model(), scheduler.Limits(len(jobs), 1 << 22, 0), done.append)
+    engine = Engine(backend.step_model(len(jobs)), scheduler.Limits(len(jobs), 0), done.append)
     for index, item in enumerate(jobs):
         inputs, positions = backend.row_inputs(item)
         constraint = None if fmt is None else backend.grammars.constraint(rf.parse(fmt))[0]

@@ -14,8 +14,8 @@ def engine_tokens(
 ) -> list[list[int]]:
     """Each job's generated tokens, the jobs joining the running batch at their arrival steps."""
     done: dict[str, Sequence] = {}
-    limits = scheduler.Limits(max_rows, 1 << 20, 0)
-    engine = Engine(backend.step_model(), limits, lambda row: done.__setitem__(row.row_id, row))
+    limits = scheduler.Limits(max_rows, 0)
+    engine = Engine(backend.step_model(max_rows), limits, lambda row: done.__setitem__(row.row_id, row))
     pending = sorted(range(len(items)), key=lambda i: arrivals[i])
     while pending or not engine.idle:
         while pending and arrivals[pending[0]] <= engine.steps:

@@ -69,17 +69,18 @@ def test_out_of_memory_fails_only_the_job_that_cannot_fit_alone(
         )
         for i, n in enumerate(["small", "small", "huge", "small"])
     ]
-    real_forward = backend.model.forward
+    language = backend.model.model.language_model  # every model call, prefill and decode, goes through it
+    real_forward = language.forward
     calls: list[tuple[int, int]] = []
 
     def forward(**inputs: Any) -> Any:
-        rows, positions = inputs["input_ids"].shape
+        rows, positions = inputs["inputs_embeds"].shape[:2]
         calls.append((rows, positions))
-        if positions > 1000 or rows > 1:  # the huge prefill, or a decode step of more than one row
+        if positions > 1000 or (rows > 1 and positions == 1):  # the huge prefill, a shared decode step
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real_forward(**inputs)
 
-    monkeypatch.setattr(backend.model, "forward", forward)
+    monkeypatch.setattr(language, "forward", forward)
     records = MemoryJobRecords()
     pipeline = assemble(backend, store, store, records, Settings(max_attempts=1), sleep=lambda _s: None)
     try:

@@ -22,11 +22,11 @@ from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import scheduler
 from workers.engine.engine import Engine
-from workers.engine.runner import Runner
 from workers.engine.sequence import Sequence
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
 SIZES = [(48, 64), (90, 120), (200, 150), (240, 320)]
+DECODES = ["rows", "fixed"]
 PROMPTS = ["Refund?", "Is the parcel damaged at all, or only the box?", "What is written on the label here?"]
 
 
@@ -65,11 +65,16 @@ def _sequence(backend: FuyuBackend, row_id: str, item: GenerationInput, lane: st
 
 
 def _run(
-    backend: FuyuBackend, jobs: list[tuple[GenerationInput, int, str]], limits: scheduler.Limits
+    backend: FuyuBackend,
+    jobs: list[tuple[GenerationInput, int, str]],
+    limits: scheduler.Limits,
+    decode: str = "rows",
 ) -> tuple[dict[str, Sequence], Engine]:
     """Submit each job at its arrival step; run until every row has finished."""
     done: dict[str, Sequence] = {}
-    engine = Engine(Runner(backend.model), limits, lambda row: done.__setitem__(row.row_id, row))
+    runner = backend.step_model(limits.max_rows)
+    runner.decode_mode = decode
+    engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
     pending = sorted(range(len(jobs)), key=lambda i: jobs[i][1])
     while pending or not engine.idle:
         while pending and jobs[pending[0]][1] <= engine.steps:
@@ -87,15 +92,16 @@ job = st.tuples(
 )  # fmt: skip
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(st.lists(job, min_size=1, max_size=4), st.integers(1, 4), st.booleans())
+@settings(max_examples=16, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.lists(job, min_size=1, max_size=4), st.integers(1, 4), st.booleans(), st.sampled_from(DECODES))
 def test_every_row_equals_the_same_job_alone(
-    backend: FuyuBackend, spec: list[Any], rows: int, hold: bool
+    backend: FuyuBackend, spec: list[Any], rows: int, hold: bool, decode: str
 ) -> None:
+    """Both ways a decode step runs: rows as they are (the CPU's), one fixed-shape call (CUDA's)."""
     reference = cache(lambda size, prompt, new: tuple(_alone(backend, _item(size, prompt, new))))
     jobs = [(_item(size, prompt, new), arrival, lane) for size, prompt, new, arrival, lane in spec]
-    limits = scheduler.Limits(max_rows=rows, kv_tokens=1 << 20, reserved_interactive=0, hold_backlog=hold)
-    done, _engine = _run(backend, jobs, limits)
+    limits = scheduler.Limits(max_rows=rows, reserved_interactive=0, hold_backlog=hold)
+    done, _engine = _run(backend, jobs, limits, decode)
     assert sorted(done) == [str(i) for i in range(len(jobs))]
     for index, (size, prompt, new, _arrival, _lane) in enumerate(spec):
         row = done[str(index)]
@@ -107,42 +113,38 @@ def test_a_row_joins_mid_flight_and_leaves_at_its_own_length(backend: FuyuBacken
     """A long row runs; a short one joins at step 3 and leaves before it; a third joins after."""
     long, short, late = _item(3, 1, 12), _item(0, 0, 3), _item(1, 2, 5)
     jobs = [(long, 0, "backlog"), (short, 3, "interactive"), (late, 5, "interactive")]
-    done, engine = _run(backend, jobs, scheduler.Limits(max_rows=4, kv_tokens=1 << 20))
+    done, engine = _run(backend, jobs, scheduler.Limits(max_rows=4))
     for index, (item, _arrival, _lane) in enumerate(jobs):
         assert done[str(index)].tokens == _alone(backend, item)
     assert engine.steps < 12 + 2, "the rows did not share steps"
 
 
 # ------------------------------------------------------------------ the policy (no model)
-def _c(row_id: str, lane: str = "interactive", tokens: int = 100) -> scheduler.Candidate:
-    return scheduler.Candidate(row_id, lane, tokens)
+def _c(row_id: str, lane: str = "interactive") -> scheduler.Candidate:
+    return scheduler.Candidate(row_id, lane)
 
 
 def test_interactive_rows_are_admitted_before_backlog_rows_whatever_came_first() -> None:
     waiting = [_c("b1", "backlog"), _c("i1"), _c("b2", "backlog"), _c("i2"), _c("i3")]
-    limits = scheduler.Limits(max_rows=3, kv_tokens=10_000, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=3, reserved_interactive=0)
     assert scheduler.admit(waiting, [], limits) == ["i1", "i2", "i3"]
     assert scheduler.admit(waiting[:3], [], limits) == ["i1"]  # no backlog beside a ticket (below)
     assert scheduler.admit([_c("b1", "backlog"), _c("b2", "backlog")], [], limits) == ["b1", "b2"]
 
 
 def test_slots_kept_for_tickets_are_never_taken_by_backlog_rows() -> None:
-    limits = scheduler.Limits(max_rows=4, kv_tokens=10_000, reserved_interactive=1)
+    limits = scheduler.Limits(max_rows=4, reserved_interactive=1)
     running = [_c(f"b{i}", "backlog") for i in range(3)]
     assert scheduler.admit([_c("b9", "backlog")], running, limits) == []
     assert scheduler.admit([_c("b9", "backlog"), _c("t1")], running, limits) == ["t1"]
 
 
-def test_a_row_is_admitted_only_if_every_running_row_still_fits_at_its_longest() -> None:
-    limits = scheduler.Limits(max_rows=8, kv_tokens=1_000, reserved_interactive=0)
-    running = [_c("r1", tokens=400)]  # left-padded: two rows hold 2 x the longer one
-    assert scheduler.admit([_c("big", tokens=600), _c("small", tokens=300)], running, limits) == ["small"]
-
-
-def test_a_row_too_large_for_the_cache_runs_when_nothing_else_does() -> None:
-    limits = scheduler.Limits(max_rows=8, kv_tokens=1_000, reserved_interactive=0)
-    assert scheduler.admit([_c("huge", tokens=5_000)], [], limits) == ["huge"]
-    assert scheduler.admit([_c("huge", tokens=5_000)], [_c("r1")], limits) == []
+def test_a_row_is_admitted_while_a_slot_is_free_whatever_its_length() -> None:
+    """Every slot holds any job to its longest: admission counts slots, not rows x the longest."""
+    limits = scheduler.Limits(max_rows=3, reserved_interactive=0)
+    running = [_c("r1"), _c("r2")]
+    assert scheduler.admit([_c("a"), _c("b")], running, limits) == ["a"]
+    assert scheduler.admit([_c("a")], [*running, _c("r3")], limits) == []
 
 
 # ------------------------------------------------------------------ pauses and failures (the model)
@@ -150,7 +152,7 @@ class _Faulty:
     """The real runner, with faults injected by a rule over each call."""
 
     def __init__(self, backend: FuyuBackend, prefill_fault: Any = None, decode_fault: Any = None) -> None:
-        self.inner = Runner(backend.model)
+        self.inner = backend.step_model(8)
         self.prefill_fault, self.decode_fault = prefill_fault, decode_fault
         self.decodes: list[list[str]] = []
 
@@ -179,7 +181,7 @@ def test_a_ticket_pauses_a_backlog_row_which_resumes_with_the_same_tokens(backen
     items = [_item(1, 0, 10), _item(2, 1, 10), _item(0, 2, 4)]
     done: dict[str, Sequence] = {}
     runner = _Faulty(backend)
-    limits = scheduler.Limits(max_rows=2, kv_tokens=1 << 20, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=2, reserved_interactive=0)
     engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
     rows = [_sequence(backend, "b1", items[0], "backlog"), _sequence(backend, "b2", items[1], "backlog")]
     ticket = _sequence(backend, "t", items[2], "interactive")
@@ -199,7 +201,7 @@ def test_held_backlog_rows_sit_out_a_tickets_steps_and_resume_with_the_same_toke
     items = [_item(1, 0, 12), _item(2, 1, 12), _item(0, 2, 4)]
     done: dict[str, Sequence] = {}
     runner = _Faulty(backend)
-    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=1, hold_backlog=True)
+    limits = scheduler.Limits(max_rows=4, reserved_interactive=1, hold_backlog=True)
     engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
     rows = [_sequence(backend, "b1", items[0], "backlog"), _sequence(backend, "b2", items[1], "backlog")]
     ticket = _sequence(backend, "t", items[2], "interactive")
@@ -225,7 +227,7 @@ def test_out_of_memory_at_admission_waits_then_runs_alone(backend: FuyuBackend) 
 
     done: dict[str, Sequence] = {}
     engine = Engine(
-        _Faulty(backend, prefill_fault=fault), scheduler.Limits(4, 1 << 20, 0),
+        _Faulty(backend, prefill_fault=fault), scheduler.Limits(4, 0),
         lambda row: done.__setitem__(row.row_id, row),
     )  # fmt: skip
     _drive(
@@ -240,7 +242,7 @@ def test_out_of_memory_at_admission_waits_then_runs_alone(backend: FuyuBackend) 
 
     failed: dict[str, Sequence] = {}
     lonely = Engine(
-        _Faulty(backend, prefill_fault=lambda _inputs: oom), scheduler.Limits(4, 1 << 20, 0),
+        _Faulty(backend, prefill_fault=lambda _inputs: oom), scheduler.Limits(4, 0),
         lambda row: failed.__setitem__(row.row_id, row),
     )  # fmt: skip
     _drive(lonely, [(_sequence(backend, "big", big, "backlog"), 0)])
@@ -257,7 +259,7 @@ def test_a_step_that_fails_only_in_company_runs_each_row_alone(backend: FuyuBack
 
     runner = _Faulty(backend, decode_fault=fault)
     done: dict[str, Sequence] = {}
-    engine = Engine(runner, scheduler.Limits(4, 1 << 20, 0), lambda row: done.__setitem__(row.row_id, row))
+    engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
     _drive(engine, [(_sequence(backend, str(i), item, "backlog"), 0) for i, item in enumerate(items)])
     for index, item in enumerate(items):
         assert done[str(index)].error is None
@@ -277,7 +279,7 @@ def test_a_device_fault_mid_step_fails_every_row_with_the_worker(backend: FuyuBa
             RuntimeError("CUDA error: an illegal memory access was encountered") if len(row_ids) > 1 else None
         )
 
-    service = EngineService(_Faulty(backend, decode_fault=fault), scheduler.Limits(4, 1 << 20, 0), Metrics())
+    service = EngineService(_Faulty(backend, decode_fault=fault), scheduler.Limits(4, 0), Metrics())
     service.start()
     futures = [service.submit(_sequence(backend, str(i), _item(i, 0, 8), "backlog")) for i in range(3)]
     wait(futures, timeout=60)
@@ -289,9 +291,7 @@ def test_a_device_fault_mid_step_fails_every_row_with_the_worker(backend: FuyuBa
 
 def test_a_row_past_its_deadline_expires_at_admission(backend: FuyuBackend) -> None:
     done: dict[str, Sequence] = {}
-    engine = Engine(
-        Runner(backend.model), scheduler.Limits(4, 1 << 20, 0), lambda r: done.__setitem__(r.row_id, r)
-    )
+    engine = Engine(backend.step_model(4), scheduler.Limits(4, 0), lambda r: done.__setitem__(r.row_id, r))
     row = _sequence(backend, "late", _item(0, 0, 4), "backlog")
     row.deadline = 1.0  # 1970
     _drive(engine, [(row, 0)])
@@ -300,43 +300,41 @@ def test_a_row_past_its_deadline_expires_at_admission(backend: FuyuBackend) -> N
 
 
 # ------------------------------------------------------------------ pauses and the alone rule (no model)
-def _a(row_id: str, lane: str = "interactive", tokens: int = 100, alone: bool = False) -> scheduler.Candidate:
-    return scheduler.Candidate(row_id, lane, tokens, alone)
+def _a(row_id: str, lane: str = "interactive", alone: bool = False) -> scheduler.Candidate:
+    return scheduler.Candidate(row_id, lane, alone)
 
 
 def test_a_ticket_pauses_the_youngest_backlog_rows_only_as_many_as_it_needs() -> None:
-    limits = scheduler.Limits(max_rows=3, kv_tokens=10_000, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=3, reserved_interactive=0)
     running = [_a("b1", "backlog"), _a("t0"), _a("b2", "backlog")]
     plan = scheduler.plan([_a("t1")], running, limits)
     assert (plan.admit, plan.pause) == (["t1"], ["b2"])
     crowded = scheduler.plan([_a("t1")], [_a("t0"), _a("t2"), _a("t3")], limits)
     assert (crowded.admit, crowded.pause) == ([], []), "a ticket paused another ticket"
-    room = scheduler.Limits(max_rows=8, kv_tokens=1_000, reserved_interactive=0)
-    big = scheduler.plan([_a("t1", tokens=400)], [_a("b1", "backlog", 300), _a("b2", "backlog", 300)], room)
-    assert (big.admit, big.pause) == (["t1"], ["b2"])  # 2 x 400 fits once b2 is out
+    two = scheduler.Limits(max_rows=2, reserved_interactive=0)
+    big = scheduler.plan([_a("t1"), _a("t2")], [_a("b1", "backlog"), _a("b2", "backlog")], two)
+    assert (big.admit, big.pause) == (["t1", "t2"], ["b2", "b1"])  # the youngest first
     assert scheduler.plan([_a("b3", "backlog")], [_a("b1", "backlog")] * 3, limits).pause == []
 
 
 def test_no_backlog_row_is_admitted_while_a_ticket_decodes() -> None:
     """A backlog prefill would stall the ticket's every step: its slot is refilled once the ticket is done."""
-    limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=8, reserved_interactive=0)
     assert scheduler.admit([_a("b2", "backlog")], [_a("b1", "backlog"), _a("t1")], limits) == []
     assert scheduler.admit([_a("b2", "backlog"), _a("t2")], [_a("b1", "backlog")], limits) == ["t2"]
     assert scheduler.admit([_a("b2", "backlog")], [_a("b1", "backlog")], limits) == ["b2"]
 
 
 def test_backlog_prefill_per_step_is_bounded_so_a_ticket_waits_for_little() -> None:
-    limits = scheduler.Limits(
-        max_rows=8, kv_tokens=100_000, reserved_interactive=0, backlog_prefill_tokens=3000
-    )
-    waiting = [scheduler.Candidate(f"b{i}", "backlog", 1500, prompt_tokens=1300) for i in range(5)]
+    limits = scheduler.Limits(max_rows=8, reserved_interactive=0, backlog_prefill_tokens=3000)
+    waiting = [scheduler.Candidate(f"b{i}", "backlog", prompt_tokens=1300) for i in range(5)]
     assert scheduler.admit(waiting, [], limits) == ["b0", "b1"]  # 2 x 1300 <= 3000 < 3 x 1300
-    huge = [scheduler.Candidate("h", "backlog", 9000, prompt_tokens=8000)]
+    huge = [scheduler.Candidate("h", "backlog", prompt_tokens=8000)]
     assert scheduler.admit(huge, [], limits) == ["h"]  # one row always may
 
 
 def test_a_suspect_runs_with_nothing_beside_it_and_nothing_is_admitted_past_it() -> None:
-    limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=8, reserved_interactive=0)
     assert scheduler.plan([_a("s", alone=True), _a("t")], [], limits).admit == ["s"]
     # It waits for the ticket running; nothing later is admitted past it, so it is never starved.
     assert scheduler.plan([_a("s", alone=True), _a("t")], [_a("r")], limits).admit == []
@@ -346,7 +344,7 @@ def test_a_suspect_runs_with_nothing_beside_it_and_nothing_is_admitted_past_it()
 
 
 def test_a_ticket_suspect_pauses_backlog_rows_and_a_backlog_suspect_gives_way_to_tickets() -> None:
-    limits = scheduler.Limits(max_rows=8, kv_tokens=10_000, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=8, reserved_interactive=0)
     held = [_a("b1", "backlog"), _a("b2", "backlog")]  # running or held: both are in memory
     plan = scheduler.plan([_a("s", alone=True)], held, limits)
     assert (plan.admit, sorted(plan.pause)) == (["s"], ["b1", "b2"])
@@ -359,7 +357,7 @@ def test_a_ticket_suspect_pauses_backlog_rows_and_a_backlog_suspect_gives_way_to
 def test_a_lowered_memory_ceiling_keeps_every_other_limit() -> None:
     from workers.backends.echo import EchoBackend
 
-    limits = scheduler.Limits(8, 10_000, 2, hold_backlog=True, backlog_prefill_tokens=2048)
+    limits = scheduler.Limits(8, 2, hold_backlog=True, backlog_prefill_tokens=2048)
     engine = Engine(EchoBackend().step_model(), limits, lambda _row: None)
-    engine.kv_ceiling = 3_000  # as after an out-of-memory step
-    assert engine._limits() == scheduler.Limits(8, 3_000, 2, hold_backlog=True, backlog_prefill_tokens=2048)
+    engine.row_ceiling = 3  # as after an out-of-memory step
+    assert engine._limits() == scheduler.Limits(3, 2, hold_backlog=True, backlog_prefill_tokens=2048)

@@ -47,7 +47,7 @@ def _drive(engine: Engine, arrivals: list[tuple[Sequence, int]]) -> None:
 def test_a_ticket_suspect_beside_held_backlog_rows_runs_and_they_resume() -> None:
     """Held rows counted as kept and were released only once no ticket waited: the suspect waited for
     them, they for it, and the engine spun, reporting progress at every step."""
-    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=1, hold_backlog=True)
+    limits = scheduler.Limits(max_rows=4, reserved_interactive=1, hold_backlog=True)
     engine, done = _engine(limits)
     _drive(engine, [(_row("b1", new=30), 0), (_row("b2", new=30), 0), (_row("s", "interactive", 5, True), 3)])
     assert sorted(done) == ["b1", "b2", "s"]
@@ -56,7 +56,7 @@ def test_a_ticket_suspect_beside_held_backlog_rows_runs_and_they_resume() -> Non
 
 
 def test_a_suspect_is_not_starved_by_the_rows_that_arrive_after_it() -> None:
-    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=4, reserved_interactive=0)
     engine, done = _engine(limits)
     stream = [(_row(f"b{i}", new=6), i) for i in range(120)]  # a new backlog row at every step
     _drive(engine, [*stream, (_row("s", new=4, alone=True), 1)])
@@ -65,7 +65,7 @@ def test_a_suspect_is_not_starved_by_the_rows_that_arrive_after_it() -> None:
 
 
 def test_a_ticket_does_not_wait_for_a_backlog_suspects_whole_answer() -> None:
-    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=4, reserved_interactive=0)
     engine, done = _engine(limits)
     _drive(engine, [(_row("s", new=60, alone=True), 0), (_row("t", "interactive", 3), 5)])
     assert done["s"].restarts == 1  # paused for the ticket, then recomputed
@@ -74,7 +74,7 @@ def test_a_ticket_does_not_wait_for_a_backlog_suspects_whole_answer() -> None:
 
 
 def _alone_tokens(row: Sequence) -> list[int]:
-    engine, done = _engine(scheduler.Limits(max_rows=1, kv_tokens=1 << 20, reserved_interactive=0))
+    engine, done = _engine(scheduler.Limits(max_rows=1, reserved_interactive=0))
     _drive(engine, [(row, 0)])
     return done[row.row_id].tokens
 
@@ -106,7 +106,7 @@ def test_out_of_memory_in_the_batchs_bookkeeping_is_settled_like_a_failed_step(f
     steps = ECHO.step_model()
     steps.new_batch = _FlakyBatch  # type: ignore[method-assign]
     _FlakyBatch.calls, _FlakyBatch.fail_at = 0, fail_at
-    engine, done = _engine(scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0), steps)
+    engine, done = _engine(scheduler.Limits(max_rows=4, reserved_interactive=0), steps)
     rows = [(_row(f"r{i}", new=4 + 3 * i), i) for i in range(4)]
     _drive(engine, rows)
     for row, _arrival in rows:
@@ -135,7 +135,7 @@ class _OomOnce:
 
 def test_a_transient_out_of_memory_ceiling_is_lifted_under_steady_load() -> None:
     """It lasted until running and held rows were both empty: never, under steady load."""
-    limits = scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=4, reserved_interactive=0)
     engine, done = _engine(limits, _OomOnce())
     long = (_row("long", new=engine_module.CEILING_STEPS + 200), 0)  # runs throughout: it never empties
     stream = [
@@ -148,7 +148,7 @@ def test_a_transient_out_of_memory_ceiling_is_lifted_under_steady_load() -> None
         while pending and pending[0][1] <= engine.steps:
             engine.submit(pending.pop(0)[0])
         engine.step()
-        seen.append((engine.kv_ceiling, len(engine.running)))
+        seen.append((engine.row_ceiling, len(engine.running)))
     lowered = next((i for i, (c, _n) in enumerate(seen) if c is not None), None)
     assert lowered is not None, "the injected out-of-memory step never happened"
     lifted = next(i for i in range(lowered, len(seen)) if seen[i][0] is None)
@@ -161,7 +161,7 @@ def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
     """A paused row: first_token and inference came from the discarded run, shared_steps kept
     counting, and its thrown-away tokens (and every end-of-text) counted as generated."""
     metrics = Metrics()
-    limits = scheduler.Limits(max_rows=2, kv_tokens=1 << 20, reserved_interactive=0)
+    limits = scheduler.Limits(max_rows=2, reserved_interactive=0)
     paced = EchoBackend(token_s=0.002)
     service = EngineService(paced.step_model(), limits, metrics).start()
     try:
@@ -189,7 +189,7 @@ def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
 def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin() -> None:
     """A backlog row no slot is left for (every row kept for tickets) cannot move: /healthz must not
     hear of progress, and the loop must wait instead of stepping at full speed."""
-    limits = scheduler.Limits(max_rows=1, kv_tokens=1 << 20, reserved_interactive=1)
+    limits = scheduler.Limits(max_rows=1, reserved_interactive=1)
     progress: list[float] = []
     service = EngineService(ECHO.step_model(), limits, Metrics(), progress.append).start()
     try:
@@ -203,13 +203,14 @@ def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin() -> None
     assert steps <= 0.5 / 0.05 + 2  # bounded by the loop's wait, on any machine
 
 
-def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative() -> None:
-    """It went negative: a row's length counted the token not yet fed to the cache."""
+@pytest.mark.parametrize("decode", ["rows", "fixed"])
+def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative(decode: str) -> None:
+    """It went negative: a row's length counted the token not yet fed to the cache. Rows attending to
+    their own lengths read no padding; a fixed-shape step reads some, never all."""
     from pathlib import Path
 
     from shared.settings import Settings
     from workers.backends.fuyu import FuyuBackend
-    from workers.engine.runner import Runner
     from workers.engine.service import padding
 
     backend = FuyuBackend(
@@ -217,8 +218,9 @@ def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative() -> N
                  quantization="fp32", device="cpu")
     )  # fmt: skip
     backend.load()
-    engine, _done = _engine(scheduler.Limits(max_rows=4, kv_tokens=1 << 20, reserved_interactive=0),
-                            Runner(backend.model))  # fmt: skip
+    runner = backend.step_model(4)
+    runner.decode_mode = decode
+    engine, _done = _engine(scheduler.Limits(max_rows=4, reserved_interactive=0), runner)
     for index, (height, width) in enumerate([(48, 64), (90, 120), (200, 150)]):
         item = GenerationInput(torch.full((3, height, width), 40 * index, dtype=torch.uint8), "Refund?", 6)
         inputs, positions = backend.row_inputs(item)
@@ -229,4 +231,4 @@ def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative() -> N
             ratios.append(padding(engine))
     assert ratios
     assert all(0.0 <= ratio < 1.0 for ratio in ratios), ratios
-    assert max(ratios) > 0  # rows of three lengths: some of what a step read was padding
+    assert (max(ratios) > 0) == (decode == "fixed")  # rows of three lengths, one fixed width

@@ -333,14 +333,15 @@ def test_a_model_that_fails_every_job_of_deliveries_in_a_row_ends_the_worker(sto
 
 
 def test_each_result_says_which_attention_path_it_took(store: MemoryStore) -> None:
-    """causal: the row decoded alone (its prefill always does); masked: it shared decode steps
-    with other rows in the merged, left-padded batch."""
+    """causal: every attention call of the row read its own positions only (its prefill always does;
+    the echo model's steps read no padding); masked: a decode step read padding under a mask (the
+    fixed-shape step: tests/unit/test_engine_failures.py checks a real runner's padding)."""
     _pipeline(store).run([_job("alone-1")])
     assert store.get_result("alone-1")["model"]["attention_path"] == "causal"
     store.put_bytes("inputs/wide.jpg", imagegen.photo(300, 48), "image/jpeg")
     paced = EchoBackend(token_s=0.05)  # 8 steps of 50 ms: the second row joins while the first decodes
     _pipeline(store, paced).run([_job("mx-1"), _job("mx-2", image="s3://mrc/inputs/wide.jpg")])
-    assert {store.get_result(j)["model"]["attention_path"] for j in ("mx-1", "mx-2")} == {"masked"}
+    assert {store.get_result(j)["model"]["attention_path"] for j in ("mx-1", "mx-2")} == {"causal"}
 
 
 def test_every_result_carries_its_usage_counted_once_per_key(store: MemoryStore) -> None:

@@ -27,7 +27,6 @@ from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import masks, scheduler
 from workers.engine.engine import Engine
-from workers.engine.runner import Runner
 from workers.engine.sequence import Sequence
 from workers.grammar import Grammars
 
@@ -141,7 +140,7 @@ def _run(
 ) -> dict[str, Sequence]:
     done: dict[str, Sequence] = {}
     engine = Engine(
-        Runner(backend.model), scheduler.Limits(max_rows, 1 << 20, 0), lambda r: done.__setitem__(r.row_id, r)
+        backend.step_model(max_rows), scheduler.Limits(max_rows, 0), lambda r: done.__setitem__(r.row_id, r)
     )
     pending = sorted(zip(arrivals, range(len(rows)), strict=True))
     while pending or not engine.idle:

@@ -77,8 +77,14 @@ class ModelBackend(Protocol):
     # None where the backend has no vocabulary to constrain (a job with a response_format fails there).
     grammars: Any
 
-    def step_model(self) -> Any:
-        """The engine's model calls: a StepModel (workers/engine/runner.py)."""
+    def slot_positions(self) -> int:
+        """The most cache positions one row can hold (a slot's size, workers/engine/kv.py)."""
+
+    def step_model(self, slots: int = 2, positions: int | None = None) -> Any:
+        """The engine's model calls with a cache of `slots` slots: a StepModel (workers/engine/runner.py)."""
+
+    def capture(self, runner: Any) -> int:
+        """Record the runner's fixed decode steps (CUDA graphs where that applies); how many."""
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
         """One job's inputs for a prefill alone (no padding), and the cache positions they fill."""
@@ -86,8 +92,8 @@ class ModelBackend(Protocol):
     def detokenize(self, tokens: list[int]) -> str:
         """The text of generated tokens (end-of-text excluded)."""
 
-    def kv_capacity(self) -> tuple[int, str]:
-        """Cache positions the free memory holds now, and how that was measured."""
+    def kv_capacity(self, positions: int) -> tuple[int, str]:
+        """Slots of `positions` the free memory holds now, and how that was measured."""
 
     def warm_up(self) -> str:
         """Run one tiny batch (lazy initialisation, kernels); returns the attention kernel that ran."""

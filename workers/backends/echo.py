@@ -23,6 +23,8 @@ class EchoRows:
         self.row_ids: list[str] = []
         self.scripts: dict[str, tuple[list[int], GenerationInput]] = {}
         self.positions: dict[str, int] = {}
+        self.read = 0  # positions the last step read (its rows' own: nothing padded)
+        self.padding = 0
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -87,6 +89,7 @@ class EchoSteps:
         if self.backend.token_s:
             time.sleep(self.backend.token_s)
         nexts = []
+        batch.read = sum(batch.positions[row_id] for row_id in batch.row_ids)
         for row_id in batch.row_ids:
             script, _item = batch.scripts[row_id]
             position = batch.positions[row_id]
@@ -152,15 +155,21 @@ class EchoBackend:
     def detokenize(self, tokens: list[int]) -> str:
         return " ".join(self._words[t] for t in tokens if t not in (EOS, PAD))
 
-    def step_model(self) -> EchoSteps:
+    def slot_positions(self) -> int:
+        return 1 << 16
+
+    def step_model(self, slots: int = 2, positions: int | None = None) -> EchoSteps:
         return EchoSteps(self)
+
+    def capture(self, runner: Any) -> int:
+        return 0
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
         height, width = item.image.shape[-2:]
         return item, self.image_tokens(height, width) + len(item.prompt.split())
 
-    def kv_capacity(self) -> tuple[int, str]:
-        return 1 << 30, "echo: no cache"
+    def kv_capacity(self, positions: int) -> tuple[int, str]:
+        return 1 << 20, "echo: no cache"
 
     def load(self) -> None:
         return None

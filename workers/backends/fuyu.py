@@ -234,16 +234,53 @@ class FuyuBackend:
         return self.run(self.prepare(batch))
 
     # ---------------------------------------------------------------- the engine's hooks
-    def step_model(self) -> Any:
-        """The engine's model calls (workers/engine/runner.py); on the CPU, threads by call size."""
+    def slot_positions(self) -> int:
+        """The most positions one row can hold: the largest image (after resize-to-fit and
+        MRC_MAX_IMAGE_SIDE), its begin-of-sequence and begin-of-answer tokens, the longest prompt and
+        the most new tokens a job may ask for."""
+        settings = self.settings
+        image = fuyu_geometry.max_image_tokens(settings.max_image_side)
+        return image + 2 + settings.max_prompt_tokens + settings.max_new_tokens_limit
+
+    def decode_mode(self) -> str:
+        """MRC_ENGINE_DECODE: `auto` is one fixed-shape call per step on CUDA (captured), rows as they
+        are on the CPU (workers/engine/runner.py)."""
+        mode = str(self.settings.engine_decode)
+        if mode == "auto":
+            return "fixed" if self.device.startswith("cuda") else "rows"
+        return mode
+
+    def step_model(self, slots: int = 2, positions: int | None = None) -> Any:
+        """The engine's model calls with a cache of `slots` slots (workers/engine/runner.py); on the
+        CPU, threads by call size; on CUDA, the fixed steps captured as CUDA graphs unless
+        MRC_ENGINE_CUDA_GRAPHS=off (a capture that fails is logged and the steps run eagerly)."""
         from workers.engine.runner import Runner
 
+        mode: Any = self.decode_mode()
+        positions = positions or self.slot_positions()
         if self.device != "cpu":
-            return Runner(self.model)
+            return Runner(self.model, slots, positions, None, mode)
         from workers import cpu_threads
 
         requested = self.settings.cpu_threads
-        return Runner(self.model, lambda positions: cpu_threads.apply(requested, positions))
+        return Runner(
+            self.model, slots, positions, lambda count, kind: cpu_threads.apply(requested, count, kind), mode
+        )
+
+    def capture(self, runner: Any) -> int:
+        """Record the runner's fixed steps as CUDA graphs; 0 where that does not apply or fails."""
+        if not self.device.startswith("cuda") or runner.decode_mode != "fixed":
+            return 0
+        if self.settings.engine_cuda_graphs == "off":
+            return 0
+        try:
+            return int(runner.capture())
+        except Exception as exc:  # a kernel that cannot be captured: eager steps still serve
+            from shared import logs
+
+            logs.get_logger().warning("MRC_CUDA_GRAPHS_OFF", error=repr(exc)[:300])
+            runner._steps.clear()
+            return 0
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
         """One job's model inputs for a prefill alone (no padding), and the positions they fill."""
@@ -253,13 +290,38 @@ class FuyuBackend:
     def detokenize(self, tokens: list[int]) -> str:
         return str(self.processor.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def kv_capacity(self) -> tuple[int, str]:
-        """Cache positions that fit in the memory free now (after loading and warm-up), and how that
-        was measured: 85 % of the device's free memory on CUDA (the rest for activations and the
-        allocator's slack), half of the available RAM on the CPU."""
+    def kv_capacity(self, positions: int) -> tuple[int, str]:
+        """Slots of `positions` that fit in the memory free now (after loading and warm-up, and, on
+        CUDA, after the activations of the largest prefill allowed, measured by running one), and how
+        that was measured (workers/engine/capacity.py)."""
         from workers.engine import capacity
 
-        return capacity.measure(self.model.config, self.model.dtype, self.device)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        memory, how = capacity.memory_for_cache(self.device, self._largest_prefill())
+        per_token = capacity.bytes_per_token(self.model.config, dtype)
+        return capacity.slots(memory, per_token, positions), f"{how}, {per_token} bytes per position"
+
+    def _largest_prefill(self) -> int:
+        """Bytes the largest prefill allowed takes on CUDA beyond what is allocated now (0 on the CPU)."""
+        if not self.device.startswith("cuda"):
+            return 0
+        import torch
+
+        side = self.settings.max_image_side
+        height = min(fuyu_geometry.MAX_H, side) if side else fuyu_geometry.MAX_H
+        width = min(fuyu_geometry.MAX_W, side) if side else fuyu_geometry.MAX_W
+        words = self.processor.tokenizer("x " * self.settings.max_prompt_tokens)["input_ids"]
+        prompt = tuple(int(i) for i in words)[: self.settings.max_prompt_tokens]
+        item = GenerationInput(torch_full_image(height, width), "", 1, prompt_ids=prompt)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runner = self.step_model(1, 8)
+        runner.prefill([self.row_inputs(item)[0]])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del runner
+        return int(peak)
 
     def _decode(self, row: list[int], max_new_tokens: int) -> GenerationOutput:
         # Greedy decoding makes a row's first N tokens the same whatever the batch's longest request.
@@ -281,17 +343,17 @@ class FuyuBackend:
         small = GenerationInput(image=torch_full_image(48, 64), prompt="warm up", max_new_tokens=4)
         large = GenerationInput(image=torch_full_image(96, 128), prompt="warm", max_new_tokens=4)
         self.generate([small])
-        runner = self.step_model()
+        runner = self.step_model(2, 256)
         self.attention_kernel = attention.attest(
             lambda: runner.prefill([self.row_inputs(small)[0]]), self.device
         )
-        engine = Engine(runner, scheduler.Limits(2, 1 << 20, 0), lambda _row: None)
+        engine = Engine(runner, scheduler.Limits(2, 0), lambda _row: None)
         for index, item in enumerate((small, large)):
             inputs, positions = self.row_inputs(item)
             engine.submit(Sequence(f"warm-{index}", inputs, positions, 4, self.eos_id, exact_steps=True))
         engine.step()  # both admitted (prefilled, merged) and one step decoded: the next is decode only
         self.attention_kernel_padded = attention.attest(engine.step, self.device)
-        self._warm_grammar(runner)
+        self._warm_grammar(self.step_model(1, 256))  # a cache of its own: the rows above hold theirs
         return self.attention_kernel
 
     def _warm_grammar(self, runner: Any) -> None:
@@ -306,7 +368,7 @@ class FuyuBackend:
         constraint, _ = self.grammars.constraint(ChoiceFormat(type="choice", choices=["yes", "no"]))
         small = GenerationInput(image=torch_full_image(48, 64), prompt="warm up", max_new_tokens=4)
         inputs, positions = self.row_inputs(small)
-        engine = Engine(runner, scheduler.Limits(1, 1 << 20, 0), done.append)
+        engine = Engine(runner, scheduler.Limits(1, 0), done.append)
         engine.submit(Sequence("warm-grammar", inputs, positions, 4, self.eos_id, constraint=constraint))
         while not engine.idle:
             engine.step()

@@ -26,6 +26,12 @@ def grid(height: int, width: int, max_side: int = 0) -> tuple[int, int]:
     return math.ceil(h / PATCH), math.ceil(w / PATCH)
 
 
+def max_image_tokens(max_side: int = 0) -> int:
+    """The most positions any image takes: the resize-to-fit box filled (a side cap shrinks it)."""
+    height, width = (min(MAX_H, max_side), min(MAX_W, max_side)) if max_side else (MAX_H, MAX_W)
+    return math.ceil(height / PATCH) * (math.ceil(width / PATCH) + 1)
+
+
 def image_token_count(height: int, width: int, max_side: int = 0) -> int:
     """Sequence positions an image takes: one per patch plus one newline per patch row."""
     rows, cols = grid(height, width, max_side)

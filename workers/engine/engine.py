@@ -65,7 +65,7 @@ class Engine:
         self.held: dict[str, Sequence] = {}
         self.held_batch: RowBatch = runner.new_batch()
         self.steps = 0
-        self.kv_ceiling: int | None = None  # lowered by out-of-memory (for CEILING_STEPS steps)
+        self.row_ceiling: int | None = None  # rows in memory, lowered by out-of-memory for CEILING_STEPS
         self._ceiling_at = 0
         self._report = StepReport()
 
@@ -77,15 +77,20 @@ class Engine:
         return not self.waiting and not self.running and not self.held
 
     @property
-    def footprint(self) -> int:
-        """Cache positions the rows in memory (running and held) may reach (what admission counts)."""
-        return footprint([*self.running.values(), *self.held.values()])
+    def in_memory(self) -> int:
+        """Rows holding a slot: running and held."""
+        return len(self.running) + len(self.held)
+
+    @property
+    def positions_held(self) -> int:
+        """Cache positions the rows in memory really hold."""
+        return self.batch.held + self.held_batch.held
 
     def step(self) -> StepReport:
         report = self._report = StepReport()
         self._expire()
-        if self.kv_ceiling is not None and self.steps - self._ceiling_at >= CEILING_STEPS:
-            self.kv_ceiling = None
+        if self.row_ceiling is not None and self.steps - self._ceiling_at >= CEILING_STEPS:
+            self.row_ceiling = None
         if self._safely(self._hold_or_release):
             self._admit()
         if self.running:
@@ -96,10 +101,10 @@ class Engine:
                 self._decode_failed(exc)
             else:
                 report.decoded_rows = len(rows)
-                now, shared = self.clock(), len(rows) > 1
+                now, masked = self.clock(), self.batch.padding > 0
                 done = set()
                 for row, token in zip(rows, nexts, strict=True):
-                    row.shared_steps += shared
+                    row.masked_steps += masked
                     if row.accept(token):
                         row.finished_at = now
                         done.add(row.row_id)
@@ -109,12 +114,12 @@ class Engine:
 
     # ---------------------------------------------------------------- admission
     def _limits(self) -> scheduler.Limits:
-        if self.kv_ceiling is None:
+        if self.row_ceiling is None:
             return self.limits
-        return dataclasses.replace(self.limits, kv_tokens=min(self.limits.kv_tokens, self.kv_ceiling))
+        return dataclasses.replace(self.limits, max_rows=min(self.limits.max_rows, self.row_ceiling))
 
-    def _lower_ceiling(self, tokens: int) -> None:
-        self.kv_ceiling, self._ceiling_at = max(1, tokens), self.steps
+    def _lower_ceiling(self, rows: int) -> None:
+        self.row_ceiling, self._ceiling_at = max(1, rows), self.steps
 
     def _expire(self) -> None:
         now = self.clock()
@@ -158,7 +163,7 @@ class Engine:
                 return True
             if isinstance(error, OutOfMemory) and (self.running or self.held):
                 self._requeue(rows, restart=False)  # it may fit alone, or once a neighbour has left
-                self._lower_ceiling(self.footprint)
+                self._lower_ceiling(self.in_memory)
                 return False
             self._fail(rows[0], error)
             return True
@@ -194,10 +199,11 @@ class Engine:
     def _memory_failed(self) -> None:
         rows = [*self.running.values(), *self.held.values()]
         if rows:
-            self._lower_ceiling(footprint(rows[:-1]))  # the youngest's share freed
+            self._lower_ceiling(len(rows) - 1)  # the youngest's share freed
         self.running.clear()
         self.held.clear()
-        self.batch, self.held_batch = self.runner.new_batch(), self.runner.new_batch()  # no copy made
+        self._drop_all()
+        self.held_batch = _emptied(self.held_batch, self.runner)
         self._requeue(rows)
         self._report.restarted += len(rows)
 
@@ -210,7 +216,7 @@ class Engine:
             return
         self._report.restarted += len(rows)
         if isinstance(error, OutOfMemory):
-            self._lower_ceiling(footprint([*rows[:-1], *self.held.values()]))  # the youngest's freed
+            self._lower_ceiling(len(rows) - 1 + len(self.held))  # the youngest's share freed
         else:
             for row in rows:
                 row.alone = True  # one at a time: the row that breaks the model fails by itself
@@ -259,8 +265,9 @@ class Engine:
             self.held_batch = self.runner.new_batch()
 
     def _drop_all(self) -> None:
+        """Every running row out of the batch, its slot free (nothing is copied)."""
         self.running.clear()
-        self.batch = self.runner.new_batch()
+        self.batch = _emptied(self.batch, self.runner)
 
     def _fail(self, row: Sequence, error: MrcError) -> None:
         row.error, row.finished_at = error, self.clock()
@@ -277,7 +284,17 @@ class Engine:
         if not self._safely(lambda: self.batch.drop(done)):
             return
         if not self.running and not self.held:
-            self.kv_ceiling = None  # an empty cache: try the full capacity again
+            self.row_ceiling = None  # an empty cache: try the full capacity again
+
+
+def _emptied(batch: RowBatch, runner: StepModel) -> RowBatch:
+    """The batch with every row dropped (their slots free); a fresh one if dropping fails (a batch
+    whose bookkeeping itself ran out of memory: the slot cache's never does, it is plain Python)."""
+    try:
+        batch.drop(set(batch.row_ids))
+    except Exception:
+        return runner.new_batch()
+    return batch
 
 
 def _masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
@@ -290,13 +307,7 @@ def _masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
 
 def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
     """The rows as the pure policy sees them."""
-    return [scheduler.Candidate(r.row_id, r.lane, r.reserved_tokens, r.alone, r.prompt_tokens) for r in rows]
-
-
-def footprint(rows: Iterable[Sequence]) -> int:
-    """Cache positions rows may reach together in a left-padded batch: rows x the longest at its limit."""
-    listed = list(rows)
-    return len(listed) * max((row.reserved_tokens for row in listed), default=0)
+    return [scheduler.Candidate(r.row_id, r.lane, r.alone, r.prompt_tokens) for r in rows]
 
 
 def _equal_lengths(rows: list[Sequence]) -> list[list[Sequence]]:

@@ -1,9 +1,16 @@
-"""The running batch's KV cache and attention mask: rows of different lengths, left-padded.
+"""The KV cache as slots allocated once, and the running batch as rows in those slots.
 
-A prefilled row's cache is merged in by left-padding every row to the longest along the sequence axis
-(zeros in the attention mask over the padding); a finished row leaves by index-selecting it out of
-every layer and of the mask; columns that no remaining row uses are trimmed from the left. Position
-ids come from the mask (a row's positions count its own tokens only), so padding never shifts a row.
+Per layer, keys and values are one tensor each, `[slots, heads, positions + 1, head_dim]`, allocated at
+start (workers/engine/capacity.py sizes it). A row that joins copies its prefill's keys and values into
+its slot, once; every decode step writes one position per row in place, at that row's own position; a
+row that leaves frees its slot and nothing moves. The last column is scratch: a fixed-shape step
+(workers/engine/runner.py) covers slots that no running row holds there, and writes their position to
+it. Which row holds which slot is workers/engine/slot_table.py's, plain Python.
+
+`SlotCache` is what transformers' model calls `cache`: its `update()` writes the step's new keys and
+values where the runner's write plan says (`rows`, `write`) and returns what attention reads: the whole
+buffers (attention per row, over views of each row's own length) or a prefix view `[:S, :, :W]` (one
+call of fixed shape). No step allocates or copies the cache.
 """
 
 from __future__ import annotations
@@ -11,117 +18,107 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+
+from workers.engine.slot_table import SlotTable
 
 
-def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+class SlotCache:
+    """transformers' Cache protocol, as far as the engine's model calls use it."""
+
+    is_compileable = False  # transformers' own compile switches stay off: the runner compiles/captures
+
+    def __init__(
+        self, layers: int, slots: int, heads: int, positions: int, head_dim: int, dtype: Any, device: Any
+    ) -> None:
+        shape = (slots, heads, positions + 1, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.scratch = positions  # the write position of a slot no running row holds
+        # The write plan of the next call (set by the runner): the slot and position of each batch row,
+        # and the prefix attention reads (slots, width), or None for the whole buffers.
+        self.rows: torch.Tensor | None = None
+        self.write: torch.Tensor | None = None
+        self.view: tuple[int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+    ) -> Any:
+        """Write one position per batch row ([rows, heads, 1, head_dim]) in place; return what
+        attention reads."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.rows, :, self.write] = key_states[:, :, -1]
+        values[self.rows, :, self.write] = value_states[:, :, -1]
+        if self.view is None:
+            return keys, values
+        slots, width = self.view
+        return keys[:slots, :, :width], values[:slots, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from the runner (position_ids), never from the cache
+
+    def put(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A joining row's prefill cache ([heads, length, head_dim] per layer) into its slot: its one copy."""
+        for index, (new_keys, new_values) in enumerate(layers):
+            length = new_keys.shape[1]
+            self.keys[index][slot, :, :length].copy_(new_keys)
+            self.values[index][slot, :, :length].copy_(new_values)
 
 
-def _build(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    cache = DynamicCache()
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
-    return cache
+class SlotBatch:
+    """Rows of the engine in slots of one cache (the running batch, or the held one: moving rows from one
+    to the other moves no tensor). `row_ids` is the batch order of a decode step's inputs and outputs."""
 
-
-def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """[rows, heads, T, dim] -> [rows, heads, length, dim], zeros on the left."""
-    missing = length - tensor.shape[2]
-    if missing <= 0:
-        return tensor
-    pad = tensor.new_zeros((tensor.shape[0], tensor.shape[1], missing, tensor.shape[3]))
-    return torch.cat([pad, tensor], dim=2)
-
-
-class Batch:
-    """The rows running together: their ids (in cache order), one cache, one mask."""
-
-    def __init__(self) -> None:
+    def __init__(self, table: SlotTable, cache: SlotCache) -> None:
+        self.table, self.cache = table, cache
         self.row_ids: list[str] = []
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None  # [rows, T] long: 1 where a row has a real position
+        self.read = 0  # positions the last decode step read for these rows
+        self.padding = 0  # of those, positions no row holds (a fixed-shape step's padding)
 
     def __len__(self) -> int:
         return len(self.row_ids)
 
     def add(self, row_ids: list[str], cache: Any, length: int) -> None:
-        """Merge rows prefilled together, unpadded (their cache holds exactly `length` positions each)."""
-        device = cache.layers[0].keys.device
-        self._join(list(row_ids), cache, torch.ones((len(row_ids), length), dtype=torch.long, device=device))
-
-    def absorb(self, other: Batch) -> None:
-        """Merge another batch's rows (a held group coming back) after this one's."""
-        if other.mask is not None:
-            self._join(other.row_ids, other.cache, other.mask)
-
-    def take(self, row_ids: set[str]) -> Batch:
-        """Move these rows, with their cache, out into a batch of their own."""
-        taken = Batch()
-        order = [row for row in self.row_ids if row in row_ids]
-        if order and self.mask is not None:
-            taken.row_ids = order
-            taken.cache, taken.mask = self._select([self.row_ids.index(row) for row in order])
-            self.drop(set(order))
-        return taken
-
-    def _join(self, row_ids: list[str], cache: Any, mask: torch.Tensor) -> None:
-        if self.cache is None or self.mask is None:
-            self.row_ids, self.cache, self.mask = row_ids, cache, mask
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-        merged = []
-        for (keys, values), (new_keys, new_values) in zip(_layers(self.cache), _layers(cache), strict=True):
-            merged.append(
-                (
-                    torch.cat([_left_pad(keys, width), _left_pad(new_keys, width)], dim=0),
-                    torch.cat([_left_pad(values, width), _left_pad(new_values, width)], dim=0),
-                )
-            )
-        old = torch.nn.functional.pad(self.mask, (width - self.mask.shape[1], 0))
-        new = torch.nn.functional.pad(mask, (width - mask.shape[1], 0))
-        self.cache, self.mask = _build(merged), torch.cat([old, new], dim=0)
-        self.row_ids = [*self.row_ids, *row_ids]
-
-    def _select(self, keep: list[int]) -> tuple[Any, torch.Tensor]:
-        """The cache and mask of these rows only, trimmed of the padding none of them needs."""
-        assert self.mask is not None
-        index = torch.tensor(keep, device=self.mask.device)
-        mask = self.mask.index_select(0, index)
-        start = mask.shape[1] - int(mask.sum(dim=1).max())  # left-padded: real positions are last
-        layers = [
-            (keys.index_select(0, index)[:, :, start:], values.index_select(0, index)[:, :, start:])
-            for keys, values in _layers(self.cache)
-        ]
-        return _build(layers), mask[:, start:].contiguous()
+        """Rows prefilled together (their cache holds `length` positions each) join: one copy each."""
+        assigned: list[str] = []
+        try:
+            for index, row_id in enumerate(row_ids):
+                slot = self.table.assign(row_id, length)
+                assigned.append(row_id)
+                layers = [(layer.keys[index], layer.values[index]) for layer in cache.layers]
+                self.cache.put(slot, layers)
+        except BaseException:
+            for row_id in assigned:  # all or nothing: the engine sends the rows back to waiting
+                self.table.release(row_id)
+            raise
+        self.row_ids += row_ids
 
     def drop(self, row_ids: set[str]) -> None:
-        """Remove finished rows; trim the padding columns no remaining row needs."""
-        if not row_ids or self.mask is None:
-            return
-        keep = [i for i, row in enumerate(self.row_ids) if row not in row_ids]
-        if not keep:
-            self.row_ids, self.cache, self.mask = [], None, None
-            return
-        self.cache, self.mask = self._select(keep)
-        self.row_ids = [self.row_ids[i] for i in keep]
+        """Rows that left: their slots are free at once, and nothing moves."""
+        for row_id in [r for r in self.row_ids if r in row_ids]:
+            self.table.release(row_id)
+        self.row_ids = [r for r in self.row_ids if r not in row_ids]
 
-    @property
-    def held(self) -> int:
-        """Positions the rows really hold (padding not counted)."""
-        return 0 if self.mask is None else int(self.mask.sum())
+    def take(self, row_ids: set[str]) -> SlotBatch:
+        """These rows, slots and all, into a batch of their own (held rows)."""
+        taken = SlotBatch(self.table, self.cache)
+        taken.row_ids = [r for r in self.row_ids if r in row_ids]
+        self.row_ids = [r for r in self.row_ids if r not in row_ids]
+        return taken
+
+    def absorb(self, other: SlotBatch) -> None:
+        self.row_ids += other.row_ids
+        other.row_ids = []
 
     @property
     def width(self) -> int:
-        """Positions per row in the cache, padding included: what the batch really holds."""
-        return 0 if self.mask is None else int(self.mask.shape[1])
+        """The longest row's positions."""
+        return max((self.table.length(r) for r in self.row_ids), default=0)
 
-    def next_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mask for the next step (one more real position per row) and the rows' positions;
-        `commit` it once the step succeeded, so a failed step leaves the batch as it was."""
-        assert self.mask is not None
-        mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
-        return mask, (mask.sum(dim=1, keepdim=True) - 1).long()
-
-    def commit(self, mask: torch.Tensor, cache: Any) -> None:
-        self.mask, self.cache = mask, cache
+    @property
+    def held(self) -> int:
+        """Positions the rows really hold."""
+        return sum(self.table.length(r) for r in self.row_ids)

@@ -1,4 +1,10 @@
-"""The engine's only model calls (torch): prefill one job alone, decode one step for the batch.
+"""The engine's only model calls (torch): prefill jobs of one length together, decode one step for
+every running row. It owns the slot cache (workers/engine/kv.py) and the two ways a decode step runs:
+
+- `rows` (the CPU's default): the running rows as they are, each attending to its own length in its
+  own slot (workers/engine/row_attention.py): nothing padded, nothing gathered;
+- `fixed` (CUDA's default): one call of fixed shape over a prefix of the slots, bucketed, each bucket's
+  step captured once as a CUDA graph at warm-up and replayed (workers/engine/fixed_step.py).
 
 `StepModel` is the seam: this runner serves transformers' Fuyu; the echo backend has its own
 (workers/backends/echo.py), so the worker's tests drive the same engine without weights.
@@ -7,18 +13,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from workers.engine import masks as grammar_masks
-from workers.engine.kv import Batch
+from workers.engine import row_attention
+from workers.engine.fixed_step import FixedStep, buckets, rows_bucket, width_bucket
+from workers.engine.kv import SlotBatch, SlotCache
 from workers.engine.masks import MaskFn
 from workers.engine.sequence import DEAD_END
+from workers.engine.slot_table import SlotTable
+
+DecodeMode = Literal["rows", "fixed"]
 
 
 class RowBatch(Protocol):
     row_ids: list[str]
+    read: int  # positions the last decode step read for these rows
+    padding: int  # of those, positions no row holds
 
     def __len__(self) -> int: ...
 
@@ -46,16 +59,28 @@ class StepModel(Protocol):
 
 
 # Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.
-Threads = Callable[[int], object] | None
+Threads = Callable[[int, str], object] | None
 
 
 class Runner:
-    def __init__(self, model: Any, threads: Threads = None) -> None:
-        self.model = model
-        self.threads = threads
+    def __init__(
+        self, model: Any, slots: int, positions: int, threads: Threads = None, decode: DecodeMode = "rows"
+    ) -> None:
+        self.model, self.threads, self.decode_mode = model, threads, decode
+        self.language = model.model.language_model
+        text = self.language.config
+        heads = int(text.num_attention_heads)
+        embeddings = self.language.get_input_embeddings().weight
+        self.table = SlotTable(slots, positions)
+        self.cache = SlotCache(
+            int(text.num_hidden_layers), slots, heads, positions, int(text.hidden_size) // heads,
+            embeddings.dtype, embeddings.device,
+        )  # fmt: skip
+        self._steps: dict[tuple[int, int], FixedStep] = {}
+        self.captured = 0  # fixed steps recorded as CUDA graphs
 
-    def new_batch(self) -> Batch:
-        return Batch()
+    def new_batch(self) -> SlotBatch:
+        return SlotBatch(self.table, self.cache)
 
     @torch.inference_mode()
     def prefill(self, inputs: list[Any], masks: MaskFn | None = None) -> tuple[list[int], Any, int]:
@@ -65,25 +90,67 @@ class Runner:
         joined = inputs[0] if len(inputs) == 1 else {k: torch.cat([i[k] for i in inputs]) for k in inputs[0]}
         length = int(joined["input_ids"].shape[1])
         if self.threads is not None:
-            self.threads(int(joined["input_ids"].numel()))
+            self.threads(int(joined["input_ids"].numel()), "prefill")
         out = _freeing_on_oom(lambda: self.model(**joined, use_cache=True, logits_to_keep=1))
         return _pick(out.logits[:, -1], masks), out.cache, length
 
     @torch.inference_mode()
-    def decode(self, batch: Batch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
+    def decode(self, batch: SlotBatch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
         """One step for every running row: feed each row's last token, return each row's next."""
-        assert batch.mask is not None
-        mask, positions = batch.next_step()
+        slots = [self.table.slot(row_id) for row_id in batch.row_ids]
+        lengths = [self.table.length(row_id) for row_id in batch.row_ids]
+        run = self._decode_fixed if self.decode_mode == "fixed" else self._decode_rows
+        logits = _freeing_on_oom(lambda: run(batch, slots, lengths, last_tokens))
+        self.table.grow(batch.row_ids)  # the step wrote one position per row: now part of each row
+        return _pick(logits, masks)
+
+    def _decode_rows(self, batch: SlotBatch, slots: list[int], lengths: list[int], tokens: list[int]) -> Any:
+        read = sum(lengths) + len(lengths)
         if self.threads is not None:
-            self.threads(int(mask.numel()))
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=mask.device).unsqueeze(1)
-        out = _freeing_on_oom(
-            lambda: self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, cache=batch.cache, use_cache=True
-            )
-        )
-        batch.commit(mask, out.cache)
-        return _pick(out.logits[:, -1], masks)
+            self.threads(read, "decode")
+        device = self.cache.keys[0].device
+        positions = torch.tensor(lengths, device=device)
+        cache = self.cache
+        cache.rows, cache.write, cache.view = torch.tensor(slots, device=device), positions, None
+        ids = torch.tensor(tokens, device=device).unsqueeze(1)
+        pairs = [(slot, length + 1) for slot, length in zip(slots, lengths, strict=True)]
+        with row_attention.per_row(self.language.config, pairs):
+            hidden = self.language(
+                inputs_embeds=self.language.get_input_embeddings()(ids),
+                position_ids=positions.unsqueeze(1),
+                cache=self.cache,
+                use_cache=True,
+            ).last_hidden_state
+        batch.read, batch.padding = read, 0
+        return self.model.lm_head(hidden[:, -1])
+
+    def _decode_fixed(self, batch: SlotBatch, slots: list[int], lengths: list[int], tokens: list[int]) -> Any:
+        table = self.table
+        step = self.step(rows_bucket(table.top, table.slots), width_bucket(max(lengths) + 1, table.positions))
+        if self.threads is not None:
+            self.threads(step.slots * step.width, "decode")
+        step.fill(slots, lengths, tokens)
+        logits = step.run()
+        batch.read = step.slots * step.width
+        batch.padding = batch.read - (sum(lengths) + len(lengths))
+        return logits.index_select(0, torch.tensor(slots, device=logits.device))
+
+    def step(self, slots: int, width: int) -> FixedStep:
+        """The fixed step of this shape (made on first use; captured ones at warm-up)."""
+        key = (slots, width)
+        if key not in self._steps:
+            self._steps[key] = FixedStep(self.model, self.cache, slots, width)
+        return self._steps[key]
+
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Record every bucket's fixed step as a CUDA graph (one memory pool for all: they never run at
+        once). Returns how many were captured."""
+        pool = torch.cuda.graph_pool_handle()
+        for slots, width in buckets(self.table.slots, self.table.positions):
+            self.step(slots, width).capture(pool)
+            self.captured += 1
+        return self.captured
 
 
 def _pick(logits: Any, masks: MaskFn | None) -> list[int]:

@@ -3,21 +3,18 @@ torch, no Redis, no clock.
 
 Rules, in order:
 - interactive rows before backlog rows, first come first served within a lane;
-- at most `max_rows` rows run at once, and `reserved_interactive` of those slots are never taken by
-  backlog rows, so a ticket that arrives while a long backlog batch runs is admitted at the next step
-  instead of waiting for a backlog row to finish;
-- a row is admitted only if the cache can hold every running row at its longest plus this one
-  (`kv_tokens`): a row once admitted never runs out of room mid-answer. The cache is left-padded
-  (workers/engine/kv.py), so what rows hold together is rows x the longest, not their sum;
-- an interactive row that finds no slot or no room pauses the youngest backlog rows until it fits
-  (they go back to waiting and are recomputed later): a ticket never waits for a backlog answer;
+- at most `max_rows` rows are in memory at once (running and held), one per slot of the cache
+  (workers/engine/kv.py: a slot holds any job to its longest, so a row once admitted never runs out
+  of room mid-answer), and `reserved_interactive` of those slots are never taken by backlog rows, so a
+  ticket that arrives while a long backlog batch runs is admitted at the next step instead of waiting
+  for a backlog row to finish;
+- an interactive row that finds no free slot pauses the youngest backlog row (it goes back to waiting
+  and is recomputed later): a ticket never waits for a backlog answer;
 - backlog rows admitted at one step prefill at most `backlog_prefill_tokens` positions together
   (one row always may), so a ticket arriving mid-step waits for little prefill;
 - no backlog row is admitted while an interactive row runs: a prefill stalls every running row for
   its length (a 1 MP photo's is several decode steps' worth), and a ticket's answer must not pay for
   the backlog's refills; backlog slots freed meanwhile are refilled once the tickets are done;
-- a row too large for the cache even alone is admitted when nothing else runs (it fails or succeeds
-  on its own, never for its neighbours);
 - a row marked `alone` (a suspect: its last delivery died with it) runs only with nothing beside it,
   and nothing is admitted while it runs, nor past it while it waits (the rows in memory drain, so it
   is never starved); a backlog suspect gives way to a ticket (paused), a ticket suspect pauses the
@@ -34,8 +31,7 @@ INTERACTIVE = "interactive"
 
 @dataclass(frozen=True)
 class Limits:
-    max_rows: int
-    kv_tokens: int
+    max_rows: int  # slots: rows in memory at once (lowered for a while after an out-of-memory step)
     reserved_interactive: int = 1
     hold_backlog: bool = False  # backlog rows skip decode steps (cache kept) while tickets are in
     # Most prefill positions of backlog rows admitted at one step (one row always may): a ticket that
@@ -46,8 +42,9 @@ class Limits:
 def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits) -> bool:
     """Whether backlog rows sit out the next decode steps, their cache kept: while any ticket is in
     the engine, where a step's cost grows with its rows (the CPU: rows x the model's work), so a
-    ticket decodes as fast as alone. On a GPU a decode step is bound by reading the weights, extra
-    rows are nearly free, and holding them would only cost the backlog its steps."""
+    ticket decodes as fast as alone. On a GPU a decode step is expected to be bound by reading the
+    weights (extra rows nearly free; not measured yet: docs/benchmarks.md), and holding rows would only
+    cost the backlog its steps."""
     return limits.hold_backlog and any(c.lane == INTERACTIVE for c in (*running, *waiting))
 
 
@@ -55,7 +52,6 @@ def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits) -> bo
 class Candidate:
     row_id: str
     lane: str
-    reserved_tokens: int
     alone: bool = False
     prompt_tokens: int = 0  # positions its prefill computes
 
@@ -122,10 +118,8 @@ def _admit_alone(candidate: Candidate, kept: list[Candidate], result: Plan, paus
 
 
 def _fits(candidate: Candidate, kept: list[Candidate], limits: Limits) -> bool:
-    if not kept:
-        return True  # alone: it runs, and fails or succeeds on its own
-    longest = max(candidate.reserved_tokens, *(c.reserved_tokens for c in kept))
-    return len(kept) < limits.max_rows and (len(kept) + 1) * longest <= limits.kv_tokens
+    """A free slot (every slot holds any job to its longest; one row always runs)."""
+    return not kept or len(kept) < limits.max_rows
 
 
 def _pause_for(candidate: Candidate, kept: list[Candidate], limits: Limits, result: Plan) -> None:

@@ -37,18 +37,13 @@ class Sequence:
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
-    shared_steps: int = 0  # decode steps of its last run beside other rows (the masked attention path)
+    masked_steps: int = 0  # decode steps of its last run whose attention read padding under a mask
     restarts: int = 0  # times it was paused (or its batch failed) and recomputed from its prompt
 
     @property
     def length(self) -> int:
         """Positions this row holds in the cache once its last token is fed."""
         return self.prompt_tokens + len(self.tokens)
-
-    @property
-    def reserved_tokens(self) -> int:
-        """The most cache positions it can ever hold: what admission reserves for it."""
-        return self.prompt_tokens + self.max_new_tokens
 
     def accept(self, token: int) -> bool:
         """Take one generated token; True when the row is finished (end-of-text or its own limit).
@@ -85,7 +80,7 @@ class Sequence:
         self.tokens.clear()
         self.finish_reason = None
         self.admitted_at = self.first_token_at = None
-        self.shared_steps = 0
+        self.masked_steps = 0
         if self.constraint is not None:
             self.constraint.reset()
         self.restarts += 1

@@ -47,7 +47,7 @@ class EngineService:
         self.fatal: BaseException | None = None
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="mrc-engine", daemon=True)
-        metrics.kv_capacity.set(limits.kv_tokens)
+        metrics.slots.set(limits.max_rows)
 
     def start(self) -> EngineService:
         self._thread.start()
@@ -141,27 +141,29 @@ class EngineService:
         if report.decoded_rows:
             batch = engine.batch
             metrics.model_batch_jobs.observe(report.decoded_rows)
-            metrics.model_batch_tokens.observe(len(batch) * batch.width)
+            metrics.model_batch_tokens.observe(batch.read)
+            metrics.positions_read.inc(batch.read)
+            metrics.positions_padding.inc(batch.padding)
             metrics.padding.observe(padding(engine))
         if report.paused:
             metrics.paused.labels(reason="ticket").inc(report.paused)
             self.log.info("MRC_ENGINE_PAUSED", rows=report.paused, running=len(engine.running))
         if report.restarted:
             metrics.paused.labels(reason="failed_step").inc(report.restarted)
-            self.log.warning("MRC_ENGINE_STEP_FAILED", rows=report.restarted, kv_ceiling=engine.kv_ceiling)
+            self.log.warning("MRC_ENGINE_STEP_FAILED", rows=report.restarted, row_ceiling=engine.row_ceiling)
         metrics.rows_running.set(len(engine.running))
         waiting = {"interactive": 0, "backlog": 0}
         for row in engine.waiting:
             waiting[row.lane] = waiting.get(row.lane, 0) + 1
         for lane, count in waiting.items():
             metrics.rows_waiting.labels(lane=lane).set(count)
-        metrics.kv_used.set(engine.footprint)
+        metrics.kv_used.set(engine.positions_held)
+        metrics.slots_used.set(engine.in_memory)
         if report.moved:  # progress is a row that got somewhere, not a step taken (/healthz)
             self.on_progress(seconds)
 
 
 def padding(engine: Engine) -> float:
-    """Share of the cache positions a decode step read that were padding, not a row's own."""
+    """Share of the cache positions the last decode step read that were padding, not a row's own."""
     batch = engine.batch
-    read = len(batch) * batch.width
-    return 1 - batch.held / read if read else 0.0
+    return batch.padding / batch.read if batch.read else 0.0
