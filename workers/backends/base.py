@@ -81,7 +81,7 @@ class ModelBackend(Protocol):
         """The engine's model calls: a StepModel (workers/engine/runner.py)."""
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
-        """One job's inputs for a prefill alone (no padding), and the cache positions they fill."""
+        """One job's unpadded model inputs, and the cache positions they fill."""
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of generated tokens (end-of-text excluded)."""

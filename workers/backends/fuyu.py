@@ -246,7 +246,7 @@ class FuyuBackend:
         return Runner(self.model, lambda positions: cpu_threads.apply(requested, positions))
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
-        """One job's model inputs for a prefill alone (no padding), and the positions they fill."""
+        """One job's unpadded model inputs, and the positions they fill."""
         inputs = self.prepare([item]).inputs
         return inputs, int(inputs["input_ids"].shape[1])
 

@@ -1,4 +1,5 @@
-"""The engine's only model calls (torch): prefill one job alone, decode one step for the batch.
+"""The engine's only model calls (torch): prefill jobs of one input length together (unpadded),
+decode one step for the batch.
 
 `StepModel` is the seam: this runner serves transformers' Fuyu; the echo backend has its own
 (workers/backends/echo.py), so the worker's tests drive the same engine without weights.

@@ -46,8 +46,9 @@ class Limits:
 def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits) -> bool:
     """Whether backlog rows sit out the next decode steps, their cache kept: while any ticket is in
     the engine, where a step's cost grows with its rows (the CPU: rows x the model's work), so a
-    ticket decodes as fast as alone. On a GPU a decode step is bound by reading the weights, extra
-    rows are nearly free, and holding them would only cost the backlog its steps."""
+    ticket decodes as fast as alone. On a GPU a decode step is bound by reading the weights, so extra
+    rows are expected to cost little (not measured yet) and holding them would only cost the backlog
+    its steps."""
     return limits.hold_backlog and any(c.lane == INTERACTIVE for c in (*running, *waiting))
 
 
