@@ -274,8 +274,8 @@ class Client:
     def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
         if fingerprint and fingerprint != job.fingerprint():
             raise UsageError(
-                f"job id {job.job_id} is already used by a different job (another image, prompt or "
-                "max_new_tokens); choose a new id"
+                f"job id {job.job_id} is already used by a different job (another image, prompt, "
+                "max_new_tokens or response_format); choose a new id"
             )
         self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
         return False

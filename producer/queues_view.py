@@ -60,12 +60,12 @@ def _workers(client: Any) -> list[dict[str, Any]]:
 
 
 def _engine(w: dict[str, Any]) -> str:
-    """The worker's engine: rows running / most rows, rows waiting, cache positions it admits up to."""
-    if "engine_max_rows" not in w:
+    """The worker's engine: rows running / its cache's slots, rows waiting, positions per slot."""
+    if "engine_slots" not in w:
         return "engine -"
     return (
-        f"engine rows {w.get('engine_rows_running', '-')}/{w['engine_max_rows']} running, "
-        f"{w.get('engine_rows_waiting', '-')} waiting, kv {w.get('engine_kv_tokens', '-')}"
+        f"engine rows {w.get('engine_rows_running', '-')}/{w['engine_slots']} running, "
+        f"{w.get('engine_rows_waiting', '-')} waiting, slots of {w.get('engine_slot_positions', '-')} positions"
     )
 
 

@@ -3,12 +3,13 @@
 Starts redis-server and moto's S3 server on free loopback ports, one mrc-worker on the tiny Fuyu,
 submits sample tickets (images made here, prompts in English and Chinese) with the Python client
 (`producer.client.Client`, in this process: no process start is timed with a ticket), prints one line
-per result with the times the result itself reports (queued / preprocess / inference / total), and
-stops everything it started, also on Ctrl-C.
+per result with the times the result itself reports (queued / preprocess / inference / total) and one
+result in full, and stops everything it started, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -73,7 +74,12 @@ def main() -> int:
         failures = sum(r.get("status") != "succeeded" for r in results)
         print(
             f"\n{len(results) - failures}/{len(results)} jobs succeeded in {time.monotonic() - began:.1f} s "
-            "(start-up included). One result in full: `.venv/bin/mrc result JOB_ID`."
+            "(start-up included). One result in full (what `mrc result JOB_ID` prints, indented here):"
+        )
+        print(json.dumps(results[0], ensure_ascii=False, indent=1))
+        print(
+            "The services stop with the demo; to keep a worker up and use `mrc` yourself, see README.md, "
+            '"Run it yourself".'
         )
         print(
             "The tiny Fuyu has random weights: its text is noise; the path it takes is the real one.\n"

@@ -107,20 +107,21 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = Field(default=900, ge=1)
     # How often each worker looks for messages whose visibility timeout ran out (kombu's default ~100 s).
     restore_interval_s: float = Field(default=10.0, gt=0)
-    # Jobs per delivered batch (celery-batches flush_every, and the prefetch bound). Two model batches
-    # worth, so the pool decodes the second and writes the first's results while the model runs.
+    # Jobs per delivered batch (celery-batches flush_every, and the prefetch bound): the unit of claims,
+    # cache look-ups and acks. The engine takes rows from every delivery in hand, not one at a time.
     batch_max_jobs: int = Field(default=16, ge=1)
     # The engine (workers/engine/): most rows in its running batch at once.
     model_batch_max_jobs: int = Field(default=16, ge=1)
     # Of those rows, how many backlog rows never take (kept for tickets, so none waits for a pause).
     engine_reserved_rows: int = Field(default=2, ge=0)
     # Backlog rows sit out decode steps (their cache kept) while tickets are in the engine: on the CPU a
-    # step costs in proportion to its rows, so a ticket beside 14 backlog rows decodes ~2x slower; on a
-    # GPU extra rows are nearly free. auto: on for the CPU, off for CUDA (docs/benchmarks.md).
+    # step costs in proportion to its rows, so a ticket beside 14 backlog rows decodes ~2x slower
+    # (docs/benchmarks.md); on a GPU a decode step is bound by reading the weights, so extra rows are
+    # expected to cost little (not measured: no GPU yet). auto: on for the CPU, off for CUDA.
     engine_hold_backlog: Literal["auto", "on", "off"] = "auto"
     # Most prefill positions of backlog rows the engine admits at one step (one row always may): what a
     # ticket arriving mid-step may wait for: one 1 MP photo's prefill (~1,300 positions) at a time on
-    # the CPU, ~40 ms of Fuyu-8B prefill on an H200 (docs/benchmarks.md).
+    # the CPU; on an H200 an estimated ~40 ms of Fuyu-8B prefill (arithmetic, not measured).
     engine_prefill_tokens: int = Field(default=2048, ge=1)
     # How a decode step runs (workers/engine/runner.py): `rows` as they are, each attending to its own
     # length (no padding); `fixed`, one call of bucketed shape over a prefix of the cache's slots
@@ -137,8 +138,8 @@ class Settings(BaseSettings):
     # Most cache positions the engine's running batch may reach (rows x the longest row at its limit,
     # image + prompt + new tokens); below it, what the free memory measured at warm-up holds.
     batch_token_budget: int = Field(default=65536, ge=1)
-    # Not used by the engine (each prefill runs alone, unpadded; decode padding is a few positions per
-    # row): accepted so existing deployments keep starting.
+    # Not used by the engine (prefills are unpadded: alone, or with rows of the same length; decode
+    # padding is a few positions per row): accepted so existing deployments keep starting.
     batch_max_padding: float = Field(default=0.20, ge=0.0, le=1.0)
     # Not used by the engine (it admits rows by cache room, not by per-length batch caps): accepted so
     # existing deployments keep starting.
@@ -148,7 +149,7 @@ class Settings(BaseSettings):
     # usable core for a large one (workers/cpu_threads.py, measured in docs/benchmarks.md).
     cpu_threads: int = Field(default=0, ge=0, le=1024)
     # /healthz answers 503 after this long without progress while there is work (workers/liveness.py).
-    # Above the longest model batch: one `generate` call is one step of progress.
+    # Above the longest engine step (a prefill, a decode step): each one is progress.
     stuck_after_s: float = Field(default=300.0, gt=0)
     # Jobs in a row the model may fail (model_error) before the worker calls itself unusable: it exits
     # without acking and its delivery goes to another worker, instead of failing the whole lane.

@@ -202,12 +202,12 @@ def test_queues_view_lists_the_live_worker(env, worker: Worker, images_dir: Path
     assert view["done_per_min"]["interactive"] > 0  # our job ended within the window
     assert view["backlog_limit"] == 10000
     ready = worker.find("MRC_ENGINE_READY")[0]
-    assert mine[0]["engine_max_rows"] == int(ready["max_rows"])
-    assert mine[0]["engine_kv_tokens"] == int(ready["kv_tokens"])
+    assert mine[0]["engine_slots"] == int(ready["slots"])
+    assert mine[0]["engine_slot_positions"] == int(ready["slot_positions"])
     text = run_cli(env, "queues").stdout
     assert f"worker {hostname}: lanes interactive,backlog" in text
-    assert f"/{ready['max_rows']} running" in text
-    assert f"kv {ready['kv_tokens']}" in text
+    assert f"/{ready['slots']} running" in text
+    assert f"slots of {ready['slot_positions']} positions" in text
 
 
 def test_health_endpoints(worker: Worker) -> None:
@@ -220,11 +220,14 @@ def test_health_endpoints(worker: Worker) -> None:
     assert ready["quantization"] == "nf4"
     assert ready["device"] == "cpu"
     assert ready["attention_backend"]
-    # The engine's room, measured from free memory at warm-up and capped by MRC_BATCH_TOKEN_BUDGET.
-    assert 0 < ready["engine_kv_tokens"] <= 65536
+    # The cache: slots measured from free memory at warm-up, capped by MRC_MODEL_BATCH_MAX_JOBS and
+    # MRC_BATCH_TOKEN_BUDGET; each holds the largest image, the longest prompt and the most new tokens.
+    assert ready["engine_slot_positions"] == 2340 + 2 + 512 + 512
+    assert ready["engine_slots"] == min(16, 65536 // ready["engine_slot_positions"])
+    assert ready["engine_cache_bytes"] > 0
     assert "available RAM" in ready["engine_kv_measured_from"]
-    assert ready["engine_max_rows"] == 16
-    assert ready["attention_backend_decode"] == "sdpa:flash_cpu"
+    assert ready["engine_decode"] == "rows"
+    assert ready["attention_backend_decode"] == "sdpa:flash_cpu"  # rows attending to their own length
     with urllib.request.urlopen(base + "/metrics") as r:
         text = r.read().decode()
     assert "mrc_jobs_total" in text
@@ -256,7 +259,10 @@ def test_health_endpoints(worker: Worker) -> None:
     # jobs ran in earlier tests: the engine stepped, generated, and admits up to what /readyz says
     assert values["mrc_engine_steps_total"] > 0
     assert values["mrc_engine_generated_tokens_total"] >= values["mrc_engine_steps_total"]
-    assert values["mrc_engine_kv_tokens_capacity"] == ready["engine_kv_tokens"]
+    assert values["mrc_engine_kv_tokens_capacity"] == ready["engine_slots"] * ready["engine_slot_positions"]
+    assert values["mrc_engine_slots"] == ready["engine_slots"]
+    assert values["mrc_engine_positions_read_total"] > 0
+    assert values["mrc_engine_positions_padding_total"] == 0  # rows read their own positions only
     assert 'prompt_tokens="0-50"' in text  # the latency heatmap's labels (jobs ran in earlier tests)
     assert "image_mp=" in text
     assert "mrc_gpu_" not in text  # no GPU here: the series are absent, not an error

@@ -9,6 +9,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -470,13 +471,13 @@ def test_schemathesis_finds_no_server_error_on_the_openai_routes(oai_env: dict[s
 
 def test_the_readme_examples_run(base_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = (services.ROOT / "README.md").read_text()
-    section = text.split("## From the OpenAI SDK", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n#{2,3} ", text.split("### From the OpenAI SDK", 1)[1], maxsplit=1)[0]
     code = "\n".join(block.split("```", 1)[0] for block in section.split("```python\n")[1:])
     assert "http://127.0.0.1:8000/v1" in code
     assert "client.batches.create" in code
     (tmp_path / "parcel.jpg").write_bytes(imagegen.photo(80, 60, seed=48))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MRC_KEY", KEY)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
     namespace: dict[str, Any] = {}
     exec(
         compile(

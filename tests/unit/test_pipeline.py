@@ -90,7 +90,7 @@ def test_a_poison_job_that_breaks_the_model_fails_alone(store: MemoryStore) -> N
     outcomes = _pipeline(store, backend).run(messages)
     assert outcomes == ["succeeded"] * 5 + ["failed"]
     assert store.get_result("poison")["error"]["code"] == "model_error"
-    # each job's prefill runs alone in the engine: the poison one failed by itself, once
+    # the poison one failed by itself, once: no neighbour's prefill was redone for it
     assert sorted(backend.prefills) == ["POISON please"] + ["refund?"] * 5
 
 

@@ -87,7 +87,7 @@ class ModelBackend(Protocol):
         """Record the runner's fixed decode steps (CUDA graphs where that applies); how many."""
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
-        """One job's inputs for a prefill alone (no padding), and the cache positions they fill."""
+        """One job's unpadded model inputs, and the cache positions they fill."""
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of generated tokens (end-of-text excluded)."""

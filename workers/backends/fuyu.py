@@ -283,7 +283,7 @@ class FuyuBackend:
             return 0
 
     def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
-        """One job's model inputs for a prefill alone (no padding), and the positions they fill."""
+        """One job's unpadded model inputs, and the positions they fill."""
         inputs = self.prepare([item]).inputs
         return inputs, int(inputs["input_ids"].shape[1])
 

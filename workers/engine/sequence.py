@@ -15,7 +15,8 @@ DEAD_END = -1
 
 @dataclass(eq=False)
 class Sequence:
-    """A job in the engine. `inputs` are its model inputs for a prefill alone (no padding)."""
+    """A job in the engine. `inputs` are its model inputs, unpadded (it prefills alone, or beside
+    rows of the same input length)."""
 
     row_id: str
     inputs: Any
