@@ -65,7 +65,8 @@ def _engine(w: dict[str, Any]) -> str:
         return "engine -"
     return (
         f"engine rows {w.get('engine_rows_running', '-')}/{w['engine_slots']} running, "
-        f"{w.get('engine_rows_waiting', '-')} waiting, slots of {w.get('engine_slot_positions', '-')} positions"
+        f"{w.get('engine_rows_waiting', '-')} waiting, "
+        f"slots of {w.get('engine_slot_positions', '-')} positions"
     )
 
 
