@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from shared import encoding, schema_rules
+from shared import encoding, schema_rules, schema_values
 
 # A ceiling whatever the deployment's own (smaller) limit says: checked before the schema is walked.
 HARD_MAX_BYTES = 1 << 20
@@ -101,6 +101,9 @@ def choices_problem(choices: list[str]) -> str | None:
             return "an empty string is not a choice"
         if any(ord(c) < 32 or ord(c) == 127 for c in choice):
             return f"{choice[:40]!r} contains a control character"
+        unwritable = schema_values.choice_problem(choice)
+        if unwritable:
+            return unwritable
         if choice in seen:
             return f"{choice[:40]!r} is listed twice"
         seen.add(choice)

@@ -27,6 +27,8 @@ from urllib.parse import unquote
 
 import jsonschema
 
+from shared import pattern_rules, schema_values
+
 ENFORCED = frozenset(
     {
         "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
@@ -82,6 +84,9 @@ def _node_problem(node: dict[str, Any], where: str) -> str | None:
             return f"at {_at(where, key)}: {key!r} is not enforced by the decoder; supported: {supported()}"
     return (
         _keyword_forms(node, where)
+        or _false_problem(node, where)
+        or _pattern_problem(node, where)
+        or schema_values.node_problem(node, where)
         or _alone_problem(node, where)
         or _listed_values_problem(node, where)
         or _typed_bounds_problem(node, where)
@@ -110,6 +115,26 @@ def _keyword_forms(node: dict[str, Any], where: str) -> str | None:
             "generated"
         )
     return None
+
+
+def _false_problem(node: dict[str, Any], where: str) -> str | None:
+    """`false` (no value at all) is enforced as `items` and `additionalProperties` only; anywhere else
+    the grammar does not compile (a property, a prefix item, a branch, a definition)."""
+    places = [(f"properties/{k}", v) for k, v in (node.get("properties") or {}).items()]
+    places += [(f"prefixItems/{i}", v) for i, v in enumerate(node.get("prefixItems") or [])]
+    places += [(f"anyOf/{i}", v) for i, v in enumerate(node.get("anyOf") or [])]
+    for key in ("$defs", "definitions"):
+        places += [(f"{key}/{k}", v) for k, v in (node.get(key) or {}).items()]
+    for place, sub in places:
+        if sub is False:
+            return _refuse(where, place, "a schema of 'false' allows nothing; leave it out")
+    return None
+
+
+def _pattern_problem(node: dict[str, Any], where: str) -> str | None:
+    pattern = node.get("pattern")
+    found = pattern_rules.problem(pattern) if isinstance(pattern, str) else None
+    return _refuse(where, "pattern", found) if found else None
 
 
 def _alone_problem(node: dict[str, Any], where: str) -> str | None:
@@ -241,6 +266,9 @@ def _finite_problem(schema: dict[str, Any]) -> str | None:
             if target is _NOWHERE:
                 return f"at {_at(where, '$ref')}: {ref[:80]!r} points at nothing in this schema"
             targets[ref] = target
+    cycle = _bare_cycle(targets)
+    if cycle:
+        return f"at /: the $ref chain {cycle} comes back to itself with nothing between: it has no answer"
     finite: set[str] = set()
     changed = True
     while changed:
@@ -258,6 +286,21 @@ def _finite_problem(schema: dict[str, Any]) -> str | None:
 
 
 _NOWHERE = object()
+
+
+def _bare_cycle(targets: dict[str, Any]) -> str | None:
+    """A chain of references that each point at a bare reference and come back (a -> b -> a): the
+    grammar cannot compile it even where an anyOf around it has a way out."""
+    for start in targets:
+        seen = [start]
+        node = targets[start]
+        while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"] in targets:
+            ref = node["$ref"]
+            if ref in seen:
+                return " -> ".join([*seen, ref])[:200]
+            seen.append(ref)
+            node = targets[ref]
+    return None
 
 
 def _resolve(root: dict[str, Any], ref: str) -> Any:

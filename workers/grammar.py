@@ -18,44 +18,26 @@ from typing import Any
 
 from shared.errors import InvalidJob, ModelError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
-
-
-class SurrogateGuard:
-    """The grammar library (xgrammar 0.2.9) matches a character class byte by byte and lets the
-    UTF-8 encoding of a surrogate (ED A0-BF xx, U+D800-U+DFFF) through: no valid text holds one, the
-    tokenizer decodes it (with any byte token beside it, a closing quote included) to U+FFFD, and the
-    answer stops parsing (tests/unit/test_schema_rules.py found it). A byte-fallback vocabulary (Fuyu's)
-    writes one only as a token ending in byte ED followed by one starting with A0-BF: after the first,
-    the second is masked out. Valid characters U+D000-U+D7FF (ED 80-9F xx) stay allowed."""
-
-    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
-        import torch
-
-        self.leads = frozenset(i for i, raw in enumerate(decoded_vocab) if raw.endswith(b"\xed"))
-        seconds = [i for i, raw in enumerate(decoded_vocab) if raw[:1] and 0xA0 <= raw[0] <= 0xBF]
-        words = (vocab_size + 31) // 32
-        keep = torch.full((words,), -1, dtype=torch.int32)
-        for token in seconds:
-            keep[token // 32] &= ~(1 << (token % 32)) if token % 32 < 31 else 0x7FFFFFFF
-        self.keep = keep
+from workers.utf8_guard import Utf8Guard
 
 
 class Constraint:
     """One row's grammar state: which tokens may follow what it has generated so far."""
 
-    def __init__(self, matcher: Any, vocab_size: int, guard: SurrogateGuard | None = None) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, guard: Utf8Guard | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.guard = guard
-        self.keep: Any = None  # the guard's mask row, once the last token was a surrogate's lead
+        # The guard's mask row for the next token (workers/utf8_guard.py): only valid UTF-8.
+        self.keep: Any = None if guard is None else guard.always
 
     def accept(self, token: int) -> None:
         # The mask allowed only tokens the grammar accepts, so a refusal is a fault in the mask's
         # application (a wrong vocabulary size, a mask applied to the wrong row), not the job's.
         if not self.matcher.accept_token(token):
             raise ModelError(f"the grammar refused token {token}, which its own mask allowed")
-        guard = self.guard
-        self.keep = guard.keep if guard is not None and token in guard.leads else None
+        if self.guard is not None:
+            self.keep = self.guard.keep_after(token)
 
     @property
     def complete(self) -> bool:
@@ -65,7 +47,7 @@ class Constraint:
     def reset(self) -> None:
         """Back to an empty answer (the row is recomputed from its prompt)."""
         self.matcher.reset()
-        self.keep = None
+        self.keep = None if self.guard is None else self.guard.always
 
 
 class Grammars:
@@ -79,7 +61,7 @@ class Grammars:
         # tokenizer's are never allowed. End-of-text is the one stop token: it ends a complete answer.
         self.info = tokenizer_info(tokenizer, vocab_size, eos_id)
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        self.guard = SurrogateGuard(self.info.decoded_vocab, vocab_size)
+        self.guard = Utf8Guard(self.info.decoded_vocab, vocab_size)
         self.vocab_size = vocab_size
         self.keep = keep
         self._compiled: OrderedDict[str, Any] = OrderedDict()

@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from producer.api import create_app
-from producer.client import Client, Submission
+from producer.client import Client
 from scripts import devservices as services
 from scripts.devservices import Worker, run_cli
 from shared.celery_app import send_job
@@ -129,21 +129,26 @@ def test_a_hostile_message_from_another_producer_fails_alone_and_the_worker_goes
 
 
 def test_schemas_whose_grammar_dead_ends_fail_as_the_jobs_own_and_never_stop_the_worker(
-    client: Client, worker: Worker, photo: Path
+    env: dict[str, str], client: Client, worker: Worker, photo: Path
 ) -> None:
-    """Six in a row: past MRC_MODEL_FAILURE_STREAK (5), which counts model errors only."""
+    """Refused at submission; six in a row from another producer (past MRC_MODEL_FAILURE_STREAK, 5,
+    which counts model errors only) each fail as invalid_job by the same rule at the worker's first look
+    (a grammar that dead-ends while generating fails its row the same way: test_schema_rules.py), and
+    the worker goes on."""
     dead_end = {"type": "json_schema", "schema": {"type": "string", "pattern": "a[^\\s\\S]"}}
-    ids = client.submit_many(
-        [
-            Submission(image=photo, prompt=f"Refund {i}?", max_new_tokens=8, response_format=dead_end)
-            for i in range(6)
-        ]
+    assert "negated class" in _refused_by_cli(
+        env, photo, "--prompt", "x", "--json-schema", json.dumps(dead_end["schema"])
     )
+    uri = client.upload_image(photo)[0]
+    ids = [f"dead-end-{i}" for i in range(6)]
+    for job_id in ids:
+        message = {"job_id": job_id, "image_uri": uri, "prompt": "Refund?", "max_new_tokens": 8}
+        send_job(client.celery, {**message, "response_format": dead_end}, "interactive")
     for job_id in ids:
         result = _result(client, job_id)
         assert result["status"] == "failed"
         assert result["error"]["code"] == "invalid_job"
-        assert "allows no continuation" in result["error"]["message"]
+        assert "negated class" in result["error"]["message"]
     assert _result(client, client.submit(photo, "Refund?", max_new_tokens=4))["status"] == "succeeded"
     assert worker.proc.poll() is None, "the worker stopped"
     assert not worker.find("MRC_FATAL")

@@ -20,7 +20,23 @@ from workers.engine import masks
 WORDS = ["refund", "replace", "no_action", "wet", "crushed"]
 _names = st.sampled_from(["refund", "damage", "carrier", "count", "note", "ok"])
 # Patterns that some string matches (a pattern that matches nothing is a dead end found at run time).
-PATTERNS = ["^[a-z]{1,5}$", "[0-9]+", "ab?c", "^(yes|no)$", "x*", "^[A-Z][a-z]{0,3}$", "^T-[0-9]{2,4}$"]
+PATTERNS = [
+    "^[a-z]{1,5}$",
+    "[0-9]+",
+    "ab?c",
+    "^(yes|no)$",
+    "x*",
+    "^[A-Z][a-z]{0,3}$",
+    "^T-[0-9]{2,4}$",
+    "^\\w{2}$",
+    "^[\u00e0-\u00ff]{1,2}$",
+    # ...and some the decoder cannot enforce (refused at submission): the property still holds
+    '^"$',
+    "^a.$",
+    "^[^a]$",
+    "^\\s$",
+    "(?i)^a$",
+]
 
 _leaf = st.one_of(
     st.just({"type": "boolean"}),

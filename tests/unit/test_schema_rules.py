@@ -74,8 +74,37 @@ def _schema(schema: Any) -> dict[str, Any]:
         ({"type": "array", "prefixItems": [STRING], "items": False, "minItems": 2}, "past the 1 prefixItems"),
         ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}, "no finite answer"),
         ({"$ref": "#/$defs/missing"}, "points at nothing"),
-        ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "no finite answer"),
+        ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "'false' allows nothing"),
         ({"type": "array", "items": False, "minItems": 1}, "no finite answer"),
+        # Patterns the grammar writes raw, drops, or reads unlike Python's re (found by random walks):
+        ({"type": "string", "pattern": '^"$'}, "matching '\"'"),
+        ({"type": "string", "pattern": "^[\\\\]$"}, "matching '\\\\'"),
+        ({"type": "string", "pattern": "^\n$"}, "control character U+000A"),
+        ({"type": "string", "pattern": "^a.b$"}, "'.'"),
+        ({"type": "string", "pattern": "^[^a]$"}, "negated class"),
+        ({"type": "string", "pattern": "[^\\s\\S]"}, "negated class"),
+        ({"type": "string", "pattern": "(?i)^abc$"}, "inline flags"),
+        ({"type": "string", "pattern": "^(a)\\1$"}, "backreferences"),
+        ({"type": "string", "pattern": "^(?!a)[a-c]$"}, "lookarounds"),
+        ({"type": "string", "pattern": "^a\\Z"}, "only ^ and $"),
+        ({"type": "string", "pattern": "^\\s$"}, "only the classes \\d and \\w"),
+        ({"type": "string", "pattern": "^[\\U00010000-\\U0010ffff]$"}, "past U+FFFF"),
+        ({"type": "string", "pattern": "\\ud800"}, "surrogates"),
+        ({"type": "object", "properties": {"a": False}}, "'false' allows nothing"),
+        ({"type": "array", "prefixItems": [False]}, "'false' allows nothing"),
+        ({"anyOf": [False, {"type": "null"}]}, "'false' allows nothing"),
+        ({"type": "integer", "minimum": 1e20}, "64 bits"),
+        ({"type": "integer", "maximum": 2**63}, "64 bits"),
+        ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-300}, "nearer zero"),
+        ({"const": 12345678901234567890123456789}, "beyond +-2^53"),
+        ({"enum": ["ok", "stop |ENDOFTEXT| here"]}, "control token of the model"),
+        (
+            {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}],
+            },
+            "comes back to itself",
+        ),
     ],
 )
 def test_what_the_grammar_would_drop_or_cannot_compile_is_refused_by_name(schema: Any, reason: str) -> None:
@@ -98,6 +127,10 @@ def test_what_the_grammar_would_drop_or_cannot_compile_is_refused_by_name(schema
         {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
         {"type": "array", "prefixItems": [STRING], "items": {"type": "integer"}, "minItems": 3},
         {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "string", "pattern": "^[\\w-]{1,8}$"},
+        {"type": "string", "pattern": "^\u00e9[0-9]{2}$"},
+        {"type": "object", "properties": {'"': {"const": "\u0001\\"}}, "required": ['"']},
+        {"type": "number", "minimum": 0.5, "maximum": 2**53},
         {
             "$defs": {
                 "n": {
@@ -164,8 +197,10 @@ def test_a_deep_answer_is_refused_when_read_not_raised() -> None:
 
 def test_a_grammar_dead_end_fails_its_row_as_invalid_job(backend: FuyuBackend) -> None:
     """`a[^\\s\\S]`: a pattern no string matches past its `a`; the row fails as the job's fault."""
-    fmt = rf.parse(_schema({"type": "string", "pattern": "a[^\\s\\S]"}))
-    assert fmt is not None  # a regex's emptiness is not decided at submission
+    with pytest.raises(ValueError, match="negated class"):  # refused at submission now...
+        rf.parse(_schema({"type": "string", "pattern": "a[^\\s\\S]"}))
+    dead = {"type": "string", "pattern": "a[^\\s\\S]"}  # ...but another producer's message may carry it
+    fmt = rf.JsonSchemaFormat.model_construct(type="json_schema", schema_=dead)
     constraint, _ = backend.grammars.constraint(fmt)
     row = Sequence("r", None, 1, 8, backend.eos_id, constraint=constraint)
     tokens = backend.processor.tokenizer.convert_tokens_to_ids(['"', "a"])
@@ -214,3 +249,20 @@ def test_a_drawn_schema_is_refused_at_submission_or_every_answer_validates(
         assert rf.read_output(fmt, text) == value
         finished += 1
     assert finished, "no walk through the grammar finished"
+
+
+@pytest.mark.parametrize(
+    ("choices", "reason"),
+    [
+        ([" yes", "no"], "whitespace"),
+        (["yes", "no "], "whitespace"),
+        (["  ", "x"], "whitespace"),
+        (["|ENDOFTEXT|", "z"], "control token"),
+        (["<s>", "y"], "control token"),
+    ],
+)
+def test_choices_the_answer_cannot_come_back_as_are_refused(choices: list[str], reason: str) -> None:
+    """The tokenizer drops the space before the first word; a control token's text is the token."""
+    with pytest.raises(ValueError, match=r"response_format\.choices") as refused:
+        rf.parse({"type": "choice", "choices": choices})
+    assert reason in str(refused.value)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 class RowConstraint(Protocol):
     matcher: Any
     vocab_size: int
-    keep: Any  # a mask row ANDed into this row's (workers/grammar.py, SurrogateGuard), or None
+    keep: Any  # a mask row ANDed into this row's (workers/utf8_guard.py: only valid UTF-8), or None
 
     def accept(self, token: int) -> None: ...
 
