@@ -103,17 +103,28 @@ class Backlog:
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.client.results.ensure_bucket()
         done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
+        unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
         throttle = _Throttle(rate)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
-            if number in done:  # enqueued by an earlier pass: its index says what it held
+            if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
                 index = self.files.get_text(self._index_key(run_id, number)) or ""
                 invalid = index.count('"invalid":')
                 progress.lines += len(chunk)
                 progress.invalid += invalid
                 progress.already += index.count("\n") - invalid
             else:
-                self._enqueue_chunk(run_id, number, chunk, progress, block, throttle, on_progress, parse)
+                self._enqueue_chunk(
+                    run_id,
+                    number,
+                    chunk,
+                    progress,
+                    block,
+                    throttle,
+                    on_progress,
+                    parse,
+                    number in unconfirmed,
+                )
             if on_progress:
                 on_progress(progress)
         if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
@@ -130,7 +141,9 @@ class Backlog:
         throttle: _Throttle,
         on_progress: OnProgress | None,
         parse: Parse,
+        again: bool = False,
     ) -> None:
+        """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then)."""
         parsed = [p for n, raw in chunk if (p := parse(n, raw, run_id, self.settings)) is not None]
         images = self._upload([p.image for p in parsed if isinstance(p, Line)], progress)
         entries: list[dict[str, Any]] = []
@@ -145,12 +158,22 @@ class Backlog:
             elif isinstance(item, Line):
                 item = Invalid(item.number, str(images[item.image]), item.custom_id)
             entries.append(_invalid_entry(item))
-        stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
+        unreplicated: PartNotReplicated | None = None
+        try:
+            stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
+        except PartNotReplicated as exc:  # what is queued is indexed (status sees it) and flagged, so a
+            stopped, unreplicated = False, exc  # resume goes over the chunk again (it queues nothing twice)
+            self.runs.update(run_id, **{_UNCONFIRMED + str(number): "1"})
         entries.sort(key=lambda e: int(e["line"]))
         invalid = sum(1 for e in entries if "invalid" in e)
         body = "".join(encoding.to_text(e) + "\n" for e in entries)
         self.files.put_text(self._index_key(run_id, number), body)
-        self.runs.count(run_id, lines=len(chunk), valid=len(entries) - invalid, invalid=invalid)
+        if not again:
+            self.runs.count(run_id, lines=len(chunk), valid=len(entries) - invalid, invalid=invalid)
+        if unreplicated is not None:
+            raise unreplicated
+        if again:
+            self.runs.forget(run_id, _UNCONFIRMED + str(number))
         progress.lines += len(chunk)
         progress.valid += len(entries) - invalid
         progress.invalid += invalid
@@ -275,8 +298,9 @@ class Backlog:
         """The run's index in manifest order: {"line", "custom_id", "job_id"} or {"line", "invalid"}."""
         for key in self.files.list_keys(self._key(run_id, "index/")):
             text = self.files.get_text(key) or ""
-            for row in text.splitlines():
-                yield json.loads(row)
+            for row in text.split("\n"):  # JSONL: a line ends at "\n" only (U+2028 is text)
+                if row:
+                    yield json.loads(row)
 
     def status(self, run_id: str) -> dict[str, Any]:
         run = self._run(run_id)
@@ -401,6 +425,13 @@ def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) 
         "result_uri": uri,
         "output": result.get("output"),  # structured answers: the parsed JSON, or the choice
     }
+
+
+_UNCONFIRMED = "unconfirmed_chunk_"
+
+
+def _unconfirmed(record: dict[str, str]) -> set[int]:
+    return {int(key.removeprefix(_UNCONFIRMED)) for key in record if key.startswith(_UNCONFIRMED)}
 
 
 def _invalid_entry(item: Invalid) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from producer import backlog_cli
 from shared import logs, names, reach, redis_target
 from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.jobs import JOB_ID_RE, JOB_ID_RULE
 from shared.settings import Settings, describe_error, unknown_variables
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
@@ -99,6 +100,12 @@ def _print_result(result: dict[str, Any]) -> int:
     """Print a result; its exit code: 0 succeeded, 1 failed."""
     _print_json(result)
     return EXIT_OK if result.get("status") == "succeeded" else EXIT_FAILED
+
+
+def _check_job_id(job_id: str) -> None:
+    """A job id that no submit could have made is a usage error, never a key looked up in S3 or Redis."""
+    if not JOB_ID_RE.match(job_id):
+        raise UsageError(f"job_id {job_id[:40]!r}: {JOB_ID_RULE}")
 
 
 def _submission(args: argparse.Namespace) -> Any:
@@ -285,6 +292,8 @@ _COMMANDS = {
 # Usage checks that need neither Redis nor S3: a bad command is exit 2 whether or not they are up.
 _CHECKS: dict[str, Any] = {
     "submit": _validate_submit,
+    "status": lambda args, settings: _check_job_id(args.job_id),
+    "result": lambda args, settings: _check_job_id(args.job_id),
     "backlog": lambda args, settings: backlog_cli.check(args),
 }
 # What each command needs to reach: (Redis, S3). Checked first, with a short timeout.

@@ -18,7 +18,7 @@ from celery import Celery
 from shared import logs, names, prompts
 from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
-from shared.errors import MrcError, NotReplicated, QueueFull, StoreUnavailable, UsageError
+from shared.errors import MrcError, NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, limit_problem, local_image_problem
 from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
 from shared.response_format import ChoiceFormat, JsonSchemaFormat
@@ -179,8 +179,10 @@ class Client:
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job)
             if token is None:
-                duplicate = self._duplicate(job, self.records.get(job.job_id).get("fingerprint"))
-                self._confirm_replicated(job)
+                record = self.records.get(job.job_id)
+                duplicate = self._duplicate(job, record.get("fingerprint"))
+                if record.get("state") not in TERMINAL:  # a finished job's result is in S3: durable
+                    self._confirm_replicated(job)
                 return duplicate
             sent = self._send_claimed(job, token)
             if sent is not None:
@@ -226,6 +228,21 @@ class Client:
                 wanted=exc.wanted,
             )
             raise
+        except Exception as exc:  # a reply lost with its connection: did the push land?
+            landed = self._landed(job)
+            if landed is False:  # nothing enqueued: the answer (exit 5 / 503) is true
+                self.records.release(job.job_id, token)
+                raise
+            if landed is None:  # unknown: the claim lapses by itself (30 s); a resubmission is safe
+                raise self._unconfirmed(job, exc) from exc
+            self.log.warning("MRC_PUSH_REPLY_LOST", job_id=job.job_id, lane=job.lane, error=repr(exc)[:200])
+            if self.settings.redis_wait_replicas:  # landed, replication not confirmed
+                error = NotReplicated(
+                    0, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
+                )
+                self.records.confirm(job.job_id, token, checked)
+                error.job_id = job.job_id
+                raise error from exc
         except BaseException:
             self.records.release(job.job_id, token)
             raise
@@ -256,7 +273,21 @@ class Client:
             return False, None
 
     def _send(self, job: Job) -> None:
-        send_job(self.celery, job.to_message(), job.lane)
+        send_job(self.celery, job.to_message(), job.lane, push_id=names.job_push_id(job.job_id))
+
+    def _landed(self, job: Job) -> bool | None:
+        """After a failed publish: whether its push landed (the marker the push writes with it), or
+        None when Redis cannot be asked either."""
+        try:
+            return self.records.pushed(names.job_push_id(job.job_id))
+        except Exception:
+            return None
+
+    def _unconfirmed(self, job: Job, exc: Exception) -> PushUnconfirmed:
+        self.log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="push unconfirmed")
+        error = PushUnconfirmed(repr(exc))
+        error.job_id = job.job_id
+        return error
 
     def _confirm_replicated(self, job: Job) -> None:
         """A resubmission is the same job; with MRC_REDIS_WAIT_REPLICAS it is answered as such only
@@ -286,10 +317,27 @@ class Client:
         return job.job_id
 
     def submit_many(self, submissions: Iterable[Submission]) -> list[str]:
+        """Every job enqueued (one not replicated does not stop the rest); NotReplicated at the end
+        names those whose replication was not confirmed (`job_ids`) and all the ids (`submitted`)."""
         jobs = [self.build_job(s) for s in submissions]
+        unreplicated: list[str] = []
         for job in jobs:
-            self.enqueue(job)
-        return [job.job_id for job in jobs]
+            try:
+                self.enqueue(job)
+            except NotReplicated:
+                unreplicated.append(job.job_id)
+        ids = [job.job_id for job in jobs]
+        if unreplicated:
+            settings = self.settings
+            error = NotReplicated(
+                0,
+                settings.redis_wait_replicas,
+                settings.redis_wait_timeout_ms,
+                f"{len(unreplicated)} of the jobs",
+            )
+            error.job_ids, error.submitted = unreplicated, ids
+            raise error
+        return ids
 
     def requeue_dead_letters(self, limit: int) -> tuple[int, int, int]:
         """Send dead-lettered jobs back with fresh attempts, oldest first; their old failed result is

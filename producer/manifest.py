@@ -67,7 +67,7 @@ def job_id_for(run_id: str, custom_id: str) -> str:
     readable = f"{run_id}.{custom_id}"
     if JOB_ID_RE.match(readable):
         return readable
-    return f"{run_id}:{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
+    return f"{run_id}:{hashlib.sha256(encoding.encode(custom_id)).hexdigest()[:32]}"
 
 
 def read_lines(stream: IO[bytes], max_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:

@@ -31,6 +31,7 @@ from producer.client import Client
 from producer.manifest import Invalid, Line
 from producer.openai_errors import OpenAIError, from_usage_error
 from producer.openai_requests import ChatJob, param_of, parse_chat
+from shared import encoding
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -207,7 +208,7 @@ class Translator:
 
 
 def _dumps(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, ensure_ascii=False).encode()
+    return encoding.to_bytes(data)  # a line's own text (a lone surrogate too) never stops the batch
 
 
 def _error(status: int, message: str, param: str | None, code: str) -> dict[str, Any]:

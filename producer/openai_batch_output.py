@@ -23,7 +23,7 @@ from producer.backlog import Backlog
 from producer.openai_batch_book import FINAL, BatchBook, now
 from producer.openai_chat import completion
 from producer.openai_files import Files, new_file_id
-from shared import logs, names
+from shared import encoding, logs, names
 from shared import usage as usage_book
 from shared.records import unstored_result
 
@@ -53,7 +53,7 @@ class Output:
 
             def output_lines() -> Iterator[str]:
                 for kind, line, result in self._outcomes(batch_id, ended_by, renew):
-                    text = json.dumps(line, ensure_ascii=False) + "\n"
+                    text = encoding.to_text(line) + "\n"  # writable whatever the line carried
                     counts[kind] += 1
                     counts["jobs"] += 1 if (line.get("response") or {}).get("request_id") else 0
                     sizes[kind] += len(text.encode())

@@ -56,9 +56,14 @@ def to_bytes(value: Any, **dumps: Any) -> bytes:
     return encode(json.dumps(value, ensure_ascii=False, **dumps))
 
 
+# What JSON leaves raw and a line reader splits on (Python's str.splitlines, JavaScript's line
+# terminators): escaped, so a JSONL line is one line to every reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def to_text(value: Any, **dumps: Any) -> str:
-    """JSON text that encodes as UTF-8 (for Redis values and JSONL lines)."""
-    return clean(json.dumps(value, ensure_ascii=False, **dumps))
+    """JSON text that encodes as UTF-8 and is one line to any reader (Redis values, JSONL lines)."""
+    return clean(json.dumps(value, ensure_ascii=False, **dumps)).translate(_LINE_BREAKS)
 
 
 class TooDeep(ValueError):

@@ -143,12 +143,27 @@ class NotReplicated(MrcError):
     def __init__(self, acknowledged: int, wanted: int, timeout_ms: int, what: str = "the publish") -> None:
         self.job_id: str | None = None  # set by the producer that published it
         self.duplicate = False  # the job was published before, by an earlier submission of it
+        self.job_ids: list[str] = []  # Client.submit_many: the jobs not confirmed...
+        self.submitted: list[str] = []  # ...of all it enqueued
         super().__init__(
             f"enqueued, but only {acknowledged} of {wanted} Redis replicas confirmed {what} within "
             f"{timeout_ms} ms: a failover now could lose it; submit again under the same job id to make sure "
             "(the same job, never a second one)"
         )
         self.acknowledged, self.wanted = acknowledged, wanted
+
+
+class PushUnconfirmed(NotReplicated):
+    """The publish failed in a way that leaves open whether its push landed (a reply lost with the
+    connection), and Redis could not be asked: maybe enqueued. Answered as NotReplicated (exit 6):
+    resubmitting under the same job id is safe, it never queues a second message."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(0, 0, 0)
+        self.message = (
+            f"the publish may have landed (its reply was lost: {cause[:200]}) and Redis could not be "
+            "asked; submit again under the same job id to make sure (never a second message)"
+        )
 
 
 class UsageError(MrcError):

@@ -23,7 +23,7 @@ Status = Literal["succeeded", "failed"]
 State = Literal["queued", "running", "succeeded", "failed", "unknown"]
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_JOB_ID_RULE = "1-128 of [A-Za-z0-9._:-], starting with a letter or digit"
+JOB_ID_RULE = "1-128 of [A-Za-z0-9._:-], starting with a letter or digit"
 
 
 def rfc3339(moment: datetime | None = None, timespec: str = "milliseconds") -> str:
@@ -68,9 +68,9 @@ def limit_problem(
         return f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars}"
     limit = settings.max_new_tokens_limit
     if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
-        return f"max_new_tokens must be between 1 and {limit}, got {max_new_tokens}"
+        return f"max_new_tokens must be between 1 and {limit}, got {str(max_new_tokens)[:20]}"
     if job_id is not None and not JOB_ID_RE.match(job_id):
-        return f"job_id {job_id[:40]!r}: {_JOB_ID_RULE}"
+        return f"job_id {job_id[:40]!r}: {JOB_ID_RULE}"
     if response_format is not None:
         return size_problem(response_format, settings.max_response_format_bytes, settings.max_choices)
     return None
@@ -101,7 +101,7 @@ class Job(BaseModel):
     @classmethod
     def _job_id_shape(cls, value: str) -> str:
         if not JOB_ID_RE.match(value):
-            raise ValueError(f"job_id: {_JOB_ID_RULE}")
+            raise ValueError(f"job_id: {JOB_ID_RULE}")
         return value
 
     @field_validator("submitted_at", "deadline")

@@ -21,6 +21,9 @@ class MemoryJobRecords:
         self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
         self._lock = threading.Lock()
 
+    def pushed(self, push_id: str) -> bool:
+        return False  # no broker here: nothing is ever pushed through these records
+
     def replicas(self, wanted: int, timeout_ms: int) -> int:
         return wanted  # one process: nothing to wait for
 

@@ -98,6 +98,11 @@ def events_key() -> str:
     return f"{REDIS_PREFIX}events"
 
 
+def job_push_id(job_id: str) -> str:
+    """The push id of a job's publish by a producer: the same for every submission of the job."""
+    return f"job:{job_id}"
+
+
 def push_key(push_id: str) -> str:
     """Marks one publish as done for a few minutes: a publish retried after its first attempt landed
     (a reply lost to a timeout or a dropped connection) finds it and pushes nothing twice."""

@@ -116,6 +116,9 @@ class RunRecords:
             pipe.execute()
         return self.get(run_id)
 
+    def forget(self, run_id: str, *fields: str) -> None:
+        self._redis.hdel(run_key(run_id), *fields)
+
     def update(self, run_id: str, **fields: str) -> None:
         self._redis.hset(run_key(run_id), mapping=fields)  # type: ignore[arg-type]  # str values
 

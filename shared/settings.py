@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -205,6 +205,8 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_url_usable(cls, value: str) -> str:
+        head, sep, rest = value.partition("://")
+        value = head.lower() + sep + rest  # REDIS://...: redis-py reads the scheme case-sensitively
         url = urlsplit(value)
         if url.scheme not in _REDIS_SCHEMES:
             # unix:// sockets: the broker (kombu) takes them only as its own redis+socket:// form, and
@@ -221,6 +223,9 @@ class Settings(BaseSettings):
         database = url.path.strip("/")
         if database and not database.isdigit():
             raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
+        requirement = dict(parse_qsl(url.query)).get("ssl_cert_reqs", "required").lower()
+        if requirement not in ("none", "optional", "required"):
+            raise ValueError("MRC_REDIS_URL's ssl_cert_reqs must be none, optional or required")
         return value
 
     @field_validator("redis_sentinels")

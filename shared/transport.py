@@ -63,8 +63,10 @@ if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then
 end
 return 0
 """
-# Longer than every retry of one publish can take (redis-py's and Celery's: seconds each).
-PUSH_TTL_MS = 600_000
+# How long a push is remembered: longer than every retry of one publish (redis-py's and Celery's:
+# seconds) and than the claim of a submission whose reply was lost (30 s, then resubmitted): within it,
+# a resubmission of the same job pushes nothing (docs/contract.md, "Enqueued, not replicated").
+PUSH_TTL_MS = 3_600_000
 
 # KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now,
 # ARGV[2..] "1" where the list's consumer acks (its message gets an unacked record), else "0".
@@ -366,10 +368,9 @@ class Channel(kombu_redis.Channel):
         with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
             if push_id is None:
                 pipe.lpush(key, kombu_json.dumps(message))
-            else:
-                once = client.register_script(_PUSH_ONCE_SCRIPT)
-                once(keys=[key, names.push_key(str(push_id))], args=[kombu_json.dumps(message), PUSH_TTL_MS],
-                     client=pipe)  # fmt: skip
+            else:  # EVAL, not a registered script: no SCRIPT EXISTS round trip per publish
+                pipe.eval(_PUSH_ONCE_SCRIPT, 2, key, names.push_key(str(push_id)), kombu_json.dumps(message),
+                          PUSH_TTL_MS)  # fmt: skip
             if self._expires and queue in self._expires:
                 for pri in self.priority_steps:
                     pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])

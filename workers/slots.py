@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shared import encoding
 from shared.errors import MrcError
 from shared.jobs import JOB_ID_RE, Job
 from workers import images
@@ -65,4 +66,5 @@ class Slot:
             return self.job.job_id
         if JOB_ID_RE.match(self.request_id):
             return self.request_id
-        return "invalid-" + hashlib.sha256(self.request_id.encode()).hexdigest()[:24]
+        # Any text a foreign message may carry (a lone surrogate too): hashing it must never raise.
+        return "invalid-" + hashlib.sha256(encoding.encode(self.request_id)).hexdigest()[:24]

@@ -59,7 +59,7 @@ class MemoryStore:
 
     # RunFiles
     def put_text(self, key: str, text: str) -> str:
-        self.put_bytes(key, text.encode())
+        self.put_bytes(key, encoding.encode(text))
         return names.s3_uri(self.bucket, key)
 
     def get_text(self, key: str) -> str | None:

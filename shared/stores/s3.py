@@ -195,7 +195,7 @@ class S3RunFiles:
         self.prefix = settings.s3_prefix
 
     def put_text(self, key: str, text: str) -> str:
-        self.connection.put(self.bucket, key, text.encode(), "application/x-ndjson")
+        self.connection.put(self.bucket, key, encoding.encode(text), "application/x-ndjson")
         return names.s3_uri(self.bucket, key)
 
     def get_text(self, key: str) -> str | None:
@@ -226,7 +226,7 @@ class S3RunFiles:
         parts: list[dict[str, Any]] = []
         try:
             for line in lines:
-                buffer += line.encode()
+                buffer += encoding.encode(line)
                 if len(buffer) >= _PART_BYTES:
                     if upload_id is None:
                         created = self.connection.call(

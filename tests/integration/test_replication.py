@@ -17,10 +17,12 @@ import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from producer.api import create_app
+from producer.client import Client, Submission
 from scripts import devservices as services
 from scripts.devservices import run_cli
 from shared import names
 from shared.celery_app import make_celery
+from shared.errors import NotReplicated, PushUnconfirmed
 from tests.support import imagegen
 from workers.tasks import make_requeue
 
@@ -111,17 +113,19 @@ def test_a_backlog_run_stops_unconfirmed_and_its_resume_queues_nothing_twice(
     assert done.returncode == 6, done.stderr
     assert "resume the run" in done.stderr
     assert sorted(_queued(unreplicated, "backlog")) == [f"wait-run.c{i}" for i in range(3)]
+    # The unconfirmed part is counted: its jobs are queued, never "unknown" or missing from the run.
+    status = run_cli(unreplicated, "backlog", "status", "wait-run", "--json")
+    assert status.returncode == 0, status.stderr
+    counted = json.loads(status.stdout)
+    assert (counted["jobs"], counted["queued"]) == (3, 3), counted
     resumed = run_cli({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}, "backlog", "--resume", "wait-run")
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(_queued(unreplicated, "backlog")) == [f"wait-run.c{i}" for i in range(3)]
 
 
-def test_the_workers_retry_publish_is_queued_and_logged_never_raised(
-    unreplicated: dict[str, str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    from shared import logs
+def test_the_workers_retry_publish_is_queued_and_logged_never_raised(unreplicated: dict[str, str]) -> None:
+    from structlog.testing import capture_logs
 
-    logs.configure("INFO")
     app = make_celery(services.settings_from_env(unreplicated))
     job: dict[str, Any] = {
         "job_id": "retry-1",
@@ -129,9 +133,10 @@ def test_the_workers_retry_publish_is_queued_and_logged_never_raised(
         "prompt": "p",
         "max_new_tokens": 1,
     }
-    make_requeue(app)("retry-1", job, 0.5)  # raised NotReplicated before, which ended the worker
+    with capture_logs() as logged:
+        make_requeue(app)("retry-1", job, 0.5)  # raised NotReplicated before, which ended the worker
     assert _queued(unreplicated) == ["retry-1"]
-    assert "MRC_NOT_REPLICATED" in capsys.readouterr().err
+    assert [e["event"] for e in logged] == ["MRC_NOT_REPLICATED"]
 
 
 def test_one_publish_is_pushed_once_whoever_retries_it(unreplicated: dict[str, str]) -> None:
@@ -143,3 +148,58 @@ def test_one_publish_is_pushed_once_whoever_retries_it(unreplicated: dict[str, s
         app.send_task(names.TASK_NAME, kwargs={"job": {}}, task_id="once-1", queue=queue,
                       headers={names.PUSH_HEADER: "push-fixed"})  # fmt: skip
     assert _queued(unreplicated) == ["once-1"]
+
+
+class _ReplyLost:
+    """A publish that lands, then its reply is lost with the connection (and every retry fails)."""
+
+    def __init__(self, client: Client) -> None:
+        self.real = client.celery.send_task
+        client.celery.send_task = self  # type: ignore[method-assign]  # the fault injected
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.real(*args, **kwargs)
+        raise ConnectionError("connection reset by peer (the reply to the push)")
+
+
+@pytest.fixture
+def quiet(unreplicated: dict[str, str]) -> dict[str, str]:
+    """The same Redis with the durability knob off."""
+    return {**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}
+
+
+def test_a_push_whose_reply_was_lost_is_known_by_its_marker(quiet: dict[str, str], photo: Path) -> None:
+    """It used to be answered 'nothing enqueued' (exit 5) with the message in the queue, and queued a
+    second time when resubmitted."""
+    client = Client(services.settings_from_env(quiet))
+    job = client.build_job(Submission(image=photo, prompt="Refund?", job_id="lost-1"))
+    lost = _ReplyLost(client)
+    assert client.enqueue(job) is True  # it landed: enqueued, whatever the connection did after
+    assert _queued(quiet) == ["lost-1"]
+    assert _record(quiet, "lost-1")[b"published"] == b"1"
+    client.celery.send_task = lost.real  # type: ignore[method-assign]
+    assert client.enqueue(job) is False  # the same job
+    assert _queued(quiet) == ["lost-1"]
+
+
+def test_a_push_nobody_can_confirm_is_unconfirmed_and_its_resubmission_pushes_nothing_twice(
+    quiet: dict[str, str], photo: Path
+) -> None:
+    client = Client(services.settings_from_env(quiet))
+    job = client.build_job(Submission(image=photo, prompt="Refund?", job_id="lost-2"))
+    lost = _ReplyLost(client)
+    real_pushed = client.records.pushed
+
+    def unreachable(push_id: str) -> bool:
+        raise redis_lib.ConnectionError("Redis out of reach")
+
+    client.records.pushed = unreachable  # type: ignore[method-assign]
+    with pytest.raises(PushUnconfirmed) as unconfirmed:
+        client.enqueue(job)
+    assert isinstance(unconfirmed.value, NotReplicated)  # exit 6, never 5: it may have been enqueued
+    assert unconfirmed.value.job_id == "lost-2"
+    assert _record(quiet, "lost-2")[b"published"] == b"0"  # the claim lapses by itself
+    redis_lib.Redis.from_url(quiet["MRC_REDIS_URL"]).delete(names.job_key("lost-2"))  # ...as it would
+    client.celery.send_task, client.records.pushed = lost.real, real_pushed  # type: ignore[method-assign]
+    assert client.enqueue(job) is True  # resubmitted: claimed and published again...
+    assert _queued(quiet) == ["lost-2"]  # ...and the push, already there, is not queued twice

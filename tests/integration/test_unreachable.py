@@ -95,3 +95,15 @@ def test_a_misspelt_setting_is_warned_about(env: dict[str, str]) -> None:
     warned = [line for line in done.stderr.splitlines() if line.startswith("MRC_UNKNOWN_SETTING")]
     assert len(warned) == 1
     assert "MRC_BATCH_MAX_JOB" in warned[0]
+
+
+@pytest.mark.parametrize("command", ["status", "result"])
+@pytest.mark.parametrize("job_id", ["../inputs/x", "a/b", "-", "x" * 129, "id\u00e9"])
+def test_a_job_id_no_submit_could_make_is_exit_2_before_any_service(
+    env: dict[str, str], command: str, job_id: str
+) -> None:
+    dead = {"MRC_REDIS_URL": _dead_url("redis") + "/0", "MRC_S3_ENDPOINT_URL": _dead_url("http")}
+    done = services.run_cli({**env, **dead}, command, "--", job_id, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert "job_id" in _one_line(done.stderr)
+    assert done.stdout == ""

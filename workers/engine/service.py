@@ -111,8 +111,8 @@ class EngineService:
                 max(0.0, row.first_admitted_at - row.submitted_at)
             )
         # The tokens of its answer, counted once it is whole: end-of-text is not one, and neither are
-        # the tokens of a run that was paused or failed (mrc_engine_discarded_tokens_total).
-        self.metrics.generated.inc(len(row.tokens))
+        # the tokens of a run that was paused, restarted or failed (mrc_engine_discarded_tokens_total).
+        (self.metrics.generated if row.error is None else self.metrics.discarded).inc(len(row.tokens))
         if future is not None:
             future.set_result(row)
 
