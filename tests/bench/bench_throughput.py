@@ -37,7 +37,13 @@ from shared.settings import Settings  # noqa: E402 - after sys.path is set
 from tests.bench.naive_runner import naive  # noqa: E402 - after sys.path is set
 from tests.bench.workloads import WORKLOADS, Workload  # noqa: E402 - after sys.path is set
 
-GOALS = {"decode-heavy": 4.0, "prefill-heavy": 1.5, "mixed-new-tokens": 1.0}  # system / naive
+GOALS = {  # system / naive
+    "decode-heavy": 4.0,
+    "prefill-heavy": 1.5,
+    "mixed-new-tokens": 1.0,
+    "mixed-sizes-16": 1.1,
+    "mixed-sizes-64": 1.5,
+}
 
 
 def bare(wl: Workload, paths: list[Path], jobs: int, batch: int, env: dict[str, str]) -> dict[str, float]:
@@ -143,7 +149,8 @@ def system(
             "rate": jobs / wall,
             "latencies": latencies,
             "breakdown": _breakdown(worker, wall),
-            "engine": f"rows {ready[0]['max_rows']}, kv {ready[0]['kv_tokens']}"
+            "engine": f"slots {ready[0]['slots']} x {ready[0]['slot_positions']} positions, "
+            f"decode {ready[0]['decode']}"
             if ready
             else "static batches",
         }

@@ -15,6 +15,13 @@ LONG = (
     "Is the damage visible here consistent with rough handling in transit, and should I ask for a refund "
     "or a replacement?"
 )
+MIXED_SIZES = (
+    ("photo", 640, 480),
+    ("photo", 1024, 1024),
+    ("screenshot", 1920, 1080),
+    ("photo", 1600, 1200),
+    ("photo", 4032, 3024),
+)
 PHOTOS_1MP = (("photo", 1024, 768), ("photo", 1024, 1024), ("photo", 768, 1024), ("photo", 1280, 720))
 
 
@@ -65,6 +72,14 @@ WORKLOADS: dict[str, Workload] = {
         ),
         # One stream, max_new_tokens from 16 to 256: a long generation must not make its neighbours wait.
         Workload("mixed-new-tokens", PHOTOS_1MP, (PROMPT,), (16, 32, 64, 128, 256)),
+        # Several image sizes from 0.3 to 12 MP interleaved (a small upload, a 1 MP photo, a full-HD
+        # screenshot, a 2 MP photo, a 12 MP phone photo), prompts of three lengths: every batch mixes
+        # widths, so a row must not pay its longest neighbour's. 16 new tokens (prefill dominates)
+        # and 64 (decode dominates).
+        *(
+            Workload(f"mixed-sizes-{new}", MIXED_SIZES, (SHORT, PROMPT, LONG), (new,), distinct_images=10)
+            for new in (16, 64)
+        ),
         # Jobs one by one, below capacity: what an interactive ticket waits (p50, p99), not jobs/s.
         Workload("trickle", PHOTOS_1MP, (PROMPT,), (64,), trickle_per_s=2.0),
     )

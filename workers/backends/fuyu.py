@@ -333,8 +333,9 @@ class FuyuBackend:
 
     def warm_up(self) -> str:
         """Attest, under the profiler, the two attention paths the engine takes: a prefill alone (no
-        padding: the causal path) and a decode step of two merged rows of unequal length (the masked
-        path). Also runs `generate()` once (the benchmarks' static loop). Returns the prefill's kernel."""
+        padding: the causal path) and a decode step of two rows of unequal length, as the engine's
+        decode mode runs it (`rows`: each over its own length; `fixed`: the bucket, masked). Also runs
+        `generate()` once (the benchmarks' static loop). Returns the prefill's kernel."""
         from workers.backends import attention
         from workers.engine import scheduler
         from workers.engine.engine import Engine
@@ -351,7 +352,7 @@ class FuyuBackend:
         for index, item in enumerate((small, large)):
             inputs, positions = self.row_inputs(item)
             engine.submit(Sequence(f"warm-{index}", inputs, positions, 4, self.eos_id, exact_steps=True))
-        engine.step()  # both admitted (prefilled, merged) and one step decoded: the next is decode only
+        engine.step()  # both admitted (prefilled, in their slots), one step decoded: the next is decode only
         self.attention_kernel_padded = attention.attest(engine.step, self.device)
         self._warm_grammar(self.step_model(1, 256))  # a cache of its own: the rows above hold theirs
         return self.attention_kernel
