@@ -28,6 +28,8 @@ from tests.conftest import MODEL_HOME
 from tests.support import imagegen
 
 BACKLOG_LINES = 16
+# No result for this long while jobs are still pending: the worker stopped consuming (a failure).
+STALLED_S = 120
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Outcome:
     exporter: str = ""
     lost_records: dict[str, dict[str, str]] = field(default_factory=dict)
     lanes_at_end: dict[str, int] = field(default_factory=dict)
+    stalled: bool = False  # jobs were still pending (not lost: in flight) when results stopped coming
 
     def diagnostics(self) -> str:
         """What a failing run's log must show to find its cause afterwards: the state of what was
@@ -59,7 +62,12 @@ class Outcome:
         interesting = [line for line in lines if not line.startswith(("MRC_SUCCESS|", "MRC_BATCH|"))]
         return "\n".join(
             [
-                f"lost (first 10): {self.lost[:10]}",
+                f"lost (first 10): {self.lost[:10]}"
+                + (
+                    f" (no result for {STALLED_S} s while they were queued or in flight)"
+                    if self.stalled
+                    else ""
+                ),
                 f"their records at the end: {self.lost_records}",
                 f"lanes at the end: {self.lanes_at_end}",
                 f"worker log: {len(lines)} lines; the last 150 that are not per-job successes:",
@@ -139,8 +147,8 @@ class Run:
         fault(self.cluster, old)
         self.outcome.new_port = self.cluster.wait_for_new_master(old)
         # On until 4 s past the first submission acknowledged after the fault (however long the
-        # cluster takes to have a synced replica again on a slow machine), at most 60 s.
-        deadline = time.monotonic() + 60
+        # cluster takes to have a synced replica again on a slow machine), at most 120 s.
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             recovered = self.outcome.recovery_s
             if recovered is not None and time.monotonic() - (self._fault_at + recovered) > produce_s * 0.4:
@@ -221,14 +229,20 @@ class Run:
 
     def _count(self, client: Client) -> None:
         # Until every acknowledged job has its result, or nothing is left to run (a lost job never
-        # comes): the lanes empty and nothing in flight for 3 s in a row; at most 60 s.
-        deadline, settled = time.monotonic() + 60, 0
-        pending = list(self.outcome.acknowledged)
-        while pending and time.monotonic() < deadline and settled < 6:
-            pending = [job_id for job_id in pending if client.result(job_id) is None]
+        # comes): the lanes empty and nothing in flight for 3 s in a row. Never a fixed time: on a busy
+        # machine the worker may need minutes for what is queued, so the wait goes on while results
+        # keep coming, and ends only when none came for STALLED_S (a worker that stopped consuming).
+        settled, pending = 0, list(self.outcome.acknowledged)
+        progressed = time.monotonic()
+        while pending and settled < 6 and time.monotonic() - progressed < STALLED_S:
+            still = [job_id for job_id in pending if client.result(job_id) is None]
+            if len(still) < len(pending):
+                progressed = time.monotonic()
+            pending = still
             settled = settled + 1 if self._idle(client) else 0
             time.sleep(0.5)
         self.outcome.lost = pending
+        self.outcome.stalled = bool(pending) and settled < 6
         try:
             self.outcome.lost_records = {job_id: client.records.get(job_id) for job_id in pending[:10]}
             self.outcome.lanes_at_end = {lane: client.lane_depth(lane) for lane in names.LANES}
