@@ -263,6 +263,13 @@ class Settings(BaseSettings):
                 f"need MRC_REDIS_WAIT_TIMEOUT_MS <= {WAIT_TIMEOUT_CEILING_MS}: a longer WAIT outlasts the "
                 f"Redis clients' socket timeout ({REDIS_SOCKET_TIMEOUT_S} s), whose retry would wait again"
             )
+        if self.engine_decode == "fixed" and self.attention == "flash_attention_2":
+            # The fixed step hides each row's columns with a 4-D float mask; flash-attention's path in
+            # transformers reads a mask as 2-D padding (1 = keep) and would attend to the hidden ones.
+            raise ValueError(
+                "MRC_ENGINE_DECODE=fixed cannot run with MRC_ATTENTION=flash_attention_2 (the fixed step's "
+                "4-D mask); use rows, or auto (rows with flash-attention)"
+            )
         if self.retry_max_s * 1.5 >= self.visibility_timeout_s:
             # A retry waits out its countdown unacked in a worker: past the visibility timeout it
             # would be handed out a second time. 1.5: the jitter's upper end.

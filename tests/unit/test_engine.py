@@ -354,6 +354,18 @@ def test_a_ticket_suspect_pauses_backlog_rows_and_a_backlog_suspect_gives_way_to
     assert (plan.admit, plan.pause) == ([], [])
 
 
+def test_one_backlog_row_runs_into_an_empty_cache_even_when_the_reserve_takes_every_slot() -> None:
+    # A memory ceiling lowered to the reserve (2 of 2) must not leave the backlog idle with the cache
+    # empty for the ceiling's whole life; a ticket that comes pauses the row.
+    limits = scheduler.Limits(max_rows=2, reserved_interactive=2)
+    assert scheduler.admit([_a("b1", "backlog"), _a("b2", "backlog")], [], limits) == ["b1"]
+    assert scheduler.admit([_a("b2", "backlog")], [_a("b1", "backlog")], limits) == []
+    plan = scheduler.plan(
+        [_a("t1")], [_a("b1", "backlog")], scheduler.Limits(max_rows=1, reserved_interactive=1)
+    )
+    assert (plan.admit, plan.pause) == (["t1"], ["b1"])
+
+
 def test_a_lowered_memory_ceiling_keeps_every_other_limit() -> None:
     from workers.backends.echo import EchoBackend
 

@@ -157,6 +157,32 @@ def test_a_transient_out_of_memory_ceiling_is_lifted_under_steady_load() -> None
     assert all(row.error is None for row in done.values())
 
 
+def test_a_ceiling_lowered_to_the_reserve_never_leaves_the_backlog_idle_with_the_cache_empty() -> None:
+    """3 backlog rows, 2 of 4 slots reserved for tickets, one out-of-memory step of 2 rows: the
+    ceiling it set (at most the reserve) left no backlog slot, and the rows waited CEILING_STEPS
+    steps with nothing in memory."""
+
+    class OomAtTwo(_OomOnce):
+        def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
+            if len(batch) >= 2 and not self.failed:
+                self.failed = True
+                raise OOM
+            return self.inner.decode(batch, last, masks)
+
+    runner = OomAtTwo()
+    engine, done = _engine(scheduler.Limits(max_rows=4, reserved_interactive=2), runner)
+    for index in range(3):
+        engine.submit(_row(f"b{index}", new=20))
+    idle = 0
+    while not engine.idle and engine.steps < 2000:
+        engine.step()
+        idle += bool(engine.waiting and not engine.running and not engine.held)
+    assert runner.failed, "the injected out-of-memory step never happened"
+    assert idle <= 3, f"{idle} steps with backlog rows waiting and nothing in memory"
+    assert sorted(done) == ["b0", "b1", "b2"]
+    assert all(row.error is None for row in done.values())
+
+
 def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
     """A paused row: first_token and inference came from the discarded run, shared_steps kept
     counting, and its thrown-away tokens (and every end-of-text) counted as generated."""
@@ -186,10 +212,14 @@ def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
     assert discarded >= 5
 
 
-def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin() -> None:
-    """A backlog row no slot is left for (every row kept for tickets) cannot move: /healthz must not
-    hear of progress, and the loop must wait instead of stepping at full speed."""
-    limits = scheduler.Limits(max_rows=1, reserved_interactive=1)
+def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row the policy admits nowhere cannot move: /healthz must not hear of progress, and the loop
+    must wait instead of stepping at full speed. (The policy itself no longer has such a state: the
+    last one, a backlog row with every slot reserved, now runs into an empty cache.)"""
+    monkeypatch.setattr(scheduler, "plan", lambda *args, **kwargs: scheduler.Plan())
+    limits = scheduler.Limits(max_rows=1, reserved_interactive=0)
     progress: list[float] = []
     service = EngineService(ECHO.step_model(), limits, Metrics(), progress.append).start()
     try:
@@ -232,3 +262,35 @@ def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative(decode
     assert ratios
     assert all(0.0 <= ratio < 1.0 for ratio in ratios), ratios
     assert (max(ratios) > 0) == (decode == "fixed")  # rows of three lengths, one fixed width
+
+
+def test_a_row_that_could_outgrow_its_slot_fails_alone_and_its_neighbours_run() -> None:
+    """The slot table refused it inside the step: the error reached the engine thread and ended every
+    row in hand (and the next worker's, with the same job)."""
+    from pathlib import Path
+
+    from shared.settings import Settings
+    from workers.backends.fuyu import FuyuBackend
+
+    backend = FuyuBackend(
+        Settings(model="tiny", home=str(Path(__file__).resolve().parents[2] / ".cache" / "mrc"),
+                 quantization="fp32", device="cpu")
+    )  # fmt: skip
+    backend.load()
+    runner = backend.step_model(2, positions=64)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(2, 0), lambda r: done.__setitem__(r.row_id, r))
+    for row_id, new in (("fits", 4), ("too-long", 60)):
+        image = torch.full((3, 30, 30), 90, dtype=torch.uint8)
+        inputs, positions = backend.row_inputs(GenerationInput(image, "Refund?", new))
+        assert positions + 4 - 1 <= 64 < positions + 60 - 1
+        engine.submit(Sequence(row_id, inputs, positions, new, backend.eos_id, "backlog"))
+    while not engine.idle:
+        engine.step()
+    assert done["fits"].error is None
+    assert len(done["fits"].tokens) >= 1
+    error = done["too-long"].error
+    assert error is not None
+    assert error.code == "invalid_job"
+    assert "a slot of this worker holds 64" in error.message
+    assert runner.table.used == 0

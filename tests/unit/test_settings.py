@@ -54,6 +54,20 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, valu
         Settings()
 
 
+def test_the_fixed_decode_step_is_refused_with_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    # flash-attention reads a mask as 2-D padding: the fixed step's 4-D mask would be misread.
+    monkeypatch.setenv("MRC_ATTENTION", "flash_attention_2")
+    monkeypatch.setenv("MRC_ENGINE_DECODE", "fixed")
+    with pytest.raises(ValidationError, match="flash_attention_2"):
+        Settings()
+    monkeypatch.setenv("MRC_ENGINE_DECODE", "auto")
+    from workers.backends.fuyu import FuyuBackend
+
+    backend = FuyuBackend(Settings(device="cpu"))
+    backend.device = "cuda"  # what auto picks there, without a GPU: rows with flash-attention
+    assert backend.decode_mode() == "rows"
+
+
 def test_errors_name_the_variable_and_hide_passwords(monkeypatch: pytest.MonkeyPatch) -> None:
     from shared.settings import describe_error
 

@@ -76,3 +76,25 @@ def test_a_row_never_grows_past_its_slot_and_never_joins_twice() -> None:
     assert table.length("a") == 4
     assert "a" in table
     assert "b" not in table
+
+
+@given(slots=st.integers(1, 8), operations=OPERATIONS)
+def test_compaction_leaves_the_rows_a_prefix_of_the_table_and_moves_each_row_whole(
+    slots: int, operations: list[tuple[str, int]]
+) -> None:
+    table = SlotTable(slots, positions=24)
+    rows = 0
+    for kind, value in operations:
+        if kind == "join" and table.free:
+            table.assign(f"r{rows}", value)
+            rows += 1
+        elif kind == "leave" and table.used:
+            table.release(sorted(table._slot)[value % table.used])
+    before = {row: (table.slot(row), table.length(row)) for row in table._slot}
+    moves = table.compact()
+    assert table.top == table.used  # no hole below any row
+    after = {row: (table.slot(row), table.length(row)) for row in table._slot}
+    assert {row: length for row, (_, length) in after.items()} == {r: n for r, (_, n) in before.items()}
+    moved = {(before[r][0], after[r][0], after[r][1]) for r in after if before[r][0] != after[r][0]}
+    assert set(moves) == moved  # what the cache must copy: every move, and only those
+    assert all(new < old for old, new, _ in moves)

@@ -244,10 +244,12 @@ class FuyuBackend:
 
     def decode_mode(self) -> str:
         """MRC_ENGINE_DECODE: `auto` is one fixed-shape call per step on CUDA (captured), rows as they
-        are on the CPU (workers/engine/runner.py)."""
+        are on the CPU (workers/engine/runner.py); rows with flash-attention, which cannot read the
+        fixed step's 4-D mask (settings refuse `fixed` with it)."""
         mode = str(self.settings.engine_decode)
         if mode == "auto":
-            return "fixed" if self.device.startswith("cuda") else "rows"
+            cuda = self.device.startswith("cuda")
+            return "fixed" if cuda and self.settings.attention != "flash_attention_2" else "rows"
         return mode
 
     def step_model(self, slots: int = 2, positions: int | None = None) -> Any:

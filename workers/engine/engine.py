@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from shared.errors import Expired, MrcError, OutOfMemory
+from shared.errors import Expired, InvalidJob, MrcError, OutOfMemory
 from workers import inference
 from workers.engine import masks, scheduler
 from workers.engine.runner import RowBatch, StepModel
@@ -89,6 +89,7 @@ class Engine:
     def step(self) -> StepReport:
         report = self._report = StepReport()
         self._expire()
+        self._refuse_oversized()
         if self.row_ceiling is not None and self.steps - self._ceiling_at >= CEILING_STEPS:
             self.row_ceiling = None
         if self._safely(self._hold_or_release):
@@ -126,6 +127,21 @@ class Engine:
         for row in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:
             self.waiting.remove(row)
             self._fail(row, Expired("the job's deadline passed while it waited for the model"))
+
+    def _refuse_oversized(self) -> None:
+        """A row that could outgrow its slot fails alone, before it takes one. The worker sizes slots
+        to the largest job it accepts (workers/backends/fuyu.py, slot_positions), so this is a guard:
+        without it the slot table's refusal would reach the engine thread and end every row in hand."""
+        table = getattr(self.runner, "table", None)
+        if table is None:
+            return
+        for row in [r for r in self.waiting if r.prompt_tokens + r.max_new_tokens - 1 > table.positions]:
+            self.waiting.remove(row)
+            need = row.prompt_tokens + row.max_new_tokens - 1
+            self._fail(row, InvalidJob(
+                f"the job needs {need} cache positions ({row.prompt_tokens} of image and prompt, "
+                f"{row.max_new_tokens} new tokens); a slot of this worker holds {table.positions}"
+            ))  # fmt: skip
 
     def _admit(self) -> None:
         in_memory = {**self.running, **self.held}

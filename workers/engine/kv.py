@@ -67,6 +67,12 @@ class SlotCache:
             self.keys[index][slot, :, :length].copy_(new_keys)
             self.values[index][slot, :, :length].copy_(new_values)
 
+    def move(self, old: int, new: int, length: int) -> None:
+        """A row's positions from one slot to another (compaction: workers/engine/slot_table.py)."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[new, :, :length].copy_(keys[old, :, :length])
+            values[new, :, :length].copy_(values[old, :, :length])
+
 
 class SlotBatch:
     """Rows of the engine in slots of one cache (the running batch, or the held one: moving rows from one

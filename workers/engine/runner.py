@@ -97,6 +97,8 @@ class Runner:
     @torch.inference_mode()
     def decode(self, batch: SlotBatch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
         """One step for every running row: feed each row's last token, return each row's next."""
+        if self.decode_mode == "fixed":
+            self._compact()
         slots = [self.table.slot(row_id) for row_id in batch.row_ids]
         lengths = [self.table.length(row_id) for row_id in batch.row_ids]
         run = self._decode_fixed if self.decode_mode == "fixed" else self._decode_rows
@@ -134,6 +136,14 @@ class Runner:
         batch.read = step.slots * step.width
         batch.padding = batch.read - (sum(lengths) + len(lengths))
         return logits.index_select(0, torch.tensor(slots, device=logits.device))
+
+    def _compact(self) -> None:
+        """Rows moved down into free slots when that shrinks the step's bucket of slots: one copy of
+        each moved row, instead of every later step covering the holes below a row in a high slot."""
+        table = self.table
+        if rows_bucket(table.top, table.slots) > rows_bucket(table.used, table.slots):
+            for old, new, length in table.compact():
+                self.cache.move(old, new, length)
 
     def step(self, slots: int, width: int) -> FixedStep:
         """The fixed step of this shape (made on first use; captured ones at warm-up)."""

@@ -7,7 +7,7 @@ Rules, in order:
   (workers/engine/kv.py: a slot holds any job to its longest, so a row once admitted never runs out
   of room mid-answer), and `reserved_interactive` of those slots are never taken by backlog rows, so a
   ticket that arrives while a long backlog batch runs is admitted at the next step instead of waiting
-  for a backlog row to finish;
+  for a backlog row to finish (with nothing in memory, one backlog row always may run);
 - an interactive row that finds no free slot pauses the youngest backlog row (it goes back to waiting
   and is recomputed later): a ticket never waits for a backlog answer;
 - backlog rows admitted at one step prefill at most `backlog_prefill_tokens` positions together
@@ -81,7 +81,14 @@ def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause
             _admit_alone(candidate, kept, result, pause)
             return result  # nothing past a waiting suspect: the rows in memory drain, it is never starved
         interactive = candidate.lane == INTERACTIVE
-        if not interactive and (len(kept) >= backlog_rows or any(c.lane == INTERACTIVE for c in kept)):
+        # With nothing in memory one backlog row always may run, even when the reserve takes every slot
+        # (a memory ceiling lowered to the reserve, or the reserve set to the slots): a ticket that
+        # comes pauses it.
+        if (
+            not interactive
+            and kept
+            and (len(kept) >= backlog_rows or any(c.lane == INTERACTIVE for c in kept))
+        ):
             continue
         if not interactive and prefill and prefill + candidate.prompt_tokens > limits.backlog_prefill_tokens:
             continue

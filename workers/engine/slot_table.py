@@ -46,6 +46,20 @@ class SlotTable:
         del self._length[row_id]
         heapq.heappush(self._free, slot)
 
+    def compact(self) -> list[tuple[int, int, int]]:
+        """Move the rows in the highest slots down into the lowest free ones until the rows in use are
+        a prefix of the table: (from slot, to slot, positions held) per move, for the cache to copy.
+        A fixed-shape step covers the table up to its highest row: one long row left in a high slot
+        would make every step cover (and read the padding of) every slot below it."""
+        moves = []
+        while self._free and self._free[0] < self.top:
+            row_id = max(self._slot, key=self._slot.__getitem__)
+            old, new = self._slot[row_id], heapq.heappop(self._free)
+            self._slot[row_id] = new
+            heapq.heappush(self._free, old)
+            moves.append((old, new, self._length[row_id]))
+        return moves
+
     def slot(self, row_id: str) -> int:
         return self._slot[row_id]
 
