@@ -63,7 +63,7 @@ step() {
   fi
   echo "==== $name (limit ${limit} s, ${SECONDS} s in) ====" | tee -a "$log"
   local began=$SECONDS
-  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+  GPU_STEP_LIMIT_S=$limit timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   printf '%s\t%s\t%s\t%s\t\n' "$name" "$rc" "$((SECONDS - began))" "$limit" >> "$work/steps.tsv"
 }
@@ -79,12 +79,13 @@ if ! grep -qP '^env\t0\t' "$work/steps.tsv"; then
 else
   if [ "$smoke" = 1 ]; then
     step tests-gpu 45 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
-    step preprocess 40 "$py" tests/bench/bench_preprocess.py --device cpu --quick --json "$work/preprocess.json"
+    step preprocess 40 "$py" tests/bench/bench_preprocess.py --device cpu --quick --no-mixed --json "$work/preprocess.json"
     step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --smoke --json "$work/grammar.json"
     step model 40 "$py" tests/bench/bench_gpu.py --smoke --json "$work/model.json"
   else
     step tests-gpu 75 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
-    step preprocess 40 "$py" tests/bench/bench_preprocess.py --device cuda --passes 3 --json "$work/preprocess.json"
+    step preprocess 50 "$py" tests/bench/bench_preprocess.py --device cuda --passes 2 --per-kind 2 --no-mixed \
+      --json "$work/preprocess.json"
     step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --device cuda --json "$work/grammar.json"
     step model 150 "$py" tests/bench/bench_gpu.py --modes bf16,nf4 --batches 1,8,32 --json "$work/model.json"
   fi

@@ -73,9 +73,9 @@ def _load(work: Path, name: str) -> Any:
 def _lines_env(env: dict[str, Any]) -> list[str]:
     gpu, packages = env.get("gpu", {}), env.get("packages", {})
     versions = ", ".join(f"{k} {v.get('version')} ({v.get('from', '-')})" for k, v in packages.items())
+    device = f"{gpu['name']} {gpu.get('memory_gib')} GiB" if gpu.get("name") else "none"
     return [
-        f"GPU: {gpu.get('name', 'none')} {gpu.get('memory_gib', '')} GiB, "
-        f"torch CUDA {gpu.get('torch_cuda')}, bitsandbytes {gpu.get('bitsandbytes_library')}; "
+        f"GPU: {device}, torch CUDA {gpu.get('torch_cuda')}, bitsandbytes {gpu.get('bitsandbytes_library')}; "
         f"Python {env.get('python')}",
         f"packages: {versions}",
         f"bundle requirements unmet: {env.get('bundle_unmet') or 'none'}",

@@ -56,11 +56,11 @@ def _make(width: int, height: int, fmt: str, seed: int) -> bytes:
     return imagegen.photo(width, height, seed=seed, fmt=fmt)
 
 
-def image_set(quick: bool = False) -> list[tuple[str, bytes]]:
-    """4 images of each kind (12 MP phone photos, full-HD screenshots, small uploads)."""
+def image_set(quick: bool = False, per_kind: int = 4) -> list[tuple[str, bytes]]:
+    """`per_kind` images of each kind (12 MP phone photos, full-HD screenshots, small uploads)."""
     out = []
     for kind, sizes in QUICK_KINDS if quick else KINDS:
-        for i in range(4):
+        for i in range(per_kind):
             width, height, fmt = sizes[i % len(sizes)]
             out.append((kind, _make(width, height, fmt, seed=10 * len(out) + i)))
     return out
@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small images, one pass (a smoke test)")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--per-kind", type=int, default=4, help="distinct images of each kind (cycled)")
+    parser.add_argument("--no-mixed", action="store_true", help="only the per-kind figures")
     args = parser.parse_args()
     batches = (1, 4) if args.quick else (1, 16)
     if args.quick:
@@ -152,14 +154,14 @@ def main() -> None:
         tok.convert_tokens_to_ids("<s>"),
         0,
     )
-    named = image_set(args.quick)
+    named = image_set(args.quick, args.per_kind)
     datas = [d for _, d in named]
     mb = sum(len(d) for d in datas) / 1e6
     print(f"images: {len(datas)} ({mb:.1f} MB encoded): " + ", ".join(sorted({n for n, _ in named})))
     print(f"torch threads: {torch.get_num_threads()}, ours on: {args.device}, processor on: cpu")
     print(f"{'batch':>5} | {'FuyuProcessor img/s':>20} | {'ours img/s':>10} | {'ours / processor':>16}")
     figures: dict[str, Any] = {"device": args.device, "quick": args.quick, "mixed": [], "kinds": {}}
-    for batch in batches:
+    for batch in () if args.no_mixed else batches:
         base = rate(lambda d: naive(processor, d), datas, batch, args.passes)
         mine = rate(lambda d: ours(tok, ids, d, args.device), datas, batch, args.passes)
         print(f"{batch:>5} | {base:>20.2f} | {mine:>10.2f} | {mine / base:>15.2f}x")
