@@ -29,4 +29,4 @@ if [ "$(cat "$venv/.built" 2>/dev/null)" != "$stamp" ]; then
   "$venv/bin/python" -m pip uninstall --quiet -y $lacks >&2 2>/dev/null || true
   echo "$stamp" > "$venv/.built"
 fi
-echo "$PWD/$venv/bin/python"
+echo "$(cd "$venv" && pwd)/bin/python"
