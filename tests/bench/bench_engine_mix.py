@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,16 @@ def kernel_window(engine: Engine, timer: StepTimer, steps: int) -> dict[str, Any
         torch.cuda.synchronize()
     timer.profiling = False
     wall = (time.perf_counter() - began) * 1000
-    kernels = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1000
+    from torch.autograd import DeviceType
+
+    kernels = (
+        sum(  # the device's own events only: a CPU op's device time repeats its kernels'
+            e.self_device_time_total
+            for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
+        / 1000
+    )
     return {
         "steps": done,
         "wall_ms_per_step": round(wall / max(1, done), 3),
@@ -286,7 +296,8 @@ def main() -> None:
         random_fuyu.config_of("tiny" if args.smoke else "fuyu-8b"), device, torch.bfloat16
     )
     backend = random_fuyu.backend(source, args.quantization, device)
-    backend.warm_up()
+    figures["warm_up"] = random_fuyu.warm_up(backend)
+    figures["load_error"] = backend.load_error
     if args.quantization != "bf16":
         backend.source_model = source = None
     mix = Mix(backend, args.backlog, args.tickets, args.smoke)
@@ -301,11 +312,17 @@ def main() -> None:
             figures["runs"].append({"run": spec, "skipped": "out of time (GPU_STEP_LIMIT_S)"})
             continue
         args.run_s = min(args.run_s, share)
-        figures["runs"].append(run(backend, mix, spec, args))
+        try:
+            figures["runs"].append(run(backend, mix, spec, args))
+        except Exception as exc:  # a run's failure (a capture, out of memory) keeps the others' figures
+            traceback.print_exc()
+            figures["runs"].append({"run": spec, "error": f"{type(exc).__name__}: {exc}"[:500]})
         print(json.dumps(figures["runs"][-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2, default=str))
     backend.close()
+    if any("error" in r for r in figures["runs"]):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

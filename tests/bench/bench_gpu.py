@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def batch_row(backend: Any, batch: int, side: int, prompt: str, new: int, repeat
 
 def run_mode(backend: Any, args: argparse.Namespace, figures: dict[str, Any], save: Any) -> None:
     began = time.perf_counter()
-    kernel = backend.warm_up()
+    kernel = random_fuyu.warm_up(backend)
     mode: dict[str, Any] = {
         "mode": backend.quantization,
         "load_s": figures.pop("_load_s"),
@@ -86,6 +87,7 @@ def run_mode(backend: Any, args: argparse.Namespace, figures: dict[str, Any], sa
         "linear_4bit_layers": sum(type(m).__name__ == "Linear4bit" for m in backend.model.modules()),
         "attention": backend.describe(),
         "attention_kernel_prefill": kernel,
+        "load_error": backend.load_error,
         "batches": [],
     }
     figures["modes"].append(mode)
@@ -127,23 +129,41 @@ def main() -> None:
     source = random_fuyu.build(random_fuyu.config_of(figures["shape"]), device, torch.bfloat16)
     figures["build_s"] = round(time.perf_counter() - began, 2)
     print(f"random {figures['shape']} weights built on {device} in {figures['build_s']} s", flush=True)
-    backends: list[Any] = []
-    for mode in sorted(args.modes.split(","), key=lambda m: m != "bf16"):  # bf16 first: NF4 is made from it
-        began = time.perf_counter()
-        backend = random_fuyu.backend(source, mode, device)
-        figures["_load_s"] = round(time.perf_counter() - began, 2)
-        backends.append(backend)
-        if mode != "bf16":  # its own weights now: free the bf16 ones so its peak memory is its own
-            for other in backends[:-1]:
-                other.close()
-                other.model = other.source_model = None
-            backends = backends[-1:]
-            backend.source_model = source = None
-            random_fuyu.free(device)
-        run_mode(backend, args, figures, save)
-    save()
+    modes = sorted(args.modes.split(","), key=lambda m: m != "bf16")  # bf16 first: NF4 is made from it
+    if not run_modes(modes, source, device, args, figures, save):
+        raise SystemExit(1)
+
+
+def run_modes(
+    modes: list[str], source: Any, device: str, args: Any, figures: dict[str, Any], save: Any
+) -> bool:
+    """Each mode in turn; False when one failed (its error is in the figures, the others' still come)."""
+    held: list[Any] = []  # backends alive: the bf16 one until NF4 has its own weights
+    ok = True
+    for mode in modes:
+        try:
+            began = time.perf_counter()
+            backend = random_fuyu.backend(source, mode, device)
+            figures["_load_s"] = round(time.perf_counter() - began, 2)
+            if mode != "bf16":  # its own weights now: free the bf16 ones so its peak memory is its own
+                release(held)
+                held, backend.source_model, source = [], None, None
+                random_fuyu.free(device)
+            held.append(backend)
+            run_mode(backend, args, figures, save)
+        except Exception as exc:  # one mode's failure (bitsandbytes' CUDA library, say) keeps the other's
+            ok = False
+            traceback.print_exc()
+            figures["modes"].append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        save()
+    release(held)
+    return ok
+
+
+def release(backends: list[Any]) -> None:
     for backend in backends:
         backend.close()
+        backend.model = backend.source_model = None
 
 
 if __name__ == "__main__":

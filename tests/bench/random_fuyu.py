@@ -73,6 +73,19 @@ class RandomFuyu(FuyuBackend):
         text = source.config.text_config
         self.model_id = f"random-weights fuyu ({text.num_hidden_layers} layers x {text.hidden_size})"
 
+    load_error: str | None = None
+
+    def load(self) -> None:
+        """FuyuBackend's load; a failure after the weights are in (the grammar library's, say) is
+        recorded in `load_error`, not raised: the figures that need no structured answers still come."""
+        try:
+            super().load()
+        except Exception as exc:
+            if self.model is None or getattr(self, "control_text", None) is None:
+                raise
+            self.load_error = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"load after the weights failed: {self.load_error}", flush=True)
+
     def _weights(self, path: str) -> Any:
         if self.quantization == "bf16":
             return self.source_model
@@ -98,6 +111,16 @@ def backend(source: Any, quantization: str, device: str, **settings: Any) -> Ran
     )
     made.load()
     return made
+
+
+def warm_up(backend: RandomFuyu) -> str:
+    """The worker's warm-up (the prefill's attention kernel, or why it failed: the benchmarks measure
+    without it, where the worker would refuse to start)."""
+    try:
+        return str(backend.warm_up())
+    except Exception as exc:
+        print(f"warm-up failed: {exc!r}", flush=True)
+        return f"warm-up failed: {type(exc).__name__}: {exc}"[:300]
 
 
 def free(device: str) -> None:
