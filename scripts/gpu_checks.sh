@@ -74,7 +74,7 @@ site="$work/site"
 step install 60 "$py" scripts/gpu_env.py install "$site" gpu-bundle
 export PYTHONPATH="$site:$PWD"
 step env 40 "$py" scripts/gpu_env.py report --bundle gpu-bundle --site "$site" --json "$work/env.json"
-if ! grep -qP '^env\t0\t' "$work/steps.tsv"; then
+if ! grep -qP '^env\t(0|3)\t' "$work/steps.tsv"; then # 3: partly ready (scripts/gpu_env.py)
   echo "the environment is not ready (see the env step above): the remaining steps would fail" | tee -a "$log"
 else
   if [ "$smoke" = 1 ]; then

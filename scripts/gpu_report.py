@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+STATUS = {"0": "ok", "124": "timed out", "137": "timed out", "-": "skipped"}  # by exit code
 PARTS = ("env", "preprocess", "grammar", "model", "step_cost", "engine")
 
 
@@ -22,15 +23,7 @@ def steps(work: Path) -> list[dict[str, Any]]:
     lines = (work / "steps.tsv").read_text().splitlines() if (work / "steps.tsv").is_file() else []
     for line in lines:
         name, rc, seconds, limit, note = (line.split("\t") + [""] * 5)[:5]
-        status = (
-            "ok"
-            if rc == "0"
-            else "timed out"
-            if rc in ("124", "137")
-            else "skipped"
-            if rc == "-"
-            else "failed"
-        )
+        status = "partly ready" if (name, rc) == ("env", "3") else STATUS.get(rc, "failed")
         out.append(
             {"step": name, "status": status, "rc": rc, "seconds": seconds, "limit_s": limit, "note": note}
         )
