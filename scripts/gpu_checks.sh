@@ -83,7 +83,7 @@ else
     step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --smoke --json "$work/grammar.json"
     step model 40 "$py" tests/bench/bench_gpu.py --smoke --json "$work/model.json"
   else
-    step tests-gpu 75 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
+    step tests-gpu 90 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
     step preprocess 50 "$py" tests/bench/bench_preprocess.py --device cuda --passes 2 --per-kind 2 --no-mixed \
       --json "$work/preprocess.json"
     step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --device cuda --json "$work/grammar.json"
