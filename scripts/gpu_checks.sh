@@ -1,16 +1,113 @@
 #!/usr/bin/env bash
-# The GPU checks, as one bounded script for a CUDA machine (e.g. the device tool, ~10 minutes in all):
-#   bash scripts/gpu_checks.sh [OUT_DIR]
-# Installs the venv if needed, then runs tests/gpu, the preprocessing benchmark on CUDA and the
-# Fuyu-8B-sized benchmark (NF4 and bf16), each under its own timeout, logging to OUT_DIR (figures
-# also in OUT_DIR/bench-gpu.json).
+# The GPU proving ground: one bounded script for a bare CUDA machine as it comes (Python 3.12 with
+# torch, transformers & co., no network, nothing installed for us), with only the working tree and
+# gpu-bundle/ (`make gpu-bundle`, built beforehand on a machine with the registries) beside it:
+#
+#   bash scripts/gpu_checks.sh [OUT_DIR]              on the GPU machine (OUT_DIR: $OUT, else gpu-out)
+#   bash scripts/gpu_checks.sh --cpu-smoke [OUT_DIR]  the same steps at tiny sizes on this CPU, in a
+#                                                     stand-in for that machine's Python (make gpu-smoke)
+#
+# It installs the bundle into a temporary folder (seconds), then runs each step under its own timeout,
+# all within GPU_CHECKS_BUDGET_S (default 460 s on the GPU, 180 s for the smoke run):
+#   env         versions, where each package came from, the bundle's requirements, every import
+#   tests-gpu   tests/gpu (the CUDA oracle: fp32/bf16/NF4 agreement, preprocessing, EXIF, NVML)
+#   preprocess  device preprocessing vs FuyuProcessor: ms/image at batch 1/16, max abs difference
+#   grammar     the grammar mask at a 262,144-token (synthetic) vocabulary: fill + apply, compile times
+#   model       a random Fuyu-8B-shaped model, bf16 and NF4: images/s at batch 1/8/32, memory, roofline
+#   step-cost   the engine's decode-step cost table, graphs on and off (when the tree has that bench)
+#   engine      the engine on a realistic mix: tokens/s, step time by rows, host vs GPU, graphs on/off
+# and writes OUT_DIR/gpu-checks.json (every figure), OUT_DIR/summary.txt, OUT_DIR/gpu-checks.log and,
+# on a GPU, OUT_DIR/nvidia-smi.txt. A step that fails or times out is recorded and the next one runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
+smoke=0
+if [ "${1:-}" = "--cpu-smoke" ]; then
+  smoke=1
+  shift
+fi
 out=${1:-${OUT:-gpu-out}}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 MRC_DEVICE=cuda
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-[ -x .venv/bin/python ] || make install > "$out/install.log" 2>&1
-timeout 120 .venv/bin/python -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/tests-gpu.log"
-timeout 150 .venv/bin/python tests/bench/bench_preprocess.py --device cuda --passes 3 2>&1 | tee "$out/bench-preprocess.log"
-timeout 420 .venv/bin/python tests/bench/bench_gpu.py --modes nf4,bf16 --batches 1,8,32 --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.log"
+out=$(cd "$out" && pwd)
+log="$out/gpu-checks.log"
+: > "$log"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+SECONDS=0
+
+if [ "$smoke" = 1 ]; then
+  mode=cpu-smoke
+  budget=${GPU_CHECKS_BUDGET_S:-180}
+  py=$(scripts/gpu_device_python.sh) || exit 2
+  SECONDS=0 # the stand-in Python is made once, outside the budget
+  export MRC_DEVICE=cpu CUDA_VISIBLE_DEVICES=""
+else
+  mode=gpu
+  budget=${GPU_CHECKS_BUDGET_S:-460}
+  py=${GPU_PYTHON:-python3}
+  export MRC_DEVICE=cuda
+  nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export MRC_HOME="$PWD/.cache/mrc"
+report_s=10 # kept for the report at the end
+
+# step NAME LIMIT_S CMD...: runs CMD under min(LIMIT_S, what the budget has left), output to the log.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - report_s - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 5 ]; then
+    printf '%s\t-\t0\t%s\t%s\n' "$name" "$limit" "not run: the budget was spent" >> "$work/steps.tsv"
+    return
+  fi
+  echo "==== $name (limit ${limit} s, ${SECONDS} s in) ====" | tee -a "$log"
+  local began=$SECONDS
+  GPU_STEP_LIMIT_S=$limit timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\t%s\t\n' "$name" "$rc" "$((SECONDS - began))" "$limit" >> "$work/steps.tsv"
+}
+
+skip() { printf '%s\t-\t0\t0\t%s\n' "$1" "$2" >> "$work/steps.tsv"; }
+
+site="$work/site"
+step install 60 "$py" scripts/gpu_env.py install "$site" gpu-bundle
+export PYTHONPATH="$site:$PWD"
+step env 40 "$py" scripts/gpu_env.py report --bundle gpu-bundle --site "$site" --json "$work/env.json"
+if ! grep -qP '^env\t(0|3)\t' "$work/steps.tsv"; then # 3: partly ready (scripts/gpu_env.py)
+  echo "the environment is not ready (see the env step above): the remaining steps would fail" | tee -a "$log"
+else
+  if [ "$smoke" = 1 ]; then
+    step tests-gpu 45 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
+    step preprocess 40 "$py" tests/bench/bench_preprocess.py --device cpu --quick --no-mixed --json "$work/preprocess.json"
+    step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --smoke --json "$work/grammar.json"
+    step model 40 "$py" tests/bench/bench_gpu.py --smoke --json "$work/model.json"
+  else
+    step tests-gpu 90 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
+    step preprocess 50 "$py" tests/bench/bench_preprocess.py --device cuda --passes 2 --per-kind 2 --no-mixed \
+      --json "$work/preprocess.json"
+    step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --device cuda --json "$work/grammar.json"
+    step model 150 "$py" tests/bench/bench_gpu.py --modes bf16,nf4 --batches 1,8,32 --json "$work/model.json"
+  fi
+  if [ ! -f tests/bench/bench_step_cost.py ]; then
+    skip step-cost "tests/bench/bench_step_cost.py is not in this tree"
+  elif [ "$smoke" = 1 ]; then
+    step step-cost 40 "$py" tests/bench/bench_step_cost.py --device cpu --quick --json "$work/step_cost.json"
+  else
+    step step-cost 50 "$py" tests/bench/bench_step_cost.py --device cuda --graphs both --json "$work/step_cost.json"
+  fi
+  if [ "$smoke" = 1 ]; then
+    step engine 40 "$py" tests/bench/bench_engine_mix.py --smoke --json "$work/engine.json"
+  else
+    step engine 100 "$py" tests/bench/bench_engine_mix.py --json "$work/engine.json"
+  fi
+fi
+# standard library only: any Python will do if the one under test is broken
+{ "$py" scripts/gpu_report.py "$work" "$out" "$mode" || python3 scripts/gpu_report.py "$work" "$out" "$mode"; } | tee -a "$log"
+echo "wall ${SECONDS} s (budget ${budget} s); figures in $out/gpu-checks.json" | tee -a "$log"
+# at most 16 MiB per file comes back from the GPU machine: keep the log's end
+if [ "$(stat -c %s "$log")" -gt $((15 * 1024 * 1024)) ]; then
+  tail -c $((15 * 1024 * 1024)) "$log" > "$work/log" && mv "$work/log" "$log"
+fi
+# the run passed when every step that ran passed
+! grep -qv -P '^[^\t]+\t(0|-)\t' "$work/steps.tsv"

@@ -105,7 +105,7 @@ class FuyuBackend:
         return str(Path(self.source).expanduser()) if Path(self.source).expanduser().is_dir() else self.source
 
     def load(self) -> None:
-        from transformers import AutoProcessor, FuyuForCausalLM
+        from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -114,12 +114,7 @@ class FuyuBackend:
         path = self._path()
         try:
             self.processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-            self.model = FuyuForCausalLM.from_pretrained(
-                path,
-                local_files_only=True,
-                attn_implementation=self.settings.attention,
-                **quantization_kwargs(self.quantization, self.device),
-            )
+            self.model = self._weights(path)
         except OSError as exc:
             raise ModelError(
                 f"cannot load model {self.source!r} offline: give MRC_MODEL a local folder with the "
@@ -154,6 +149,18 @@ class FuyuBackend:
         # The logits' width (the lm head's): the model's vocabulary can be larger than the tokenizer's.
         vocab = int(self.model.get_output_embeddings().out_features)
         self.grammars = Grammars(tokenizer, vocab, self.eos_id, self.settings.grammar_cache_size)
+
+    def _weights(self, path: str) -> Any:
+        """The model from its folder or the HF cache. The GPU benchmarks' random Fuyu-8B overrides this
+        one step (its weights are made in memory: tests/bench/random_fuyu.py); all else is the worker's."""
+        from transformers import FuyuForCausalLM
+
+        return FuyuForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            attn_implementation=self.settings.attention,
+            **quantization_kwargs(self.quantization, self.device),
+        )
 
     def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
         """The ids the model will see: control-token text defused, then checked id by id (the text
