@@ -94,7 +94,7 @@ else
   elif [ "$smoke" = 1 ]; then
     step step-cost 40 "$py" tests/bench/bench_step_cost.py --device cpu --quick --json "$work/step_cost.json"
   else
-    step step-cost 50 "$py" tests/bench/bench_step_cost.py --device cuda --graphs both --json "$work/step_cost.json"
+    step step-cost 50 "$py" tests/bench/bench_step_cost.py --device cuda --graphs both --repeats 3 --json "$work/step_cost.json"
   fi
   if [ "$smoke" = 1 ]; then
     step engine 40 "$py" tests/bench/bench_engine_mix.py --smoke --json "$work/engine.json"

@@ -125,6 +125,15 @@ def _lines_grammar(grammar: dict[str, Any]) -> list[str]:
     return [f"grammar ({grammar.get('vocab')} tokens, synthetic): compile cold {compiled}; {steps_}"]
 
 
+def _lines_step_cost(cost: dict[str, Any]) -> list[str]:
+    """One line per shape: each mode's step time (tests/bench/bench_step_cost.py)."""
+    lines = [f"step cost ({cost.get('model')}, {cost.get('device')}), ms per decode step:"]
+    for shape in cost.get("steps", []):
+        modes = [f"{m} {v['ms']:.2f}" for m, v in shape.items() if isinstance(v, dict) and "ms" in v]
+        lines.append(f"  {shape['shape']}: " + ", ".join(modes))
+    return lines
+
+
 def summary(report: dict[str, Any]) -> str:
     out = [f"GPU proving ground ({report['mode']}), {report['date']}"]
     out += [
@@ -140,7 +149,9 @@ def summary(report: dict[str, Any]) -> str:
         out += [f"  {line}" for line in t["not_passed"][:10]]
         out += [f"  skipped ({count}): {reason}" for reason, count in t["skipped_because"].items()]
     writers = {"env": _lines_env, "model": _lines_model, "engine": _lines_engine}
-    writers.update({"preprocess": _lines_preprocess, "grammar": _lines_grammar})
+    writers.update(
+        {"preprocess": _lines_preprocess, "grammar": _lines_grammar, "step_cost": _lines_step_cost}
+    )
     for name, write in writers.items():
         part = report.get(name)
         if not part:
@@ -149,8 +160,6 @@ def summary(report: dict[str, Any]) -> str:
             out += write(part)
         except (KeyError, TypeError, AttributeError) as exc:  # a partial part: say so, keep the rest
             out.append(f"{name}: partial figures ({type(exc).__name__}: {exc})")
-    if report.get("step_cost"):
-        out.append("step cost: in gpu-checks.json (step_cost)")
     return "\n".join(out) + "\n"
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -284,6 +285,23 @@ def time_dynamic(model: Any, lengths: list[int], repeats: int, sync: Any) -> dic
     }
 
 
+def measure(
+    model: Any, threads: Any, lengths: list[int], modes: list[str], repeats: int, sync: Any
+) -> dict[str, Any]:
+    """One shape, every mode; a mode the device has no memory for reads NaN."""
+    figures: dict[str, Any] = {"shape": label(lengths), "rows": len(lengths), "lengths": lengths}
+    for mode in modes:
+        try:
+            if mode == "dynamic":
+                figures[mode] = time_dynamic(model, lengths, repeats, sync)
+            else:
+                figures[mode] = time_engine(model, threads, lengths, mode, repeats, sync)
+        except torch.cuda.OutOfMemoryError:
+            figures[mode] = {"ms": float("nan"), "bytes": float("nan"), "host_share": float("nan")}
+            torch.cuda.empty_cache()
+    return figures
+
+
 def parse_compile(text: str) -> set[tuple[int, int]]:
     return {(int(r), int(p)) for r, p in (item.split("x") for item in text.split(",") if item)}
 
@@ -320,33 +338,30 @@ def main() -> None:
     compile_shapes = set() if cuda else parse_compile(args.compile)
     rows = [int(r) for r in args.rows.split(",")]
     positions = [int(p) for p in args.positions.split(",")]
-    results = []
+    results: list[dict[str, Any]] = []
     time_dynamic(model, [8, 8], 1, sync)  # the process's first model calls: warm-up, not a figure
     time_engine(model, threads, [8, 8], "rows", 1, sync)
+    # Under a step limit (the GPU proving ground's GPU_STEP_LIMIT_S): no new shape past 75 % of it,
+    # and the figures so far are written after every shape, so a run cut short still reports.
+    limit = float(os.environ.get("GPU_STEP_LIMIT_S", "0") or 0)
+    began = time.monotonic()
     for count, lengths in shapes(rows, positions):
-        figures: dict[str, Any] = {"shape": label(lengths), "rows": count, "lengths": lengths}
+        if limit and time.monotonic() - began > 0.75 * limit:
+            print(f"  (stopped: {limit:g} s step limit; shapes left out)", flush=True)
+            break
         wanted = list(modes)
         if not cuda and (count, lengths[0]) in compile_shapes and len(set(lengths)) == 1:
             wanted.append("compiled")
-        for mode in wanted:
-            try:
-                if mode == "dynamic":
-                    figures[mode] = time_dynamic(model, lengths, args.repeats, sync)
-                else:
-                    figures[mode] = time_engine(model, threads, lengths, mode, args.repeats, sync)
-            except torch.cuda.OutOfMemoryError:
-                figures[mode] = {"ms": float("nan"), "bytes": float("nan"), "host_share": float("nan")}
-                torch.cuda.empty_cache()
+        figures = measure(model, threads, lengths, wanted, args.repeats, sync)
         results.append(figures)
         print(_line(figures), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"model": model_name, "device": args.device, "steps": results}))
     _table(results, modes + (["compiled"] if compile_shapes else []))
+    threads_now = torch.get_num_threads()
     print(
-        f"({model_name}, {dtype}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats})"
+        f"({model_name}, {dtype}, {args.device}, {threads_now} threads at the end, median of {args.repeats})"
     )
-    if args.json:
-        args.json.write_text(
-            json.dumps({"model": model_name, "device": args.device, "steps": results}, indent=1)
-        )
 
 
 def _line(figures: dict[str, Any]) -> str:
