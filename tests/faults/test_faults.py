@@ -238,7 +238,11 @@ def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster
     assert sorted(e["job_id"] for e in listed) == sorted(j.job_id for j in jobs)
     assert {e["code"] for e in listed} == {"internal_error"}
     assert {e["attempts"] for e in listed} == {2}
-    assert json.loads(services.run_cli(env, "dlq", "requeue").stdout) == {"requeued": 3, "invalid": 0}
+    assert json.loads(services.run_cli(env, "dlq", "requeue").stdout) == {
+        "requeued": 3,
+        "invalid": 0,
+        "not_replicated": 0,
+    }
     results = cluster.wait_all(jobs, 60)
     assert {r["status"] for r in results.values()} == {"succeeded"}
     assert json.loads(services.run_cli(env, "queues", "--json").stdout)["dead_letter"] == 0
@@ -285,7 +289,11 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
     _assert_once(cluster, cluster.wait_all(good, 60))
     listed = [json.loads(line) for line in services.run_cli(cluster.env, "dlq", "list").stdout.splitlines()]
     assert [e["job_id"] for e in listed] == [killer.job_id]
-    assert json.loads(services.run_cli(cluster.env, "dlq", "requeue").stdout) == {"requeued": 1, "invalid": 0}
+    assert json.loads(services.run_cli(cluster.env, "dlq", "requeue").stdout) == {
+        "requeued": 1,
+        "invalid": 0,
+        "not_replicated": 0,
+    }
     services.wait_for(
         lambda: (cluster.client.result(killer.job_id) or {}).get("status") == "succeeded",
         90, "the requeued job to succeed", worker.proc,

@@ -324,11 +324,15 @@ def test_a_key_reads_only_the_jobs_and_events_of_its_lanes(
     assert api.get(f"/v1/jobs/{ticket}", headers=AUTH).status_code == 200
     assert api.get(f"/v1/jobs/{ticket}", headers=backlog_only).status_code == 404
     assert api.get(f"/v1/jobs/{ticket}/result", headers=backlog_only).status_code == 404
-    client.records.add_event({"job_id": ticket, "status": "succeeded", "lane": "interactive"}, keep=1000)
-    seen = api.get("/v1/events", params={"after": "0"}, headers=backlog_only).json()["events"]
+    # Other tests share the stream (a page from "0" may end before this event): read from a fence.
+    fence = client.records.add_event(
+        {"job_id": f"{ticket}-fence", "status": "succeeded", "lane": "backlog"}, keep=10_000
+    )
+    client.records.add_event({"job_id": ticket, "status": "succeeded", "lane": "interactive"}, keep=10_000)
+    seen = api.get("/v1/events", params={"after": fence}, headers=backlog_only).json()["events"]
     assert ticket not in {e["job_id"] for e in seen}
     assert ticket in {
-        e["job_id"] for e in api.get("/v1/events", params={"after": "0"}, headers=AUTH).json()["events"]
+        e["job_id"] for e in api.get("/v1/events", params={"after": fence}, headers=AUTH).json()["events"]
     }
 
 

@@ -368,3 +368,15 @@ def test_every_result_carries_its_usage_counted_once_per_key(store: MemoryStore)
     assert totals["cache_hits"] == 1
     assert records.get("u1")["usage_prompt"] == "9"
     assert not records.count_usage("u1", key, answered, False)  # a result written again: not counted
+
+
+def test_the_echo_model_gets_the_rows_the_settings_give_a_model(store: MemoryStore) -> None:
+    """The cache's slots are capped by MRC_BATCH_TOKEN_BUDGET / slot positions: a backend whose slot
+    claimed every position it could ever hold ran one row at a time (the lanes fault test's backlog
+    of 120 answers took 13 minutes instead of 20 s)."""
+    for wanted in (Settings().model_batch_max_jobs, 4):
+        pipeline = _pipeline(store, model_batch_max_jobs=wanted)
+        try:
+            assert pipeline.describe()["engine_slots"] == wanted
+        finally:
+            pipeline.close()

@@ -13,6 +13,9 @@ from shared.errors import PromptTooLong
 from workers.backends import fuyu_geometry
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
+# The default MRC_MAX_PROMPT_TOKENS and MRC_MAX_NEW_TOKENS_LIMIT: a slot as big as a model's.
+ECHO_PROMPT_TOKENS, ECHO_NEW_TOKENS = 512, 512
+
 EOS, PAD = 0, 1  # PAD: a paced model's filler, so each answer takes its whole max_new_tokens
 
 
@@ -156,7 +159,9 @@ class EchoBackend:
         return " ".join(self._words[t] for t in tokens if t not in (EOS, PAD))
 
     def slot_positions(self) -> int:
-        return 1 << 16
+        """What Fuyu's slot holds at the default limits (largest image, prompt and answer), so the
+        settings give echo the slots they give a model (MRC_BATCH_TOKEN_BUDGET / positions)."""
+        return fuyu_geometry.max_image_tokens() + 2 + ECHO_PROMPT_TOKENS + ECHO_NEW_TOKENS
 
     def step_model(self, slots: int = 2, positions: int | None = None) -> EchoSteps:
         return EchoSteps(self)
