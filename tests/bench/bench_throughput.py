@@ -37,6 +37,8 @@ from shared.settings import Settings  # noqa: E402 - after sys.path is set
 from tests.bench.naive_runner import naive  # noqa: E402 - after sys.path is set
 from tests.bench.workloads import WORKLOADS, Workload  # noqa: E402 - after sys.path is set
 
+ENGINE_KEYS = ("slots", "slot_positions", "decode", "max_rows", "kv_tokens")  # now's and before's
+BEFORE: dict[str, str] = {}  # --before: the tree whose worker the "before" part runs
 GOALS = {  # system / naive
     "decode-heavy": 4.0,
     "prefill-heavy": 1.5,
@@ -149,8 +151,7 @@ def system(
             "rate": jobs / wall,
             "latencies": latencies,
             "breakdown": _breakdown(worker, wall),
-            "engine": f"slots {ready[0]['slots']} x {ready[0]['slot_positions']} positions, "
-            f"decode {ready[0]['decode']}"
+            "engine": " ".join(f"{k}={v}" for k, v in ready[0].items() if k in ENGINE_KEYS)
             if ready
             else "static batches",
         }
@@ -179,6 +180,13 @@ def run_row(
         )
         row["breakdown"], row["engine"] = measured["breakdown"], measured["engine"]
         print(f"  [{wl.name}] system: {measured['breakdown']}; {measured['engine']}", flush=True)
+    if "before" in parts and BEFORE.get("tree"):  # the same system from another tree (--before)
+        measured = system(wl, paths, jobs, work, {**env, "PYTHONPATH": BEFORE["tree"]}, batch, "bef")
+        row["before"] = measured["rate"]
+        row["before_p50"], row["before_p99"] = (
+            _pct(measured["latencies"], 0.5),
+            _pct(measured["latencies"], 0.99),
+        )
     if "unbatched" in parts and not wl.trickle_per_s:
         row["unbatched"] = system(wl, paths, jobs, work, env, 1, "one")["rate"]
     if "naive" in parts:
@@ -192,9 +200,10 @@ def _cell(row: dict[str, Any]) -> Any:
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    print("\n| workload | system jobs/s | naive | unbatched | bare | bare+dec | system/naive (goal) | "
-          "system/bare+dec (goal 0.85) | p50 / p99 s system | p50 / p99 s naive |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| workload | system jobs/s | before | naive | unbatched | bare | bare+dec | "
+          "system/naive (goal) | before/naive | system/bare+dec (goal 0.85) | p50 / p99 s system | "
+          "p50 / p99 s before | p50 / p99 s naive |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f = _cell(r)
         ratio = (
@@ -205,8 +214,11 @@ def report(rows: list[dict[str, Any]]) -> None:
         vs_bare = f"{r['system'] / r['bare+dec']:.2f}" if "bare+dec" in r and "system" in r else "-"
         lat_sys = f"{r['system_p50']:.2f} / {r['system_p99']:.2f}" if "system_p50" in r else "-"
         lat_naive = f"{r['naive_p50']:.2f} / {r['naive_p99']:.2f}" if "naive_p50" in r else "-"
-        print(f"| {r['workload']} | {f('system')} | {f('naive')} | {f('unbatched')} | {f('bare')} | "
-              f"{f('bare+dec')} | {ratio} | {vs_bare} | {lat_sys} | {lat_naive} |")  # fmt: skip
+        lat_before = f"{r['before_p50']:.2f} / {r['before_p99']:.2f}" if "before_p50" in r else "-"
+        before = f"{r['before'] / r['naive']:.2f}" if "naive" in r and "before" in r else "-"
+        print(f"| {r['workload']} | {f('system')} | {f('before')} | {f('naive')} | {f('unbatched')} | "
+              f"{f('bare')} | {f('bare+dec')} | {ratio} | {before} | {vs_bare} | {lat_sys} | {lat_before} | "
+              f"{lat_naive} |")  # fmt: skip
 
 
 def main() -> None:
@@ -220,10 +232,16 @@ def main() -> None:
     )
     parser.add_argument("--parts", default="bare,system,unbatched,naive", help="which runs (all by default)")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    parser.add_argument(
+        "--before", help="a checkout of an earlier commit: its worker runs each row too (part 'before')"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (worker logs)")
     parser.add_argument("--worker-env", action="append", default=[], help="KEY=VALUE for the mrc-worker runs")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    if args.before:
+        BEFORE["tree"] = str(Path(args.before).resolve())
+        parts.add("before")
     logs.configure("WARNING")
     work = Path(tempfile.mkdtemp(prefix="mrc-bench-"))
     redis = services.start_redis(work / "redis")
