@@ -272,8 +272,10 @@ class Client:
         except StoreUnavailable:
             return False, None
 
-    def _send(self, job: Job) -> None:
-        send_job(self.celery, job.to_message(), job.lane, push_id=names.job_push_id(job.job_id))
+    def _send(self, job: Job, push_id: str | None = None) -> None:
+        """A submission's publish is named by its job id (a resubmission pushes nothing twice);
+        a deliberate resend (`mrc dlq requeue`) passes its own `push_id`."""
+        send_job(self.celery, job.to_message(), job.lane, push_id=push_id or names.job_push_id(job.job_id))
 
     def _landed(self, job: Job) -> bool | None:
         """After a failed publish: whether its push landed (the marker the push writes with it), or
@@ -359,7 +361,9 @@ class Client:
                 continue
             try:
                 self.records.reset_attempts(job.job_id)
-                self._send(job)
+                # A new push: under the submission's push id a requeue within the marker's hour was
+                # taken for that submission's retry and silently dropped.
+                self._send(job, push_id=names.requeue_push_id(job.job_id))
             except NotReplicated:  # sent: it leaves the dead letters; the caller hears it is not durable yet
                 self.records.ack_dead_letter(raw)
                 self.log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="dlq requeue")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Final
 
 TASK_NAME: Final = "mrc.infer"
@@ -101,6 +102,12 @@ def events_key() -> str:
 def job_push_id(job_id: str) -> str:
     """The push id of a job's publish by a producer: the same for every submission of the job."""
     return f"job:{job_id}"
+
+
+def requeue_push_id(job_id: str) -> str:
+    """The push id of one deliberate resend of a job (a dead letter requeued): its own push, never
+    taken for a retry of the job's submission, the same through the transport's retries of it."""
+    return f"{job_push_id(job_id)}:requeue:{uuid.uuid4().hex}"
 
 
 def push_key(push_id: str) -> str:

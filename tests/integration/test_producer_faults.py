@@ -114,6 +114,26 @@ def test_dlq_requeue_keeps_invalid_entries_and_sends_the_rest(
     assert _ran(client, job.job_id)
 
 
+def test_dlq_requeue_of_a_job_submitted_minutes_ago_runs_it_again(
+    client: Client, worker: services.Worker, image: Path
+) -> None:
+    """A submission leaves its push marker for an hour (a lost reply is answered truthfully); a
+    requeue is a new push, not that submission's retry: it must reach the queue."""
+    client.records.purge_dead_letters()
+    job = client.build_job(Submission(image=image, prompt="refund?", job_id=_id()))
+    assert client.enqueue(job) is True
+    assert _ran(client, job.job_id)
+    first = client.result(job.job_id)
+    client.records.set_state(job.job_id, "failed", dead_letter="1")
+    _dead_letter(client, json.dumps({"job": job.to_message()}))
+    assert client.requeue_dead_letters(10) == (1, 0, 0)
+    deadline = time.monotonic() + 60
+    while client.result(job.job_id) == first:  # the second run writes a new result object
+        assert time.monotonic() < deadline, "the requeued job never ran"
+        time.sleep(0.1)
+    assert _ran(client, job.job_id)
+
+
 def test_dlq_requeue_that_cannot_send_loses_nothing(
     client: Client, worker: services.Worker, image: Path
 ) -> None:
