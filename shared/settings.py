@@ -73,6 +73,8 @@ class Settings(BaseSettings):
     api_wait_threads: int = Field(default=256, ge=1)
     events_max: int = Field(default=100_000, ge=100)  # completion events kept in the Redis stream
     # --- model (CONTRACT.md) ---
+    # `tiny` (random weights, built under `home`), `parcels` (trained, in workers/models/parcels/),
+    # `echo` (no model), a local folder, or a hub id in the offline cache.
     model: str = "adept/fuyu-8b"
     quantization: Quantization = "nf4"
     device: str = "auto"
