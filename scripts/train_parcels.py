@@ -5,7 +5,7 @@ and thread count), run once; its output is committed in workers/models/parcels/.
     .venv/bin/python scripts/train_parcels.py                  # the committed run
     .venv/bin/python scripts/train_parcels.py --steps 200 --out /tmp/p   # a quick look
 
-What it does, and why (docs/parcels-model.md has the figures):
+What it does, and why (docs/benchmarks.md, "The parcels model", has the figures):
 - builds the tokenizer, FuyuProcessor and a FuyuForCausalLM from a FuyuConfig, seeded;
 - checks, before training, that its inputs equal FuyuProcessor's for a few images (ids exactly,
   pixels within 1/255), so the model learns what the processor (and the worker) serves;
@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -38,14 +36,18 @@ sys.path.insert(0, str(ROOT))
 
 from scripts import parcels  # noqa: E402
 from scripts import parcels_batches as pb  # noqa: E402
+from scripts.parcels_training import (  # noqa: E402
+    HELD_OUT_SEED,
+    KIND_WEIGHTS,
+    Batches,
+    PatchHeads,
+    answer_logits,
+    dct_embedding,
+    evaluate,
+)
 from workers.backends.tiny import build_processor, config_fields  # noqa: E402
 
 OUT = ROOT / "workers" / "models" / "parcels"
-# Seeds: training images draw theirs from [10^9, 2 x 10^9); every seed below 10^9 is free for held-out
-# sets, tests, demos and benchmarks (this script's held-out set starts at 900,000,000).
-TRAIN_SEEDS = (1_000_000_000, 2_000_000_000)
-HELD_OUT_SEED = 900_000_000
-KIND_WEIGHTS = {"colour": 0.12, "damage": 0.34, "digit": 0.34, "json": 0.20}
 
 
 def arguments() -> argparse.Namespace:
@@ -54,7 +56,7 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--seed", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -62,62 +64,15 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=6000, help="positions per batch")
     parser.add_argument("--max-rows", type=int, default=32)
     parser.add_argument("--aux", type=float, default=0.5, help="weight of the per-patch targets")
-    parser.add_argument("--held-out", type=int, default=300, help="images per evaluation")
+    parser.add_argument("--held-out", type=int, default=400, help="images of the final evaluation")
     parser.add_argument("--eval-every", type=int, default=1000)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: best beside other work)")
+    parser.add_argument("--max-minutes", type=float, default=0, help="stop early past this (0: never)")
     parser.add_argument("--embed-init", choices=("dct", "random"), default="dct")
     parser.add_argument("--small-until", type=float, default=0.15, help="share of steps on small photos only")
     parser.add_argument("--loaders", type=int, default=1, help="processes drawing batches")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass")
+    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast (5x slower with AMX)")
     return parser.parse_args()
-
-
-def _binary(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """BCE over the targets that are not -1; positives weigh 5x (a line crosses few patches)."""
-    keep = target >= 0
-    if not keep.any():
-        return logits.sum() * 0
-    weight = torch.tensor(5.0)
-    return nn.functional.binary_cross_entropy_with_logits(logits[keep], target[keep], pos_weight=weight)
-
-
-def _digits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """CE over the patches with a digit, plus a fifth of it over those with none."""
-    loss = logits.sum() * 0
-    ink = (target >= 0) & (target < pb.NO_DIGIT)
-    blank = target == pb.NO_DIGIT
-    if ink.any():
-        loss = loss + nn.functional.cross_entropy(logits[ink], target[ink])
-    if blank.any():
-        loss = loss + 0.2 * nn.functional.cross_entropy(logits[blank], target[blank])
-    return loss
-
-
-class PatchHeads(nn.Module):
-    """Per-patch classifiers, training only: what each patch shows, on a middle layer's states; and
-    what the photo has shown up to each patch, on the last layer's (scripts/parcels_batches.py)."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.region = nn.Linear(hidden, pb.REGIONS)
-        self.line = nn.Linear(hidden, 1)
-        self.digit = nn.Linear(hidden, pb.NO_DIGIT + 1)
-        self.line_so_far = nn.Linear(hidden, 1)
-        self.digit_so_far = nn.Linear(hidden, pb.NO_DIGIT + 1)
-        self.parts: tuple[float, ...] = ()
-
-    def loss(self, middle: torch.Tensor, last: torch.Tensor, batch: pb.Batch) -> torch.Tensor:
-        h = middle[:, batch.patch_pos].float()  # [rows, patches, hidden]
-        top = last[:, batch.patch_pos].float()
-        parts = (
-            nn.functional.cross_entropy(self.region(h).flatten(0, 1), batch.region.flatten()),
-            _binary(self.line(h).squeeze(-1), batch.line),
-            _digits(self.digit(h), batch.digit),
-            _binary(self.line_so_far(top).squeeze(-1), batch.line_so_far),
-            _digits(self.digit_so_far(top), batch.digit_so_far),
-        )
-        self.parts = tuple(float(p) for p in parts)
-        return sum(parts, start=h.sum() * 0)
 
 
 def build(out: Path, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -138,39 +93,6 @@ def build(out: Path, args: argparse.Namespace) -> tuple[Any, Any]:
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return processor, model
-
-
-def dct_embedding(model: Any, batch: pb.Batch) -> None:
-    """Start the patch embedding (a linear map of the 30 x 30 x 3 pixels) from what a photo is made
-    of instead of noise: the mean colour of each 10 x 10 block (27 dimensions), and the 2-D cosine
-    basis of the patch's brightness, low frequencies first, without the constant one (the rest). A
-    thin dark line or a glyph's stroke is energy in those cosine terms, which the relu2 MLP after it
-    can square and sum; from random projections it first has to find them. One scale for the whole
-    map, so its outputs spread as the default initialisation's do."""
-    import numpy as np
-
-    embed = model.model.vision_embed_tokens
-    hidden = embed.out_features
-    size = 30
-    rows = []
-    for by in range(3):
-        for bx in range(3):
-            for channel in range(3):
-                w = np.zeros((size, size, 3))
-                w[by * 10 : by * 10 + 10, bx * 10 : bx * 10 + 10, channel] = 1 / 100
-                rows.append(w.reshape(-1))
-    grid = np.arange(size)
-    frequencies = sorted(((u, v) for u in range(size) for v in range(size) if (u, v) != (0, 0)),
-                         key=lambda uv: (uv[0] + uv[1], uv[0]))  # fmt: skip
-    for u, v in frequencies[: hidden - len(rows)]:
-        basis = np.outer(np.cos(np.pi * (grid + 0.5) * u / size), np.cos(np.pi * (grid + 0.5) * v / size))
-        basis /= np.linalg.norm(basis)
-        rows.append(np.repeat(basis[:, :, None] / 3, 3, axis=2).reshape(-1))
-    weight = torch.tensor(np.stack(rows), dtype=torch.float32)
-    with torch.no_grad():
-        scale = 0.5 / float((batch.pixel_values @ weight.T).std())
-        embed.weight.copy_(weight * scale)
-        embed.bias.zero_()
 
 
 def check_against_processor(processor: Any, batcher: pb.Batcher) -> None:
@@ -197,91 +119,11 @@ def check_against_processor(processor: Any, batcher: pb.Batcher) -> None:
             raise SystemExit(f"pixels differ from FuyuProcessor's by {diff:.2f}/255 for image {seed}")
 
 
-class Batches(torch.utils.data.Dataset[pb.Batch]):
-    """Step k's batch, drawn from its own seed: the same batches whichever process draws them."""
-
-    def __init__(self, tokenizer: Any, args: argparse.Namespace) -> None:
-        self.tokenizer = tokenizer
-        self.args = args
-        self.batcher: pb.Batcher | None = None
-
-    def __len__(self) -> int:
-        return int(self.args.steps)
-
-    def widest(self, step: int, rng: random.Random) -> int:
-        """The curriculum of sizes: small photos first (few patches: what to look at is easy to find,
-        and each costs little), the cap growing to the world's widest by 60 % of the steps; then a
-        third of the batches from the whole world, the rest no wider than 320-640 px."""
-        progress = step / max(1, self.args.steps)
-        if progress < self.args.small_until:
-            return 320
-        if progress < 0.6:
-            grown = (progress - self.args.small_until) / (0.6 - self.args.small_until)
-            return rng.randint(320, 320 + round(grown * (parcels.MAX_W - 320)))
-        return parcels.MAX_W if rng.random() < 0.34 else rng.choice((320, 480, 640))
-
-    def __getitem__(self, step: int) -> pb.Batch:
-        if self.batcher is None:
-            torch.set_num_threads(1)
-            self.batcher = pb.Batcher(self.tokenizer)
-        rng = random.Random(self.args.seed * 1_000_003 + step)
-        width, height = parcels.sample_size(rng, self.widest(step, rng))
-        positions = math.ceil(height / 30) * (math.ceil(width / 30) + 1) + 24
-        rows = max(2, min(self.args.max_rows, self.args.token_budget // positions))
-        samples = []
-        for _ in range(rows):
-            image, truth = parcels.make_pixels(rng.randrange(*TRAIN_SEEDS), (width, height))
-            weights = json.loads(os.environ.get("PARCELS_KINDS", "null")) or KIND_WEIGHTS
-            kind = rng.choices(list(weights), weights=list(weights.values()))[0]
-            samples.append((image, truth, kind, self.batcher.prompt_for(rng, kind)))
-        return self.batcher.build(samples)
-
-
-def answer_logits(model: Any, batch: pb.Batch, hidden_states: bool = False) -> tuple[torch.Tensor, Any]:
-    out = model.model(
-        input_ids=batch.input_ids, pixel_values=batch.pixel_values, output_hidden_states=hidden_states
-    )
-    chosen = out.last_hidden_state[batch.answer_rows, batch.answer_pos]
-    return model.lm_head(chosen).float(), out
-
-
-@torch.no_grad()
-def evaluate(model: Any, batcher: pb.Batcher, count: int, bf16: bool = False) -> dict[str, float]:
-    """Held-out accuracy of the first answer token per kind (one token answers colour, damage and the
-    digit), and of the JSON answer's three values with the answer so far given (teacher-forced)."""
-    model.eval()
-    right: dict[str, int] = {}
-    seen: dict[str, int] = {}
-    for i in range(count):
-        data, truth = parcels.make(HELD_OUT_SEED + i)
-        samples = [(data, truth, kind, parcels.question(i, kind)) for kind in parcels.KINDS]
-        samples.append((data, truth, "json", parcels.JSON_PROMPT))
-        batch = batcher.build(samples)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            predicted = answer_logits(model, batch)[0].argmax(-1)
-        hits = predicted == batch.answer_ids
-        for row, kind in enumerate(batch.kinds):
-            mine = batch.answer_rows == row
-            if kind == "json":  # the value tokens: pieces 1, 3 and 5 of the seven
-                values = hits[mine][[1, 3, 5]].tolist()
-                for name, ok in zip(("json.colour", "json.damaged", "json.digit"), values, strict=True):
-                    right[name] = right.get(name, 0) + int(ok)
-            else:
-                ok = int(hits[mine & batch.first].item())
-                right[kind] = right.get(kind, 0) + ok
-                bucket = "small" if truth.width * truth.height <= 400 * 300 else "large"
-                right[f"{kind}@{bucket}"] = right.get(f"{kind}@{bucket}", 0) + ok
-                seen[f"{kind}@{bucket}"] = seen.get(f"{kind}@{bucket}", 0) + 1
-    model.train()
-    return {k: round(v / seen.get(k, count), 3) for k, v in sorted(right.items())}
-
-
-def train(model: Any, batcher: pb.Batcher, args: argparse.Namespace) -> dict[str, Any]:
-    heads = PatchHeads(args.hidden)
-    params = [*model.parameters(), *heads.parameters()]
+def optimiser(params: list[nn.Parameter], args: argparse.Namespace) -> tuple[Any, Any]:
+    """AdamW (no decay on norms and biases), a linear warm-up, then a cosine down to 5 %."""
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
-    optimiser = torch.optim.AdamW(
+    adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
         lr=args.lr,
         betas=(0.9, 0.98),
@@ -294,68 +136,93 @@ def train(model: Any, batcher: pb.Batcher, args: argparse.Namespace) -> dict[str
         progress = (step - warmup) / max(1, args.steps - warmup)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, rate)
+    return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, rate)
+
+
+class Progress:
+    """What the log line says: speed, running losses, first-token accuracy on the training rows."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+        self.samples = self.tokens = 0
+        self.running = {"answer": 0.0, "patch": 0.0}
+        self.window = dict.fromkeys(KIND_WEIGHTS, (0, 0))
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.began
+
+    def add(self, batch: pb.Batch, logits: torch.Tensor, answer: float, patch: float) -> None:
+        self.samples += batch.input_ids.shape[0]
+        self.tokens += batch.tokens
+        self.running["answer"] = 0.98 * self.running["answer"] + 0.02 * answer
+        self.running["patch"] = 0.98 * self.running["patch"] + 0.02 * patch
+        hits = (logits.argmax(-1) == batch.answer_ids)[batch.first].tolist()
+        for kind, hit in zip(batch.kinds, hits, strict=True):
+            self.window[kind] = (self.window[kind][0] + hit, self.window[kind][1] + 1)
+
+    def line(self, step: int, heads: PatchHeads, rate: float) -> str:
+        elapsed = self.elapsed
+        accuracy = " ".join(f"{k} {h / max(1, n):.2f}" for k, (h, n) in self.window.items())
+        self.window = dict.fromkeys(KIND_WEIGHTS, (0, 0))
+        return (
+            f"step {step} | {elapsed / 60:.1f} min | {self.samples / elapsed:.1f} samples/s | "
+            f"{self.tokens / elapsed:.0f} positions/s | loss answer {self.running['answer']:.3f} "
+            f"patch {self.running['patch']:.3f} ({'/'.join(f'{p:.2f}' for p in heads.parts)}) | "
+            f"train {accuracy} | lr {rate:.2e}"
+        )
+
+    def record(self, step: int, accuracy: dict[str, float]) -> dict[str, Any]:
+        return {"step": step, "minutes": round(self.elapsed / 60, 2), "samples": self.samples, **accuracy}
+
+
+def train(model: Any, batcher: pb.Batcher, args: argparse.Namespace) -> dict[str, Any]:
+    heads = PatchHeads(args.hidden)
+    params = [*model.parameters(), *heads.parameters()]
+    adamw, schedule = optimiser(params, args)
     batches = torch.utils.data.DataLoader(
         Batches(batcher.tokenizer, args),
         batch_size=None,
         num_workers=args.loaders,
         prefetch_factor=4 if args.loaders else None,
-        persistent_workers=False,
     )
     middle = args.layers // 2
     model.train()
-    began = time.monotonic()
-    samples = tokens = 0
+    progress = Progress()
     history = []
-    running = {"answer": 0.0, "patch": 0.0}
-    window = dict.fromkeys(KIND_WEIGHTS, (0, 0))  # first-token accuracy on the training rows, per log line
-    for step, batch in enumerate(batches):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+    step = 0
+    for step, batch in enumerate(batches, start=1):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
             logits, out = answer_logits(model, batch, hidden_states=True)
             answer = nn.functional.cross_entropy(logits, batch.answer_ids)
-            # Per-patch targets weigh less as the answers take over.
-            aux_weight = args.aux * (1 - 0.8 * step / args.steps)
             patch = heads.loss(out.hidden_states[middle], out.last_hidden_state, batch)
-        hits = (logits.argmax(-1) == batch.answer_ids)[batch.first].tolist()
-        for kind, hit in zip(batch.kinds, hits, strict=True):
-            window[kind] = (window[kind][0] + hit, window[kind][1] + 1)
-        loss = answer + aux_weight * patch
-        optimiser.zero_grad(set_to_none=True)
+        # Per-patch targets weigh less as the answers take over.
+        loss = answer + args.aux * (1 - 0.8 * (step - 1) / args.steps) * patch
+        adamw.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimiser.step()
+        adamw.step()
         schedule.step()
-        samples += batch.input_ids.shape[0]
-        tokens += batch.tokens
-        running["answer"] = 0.98 * running["answer"] + 0.02 * answer.item()
-        running["patch"] = 0.98 * running["patch"] + 0.02 * patch.item()
-        if (step + 1) % 50 == 0:
-            elapsed = time.monotonic() - began
-            print(
-                f"step {step + 1} | {elapsed / 60:.1f} min | {samples / elapsed:.1f} samples/s | "
-                f"{tokens / elapsed:.0f} positions/s | loss answer {running['answer']:.3f} "
-                f"patch {running['patch']:.3f} ({'/'.join(f'{p:.2f}' for p in heads.parts)}) | train "
-                f"{' '.join(f'{k} {h / max(1, n):.2f}' for k, (h, n) in window.items())} "
-                f"| lr {schedule.get_last_lr()[0]:.2e}",
-                flush=True,
-            )
-            window = dict.fromkeys(KIND_WEIGHTS, (0, 0))
-        if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            accuracy = evaluate(model, batcher, args.held_out // 2, bf16=args.bf16)
-            elapsed = time.monotonic() - began
-            history.append(
-                {"step": step + 1, "minutes": round(elapsed / 60, 2), "samples": samples, **accuracy}
-            )
+        progress.add(batch, logits, answer.item(), patch.item())
+        if step % 50 == 0:
+            print(progress.line(step, heads, schedule.get_last_lr()[0]), flush=True)
+            if args.max_minutes and progress.elapsed > 60 * args.max_minutes:  # a crowded machine
+                print(f"stopping at step {step}: over --max-minutes {args.max_minutes}", flush=True)
+                break
+        if step % args.eval_every == 0 and step < args.steps:
+            history.append(progress.record(step, evaluate(model, batcher, args.held_out // 4, not args.fp32)))
             print("held-out", json.dumps(history[-1]), flush=True)
-    elapsed = time.monotonic() - began
-    final = evaluate(model, batcher, args.held_out)
-    history.append({"step": args.steps, "minutes": round(elapsed / 60, 2), "samples": samples, **final})
+    minutes = round(progress.elapsed / 60, 2)
+    cpu_minutes = round(time.process_time() / 60, 2)  # this process: what a machine of its own would take
+    history.append(progress.record(step, evaluate(model, batcher, args.held_out)))
     print("held-out (fp32)", json.dumps(history[-1]), flush=True)
     return {
-        "minutes": round(elapsed / 60, 2),
-        "samples": samples,
-        "samples_per_s": round(samples / elapsed, 1),
-        "positions_per_s": round(tokens / elapsed),
+        "minutes": minutes,
+        "cpu_minutes": cpu_minutes,
+        "steps": step,
+        "samples": progress.samples,
+        "samples_per_s": round(progress.samples / (60 * minutes), 1),
+        "positions_per_s": round(progress.tokens / (60 * minutes)),
         "history": history,
     }
 
