@@ -57,6 +57,9 @@ bench: install
 	$(PY) tests/bench/bench_durability.py
 	$(PY) tests/bench/bench_enqueue.py
 	$(PY) tests/bench/bench_api.py
+	$(PY) tests/bench/bench_parcel_accuracy.py
+	$(PY) tests/bench/bench_parcel_fidelity.py
+	$(PY) tests/bench/bench_throughput.py --model parcels --parts system,naive
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache build *.egg-info
