@@ -11,12 +11,12 @@ tests/integration/test_parcel_accuracy.py (asserts) and tests/bench/bench_parcel
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import random
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,7 @@ def worker_env(env: dict[str, str], quantization: str, database: int) -> dict[st
     }
 
 
-@contextmanager
+@contextlib.contextmanager
 def workers(envs: dict[str, dict[str, str]], folder: Path) -> Iterator[dict[str, services.Worker]]:
     """One worker per environment, started side by side; all stopped on exit."""
     with concurrent.futures.ThreadPoolExecutor(len(envs)) as pool:
@@ -111,33 +111,41 @@ def run(
     ]
     outcome = Run([truth for _data, truth in drawn])
     first = next(iter(envs))
-    apis = {name: TestClient(create_app(services.settings_from_env(e))) for name, e in envs.items()}
     client = Client(services.settings_from_env(envs[first]))
     tag = uuid.uuid4().hex[:8]
     began = time.monotonic()
-    uris = [_upload(client, data) for data, _truth in drawn]
-    for i, uri in enumerate(uris):
-        for name, api in apis.items():
-            for kind in parcels.KINDS:
-                body = {"prompt": parcels.question(seed + i, kind), "max_new_tokens": FREE_TOKENS}
-                outcome.jobs[_post(api, tag, name, kind, i, uri, body)] = (name, kind, i)
-        extra = {
-            "choice": {
-                "prompt": parcels.question(seed + i, "colour"),
-                "max_new_tokens": FREE_TOKENS,
-                "response_format": {"type": "choice", "choices": CHOICES},
-            },
-            "json": {
-                "prompt": parcels.JSON_PROMPT,
-                "max_new_tokens": SCHEMA_TOKENS,
-                "response_format": {"type": "json_schema", "schema": parcels.SCHEMA},
-            },
+    with contextlib.ExitStack() as stack:
+        apis = {
+            name: stack.enter_context(TestClient(create_app(services.settings_from_env(e))))
+            for name, e in envs.items()
         }
-        for kind, body in extra.items():
-            outcome.jobs[_post(apis[first], tag, first, kind, i, uri, body)] = (first, kind, i)
-    outcome.results = _collect(apis, client, list(outcome.jobs), timeout)
+        for i, (data, _truth) in enumerate(drawn):
+            uri = _upload(client, data)
+            for name, api in apis.items():
+                for kind in parcels.KINDS:
+                    body = {"prompt": parcels.question(seed + i, kind), "max_new_tokens": FREE_TOKENS}
+                    outcome.jobs[_post(api, tag, name, kind, i, uri, body)] = (name, kind, i)
+            for kind, body in _structured(seed + i).items():
+                outcome.jobs[_post(apis[first], tag, first, kind, i, uri, body)] = (first, kind, i)
+        outcome.results = _collect(apis, client, list(outcome.jobs), timeout)
     outcome.seconds = time.monotonic() - began
     return outcome
+
+
+def _structured(seed: int) -> dict[str, dict[str, Any]]:
+    """The constrained jobs of one photo: the colour question as a choice, and the JSON one."""
+    return {
+        "choice": {
+            "prompt": parcels.question(seed, "colour"),
+            "max_new_tokens": FREE_TOKENS,
+            "response_format": {"type": "choice", "choices": CHOICES},
+        },
+        "json": {
+            "prompt": parcels.JSON_PROMPT,
+            "max_new_tokens": SCHEMA_TOKENS,
+            "response_format": {"type": "json_schema", "schema": parcels.SCHEMA},
+        },
+    }
 
 
 def _upload(client: Client, data: bytes) -> str:
