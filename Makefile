@@ -59,6 +59,9 @@ bench: install
 	$(PY) tests/bench/bench_durability.py
 	$(PY) tests/bench/bench_enqueue.py
 	$(PY) tests/bench/bench_api.py
+	$(PY) tests/bench/bench_parcel_accuracy.py
+	$(PY) tests/bench/bench_parcel_fidelity.py
+	$(PY) tests/bench/bench_throughput.py --model parcels --parts system,naive
 
 # The GPU proving ground (scripts/gpu_checks.sh; docs/benchmarks.md, "GPU, H200"). gpu-bundle: the wheels
 # the GPU machine lacks, for its Python 3.12 (prints the size; at most 56 MiB with the working tree).

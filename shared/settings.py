@@ -91,6 +91,8 @@ class Settings(BaseSettings):
     # crash, expires them, writes their output files once every request has ended).
     openai_batch_poll_s: float = Field(default=5.0, gt=0, le=3600)
     # --- model (CONTRACT.md) ---
+    # `tiny` (random weights, built under `home`), `parcels` (trained, in workers/models/parcels/),
+    # `echo` (no model), a local folder, or a hub id in the offline cache.
     model: str = "adept/fuyu-8b"
     quantization: Quantization = "nf4"
     device: str = "auto"

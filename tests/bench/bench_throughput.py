@@ -12,7 +12,12 @@ Real redis-server, moto S3 server, worker processes, tiny Fuyu (NF4, CPU).
 The trickle row sends jobs one by one below capacity and reports latency (p50, p99) for system and
 naive. For each system run it prints where the worker's time went (stages, time between deliveries).
 
+With `--model parcels` (the trained tiny Fuyu, its own questions about its own photos: the `parcels`
+workload) system and naive must also give the same answer to every job: its answers are confident, so
+an answer that differs is a bug in one of the two paths, not noise. The run exits 1 if one does.
+
     .venv/bin/python tests/bench/bench_throughput.py [--jobs 48] [--batch 8] [--rows decode-heavy,...]
+    .venv/bin/python tests/bench/bench_throughput.py --model parcels --parts system,naive
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from shared import logs  # noqa: E402 - after sys.path is set
 from shared.jobs import parse_rfc3339  # noqa: E402 - after sys.path is set
 from shared.settings import Settings  # noqa: E402 - after sys.path is set
 from tests.bench.naive_runner import naive  # noqa: E402 - after sys.path is set
-from tests.bench.workloads import WORKLOADS, Workload  # noqa: E402 - after sys.path is set
+from tests.bench.workloads import PARCELS, WORKLOADS, Workload  # noqa: E402 - after sys.path is set
 
 ENGINE_KEYS = ("slots", "slot_positions", "decode", "max_rows", "kv_tokens")  # now's and before's
 BEFORE: dict[str, str] = {}  # --before: the tree whose worker the "before" part runs
@@ -56,7 +61,7 @@ def bare(wl: Workload, paths: list[Path], jobs: int, batch: int, env: dict[str, 
     from workers.backends.base import GenerationInput
     from workers.backends.fuyu import FuyuBackend
 
-    settings = Settings(model="tiny", home=env["MRC_HOME"], quantization="nf4", device="cpu")
+    settings = Settings(model=env["MRC_MODEL"], home=env["MRC_HOME"], quantization="nf4", device="cpu")
     backend = FuyuBackend(settings)
     backend.load()
     backend.warm_up()
@@ -139,17 +144,19 @@ def system(
             client.enqueue(job)
             if wl.trickle_per_s:
                 time.sleep(1 / wl.trickle_per_s)
-        latencies = []
+        latencies, texts = [], []
         for job in built:
             result = client.wait(job.job_id, 900)
             assert result["status"] == "succeeded", result
             assert not result.get("cache_hit"), "a cached answer is not a measurement"
             latencies.append(parse_rfc3339(result["finished_at"]).timestamp() - sent[job.job_id])
+            texts.append(result["text"])
         wall = time.perf_counter() - began
         ready = worker.find("MRC_ENGINE_READY")
         return {
             "rate": jobs / wall,
             "latencies": latencies,
+            "texts": texts,
             "breakdown": _breakdown(worker, wall),
             "engine": " ".join(f"{k}={v}" for k, v in ready[0].items() if k in ENGINE_KEYS)
             if ready
@@ -190,9 +197,22 @@ def run_row(
     if "unbatched" in parts and not wl.trickle_per_s:
         row["unbatched"] = system(wl, paths, jobs, work, env, 1, "one")["rate"]
     if "naive" in parts:
-        rate, latencies = naive(env, [wl.job(i) for i in range(jobs)], paths, work, wl.trickle_per_s)
+        rate, latencies, texts = naive(env, [wl.job(i) for i in range(jobs)], paths, work, wl.trickle_per_s)
         row["naive"], row["naive_p50"], row["naive_p99"] = rate, _pct(latencies, 0.5), _pct(latencies, 0.99)
+        if "system" in parts:
+            row["answers_differ"] = _compare_answers(wl, measured["texts"], texts)
     return row
+
+
+def _compare_answers(wl: Workload, system_texts: list[str], naive_texts: list[str]) -> int:
+    """Jobs whose answers differ between the system and the naive pipeline (printed)."""
+    differ = [i for i, (a, b) in enumerate(zip(system_texts, naive_texts, strict=True)) if a != b]
+    for i in differ:
+        print(f"  [{wl.name}] job {i} {wl.job(i)}: system {system_texts[i]!r}, naive {naive_texts[i]!r}")
+    print(
+        f"  [{wl.name}] answers: {len(system_texts) - len(differ)}/{len(system_texts)} the same", flush=True
+    )
+    return len(differ)
 
 
 def _cell(row: dict[str, Any]) -> Any:
@@ -237,7 +257,15 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (worker logs)")
     parser.add_argument("--worker-env", action="append", default=[], help="KEY=VALUE for the mrc-worker runs")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=("tiny", "parcels"),
+        help="parcels: the `parcels` row, answers compared",
+    )
     args = parser.parse_args()
+    if args.model == "parcels" and "--rows" not in sys.argv:
+        args.rows = PARCELS.name
     parts = set(args.parts.split(","))
     if args.before:
         BEFORE["tree"] = str(Path(args.before).resolve())
@@ -252,6 +280,7 @@ def main() -> None:
         # The same images recur across runs: with the cache on, later runs would be answered from
         # the earlier ones' results.
         env["MRC_CACHE_TTL_S"] = "0"
+        env["MRC_MODEL"] = args.model
         env.update(dict(item.split("=", 1) for item in args.worker_env))
         os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
         mixed_load = None
@@ -263,16 +292,20 @@ def main() -> None:
                 mixed_args = mixed.parser().parse_args([])
                 mixed_load = mixed.measure(mixed_args, env, mixed.IMAGES.make_images(work), work, "matrix")
                 continue
-            wl = WORKLOADS[name]
+            wl = PARCELS if name == PARCELS.name else WORKLOADS[name]
             jobs = min(args.jobs, 32) if wl.trickle_per_s else args.jobs
             print(f"{name}: {jobs} jobs ...", flush=True)
             rows.append(run_row(wl, jobs, args.batch, work, env, parts))
         report(rows)
         if mixed_load is not None:
             mixed.print_row(mixed_args, mixed_load)
-        print(f"(batch={args.batch}, tiny Fuyu NF4 on the CPU, worker env {args.worker_env or 'defaults'})")
+        worker_env = args.worker_env or "defaults"
+        print(f"(batch={args.batch}, {args.model} Fuyu NF4 on the CPU, worker env {worker_env})")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
+        differ = sum(r.get("answers_differ", 0) for r in rows)
+        if args.model == "parcels" and differ:
+            raise SystemExit(f"{differ} answers differ between the system and the naive pipeline")
     finally:
         redis.stop()
         s3.stop()

@@ -18,9 +18,10 @@ def naive(
     paths: list[Path],
     work: Path,
     trickle_per_s: float,
-) -> tuple[float, list[float]]:
+) -> tuple[float, list[float], list[str]]:
     """specs: (image index, prompt, max_new_tokens) per job. Latency: send to the result's own
-    finish time (written by the task), like the system's submitted_at -> finished_at."""
+    finish time (written by the task), like the system's submitted_at -> finished_at. Also returns
+    each job's answer text, in job order."""
     import boto3
     from celery import Celery
 
@@ -55,15 +56,18 @@ def naive(
             app.send_task("naive.infer", args=[f"n{tag}-{i}", bucket, keys[n], prompt, new], queue="naive")
             if trickle_per_s:
                 time.sleep(1 / trickle_per_s)
-        latencies = []
+        latencies, texts = [], []
         for i in range(len(specs)):
             while True:
                 try:
-                    body = s3.get_object(Bucket=bucket, Key=f"naive/n{tag}-{i}.json")["Body"].read()
-                    latencies.append(json.loads(body)["finished_at"] - sent[i])
+                    body = json.loads(
+                        s3.get_object(Bucket=bucket, Key=f"naive/n{tag}-{i}.json")["Body"].read()
+                    )
+                    latencies.append(body["finished_at"] - sent[i])
+                    texts.append(body["text"])
                     break
                 except s3.exceptions.NoSuchKey:
                     time.sleep(0.05)
-        return len(specs) / (time.perf_counter() - began), latencies
+        return len(specs) / (time.perf_counter() - began), latencies, texts
     finally:
         services.stop(proc)

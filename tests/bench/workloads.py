@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts import parcels
 from tests.support import imagegen
 
 SHORT = "Refund?"
@@ -46,12 +47,15 @@ class Workload:
         paths = []
         for n in range(min(self.distinct_images, len(self.images) * 4)):
             kind, width, height = self.images[n % len(self.images)]
-            data = (
-                imagegen.screenshot(width, height, seed=n)
-                if kind == "screenshot"
-                else imagegen.camera_photo(width, height, seed=n)
-            )
-            path = work / f"{self.name}-{n}.{'png' if kind == 'screenshot' else 'jpg'}"
+            ext = "png" if kind == "screenshot" else "jpg"
+            if kind == "parcel":  # a photo of the parcel world (scripts/parcels.py), any size of it
+                data, truth = parcels.make(n, (width, height))
+                ext = truth.fmt.lower().replace("jpeg", "jpg")
+            elif kind == "screenshot":
+                data = imagegen.screenshot(width, height, seed=n)
+            else:
+                data = imagegen.camera_photo(width, height, seed=n)
+            path = work / f"{self.name}-{n}.{ext}"
             path.write_bytes(data)
             paths.append(path)
         return paths
@@ -84,3 +88,12 @@ WORKLOADS: dict[str, Workload] = {
         Workload("trickle", PHOTOS_1MP, (PROMPT,), (64,), trickle_per_s=2.0),
     )
 }
+
+# For `bench_throughput.py --model parcels`: the parcels model's own questions about its own photos,
+# where its answers are confident, so the system's and the naive pipeline's answers must be the same.
+PARCELS = Workload(
+    "parcels",
+    (("parcel", 1024, 768), ("parcel", 640, 480), ("parcel", 400, 800), ("parcel", 320, 240)),
+    tuple(q for qs in parcels.QUESTIONS.values() for q in qs),
+    (2,),
+)

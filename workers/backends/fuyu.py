@@ -102,6 +102,11 @@ class FuyuBackend:
 
             self.model_id = TINY_VERSION
             return str(ensure_tiny_model(self.settings.home))
+        if self.source == "parcels":
+            from workers.models import PARCELS_ID, parcels_path
+
+            self.model_id = PARCELS_ID
+            return str(parcels_path())
         return str(Path(self.source).expanduser()) if Path(self.source).expanduser().is_dir() else self.source
 
     def load(self) -> None:

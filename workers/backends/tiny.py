@@ -71,9 +71,10 @@ _WORDS = tuple(
 )
 
 
-def _vocab() -> list[tuple[str, float]]:
-    """Unigram pieces: specials (pad id 0, as FuyuProcessor expects), byte fallback, chars, words."""
-    pieces: list[tuple[str, float]] = [
+def vocabulary(pieces: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """Unigram pieces: specials (pad id 0, as FuyuProcessor expects), byte fallback, chars, then
+    `pieces` (a model's own words), duplicates dropped."""
+    base: list[tuple[str, float]] = [
         ("<pad>", 0.0),
         ("<unk>", 0.0),
         ("<s>", 0.0),
@@ -83,23 +84,23 @@ def _vocab() -> list[tuple[str, float]]:
         ("|NEWLINE|", -1.0),
         ("▁", -2.0),
     ]
-    pieces += [(f"<0x{b:02X}>", -20.0) for b in range(256)]
-    pieces += [(chr(c), -8.0) for c in range(33, 127)]
-    pieces += [("▁" + w, -4.0) for w in _WORDS]
+    base += [(f"<0x{b:02X}>", -20.0) for b in range(256)]
+    base += [(chr(c), -8.0) for c in range(33, 127)]
     seen: set[str] = set()
     unique = []
-    for piece, score in pieces:
+    for piece, score in [*base, *pieces]:
         if piece not in seen:
             seen.add(piece)
             unique.append((piece, score))
     return unique
 
 
-def _build_tokenizer(folder: Path) -> int:
+def build_tokenizer(folder: Path, pieces: list[tuple[str, float]]) -> int:
+    """A Fuyu-compatible tokenizer (STACK-NOTES' pitfalls avoided) saved in `folder`; its size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = _vocab()
+    vocab = vocabulary(pieces)
     ids = {piece: i for i, (piece, _) in enumerate(vocab)}
     tok = Tokenizer(models.Unigram(vocab, unk_id=ids["<unk>"], byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
@@ -118,21 +119,9 @@ def _build_tokenizer(folder: Path) -> int:
     return len(vocab)
 
 
-def _build(folder: Path) -> None:
-    import torch
-    from transformers import (
-        FuyuConfig,
-        FuyuForCausalLM,
-        FuyuImageProcessor,
-        FuyuProcessor,
-        PreTrainedTokenizerFast,
-    )
-
-    vocab_size = _build_tokenizer(folder)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
-    processor = FuyuProcessor(image_processor=FuyuImageProcessor(), tokenizer=tokenizer)
-    processor.save_pretrained(folder)
-    torch.manual_seed(_SEED)
+def config_fields(tokenizer: Any, vocab_size: int, **sizes: Any) -> dict[str, Any]:
+    """FuyuConfig fields of a toy Fuyu: Fuyu-8B's architecture (persimmon layers, relu2, qk layernorm,
+    half rotary) at the sizes given, with the tokenizer's control ids."""
     fields: dict[str, Any] = dict(
         vocab_size=((vocab_size + 63) // 64) * 64,
         hidden_size=64,
@@ -148,7 +137,29 @@ def _build(folder: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = FuyuForCausalLM(FuyuConfig(**fields))
+    fields.update(sizes)
+    return fields
+
+
+def build_processor(folder: Path, pieces: list[tuple[str, float]]) -> tuple[Any, int]:
+    """Tokenizer and FuyuProcessor saved in `folder`: the processor and the tokenizer's size."""
+    from transformers import FuyuImageProcessor, FuyuProcessor, PreTrainedTokenizerFast
+
+    vocab_size = build_tokenizer(folder, pieces)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    processor = FuyuProcessor(image_processor=FuyuImageProcessor(), tokenizer=tokenizer)
+    processor.save_pretrained(folder)
+    return processor, vocab_size
+
+
+def _build(folder: Path) -> None:
+    import torch
+    from transformers import FuyuConfig, FuyuForCausalLM
+
+    processor, vocab_size = build_processor(folder, [("▁" + w, -4.0) for w in _WORDS])
+    tokenizer = processor.tokenizer
+    torch.manual_seed(_SEED)
+    model = FuyuForCausalLM(FuyuConfig(**config_fields(tokenizer, vocab_size)))
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)
