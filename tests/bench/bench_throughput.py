@@ -300,11 +300,12 @@ def main() -> None:
         if mixed_load is not None:
             mixed.print_row(mixed_args, mixed_load)
         worker_env = args.worker_env or "defaults"
-        print(f"(batch={args.batch}, {args.model} Fuyu NF4 on the CPU, worker env {worker_env})")
+        model, quantization = env["MRC_MODEL"], env.get("MRC_QUANTIZATION", "nf4")
+        print(f"(batch={args.batch}, model {model}, {quantization} on the CPU, worker env {worker_env})")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         differ = sum(r.get("answers_differ", 0) for r in rows)
-        if args.model == "parcels" and differ:
+        if differ and (args.model == "parcels" or "parcels" in env["MRC_MODEL"]):
             raise SystemExit(f"{differ} answers differ between the system and the naive pipeline")
     finally:
         redis.stop()
