@@ -106,4 +106,14 @@ def test_backlog_never_fills_the_worker_and_a_ticket_overtakes_its_running_rows(
     assert running, "no backlog row was running when the ticket was admitted"
     overtaken = [r for r in running if finished(r) > finished(result)]
     # a ticket that waited for the running rows would have overtaken none of them
-    assert len(overtaken) * 2 >= len(running), f"{len(overtaken)} of {len(running)} running rows overtaken"
+    origin = admitted(result)
+    story = "\n".join(
+        f"{r['job_id']}: admitted {admitted(r) - origin:+.3f} s, finished {finished(r) - origin:+.3f} s, "
+        f"timings {r['timings_ms']}"
+        for r in [result, *sorted(running, key=finished)]
+    )
+    lines = [line for line in worker.log_path.read_text().splitlines() if ticket.job_id in line]
+    assert len(overtaken) * 2 >= len(running), (
+        f"{len(overtaken)} of {len(running)} running rows overtaken (times from the ticket's admission):\n"
+        f"{story}\nthe ticket in the worker's log:\n" + "\n".join(lines)
+    )

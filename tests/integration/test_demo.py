@@ -64,7 +64,7 @@ def test_ctrl_c_while_the_worker_loads_stops_everything_the_demo_started(tmp_pat
     assert "mrc-worker" in commands
     assert "worker ready" not in log.read_text(errors="replace"), "the worker was up before the Ctrl-C"
     os.killpg(demo.pid, signal.SIGINT)
-    assert demo.wait(90) == 130
+    assert demo.wait(90) == 130, log.read_text(errors="replace")[-3000:]
     # At once: the demo waits for what it stops (a process that ends later by itself, say a worker
     # that finds Redis gone, was left running)
     assert [command for pid, command in children if _alive(pid)] == []
