@@ -73,6 +73,10 @@ def main() -> int:
     parser.add_argument("--model", default="parcels", help="MRC_MODEL for the worker (default: parcels)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C stops everything however the demo was started: a shell that starts it in the background
+    # (`make demo &`, nohup, CI runners) hands it SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="mrc-demo-"))
     started: list[services.Service | services.Worker] = []
     began = time.monotonic()

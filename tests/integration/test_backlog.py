@@ -203,7 +203,10 @@ def test_a_backlog_run_does_not_hold_back_interactive_tickets(
     ticket = client.submit(photo, "Urgent: can I get a refund?", job_id=f"urgent-{time.monotonic_ns()}")
     assert client.wait(ticket, 120)["status"] == "succeeded"
     status = json.loads(services.run_cli(env, "backlog", "status", "prio", "--json").stdout)
-    assert status["queued"] >= 100, f"the ticket waited behind the backlog: {status}"
+    # Order, not speed: every backlog job was queued before the ticket; a ticket that waited its turn
+    # would finish after the last of them, so backlog jobs still queued when it is done show it went
+    # first (however fast this machine works through the backlog meanwhile).
+    assert status["queued"] > 0, f"the ticket waited behind the backlog: {status}"
     services.run_cli(env, "backlog", "cancel", "prio")  # the rest end at once, not in later tests' way
 
 
