@@ -6,6 +6,7 @@ random (tiny Fuyu's vocabulary; no model call: a walk picks among the tokens the
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,14 @@ def test_a_grammar_dead_at_its_start_fails_at_compile(backend: FuyuBackend) -> N
         backend.grammars.constraint(fmt)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+# 60 draws in make test (~30-40 s here, within the suite's 8 minutes); SCHEMA_DRAWS=1000
+# for a longer hunt.
+@settings(
+    max_examples=int(os.environ.get("SCHEMA_DRAWS", "60")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+)
 @given(schema=schema_draws.wide, seed=st.integers(0, 2**16))
 def test_a_drawn_schema_is_refused_at_submission_or_every_answer_validates(
     backend: FuyuBackend, schema: Any, seed: int
