@@ -8,8 +8,10 @@ rate limit, body limits, faults as JSON, counting) is producer/api_front.py; the
 asyncio Redis client (producer/api_waits.py); other blocking work (Redis, S3) runs in the thread pool,
 never on the event loop.
 
-Read scope: a key sees the jobs and events of the lanes it may submit to (a backlog-only key reads
-backlog jobs only); another lane's job answers 404, as an unknown one does.
+Read scope: keys are tenants (shared/tenants.py). A key names, reads, waits on and follows only its
+own jobs: ids in its own namespace, events from its own stream; another key's job answers 404, as an
+unknown one does. A key with the `all-tenants` scope (ops tools), and every caller of an API without
+keys, reads any job by its stored id.
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer.api_forms import JobRequest, error, invalid_job, job_fields, multipart_schema
 from producer.api_front import Front, Limits, caller_of
-from producer.api_guard import Keys, RateLimiter
+from producer.api_guard import Caller, Keys, RateLimiter
 from producer.api_waits import Waits
 from producer.client import Client, Submission
 from producer.openai_errors import OpenAIErrors
-from shared import frames, logs, names, reach, redis_target
+from shared import frames, logs, names, reach, redis_target, tenants
 from shared.dimensions import image_size
 from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
-from shared.jobs import Job, limit_problem
+from shared.jobs import JOB_ID_RE, Job, limit_problem
 from shared.records import connect, valid_event_id
 from shared.settings import Settings
 from shared.sniff import SUPPORTED_FORMATS, sniff_format
@@ -49,6 +51,16 @@ _WAIT = Query(0.0, ge=0, le=86400, allow_inf_nan=False, description="seconds to 
 
 def _not_found(job_id: str) -> JSONResponse:
     return error(404, "not_found", f"no job {job_id[:130]!r}")
+
+
+def _stored_id(caller: Caller, job_id: str) -> str | None:
+    """The job a caller means by `job_id` (shared/tenants.py): one of its key's own, or any job by its
+    stored id for a caller without a namespace; None when no job of the caller's can have that id (the
+    same 404 as an unknown one: another key's ids cannot be spelt in a key's namespace)."""
+    namespace = caller.namespace
+    if namespace is None:
+        return job_id
+    return tenants.job_id(namespace, job_id) if JOB_ID_RE.match(job_id) else None
 
 
 class Intake:
@@ -87,46 +99,39 @@ class Intake:
         fields, data = await job_fields(request)
         if isinstance(fields, JSONResponse):
             return fields
+        caller = caller_of(request.scope)
         lane = str(fields.get("lane") or "interactive")
-        if lane in names.LANES and lane not in caller_of(request.scope).lanes:
+        if lane in names.LANES and lane not in caller.lanes:
             return error(403, "forbidden", f"this key may not use the {lane} lane")
-        fields["api_key"] = caller_of(request.scope).key_id
+        fields["api_key"] = caller.key_id
         try:
-            return await run_in_threadpool(_enqueue, self.client, fields, data)
+            return await run_in_threadpool(_enqueue, self.client, fields, data, caller.namespace)
         except QueueFull as exc:
             return error(503, exc.code, exc.message, {"Retry-After": "30"})
         except UsageError as exc:
-            conflict = "already used by a different job" in exc.message
-            prefix = exc.message.split(":", 1)[0]
+            message = tenants.in_words_of(caller.namespace, exc.message)
+            conflict = "already used by a different job" in message
+            prefix = message.split(":", 1)[0]
             code = prefix if prefix in _IMAGE_CODES else "invalid_job"
-            return error(409 if conflict else 422, code, exc.message)
-
-    async def _visible(self, request: Request, job_id: str) -> bool:
-        """Whether the caller's key may read this job: its lane is one the key may use."""
-        lanes = caller_of(request.scope).lanes
-        if lanes >= frozenset(names.LANES):
-            return True
-        lane = (await self.waits.record(job_id)).get("lane")
-        if lane is None:  # no record (expired): the result says
-            found = await run_in_threadpool(self.client.result, job_id)
-            lane = None if found is None else str(found.get("lane"))
-        return lane in lanes
+            return error(409 if conflict else 422, code, message)
 
     async def status(self, job_id: str, request: Request) -> Response:
-        if not await self._visible(request, job_id):
+        stored = _stored_id(caller_of(request.scope), job_id)
+        if stored is None:
             return _not_found(job_id)
-        found = await run_in_threadpool(self.client.status, job_id)
+        found = await run_in_threadpool(self.client.status, stored)
         if found["state"] == "unknown":
             return _not_found(job_id)
-        return JSONResponse(found)
+        return JSONResponse({**found, "job_id": job_id})
 
     async def result(self, job_id: str, request: Request, wait: float = _WAIT) -> Response:
-        if not await self._visible(request, job_id):
+        stored = _stored_id(caller_of(request.scope), job_id)
+        if stored is None:
             return _not_found(job_id)
         bounded = max(0.0, min(wait, self.settings.api_result_wait_max_s))
-        found = await self.waits.result(job_id, bounded, self.client.result)
+        found = await self.waits.result(stored, bounded, self.client.result)
         if isinstance(found, dict):
-            return JSONResponse(found)
+            return JSONResponse({**found, "job_id": job_id})
         if found == "unknown":
             return _not_found(job_id)
         return JSONResponse({"job_id": job_id, "state": found}, status_code=202)
@@ -136,11 +141,15 @@ class Intake:
             return error(
                 400, "invalid_request", "after: an event id (1700000000000-0, parts below 2^64) or 0"
             )
+        caller = caller_of(request.scope)
         block = max(0.0, min(wait, self.settings.api_result_wait_max_s))
-        found = await self.waits.events(after, block)
+        # A key reads its own stream (its jobs' events only); ops and an API without keys, the fleet's.
+        found = await self.waits.events(after, block, owner=caller.namespace)
         last = found[-1]["id"] if found else after
-        lanes = caller_of(request.scope).lanes
-        mine = [event for event in found if event.get("lane", "interactive") in lanes]
+        if caller.namespace is not None:
+            mine = [{**e, "job_id": tenants.client_id(caller.namespace, e.get("job_id", ""))} for e in found]
+        else:
+            mine = [event for event in found if event.get("lane", "interactive") in caller.lanes]
         return JSONResponse({"events": mine, "last_id": last})
 
     async def healthz(self) -> Response:
@@ -190,12 +199,31 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
                  str(detail)[:300], headers)  # fmt: skip
 
 
+SMALL_BODY_BYTES = 64 * 1024  # a batch create, a cancel, any other POST: a few KiB of JSON at most
+
+
+def job_json_bytes(settings: Settings) -> int:
+    """The largest JSON job body: its prompt and response_format at their limits, every character
+    written as a 6-byte \\u escape, and 64 KiB for the rest (ids, an s3:// URI, a deadline)."""
+    return 6 * (settings.max_prompt_chars + settings.max_response_format_bytes) + SMALL_BODY_BYTES
+
+
 def limits(settings: Settings) -> Limits:
-    body = settings.api_max_body_bytes or settings.max_image_bytes + (1 << 20)
+    """Each route's body limit, by what it carries. MRC_API_MAX_BODY_BYTES, when set, caps them all
+    (the file upload has its own, MRC_OPENAI_FILE_MAX_BYTES)."""
+
+    def capped(limit: int) -> int:
+        return min(limit, settings.api_max_body_bytes) if settings.api_max_body_bytes else limit
+
     # A chat request carries its image as base64 (4 characters per 3 bytes); a file is a batch's input.
-    chat = settings.api_max_body_bytes or (settings.max_image_bytes + 2) // 3 * 4 + (1 << 20)
-    paths = (("/v1/chat/", chat), ("/v1/files", settings.openai_file_max_bytes + (1 << 20)))
-    return Limits(body, settings.api_max_bodies, settings.api_drain_bytes, paths=paths)
+    chat = (settings.max_image_bytes + 2) // 3 * 4 + (1 << 20)
+    paths = (
+        ("/v1/chat/", "", capped(chat)),
+        ("/v1/files", "", settings.openai_file_max_bytes + (1 << 20)),
+        ("/v1/jobs", "multipart/form-data", capped(settings.max_image_bytes + (1 << 20))),
+        ("/v1/jobs", "", capped(job_json_bytes(settings))),
+    )
+    return Limits(capped(SMALL_BODY_BYTES), settings.api_max_bodies, settings.api_drain_bytes, paths=paths)
 
 
 def create_app(settings: Settings, client: Client | None = None) -> FastAPI:
@@ -285,17 +313,26 @@ def prepare_job(client: Client, fields: dict[str, Any], data: bytes | None) -> J
     )  # fmt: skip
     if problem:
         raise UsageError(problem)
+    owner = submission.api_key
     if data is not None:
         _check_image(data, client.settings)
-        image = client.upload_bytes(data)[0]
+        image = client.upload_bytes(data, owner)[0]
     elif not str(image).startswith("s3://"):
         raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
+    elif owner is not None:  # a key names its own uploads and what it was allowed, nothing else
+        settings = client.settings
+        problem = tenants.source_problem(
+            str(image), owner, settings.s3_bucket, settings.s3_prefix, settings.key_sources
+        )
+        if problem:
+            raise UsageError(problem)
     return client.build_job(dataclasses.replace(submission, image=image))
 
 
-def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None) -> Response:
+def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None, namespace: str | None) -> Response:
     job = prepare_job(client, fields, data)
-    body: dict[str, Any] = {"job_id": job.job_id, "status_url": f"/v1/jobs/{job.job_id}"}
+    job_id = tenants.client_id(namespace, job.job_id)  # as the caller names it
+    body: dict[str, Any] = {"job_id": job_id, "status_url": f"/v1/jobs/{job_id}"}
     replicated: bool | None = True if client.settings.redis_wait_replicas else None
     try:
         created = client.enqueue(job, block=False)

@@ -15,13 +15,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared import encoding
 
 
 class JobRequest(BaseModel):
-    """A job as JSON (multipart takes the same fields as form fields, and the image as a file part)."""
+    """A job as JSON (multipart takes the same fields as form fields, and the image as a file part).
+    A field it does not know is refused by name: a typo must not be silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     image: str = Field(description="s3://bucket/key (multipart: the image file part instead)")
     prompt: str
@@ -67,6 +70,9 @@ def invalid_job(errors: list[Any], where: str = "body") -> JSONResponse:
     """422 `invalid_job` naming the first field pydantic or FastAPI refused."""
     first = errors[0] if errors else {}
     place = ".".join(str(part) for part in first.get("loc", ())) or where
+    if first.get("type") == "extra_forbidden":
+        known = ", ".join(JobRequest.model_fields)
+        return error(422, "invalid_job", f"unknown field {place[:64]!r} (a job's fields: {known})")
     return error(422, "invalid_job", f"{place}: {first.get('msg', 'invalid')}"[:300])
 
 

@@ -3,7 +3,8 @@
 1. measured: every response is counted, 401s, 413s and 500s included (`mrc_api_requests_total`);
 2. authenticated and rate-limited from its headers alone, before one byte of its body is read;
 3. a body is read only while fewer than MRC_API_MAX_BODIES are being read (memory = that x the limit),
-   and only up to the limit: past it the rest of the body is read and dropped (up to
+   and only up to its route's limit (an image's worth where one comes, a job's JSON, a few KiB for
+   a batch create: `limits` in producer/api.py): past it the rest of the body is read and dropped (up to
    MRC_API_DRAIN_BYTES, nothing kept) and the answer is 413, so a client that writes its whole body
    before reading sees the 413 instead of a reset connection. A refused caller's body (401, 429) is
    never read;
@@ -49,15 +50,21 @@ _OPEN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/re
 
 @dataclass(frozen=True)
 class Limits:
-    body_bytes: int  # a request body over this is 413
+    body_bytes: int  # a request body over this is 413, unless a rule below says otherwise
     bodies: int  # request bodies being read at once
     drain_bytes: int  # past the limit, read and drop at most this much before closing
     body_wait_s: float = 10.0  # wait this long for a turn to read a body, then 503
-    # (path prefix, limit): routes whose bodies are bigger than a job's (a base64 image, a batch file)
-    paths: tuple[tuple[str, int], ...] = ()
+    # (path prefix, content type or "" for any, limit), the first that matches: each route's bodies
+    # bounded by what it carries (an image in a multipart job or a chat request, a batch input file,
+    # a few KiB of JSON for a batch create).
+    paths: tuple[tuple[str, str, int], ...] = ()
 
-    def for_path(self, path: str) -> int:
-        return next((limit for prefix, limit in self.paths if path.startswith(prefix)), self.body_bytes)
+    def for_request(self, path: str, content_type: str = "") -> int:
+        kind = content_type.split(";", 1)[0].strip().lower()
+        for prefix, wanted, limit in self.paths:
+            if path.startswith(prefix) and wanted in ("", kind):
+                return limit
+        return self.body_bytes
 
 
 def json_body(
@@ -133,8 +140,10 @@ class Front:
         return None
 
     async def _with_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.limits.for_path(str(scope.get("path", "")))
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        kind = headers.get(b"content-type", b"").decode("latin-1")
+        limit = self.limits.for_request(str(scope.get("path", "")), kind)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _drain(receive, self.limits.drain_bytes, int(declared))
             await _reply(send, _too_large(limit))

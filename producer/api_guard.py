@@ -10,37 +10,47 @@ from dataclasses import dataclass
 
 from shared import names
 
+SCOPES = ("all-tenants",)  # beside the lanes in an MRC_API_KEYS entry
+
 
 @dataclass(frozen=True)
 class Caller:
     name: str  # the key's hash prefix, or the client address when keys are off: the rate-limit bucket
     lanes: frozenset[str]
     key_id: str | None = None  # the key's hash prefix (12 hex); None when keys are off
+    all_tenants: bool = False  # the `all-tenants` scope: reads every key's jobs (ops tools)
 
     @property
     def owner(self) -> str:
         """Whose files and batches these are: the key's id, or `none` without keys."""
         return self.key_id or "none"
 
+    @property
+    def namespace(self) -> str | None:
+        """Whose job ids this caller reads and names (shared/tenants.py): its key's, or None (every
+        job, by stored id) without keys or with the `all-tenants` scope."""
+        return None if self.all_tenants else self.key_id
+
 
 class Keys:
-    """`MRC_API_KEYS`: comma-separated `SHA256HEX` or `SHA256HEX@lane+lane`. Keys are never stored:
-    the presented key is hashed and looked up. Empty: no authentication (mrc-api warns at start)."""
+    """`MRC_API_KEYS`: comma-separated `SHA256HEX` or `SHA256HEX@scope+scope`, each scope a lane or
+    `all-tenants`. Keys are never stored: the presented key is hashed and looked up. Empty: no
+    authentication (mrc-api warns at start)."""
 
     def __init__(self, spec: str) -> None:
-        self.entries: dict[str, frozenset[str]] = {}
+        self.entries: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
         for raw in (part.strip() for part in spec.split(",")):
             if not raw:
                 continue
-            digest, _, lanes = raw.partition("@")
+            digest, _, listed = raw.partition("@")
             digest = digest.lower()
             if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
                 raise ValueError(f"MRC_API_KEYS: {digest[:12]!r}... is not a hex sha256")
-            allowed = frozenset(lanes.split("+")) if lanes else frozenset(names.LANES)
-            unknown = allowed - set(names.LANES)
+            scopes = frozenset(listed.split("+")) if listed else frozenset(names.LANES)
+            unknown = scopes - set(names.LANES) - set(SCOPES)
             if unknown:
-                raise ValueError(f"MRC_API_KEYS: unknown lane(s) {sorted(unknown)}")
-            self.entries[digest] = allowed
+                raise ValueError(f"MRC_API_KEYS: unknown lane(s) or scope(s) {sorted(unknown)}")
+            self.entries[digest] = (scopes & frozenset(names.LANES), scopes - frozenset(names.LANES))
 
     @property
     def enabled(self) -> bool:
@@ -54,8 +64,11 @@ class Keys:
         if scheme.lower() != "bearer" or not token.strip():
             return None
         digest = hashlib.sha256(token.strip().encode()).hexdigest()
-        lanes = self.entries.get(digest)
-        return None if lanes is None else Caller(digest[:12], lanes, digest[:12])
+        found = self.entries.get(digest)
+        if found is None:
+            return None
+        lanes, scopes = found
+        return Caller(digest[:12], lanes, digest[:12], all_tenants="all-tenants" in scopes)
 
 
 _PRUNE_MIN = 1024

@@ -68,19 +68,24 @@ class Waits:
     async def ping(self) -> None:
         await self._run(self._redis.ping)
 
-    def _read_events(self, after: str, block_ms: int | None, count: int) -> list[dict[str, str]]:
-        reply: Any = self._redis.xread({names.events_key(): after}, count=count, block=block_ms)
+    def _read_events(
+        self, after: str, block_ms: int | None, count: int, owner: str | None
+    ) -> list[dict[str, str]]:
+        reply: Any = self._redis.xread({names.events_key(owner): after}, count=count, block=block_ms)
         return [
             {"id": str(event_id), **fields} for _s, entries in reply or [] for event_id, fields in entries
         ]
 
-    async def events(self, after: str, wait_s: float, count: int = 1000) -> list[dict[str, str]]:
-        """Completion events after `after`, waiting up to `wait_s` for the first, in slices."""
+    async def events(
+        self, after: str, wait_s: float, count: int = 1000, owner: str | None = None
+    ) -> list[dict[str, str]]:
+        """Completion events after `after` (of the fleet, or of one key's jobs), waiting up to `wait_s`
+        for the first, in slices."""
         deadline = time.monotonic() + wait_s
         while True:
             left = deadline - time.monotonic()
             block = int(min(SLICE_S, left) * 1000) if left >= 0.001 else None
-            found = await self._run(partial(self._read_events, after, block, count))
+            found = await self._run(partial(self._read_events, after, block, count, owner))
             if found or block is None or time.monotonic() >= deadline:
                 return found
 

@@ -26,7 +26,7 @@ from typing import Any
 from producer import manifest
 from producer.client import Client
 from producer.manifest import Invalid, Line
-from shared import encoding, names, prompts
+from shared import encoding, names, prompts, tenants
 from shared import usage as usage_book
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, UsageError
@@ -235,7 +235,7 @@ class Backlog:
         new = self.settings.max_new_tokens_default if line.max_new_tokens is None else line.max_new_tokens
         return Job.from_message(
             {
-                "job_id": line.job_id,
+                "job_id": tenants.job_id(line.api_key, line.job_id),  # a batch's: in its key's namespace
                 "image_uri": image,
                 "prompt": prompts.neutralise(line.prompt),
                 "lane": "backlog",

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared import logs, names, prompts
+from shared import logs, names, prompts, tenants
 from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
 from shared.errors import MrcError, NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable, UsageError
@@ -44,7 +44,9 @@ class Submission:
     deadline: str | None = None
     # Structured answers: {"type": "json_schema", "schema": {...}} or {"type": "choice", "choices": [...]}
     response_format: Mapping[str, Any] | JsonSchemaFormat | ChoiceFormat | None = None
-    api_key: str | None = None  # the mrc-api key's id (Job.api_key): usage totals per key
+    # The mrc-api key's id (Job.api_key): the job lives in that key's namespace (its id, its upload;
+    # shared/tenants.py) and its usage counts to it. None: `mrc submit`, Python callers, no keys.
+    api_key: str | None = None
 
 
 class Client:
@@ -108,33 +110,34 @@ class Client:
             raise UsageError(problem)
 
     # ---- images ----
-    def upload_image(self, path: Path) -> tuple[str, str]:
+    def upload_image(self, path: Path, owner: str | None = None) -> tuple[str, str]:
         """Upload a local image to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
         self._check_local_image(path)
-        return self.upload_bytes(path.read_bytes())
+        return self.upload_bytes(path.read_bytes(), owner)
 
-    def upload_bytes(self, data: bytes) -> tuple[str, str]:
-        """Upload image bytes to inputs/<sha256>.<ext> (once per content); return (uri, sha256)."""
+    def upload_bytes(self, data: bytes, owner: str | None = None) -> tuple[str, str]:
+        """Upload image bytes to inputs/<sha256>.<ext> (once per content; an API key's uploads to
+        inputs/<owner>/<sha256>.<ext>, which no other key may name); return (uri, sha256)."""
         if len(data) > self.settings.max_image_bytes:
             raise UsageError(f"image is {len(data)} bytes; the limit is {self.settings.max_image_bytes}")
         digest = hashlib.sha256(data).hexdigest()
         ext = sniff_format(data) or "bin"
-        key = names.input_key(self.settings.s3_prefix, digest, ext)
+        key = names.input_key(self.settings.s3_prefix, digest, ext, owner)
         uri = self.images.put_input(data, key, _CONTENT_TYPES.get(ext, "application/octet-stream"))
         return uri, digest
 
-    def _resolve_image(self, image: str | Path) -> tuple[str, str | None]:
+    def _resolve_image(self, image: str | Path, owner: str | None) -> tuple[str, str | None]:
         """The job's image URI (a local file is uploaded first); `validate` has checked the reference."""
         text = str(image)
-        return (text, None) if text.startswith("s3://") else self.upload_image(Path(text))
+        return (text, None) if text.startswith("s3://") else self.upload_image(Path(text), owner)
 
     # ---- submit ----
     def build_job(self, sub: Submission) -> Job:
         self.validate(sub)
         max_new = self.settings.max_new_tokens_default if sub.max_new_tokens is None else sub.max_new_tokens
-        uri, digest = self._resolve_image(sub.image)
+        uri, digest = self._resolve_image(sub.image, sub.api_key)
         fields: dict[str, Any] = {
-            "job_id": sub.job_id or uuid.uuid4().hex,
+            "job_id": tenants.job_id(sub.api_key, sub.job_id or uuid.uuid4().hex),
             "image_uri": uri,
             "image_sha256": digest,
             "prompt": prompts.neutralise(sub.prompt),
@@ -218,7 +221,7 @@ class Client:
                 return None
             self._send(job)
         except NotReplicated as exc:  # queued on the master: the claim stands, so a retry is the same job
-            self.records.confirm(job.job_id, token, checked)
+            self._confirm_sent(job, token, checked)
             exc.job_id = job.job_id
             self.log.warning(
                 "MRC_NOT_REPLICATED",
@@ -240,20 +243,33 @@ class Client:
                 error = NotReplicated(
                     0, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
                 )
-                self.records.confirm(job.job_id, token, checked)
+                self._confirm_sent(job, token, checked)
                 error.job_id = job.job_id
                 raise error from exc
         except BaseException:
             self.records.release(job.job_id, token)
             raise
-        if not self.records.confirm(job.job_id, token, checked):
-            # Sent, but the record is gone (flushed, or a failover lost it): the worker runs the job once
-            # anyway (it looks for a result when the record says nothing) and writes the record again.
-            self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane, sent=True)
+        self._confirm_sent(job, token, checked)
         self.log.info(
             "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
         )
         return True
+
+    def _confirm_sent(self, job: Job, token: str, checked: bool) -> None:
+        """The claim becomes the job's record, after the push. Nothing here may say "not enqueued":
+        the message is queued. A record that is gone (flushed, a failover lost it) or that Redis could
+        not write now is logged; the worker runs the job once anyway (it looks for a result when the
+        record says nothing) and writes the record again, and a resubmission finds the push's marker
+        (nothing is pushed twice)."""
+        try:
+            confirmed = self.records.confirm(job.job_id, token, checked)
+        except Exception as exc:
+            self.log.warning(
+                "MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane, sent=True, error=repr(exc)[:200]
+            )
+            return
+        if not confirmed:
+            self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane, sent=True)
 
     def _earlier_result(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
         """A result stored under this id before (its record expired; results do not). With S3 out of

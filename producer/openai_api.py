@@ -70,7 +70,7 @@ class OpenAIRoutes:
         self._redis: Any = None
         self._lock = threading.Lock()
         self.models = Models(self.settings, self.redis)
-        self.chat = Chat(intake, self.models)
+        self.chat = Chat(intake, self.models, self.redis)
         self._batches: Batches | None = None
         self._files: Files | None = None
         self._book: BatchBook | None = None
@@ -217,7 +217,7 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ batches
     async def create_batch(self, request: Request) -> Response:
         _, batches = await run_in_threadpool(self._stack)
-        body = read_json(await request.body())
+        body = await run_in_threadpool(read_json, await request.body())  # parsed off the event loop
         caller, key = caller_of(request.scope), request.headers.get("idempotency-key")
         return JSONResponse(await run_in_threadpool(batches.create, caller, body, key))
 

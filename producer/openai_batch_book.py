@@ -39,6 +39,17 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# KEYS[1] a batch; ARGV: the statuses it may move from ("|"-joined), then field, value pairs. The move
+# happens only from one of those statuses and only if nothing ended the batch yet: a cancel and the
+# start of finalizing cannot both win. 1 if it moved.
+_MOVE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or redis.call('HGET', KEYS[1], 'ended_by') then return 0 end
+if not string.find('|' .. ARGV[1] .. '|', '|' .. status .. '|', 1, true) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
+"""
+RUNNING = ("validating", "in_progress")  # a batch still taking its requests: it may end or finalize
 
 
 def new_batch_id() -> str:
@@ -50,6 +61,7 @@ class BatchBook:
         self._redis = client
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._move = client.register_script(_MOVE)
 
     def create(self, batch_id: str, owner: str, fields: dict[str, str]) -> None:
         key, listing = names.batch_key(batch_id), names.batches_key(owner)
@@ -67,6 +79,12 @@ class BatchBook:
 
     def update(self, batch_id: str, **fields: str) -> None:
         self._redis.hset(names.batch_key(batch_id), mapping=fields)  # type: ignore[arg-type]  # str values
+
+    def move(self, batch_id: str, allowed: tuple[str, ...], **fields: str) -> bool:
+        """Set `fields` only while the batch is in one of the `allowed` statuses and nothing ended it
+        (atomic: of a cancel and the start of finalizing, exactly one wins); whether it moved."""
+        pairs = [item for pair in fields.items() for item in pair]
+        return bool(self._move(keys=[names.batch_key(batch_id)], args=["|".join(allowed), *pairs]))
 
     def set_if_absent(self, batch_id: str, field: str, value: str) -> str:
         """The field's value, set to `value` unless it had one."""

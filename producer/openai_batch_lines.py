@@ -31,7 +31,7 @@ from producer.client import Client
 from producer.manifest import Invalid, Line
 from producer.openai_errors import OpenAIError, from_usage_error
 from producer.openai_requests import ChatJob, param_of, parse_chat
-from shared import encoding
+from shared import encoding, tenants
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -196,13 +196,20 @@ class Translator:
             raise OpenAIError(
                 404, f"The model `{chat.model[:100]}` does not exist", "model", "model_not_found"
             )
+        if chat.image is not None and self.api_key is not None:  # the batch's key names its own images
+            settings = self.settings
+            problem = tenants.source_problem(
+                chat.image, self.api_key, settings.s3_bucket, settings.s3_prefix, settings.key_sources
+            )
+            if problem:
+                raise from_usage_error(problem, chat.image_param)
         return line.custom_id, chat
 
     def _upload(self, chat: ChatJob) -> str | OpenAIError:
         assert chat.data is not None
         try:
             _check_image(chat.data, self.settings)
-            return self.client.upload_bytes(chat.data)[0]
+            return self.client.upload_bytes(chat.data, self.api_key)[0]
         except UsageError as exc:  # the store failing is not the line's fault: it raises (a resume)
             return from_usage_error(exc.message, chat.image_param)
 

@@ -23,7 +23,7 @@ from producer.backlog import Backlog
 from producer.openai_batch_book import FINAL, BatchBook, now
 from producer.openai_chat import completion
 from producer.openai_files import Files, new_file_id
-from shared import encoding, logs, names
+from shared import encoding, logs, names, tenants
 from shared import usage as usage_book
 from shared.records import unstored_result
 
@@ -209,8 +209,9 @@ def _line(
             "response": None,
             "error": {"code": "result_missing", "message": "the job has no result"},
         }
-    status, body = completion(result)
-    response = {"status_code": status, "request_id": entry["job_id"], "body": body}
+    job_id = tenants.own_view(str(entry["job_id"]))  # the batch's owner reads it: ids as it names them
+    status, body = completion({**result, "job_id": job_id})
+    response = {"status_code": status, "request_id": job_id, "body": body}
     return ("output" if status == 200 else "errors"), {**base, "response": response, "error": None}
 
 

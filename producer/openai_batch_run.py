@@ -23,7 +23,7 @@ from botocore.exceptions import ClientError
 
 from producer import manifest
 from producer.backlog import Backlog
-from producer.openai_batch_book import FINAL, BatchBook, now
+from producer.openai_batch_book import FINAL, RUNNING, BatchBook, now
 from producer.openai_batch_lines import Translator, max_line_bytes, read_s3_lines
 from producer.openai_batch_output import Output
 from producer.openai_chat import Models
@@ -117,23 +117,33 @@ class Runner:
             return
         run = self.backlog.runs.get(batch_id)
         if run.get("state") == "cancelled":  # `mrc backlog cancel` on the batch's run
-            self.book.update(batch_id, ended_by="cancelled", status="cancelling", cancelling_at=now())
+            self.book.move(batch_id, RUNNING, ended_by="cancelled", status="cancelling", cancelling_at=now())
             return
         if status == "validating" and int(run.get("lines", 0)) > 0:
             self.book.update(batch_id, status="in_progress", in_progress_at=now())
         if run.get("state") == "enqueuing":
             self._begin(batch_id, "enqueue", self._enqueue)
-        elif run.get("state") == "enqueued" and self.tally(batch_id).pending == 0:
-            self.book.update(batch_id, status="finalizing", finalizing_at=now())
+        elif run.get("state") == "enqueued":
+            self._settle(batch_id)
+
+    def _settle(self, batch_id: str) -> None:
+        """Every request ended: the files are written now, unless a cancel came first (then the next
+        pass finalizes it as cancelled)."""
+        if self.tally(batch_id).pending == 0 and self.book.move(
+            batch_id, RUNNING, status="finalizing", finalizing_at=now()
+        ):
             self._begin(batch_id, "finalize", self._finalize)
 
-    def end(self, batch_id: str, why: str) -> None:
+    def end(self, batch_id: str, why: str) -> bool:
         """A cancel (`cancelling`) or the window's end (`finalizing`): the run is cancelled (its queued
-        jobs end `cancelled`, none is queued after), running ones finish, then the files."""
+        jobs end `cancelled`, none is queued after), running ones finish, then the files. False, and
+        nothing done, when the batch is already finalizing or final (too late to stop anything)."""
         status = "cancelling" if why == "cancelled" else "finalizing"
-        self.book.update(batch_id, ended_by=why, status=status, **{f"{status}_at": now()})
+        if not self.book.move(batch_id, RUNNING, ended_by=why, status=status, **{f"{status}_at": now()}):
+            return False
         self.backlog.cancel(batch_id)
         self.log.info("MRC_BATCH_ENDING", batch_id=batch_id, reason=why)
+        return True
 
     def _begin(self, batch_id: str, what: str, work: Callable[[str, Callable[[], None]], None]) -> None:
         """Run `work` on a thread of its own, if this process takes the batch's lease for it."""

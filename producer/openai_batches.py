@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from producer.api_guard import Caller
-from producer.openai_batch_book import FINAL, BatchBook, batch_object, new_batch_id
+from producer.openai_batch_book import BatchBook, batch_object, new_batch_id
 from producer.openai_batch_run import Runner, input_key
 from producer.openai_errors import OpenAIError
 from producer.openai_files import Files, listing
@@ -194,12 +194,17 @@ class Batches:
         return listing(data, more)
 
     def cancel(self, caller: Caller, batch_id: str) -> dict[str, Any]:
+        """`cancelling` (then `cancelled`, every line in exactly one file), or 409 when it is too late to
+        stop anything: every request has ended and the files are being written (`finalizing`), or
+        the batch is final. A batch already being cancelled answers as it is."""
         record = self._mine(caller, batch_id)
-        status = record.get("status")
-        if status in FINAL - {"cancelled"}:
-            raise OpenAIError(
-                409, f"batch {batch_id} is {status}; there is nothing to cancel", None, "conflict"
-            )
-        if not record.get("ended_by"):
-            self.runner.end(batch_id, "cancelled")
+        if record.get("ended_by") != "cancelled" and not self.runner.end(batch_id, "cancelled"):
+            status = self.book.get(batch_id).get("status") or record.get("status")
+            if status != "cancelled":
+                raise OpenAIError(
+                    409,
+                    f"batch {batch_id} is {status}; every request has ended, there is nothing to cancel",
+                    None,
+                    "conflict",
+                )
         return self.retrieve(caller, batch_id)

@@ -4,18 +4,23 @@ claim), then the request waits for its result and answers a `chat.completion`.
 
 The wait is bounded (`MRC_OPENAI_WAIT_S`, and less when the client says it gives up sooner: the
 SDK's `x-stainless-read-timeout`); past it the answer is 504 `answer_timeout` naming the job id, and
-the job goes on (`GET /v1/jobs/ID/result` has it later). Retries enqueue nothing twice when the
-request names its job: an `Idempotency-Key` header (the job id is derived from it and the caller's
-key) or `metadata.job_id`; a retry of such a request waits for the same job again.
+the job goes on (`GET /v1/jobs/ID/result` has it later). Once the job is queued the answer always
+names it: Redis or S3 going away during the wait is waited out, never a 503 (a 503 means nothing was
+enqueued). Retries enqueue nothing twice: a request names its job by an `Idempotency-Key` header (the
+job id is derived from it and the caller's key) or `metadata.job_id`, and without either, the same
+bytes from the same key within MRC_OPENAI_RETRY_WINDOW_S are the same job (an SDK's retry); a retry
+waits for the same job again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +29,17 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from producer.api import prepare_job
-from producer.api_front import caller_of
+from producer.api_front import UNAVAILABLE, caller_of
 from producer.api_guard import Caller
 from producer.openai_errors import OpenAIError, from_usage_error, result_status
 from producer.openai_requests import ChatJob, parse_chat, read_json
-from shared import names
+from shared import logs, names, tenants
 from shared.errors import NotReplicated, UsageError
 from shared.jobs import Job, parse_rfc3339
 from shared.settings import Settings
 
 _MODELS_CACHE_S = 5.0
+_RETRY_LOOK_S = 0.5  # after an outage (or no record yet), the wait looks again this often
 _IMAGE_CODES = ("image_source_forbidden:", "unsupported_image_format:", "image_too_large:")
 
 
@@ -138,10 +144,28 @@ class Models:
             self._cached = (time.monotonic(), models)
         return models
 
+    def listed(self) -> list[dict[str, Any]]:
+        """`GET /v1/models`: the models the workers serve, and the deployment's MRC_MODEL under that
+        name too when the workers report it by another (a folder, say) or none is up yet: every name
+        a request may give `model` is listed, and answers `GET /v1/models/{model}`."""
+        served = self.served()
+        if any(entry["id"] == self.settings.model for entry in served):
+            return served
+        workers = sum(entry["workers"] for entry in served)
+        alias = {
+            "id": self.settings.model,
+            "object": "model",
+            "created": max((entry["created"] for entry in served), default=0),
+            "owned_by": "mrc",
+            "workers": workers,
+            "quantization": served[0]["quantization"] if len(served) == 1 else None,
+        }
+        return sorted([*served, alias], key=lambda entry: str(entry["id"]))
+
     def known(self) -> frozenset[str]:
         """What a request may name: a model a worker serves, or the deployment's MRC_MODEL (its jobs
         wait in the queue while no worker is up)."""
-        return frozenset([self.settings.model, *(m["id"] for m in self.served())])
+        return frozenset(entry["id"] for entry in self.listed())
 
     def check(self, model: str) -> None:
         if model not in self.known():
@@ -165,8 +189,8 @@ def idempotent_job_id(caller: Caller, key: str | None) -> str | None:
 
 
 class Chat:
-    def __init__(self, intake: Any, models: Models) -> None:
-        self.intake, self.models = intake, models
+    def __init__(self, intake: Any, models: Models, redis: Callable[[], Any]) -> None:
+        self.intake, self.models, self._redis = intake, models, redis
         self.settings: Settings = intake.settings
 
     async def create(self, request: Request) -> Response:
@@ -177,36 +201,80 @@ class Chat:
         async for piece in request.stream():  # not request.body(): nothing keeps it past the enqueue
             raw += piece
         key = request.headers.get("idempotency-key")
-        job_id, job = await run_in_threadpool(self._take, raw, key, caller)
+        named, job = await run_in_threadpool(self._take, raw, key, caller)
         del raw
         request.scope["state"]["done_with_body"]()  # the wait holds neither the body nor the image
+        # From here on the job is queued: whatever happens, the answer names it (never a 503, which
+        # says nothing was enqueued).
+        job_id = tenants.client_id(caller.namespace, job.job_id)
+        headers = {"x-mrc-job-id": job_id}
         wait = self._wait_s(request.headers.get("x-stainless-read-timeout"))
-        found = await self.intake.waits.result(job.job_id, wait, self.intake.client.result)
-        headers = {"x-mrc-job-id": job.job_id}
-        if isinstance(found, dict):
-            status, body = completion(found)
+        found = await self._answer(job.job_id, wait)
+        if found is not None:
+            status, body = completion({**found, "job_id": job_id})
             if status >= 400:
                 headers["x-should-retry"] = "false"  # the job ended: a retry gets the same answer
             return JSONResponse(body, status_code=status, headers=headers)
-        again = "; a retry with the same Idempotency-Key waits for it again" if job_id else ""
-        if not job_id:
-            headers["x-should-retry"] = "false"  # a retry without a key would enqueue a second job
+        again = "; the same request again waits for it" if named else ""
+        if not named:
+            headers["x-should-retry"] = "false"  # a retry would enqueue a second job
         raise OpenAIError(
             504,
-            f"no answer within {wait:g} s; job {job.job_id} goes on: GET /v1/jobs/{job.job_id}/result "
+            f"no answer within {wait:g} s; job {job_id} goes on: GET /v1/jobs/{job_id}/result "
             f"has it once it ends{again}",
             None,
             "answer_timeout",
-            extra={"job_id": job.job_id},
+            extra={"job_id": job_id},
             headers=headers,
         )
 
-    def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[str | None, Job]:
-        """The request read, checked and enqueued (off the event loop): (the id it named, its job)."""
+    async def _answer(self, job_id: str, wait_s: float) -> dict[str, Any] | None:
+        """The job's result within `wait_s`, or None. Redis or S3 going away meanwhile is waited out:
+        the job is queued, and its result will be in S3 whatever happens to this wait."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                found = await self.intake.waits.result(job_id, left, self.intake.client.result)
+            except UNAVAILABLE as exc:
+                logs.get_logger().warning("MRC_ANSWER_WAIT_INTERRUPTED", job_id=job_id, error=repr(exc)[:200])
+                found = "unavailable"
+            if isinstance(found, dict):
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            # "unknown" (its record lost, or not readable yet) or an outage: the job was pushed; look
+            # again until the wait is over.
+            await asyncio.sleep(min(_RETRY_LOOK_S, left))
+
+    def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[bool, Job]:
+        """The request read, checked and enqueued (off the event loop): (whether a retry of it lands on
+        the same job, its job)."""
         chat = parse_chat(read_json(raw), self.settings)
         self.models.check(chat.model)
         job_id = chat.job_id or idempotent_job_id(caller, key)
-        return job_id, self._enqueue(chat, job_id, caller)
+        if job_id is None and self.settings.openai_retry_window_s > 0:
+            job_id = self._retry_job_id(caller, raw)
+        return job_id is not None, self._enqueue(chat, job_id, caller)
+
+    def _retry_job_id(self, caller: Caller, raw: bytearray) -> str:
+        """The job this exact request (same key, same bytes) names within MRC_OPENAI_RETRY_WINDOW_S:
+        an SDK's retry after a 5xx or a lost answer waits for the first attempt's job instead of
+        queueing a second. A job that failed is not reused: sending the request again runs it again."""
+        digest = hashlib.sha256(bytes(raw)).hexdigest()[:32]
+        mapping = names.idempotency_key("chat-retry", caller.owner, digest)
+        fresh = f"chat-{uuid.uuid4().hex}"
+        ttl = max(1, int(self.settings.openai_retry_window_s))
+        client = self._redis()
+        if client.set(mapping, fresh, nx=True, ex=ttl):
+            return fresh
+        earlier = str(client.get(mapping) or fresh)
+        stored = tenants.job_id(caller.key_id, earlier)
+        if self.intake.client.records.get(stored).get("state") == "failed":
+            client.set(mapping, fresh, ex=ttl)
+            return fresh
+        return earlier
 
     def _enqueue(self, chat: ChatJob, job_id: str | None, caller: Caller) -> Job:
         fields = {
@@ -227,8 +295,9 @@ class Chat:
             with contextlib.suppress(NotReplicated):
                 self.intake.client.enqueue(job, block=False)
         except UsageError as exc:
-            param = chat.image_param if exc.message.startswith(_IMAGE_CODES) else None
-            raise from_usage_error(exc.message, param) from None
+            message = tenants.in_words_of(caller.namespace, exc.message)
+            param = chat.image_param if message.startswith(_IMAGE_CODES) else None
+            raise from_usage_error(message, param) from None
         return job
 
     def _wait_s(self, client_timeout: str | None) -> float:
@@ -243,11 +312,12 @@ class Chat:
         return wait
 
     async def models_list(self, request: Request) -> Response:
-        models = await run_in_threadpool(self.models.served)
+        models = await run_in_threadpool(self.models.listed)
         return JSONResponse({"object": "list", "data": models})
 
     async def model(self, model: str, request: Request) -> Response:
-        models = await run_in_threadpool(self.models.served)
+        """Every name a request may give `model` (what `Models.check` accepts) answers here."""
+        models = await run_in_threadpool(self.models.listed)
         for entry in models:
             if entry["id"] == model:
                 return JSONResponse(entry)

@@ -27,17 +27,22 @@ ASGIApp = Callable[
 ]
 
 PATHS = ("/v1/chat/", "/v1/models", "/v1/files", "/v1/batches")
+# mrc's own routes under /v1/, whose errors keep mrc's shape (`{"error": {"code", "message"}}`); every
+# other /v1/ path, an unknown one included (/v1/embeddings, /v1/responses...), answers in OpenAI's.
+MRC_PATHS = ("/v1/jobs", "/v1/events")
 # mrc code -> OpenAI's name for the same thing, where clients are known to look for it.
 _CODES = {"unauthorized": "invalid_api_key", "rate_limited": "rate_limit_exceeded"}
-# A failed job's result code -> the status its answer gets (default 500: the server's fault).
+# A failed job's result code -> the status its answer gets (default 500: the server's fault). What
+# was wrong with the request is 400 `invalid_request_error`, as OpenAI answers it (the SDKs raise
+# BadRequestError), with mrc's code kept.
 _RESULT_STATUS = {
-    "invalid_job": 422,
-    "image_not_found": 422,
-    "image_source_forbidden": 422,
-    "unsupported_image_format": 422,
-    "image_decode_error": 422,
-    "image_too_large": 422,
-    "prompt_too_long": 422,
+    "invalid_job": 400,
+    "image_not_found": 400,
+    "image_source_forbidden": 400,
+    "unsupported_image_format": 400,
+    "image_decode_error": 400,
+    "image_too_large": 400,
+    "prompt_too_long": 400,
     "expired": 504,
     "cancelled": 409,
 }
@@ -49,13 +54,14 @@ _IMAGE_CODES = ("image_source_forbidden", "unsupported_image_format", "image_too
 
 def from_usage_error(message: str, param: str | None = None) -> OpenAIError:
     """What mrc's job checks refused (a UsageError's message), as /v1/jobs answers it: 409 for a job
-    id held by a different job, 422 otherwise (with the image's own code where it names one)."""
+    id held by a different job, 400 otherwise (with the image's own code where it names one), as
+    OpenAI answers a request it refuses."""
     if "already used by a different job" in message:
         return OpenAIError(409, message, param, "conflict")
     prefix, _, rest = message.partition(": ")
     if prefix in _IMAGE_CODES:
-        return OpenAIError(422, rest, param, prefix)
-    return OpenAIError(422, message, param, "invalid_job")
+        return OpenAIError(400, rest, param, prefix)
+    return OpenAIError(400, message, param, "invalid_job")
 
 
 def error_type(status: int) -> str:
@@ -121,7 +127,8 @@ def openai_body(status: int, raw: bytes) -> dict[str, Any]:
 
 
 class OpenAIErrors:
-    """The outermost layer: error answers on the OpenAI routes leave in OpenAI's shape."""
+    """The outermost layer: error answers on the OpenAI routes, and on any /v1/ path that is not one of
+    mrc's own, leave in OpenAI's shape."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -132,7 +139,8 @@ class OpenAIErrors:
         receive: Callable[[], Awaitable[Message]],
         send: Callable[[Message], Awaitable[None]],
     ) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(PATHS):
+        path = str(scope.get("path", ""))
+        if scope["type"] != "http" or not path.startswith("/v1/") or path.startswith(MRC_PATHS):
             await self.app(scope, receive, send)
             return
         held: list[Message] = []
@@ -151,7 +159,14 @@ class OpenAIErrors:
                 return
             start = held[0]
             status = int(start["status"])
-            payload = json.dumps(openai_body(status, bytes(body))).encode()
+            shaped = openai_body(status, bytes(body))
+            if status == 404 and scope.get("route") is None:  # no such route: as OpenAI answers one
+                method = str(scope.get("method", ""))
+                shaped["error"].update(
+                    message=f"Invalid URL ({method} {path[:200]}): GET /openapi.json lists mrc-api's routes",
+                    code="unknown_url",
+                )
+            payload = json.dumps(shaped).encode()
             headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in _REPLACED]
             headers += [
                 (b"content-type", b"application/json"),

@@ -10,8 +10,9 @@ Accepted: `model`, one `user` message whose content is one `text` part and one `
 Accepted where they change nothing for a greedy decoder: `temperature` 0, `top_p` 1, `n` 1, `stream`
 false, penalties 0, `logprobs` false, empty `stop` / `tools` / `logit_bias`, and identifiers (`user`,
 `seed`, `store`, ...). Anything else is refused by name: 400 with `param` naming it. What mrc's own job
-checks refuse (prompt limits, an image source, a schema the decoder cannot enforce) is 422, as on
-`POST /v1/jobs`.
+checks refuse (prompt limits, an image source, a schema the decoder cannot enforce) is 400 too, with
+mrc's own code (`invalid_job`, `image_source_forbidden`, ...), where `POST /v1/jobs` answers 422: the
+SDKs raise BadRequestError for every request OpenAI refuses.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def _invalid(exc: ValidationError, where: str = "") -> OpenAIError:
 
 
 def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> ChatJob:
-    """The request checked and read; OpenAIError (400 / 422) naming the field otherwise."""
+    """The request checked and read; OpenAIError (400) naming the field otherwise."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
     messages = body.get("messages")
@@ -243,7 +244,7 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
     problem = limit_problem(settings, prompt, max_new, job_id, response_formats.parse(fmt))
     if problem:
         where = "metadata.job_id" if problem.startswith("job_id") else prompt_param
-        raise OpenAIError(422, problem, where, "invalid_job")
+        raise OpenAIError(400, problem, where, "invalid_job")
     uri, data = _image(image.url, settings, image_param)
     return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)
 
@@ -309,7 +310,7 @@ def _response_format(request: ChatRequest) -> dict[str, Any] | None:
         response_formats.parse(converted)
     except ValueError as exc:
         message = str(exc).replace("response_format.schema", "response_format.json_schema.schema")
-        raise OpenAIError(422, message, "response_format.json_schema.schema", "invalid_job") from None
+        raise OpenAIError(400, message, "response_format.json_schema.schema", "invalid_job") from None
     return converted
 
 
@@ -355,7 +356,7 @@ def _image(url: str, settings: Settings, param: str) -> tuple[str | None, bytes 
         # base64 is 4 characters per 3 bytes: a string this long decodes to more than the limit
         if len(encoded) > (settings.max_image_bytes + 2) // 3 * 4 + 4:
             raise OpenAIError(
-                422,
+                400,
                 f"the image is over the limit of {settings.max_image_bytes} bytes",
                 param,
                 "image_too_large",
@@ -376,7 +377,7 @@ def _image(url: str, settings: Settings, param: str) -> tuple[str | None, bytes 
         prefix = settings.image_sources.get(bucket)
         if prefix is None or not names.key_allowed(key, prefix):
             raise OpenAIError(
-                422,
+                400,
                 f"image_source_forbidden: s3://{bucket}/ (under {prefix or 'any prefix'}) "
                 "is not where the workers may read images",
                 param,
@@ -385,7 +386,7 @@ def _image(url: str, settings: Settings, param: str) -> tuple[str | None, bytes 
         return url, None
     kind = "a URL" if _URL.match(url) else "not a URL"
     raise OpenAIError(
-        422,
+        400,
         f"image_source_forbidden: mrc fetches no URLs ({kind}); send the image as a "
         "data: URL (base64) or an s3:// URI in the configured bucket",
         param,

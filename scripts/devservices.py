@@ -186,6 +186,13 @@ def base_env(redis_url: str, s3_url: str, bucket: str, home: Path) -> dict[str, 
     return env
 
 
+def shared_inputs(env: dict[str, str]) -> dict[str, str]:
+    """MRC_API_KEY_SOURCES letting every API key name images in the bucket's shared `inputs/` folder,
+    where `mrc submit` and `Client.upload_image` (no key) put them: what tests that upload through
+    the Python client and submit through mrc-api need. Another key's uploads stay out of reach."""
+    return {"MRC_API_KEY_SOURCES": f"*=s3://{env['MRC_S3_BUCKET']}/{env.get('MRC_S3_PREFIX', '')}inputs/"}
+
+
 @contextlib.contextmanager
 def local_stack(prefix: str, bucket: str, home: Path, **settings: str) -> Iterator[dict[str, str]]:
     """A redis-server and a moto S3 server in a fresh folder, their environment (AWS credentials also

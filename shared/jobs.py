@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shared import encoding
+from shared import encoding, tenants
 from shared.errors import InvalidJob, MrcError
 from shared.response_format import ResponseFormat, canonical, size_problem
 from shared.settings import Settings
@@ -100,9 +100,18 @@ class Job(BaseModel):
     @field_validator("job_id")
     @classmethod
     def _job_id_shape(cls, value: str) -> str:
-        if not JOB_ID_RE.match(value):
+        """A client's id, or an API key's job (`<owner>~<client id>`, shared/tenants.py)."""
+        if not tenants.STORED_JOB_ID_RE.match(value):
             raise ValueError(f"job_id: {JOB_ID_RULE}")
         return value
+
+    @model_validator(mode="after")
+    def _owned_by_its_key(self) -> Job:
+        """A job in a key's namespace was submitted with that key: its usage and events go to it."""
+        owner = tenants.owner_of(self.job_id)
+        if owner is not None and owner != self.api_key:
+            raise ValueError(f"job_id: {self.job_id[:40]!r} belongs to another API key's namespace")
+        return self
 
     @field_validator("submitted_at", "deadline")
     @classmethod

@@ -94,9 +94,10 @@ def worker_pattern() -> str:
     return f"{REDIS_PREFIX}worker:*"
 
 
-def events_key() -> str:
-    """Redis stream of completion events, one per finished job (capped; `GET /v1/events`)."""
-    return f"{REDIS_PREFIX}events"
+def events_key(owner: str | None = None) -> str:
+    """Redis stream of completion events, one per finished job (capped; `mrc events`); with an owner,
+    that API key's own stream of its jobs' events (`GET /v1/events`, shared/tenants.py)."""
+    return f"{REDIS_PREFIX}events" if owner is None else f"{REDIS_PREFIX}events:{owner}"
 
 
 def job_push_id(job_id: str) -> str:
@@ -148,8 +149,15 @@ def file_key(prefix: str, owner: str, file_id: str, ext: str) -> str:
     return f"{prefix}files/{owner}/{file_id}.{ext}"
 
 
-def input_key(prefix: str, sha256: str, ext: str) -> str:
-    return f"{prefix}inputs/{sha256}.{ext}"
+def uploads_folder(prefix: str, owner: str | None = None) -> str:
+    """Where uploaded images live: `<prefix>inputs/`, and an API key's own `<prefix>inputs/<owner>/`
+    (shared/tenants.py)."""
+    return f"{prefix}inputs/" if owner is None else f"{prefix}inputs/{owner}/"
+
+
+def input_key(prefix: str, sha256: str, ext: str, owner: str | None = None) -> str:
+    """An uploaded image, content-addressed (per API key: no key reads another's uploads)."""
+    return f"{uploads_folder(prefix, owner)}{sha256}.{ext}"
 
 
 def s3_uri(bucket: str, key: str) -> str:

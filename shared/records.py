@@ -11,7 +11,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import encoding, names, redis_target
+from shared import encoding, names, redis_target, tenants
 from shared import usage as usage_book
 from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
@@ -293,9 +293,15 @@ class RedisJobRecords:
         return int(self._redis.hincrby(key, "solo_runs", 1)) - 1
 
     def add_event(self, event: dict[str, str], keep: int) -> str:
-        """Append a completion event to the capped stream (about `keep` newest kept); its id."""
+        """Append a completion event to the capped stream (about `keep` newest kept), and an API key's
+        job's also to that key's own stream (shared/tenants.py), in one round trip; the fleet stream's id."""
         fields = {key: value for key, value in event.items() if value is not None}
-        return str(self._redis.xadd(names.events_key(), fields, maxlen=keep, approximate=True))  # type: ignore[arg-type]
+        owner = tenants.owner_of(str(event.get("job_id") or ""))
+        with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(names.events_key(), fields, maxlen=keep, approximate=True)  # type: ignore[arg-type]
+            if owner is not None:
+                pipe.xadd(names.events_key(owner), fields, maxlen=keep, approximate=True)  # type: ignore[arg-type]
+            return str(pipe.execute()[0])
 
     def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
         """Completion events newer than `after` ("0": from the oldest kept), waiting up to `block_s`

@@ -12,6 +12,8 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared import tenants
+
 Quantization = Literal["nf4", "bf16", "fp16", "fp32"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 _REDIS_SCHEMES = ("redis", "rediss")
@@ -61,8 +63,13 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     api_workers: int = Field(default=1, ge=1)  # uvicorn worker processes (the intake is CPU-bound Python)
-    # Comma-separated `SHA256HEX` or `SHA256HEX@lane+lane` (the hex sha256 of each key); empty: no auth.
+    # Comma-separated `SHA256HEX` or `SHA256HEX@scope+scope` (the hex sha256 of each key; scopes: the
+    # lanes it may submit to, and `all-tenants` to read every key's jobs); empty: no auth.
     api_keys: str = ""
+    # Where keys may name s3:// images from besides their own uploads (shared/tenants.py): comma-
+    # separated `WHO=s3://bucket/[prefix]`, WHO a key's sha256 (or its first 12 hex) or `*` for every
+    # key. Empty: a key names only what it uploaded.
+    api_key_sources: str = ""
     api_max_body_bytes: int = Field(default=0, ge=0)  # 0: MRC_MAX_IMAGE_BYTES + 1 MiB for the form
     api_rate_per_s: float = Field(default=50.0, ge=0)  # per key (or per client address without keys); 0: off
     api_rate_burst: int = Field(default=100, ge=1)
@@ -81,6 +88,10 @@ class Settings(BaseSettings):
     # POST /v1/chat/completions waits this long for the answer (less when the client says it gives up
     # sooner), then answers 504 `answer_timeout` naming the job id; the job goes on.
     openai_wait_s: float = Field(default=60.0, gt=0, le=3600)
+    # A chat request sent again by the same key within this many seconds, byte for byte and without
+    # an Idempotency-Key (an SDK's retry after a 5xx or a lost answer), is the same job: it waits for
+    # the first one's answer instead of queueing a second.
+    openai_retry_window_s: float = Field(default=900.0, ge=0, le=86_400)
     # Largest file POST /v1/files takes (OpenAI's own limit for batch input: 200 MB); at most 5 GiB,
     # what one S3 copy takes.
     openai_file_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=5 * 1024**3)
@@ -238,6 +249,17 @@ class Settings(BaseSettings):
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"MRC_REDIS_SENTINELS: {entry!r} is not host:port (e.g. 10.0.0.5:26379)")
         return value
+
+    @field_validator("api_key_sources")
+    @classmethod
+    def _key_sources_usable(cls, value: str) -> str:
+        tenants.parse_sources(value)  # ValueError names the bad entry
+        return value
+
+    @property
+    def key_sources(self) -> dict[str, tuple[tenants.Source, ...]]:
+        """MRC_API_KEY_SOURCES read: owner (12 hex, or `*`) -> the sources it may name images from."""
+        return tenants.parse_sources(self.api_key_sources)
 
     @field_validator("s3_endpoint_url")
     @classmethod

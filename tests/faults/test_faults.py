@@ -108,8 +108,11 @@ def _in_aof(cluster: Cluster, text: str) -> bool:
 def test_redis_restart_with_aof_keeps_queued_jobs(cluster: Cluster) -> None:
     jobs = cluster.jobs(30)
     cluster.send(jobs)
-    # appendfsync everysec: wait until the last job is in the append-only file, however long that takes
-    services.wait_for(lambda: _in_aof(cluster, jobs[-1].job_id), 30, "the AOF to hold the last job")
+    # appendfsync everysec: wait until the last job's message is in the append-only file, however long
+    # that takes. Its push marker is written in the same step as the push (shared/transport.py); the
+    # job id alone is there as soon as its claim is, before the message (a kill then lost it).
+    marker = names.push_key(names.job_push_id(jobs[-1].job_id))
+    services.wait_for(lambda: _in_aof(cluster, marker), 30, "the AOF to hold the last job's message")
     cluster.redis.proc.send_signal(signal.SIGKILL)  # no clean shutdown: only the AOF survives
     cluster.redis.proc.wait(10)
     cluster.redis = services.start_redis(cluster.workdir / "redis", appendonly=True, port=cluster.redis.port)

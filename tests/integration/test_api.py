@@ -28,13 +28,14 @@ KEYS = (
     f"{hashlib.sha256(KEY.encode()).hexdigest()},{hashlib.sha256(BACKLOG_KEY.encode()).hexdigest()}@backlog"
 )
 AUTH = {"Authorization": f"Bearer {KEY}"}
+OWNER = hashlib.sha256(KEY.encode()).hexdigest()[:12]  # the key's namespace (shared/tenants.py)
 
 
 @pytest.fixture
 def api_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, env[name])
-    return {**env, "MRC_API_KEYS": KEYS, "MRC_MAX_IMAGE_BYTES": str(200_000)}
+    return {**env, "MRC_API_KEYS": KEYS, "MRC_MAX_IMAGE_BYTES": str(200_000), **services.shared_inputs(env)}
 
 
 @pytest.fixture
@@ -99,7 +100,8 @@ def test_a_json_job_runs_and_the_same_id_again_is_the_same_job(
     assert len(mine) == 1
     assert mine[0]["status"] == "succeeded"
     assert mine[0]["ticket_id"] == "T-7"
-    assert mine[0]["result_uri"].endswith(f"results/{job_id}.json")
+    # Stored in the key's namespace (shared/tenants.py): results/<owner>~<id>.json, owner = sha256[:12].
+    assert mine[0]["result_uri"].endswith(f"results/{OWNER}~{job_id}.json")
     assert {"id", "finished_at"} <= set(mine[0])
 
 
@@ -113,10 +115,10 @@ def test_a_multipart_upload_is_stored_once_and_queued(api: TestClient, client: C
         headers=AUTH,
     )
     assert reply.status_code == 202, reply.text
-    record = client.records.get(job_id)
+    record = client.records.get(f"{OWNER}~{job_id}")
     assert record["state"] in ("queued", "running", "succeeded")
-    digest = hashlib.sha256(data).hexdigest()
-    assert client.images.get_bytes(client.settings.s3_bucket, f"inputs/{digest}.jpg", 10**6) == data
+    digest = hashlib.sha256(data).hexdigest()  # the key's own upload: inputs/<owner>/<sha256>.<ext>
+    assert client.images.get_bytes(client.settings.s3_bucket, f"inputs/{OWNER}/{digest}.jpg", 10**6) == data
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def test_text_no_store_could_write_is_refused_at_every_door(
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, env[name])
-    api_env = {**env, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest()}
+    api_env = {**env, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest(), **services.shared_inputs(env)}
     image_uri = client.upload_image(photo)[0]
     with TestClient(create_app(services.settings_from_env(api_env))) as api:
         for body in (

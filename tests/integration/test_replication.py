@@ -88,7 +88,11 @@ def test_submit_says_enqueued_not_replicated_and_a_retry_is_the_same_job(
 
 
 def test_the_api_answers_202_with_replicated_false(unreplicated: dict[str, str], photo: Path) -> None:
-    api_env = {**unreplicated, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest()}
+    api_env = {
+        **unreplicated,
+        "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest(),
+        **services.shared_inputs(unreplicated),
+    }
     headers = {"Authorization": f"Bearer {KEY}"}
     with TestClient(create_app(services.settings_from_env(api_env))) as api:
         form = {"prompt": "Refund?", "job_id": "wait-api"}

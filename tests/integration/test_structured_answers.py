@@ -43,7 +43,7 @@ def photo(tmp_path: Path) -> Path:
 def api(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, env[name])
-    api_env = {**env, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest()}
+    api_env = {**env, "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest(), **services.shared_inputs(env)}
     with TestClient(create_app(services.settings_from_env(api_env))) as client:
         yield client
 

@@ -75,7 +75,7 @@ def test_the_frameworks_own_refusals_have_the_contracts_error_shape() -> None:
     with TestClient(create_app(Settings())) as api:
         image = {"image": ("a.jpg", b"x")}
         replies = {
-            404: api.get("/v1/nope"),
+            404: api.get("/v1/jobs/x/nope"),
             405: api.delete("/v1/jobs"),
             400: api.post("/v1/jobs", content=b"x", headers={"Content-Type": "multipart/form-data"}),
         }
@@ -86,6 +86,34 @@ def test_the_frameworks_own_refusals_have_the_contracts_error_shape() -> None:
         error = reply.json()["error"]
         assert set(error) == {"code", "message"}
         assert error["code"] in {"not_found", "method_not_allowed", "invalid_job"}
+
+
+def test_every_other_v1_path_answers_in_openais_error_shape() -> None:
+    """/v1/embeddings, /v1/completions, /v1/responses... were a bare mrc-shaped 404: an OpenAI client
+    pointed at mrc reads `type` and `param` from every answer under /v1/."""
+    from fastapi.testclient import TestClient
+
+    from producer.api import create_app
+    from shared.settings import Settings
+
+    with TestClient(create_app(Settings())) as api:
+        for method, path in [
+            ("POST", "/v1/embeddings"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/responses"),
+            ("GET", "/v1/assistants"),
+            ("GET", "/v1/nope/deeper"),
+        ]:
+            reply = api.request(method, path, json={"model": "x", "input": "y"})
+            assert reply.status_code == 404, (path, reply.text)
+            error = reply.json()["error"]
+            assert set(error) >= {"message", "type", "param", "code"}, (path, error)
+            assert (error["type"], error["param"], error["code"]) == (
+                "invalid_request_error",
+                None,
+                "unknown_url",
+            )
+            assert path in error["message"]
 
 
 def test_a_service_out_of_reach_is_named_once() -> None:

@@ -67,10 +67,10 @@ def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: d
         ({"max_tokens": 5, "max_completion_tokens": 6}, 400, "max_tokens", "invalid_value"),
         ({"max_completion_tokens": 100_000}, 400, "max_completion_tokens", "invalid_value"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "invalid_value"),
-        ({"metadata": {"job_id": "no spaces please"}}, 422, "metadata.job_id", "invalid_job"),
+        ({"metadata": {"job_id": "no spaces please"}}, 400, "metadata.job_id", "invalid_job"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
          "response_format.json_schema.schema", "missing_required_parameter"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}}, 422,
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}}, 400,
          "response_format.json_schema.schema", "invalid_job"),
         ({"messages": []}, 400, "messages", "unsupported_value"),
         ({"messages": [{"role": "system", "content": "Be brief."}]}, 400, "messages[0].role",
@@ -91,13 +91,13 @@ def test_what_mrc_cannot_do_is_refused_by_name(
 @pytest.mark.parametrize(
     ("url", "status", "code"),
     [
-        ("https://example.com/a.jpg", 422, "image_source_forbidden"),
-        ("s3://other-bucket/a.jpg", 422, "image_source_forbidden"),
-        ("s3://mrc-photos/tenant-b/a.jpg", 422, "image_source_forbidden"),  # our bucket, another prefix
+        ("https://example.com/a.jpg", 400, "image_source_forbidden"),
+        ("s3://other-bucket/a.jpg", 400, "image_source_forbidden"),
+        ("s3://mrc-photos/tenant-b/a.jpg", 400, "image_source_forbidden"),  # our bucket, another prefix
         ("s3://mrc-photos/tenant-a/../x.jpg", 400, "invalid_value"),
         ("data:image/png,not-base64", 400, "invalid_value"),
         ("data:image/png;base64,@@@@", 400, "invalid_value"),
-        ("data:image/png;base64," + "A" * 2000, 422, "image_too_large"),  # decodes past 1,000 bytes
+        ("data:image/png;base64," + "A" * 2000, 400, "image_too_large"),  # decodes past 1,000 bytes
     ],
 )
 def test_images_come_as_base64_or_from_our_bucket(url: str, status: int, code: str) -> None:
@@ -137,8 +137,9 @@ def test_every_error_body_leaves_in_openai_shape() -> None:
     )
     expected = {"message": "slow", "type": "timeout_error", "param": None, "code": "answer_timeout"}
     assert kept["error"] == {**expected, "job_id": "j"}
+    # What mrc's job checks refuse is a request OpenAI would refuse: 400 (BadRequestError), code kept.
     assert (from_usage_error("image_too_large: 9 pixels").status, from_usage_error("x").code) == (
-        422,
+        400,
         "invalid_job",
     )
     assert from_usage_error("job id j is already used by a different job (...)").status == 409
