@@ -231,13 +231,17 @@ class Chat:
     async def _answer(self, job_id: str, wait_s: float) -> dict[str, Any] | None:
         """The job's result within `wait_s`, or None. Redis or S3 going away meanwhile is waited out:
         the job is queued, and its result will be in S3 whatever happens to this wait."""
-        deadline = time.monotonic() + wait_s
+        deadline, told = time.monotonic() + wait_s, False
         while True:
             left = max(0.0, deadline - time.monotonic())
             try:
                 found = await self.intake.waits.result(job_id, left, self.intake.client.result)
             except UNAVAILABLE as exc:
-                logs.get_logger().warning("MRC_ANSWER_WAIT_INTERRUPTED", job_id=job_id, error=repr(exc)[:200])
+                if not told:  # once per request: an outage is seen again at every look
+                    told = True
+                    logs.get_logger().warning(
+                        "MRC_ANSWER_WAIT_INTERRUPTED", job_id=job_id, error=repr(exc)[:200]
+                    )
                 found = "unavailable"
             if isinstance(found, dict):
                 return found

@@ -41,6 +41,10 @@ class Proxy:
         """Refuse new connections and cut the open ones, as a dead endpoint would."""
         server, self._server = self._server, None
         if server is not None:
+            # close() alone leaves the accept() blocked in the other thread holding the listening
+            # socket open (Linux), and new connections kept being accepted: shutdown wakes it.
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
             server.close()
         self._cut()
 
