@@ -530,3 +530,16 @@ def test_a_script_written_for_vllm_runs_with_base_url_key_and_model_changed(
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert "Chat completion output:" in ran.stdout
     assert "Structured output:" in ran.stdout
+
+
+def test_every_model_name_a_request_may_give_is_listed_and_retrievable(
+    sdk: openai.OpenAI, model: str, oai_env: dict[str, str]
+) -> None:
+    """Item 14: `parcels` (MRC_MODEL) was accepted by chat but 404 on GET /v1/models/parcels; the
+    workers report the model by another name (tiny-fuyu-v1 here)."""
+    listed = {m.id for m in sdk.models.list().data}
+    assert {model, oai_env["MRC_MODEL"]} <= listed
+    for name in listed:
+        assert sdk.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("gpt-4o")

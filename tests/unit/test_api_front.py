@@ -192,3 +192,67 @@ def test_a_body_is_parsed_and_checked_off_the_event_loop(monkeypatch: Any) -> No
 
     asyncio.run(scenario())
     assert order == ["healthz"]
+
+
+def test_each_route_takes_bodies_as_large_as_what_it_carries() -> None:
+    """Item 7: /v1/jobs (JSON) and /v1/batches took bodies up to the image limit + 1 MiB (34.6 MB)
+    though they never carry an image; a 28 MB JSON job with an unknown field was accepted after 10 s."""
+    from producer.api import job_json_bytes, limits
+    from shared.settings import Settings
+
+    settings = Settings()
+    rules = limits(settings)
+    image = settings.max_image_bytes
+    assert rules.for_request("/v1/jobs", "multipart/form-data; boundary=x") == image + (1 << 20)
+    assert rules.for_request("/v1/jobs", "application/json") == job_json_bytes(settings) < 1 << 20
+    assert rules.for_request("/v1/batches", "application/json") <= 64 * 1024
+    assert rules.for_request("/v1/batches/batch_1/cancel") <= 64 * 1024
+    assert rules.for_request("/v1/chat/completions", "application/json") > image  # base64 image
+    assert rules.for_request("/v1/files", "multipart/form-data") > settings.openai_file_max_bytes
+    capped = limits(Settings(api_max_body_bytes=1000))
+    assert capped.for_request("/v1/jobs", "multipart/form-data") == 1000
+
+
+def test_a_json_job_past_its_limit_is_413_before_it_is_read_and_unknown_fields_are_named() -> None:
+    from fastapi.testclient import TestClient
+
+    from producer.api import create_app
+    from shared.settings import Settings
+
+    with TestClient(create_app(Settings())) as api:
+        pad = {"image": "s3://mrc/inputs/a.jpg", "prompt": "p", "pad": "x" * (2 << 20)}
+        huge = api.post("/v1/jobs", json=pad)
+        assert huge.status_code == 413, huge.text
+        batch = api.post("/v1/batches", json={"input_file_id": "f", "metadata": {"x": "y" * 100_000}})
+        assert batch.status_code == 413, batch.text
+        typo = api.post("/v1/jobs", json={"image": "s3://mrc/inputs/a.jpg", "prompt": "p", "max_tokens": 4})
+        assert typo.status_code == 422, typo.text
+        assert "max_tokens" in typo.json()["error"]["message"]
+        form = api.post("/v1/jobs", files={"image": ("a.jpg", b"x")}, data={"prompt": "p", "colour": "red"})
+        assert form.status_code == 422, form.text
+        assert "colour" in form.json()["error"]["message"]
+
+
+def test_a_batch_create_is_parsed_off_the_event_loop(monkeypatch: Any) -> None:
+    """POST /v1/batches parsed its body on the event loop: /healthz went from 5 ms to 3.27 s."""
+    from producer import openai_api
+    from producer.api import create_app
+    from shared.settings import Settings
+
+    on_loop: list[bool] = []
+    real = openai_api.read_json
+
+    def watched(raw: bytes | bytearray) -> object:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread: a worker thread's
+            on_loop.append(False)
+        return real(raw)
+
+    monkeypatch.setattr(openai_api, "read_json", watched)
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(Settings())) as api:
+        api.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions"})
+    assert on_loop == [False]
