@@ -104,7 +104,8 @@ def test_the_api_answers_202_with_replicated_false(unreplicated: dict[str, str],
         again = api.post("/v1/jobs", data=form, files=files, headers=headers)
         assert again.status_code == 200, again.text
         assert again.json()["replicated"] is False
-    assert _queued(unreplicated) == ["wait-api"]
+    owner = hashlib.sha256(KEY.encode()).hexdigest()[:12]
+    assert _queued(unreplicated) == [f"{owner}~wait-api"]  # the key's namespace (shared/tenants.py)
 
 
 def test_a_backlog_run_stops_unconfirmed_and_its_resume_queues_nothing_twice(
