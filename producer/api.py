@@ -147,10 +147,8 @@ class Intake:
         found = await self.waits.events(after, block, owner=caller.namespace)
         last = found[-1]["id"] if found else after
         if caller.namespace is not None:
-            mine = [{**e, "job_id": tenants.client_id(caller.namespace, e.get("job_id", ""))} for e in found]
-        else:
-            mine = [event for event in found if event.get("lane", "interactive") in caller.lanes]
-        return JSONResponse({"events": mine, "last_id": last})
+            found = [{**e, "job_id": tenants.client_id(caller.namespace, e.get("job_id", ""))} for e in found]
+        return JSONResponse({"events": found, "last_id": last})
 
     async def healthz(self) -> Response:
         return JSONResponse({"status": "alive"})
@@ -319,14 +317,28 @@ def prepare_job(client: Client, fields: dict[str, Any], data: bytes | None) -> J
         image = client.upload_bytes(data, owner)[0]
     elif not str(image).startswith("s3://"):
         raise UsageError("image_source_forbidden: the JSON form takes s3:// URIs; upload bytes as multipart")
-    elif owner is not None:  # a key names its own uploads and what it was allowed, nothing else
-        settings = client.settings
-        problem = tenants.source_problem(
-            str(image), owner, settings.s3_bucket, settings.s3_prefix, settings.key_sources
-        )
+    else:
+        problem = _source_problem(client.settings, str(image), owner)
         if problem:
             raise UsageError(problem)
     return client.build_job(dataclasses.replace(submission, image=image))
+
+
+def _source_problem(settings: Settings, uri: str, owner: str | None) -> str | None:
+    """Why a request may not name the image `uri`: a place the workers may not read (refused here, not
+    by the worker after the job is queued), or, for a key, a place that is not its own nor allowed
+    for it (shared/tenants.py)."""
+    try:
+        bucket, key = names.parse_s3_uri(uri)
+    except ValueError as exc:
+        return f"image_source_forbidden: {exc}"
+    prefix = settings.image_sources.get(bucket)
+    if prefix is None or not names.key_allowed(key, prefix):
+        where = f"s3://{bucket}/ (under {prefix or 'any prefix'})"
+        return f"image_source_forbidden: {where} is not where the workers may read images"
+    if owner is None:
+        return None
+    return tenants.source_problem(uri, owner, settings.s3_bucket, settings.s3_prefix, settings.key_sources)
 
 
 def _enqueue(client: Client, fields: dict[str, Any], data: bytes | None, namespace: str | None) -> Response:

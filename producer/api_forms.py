@@ -84,6 +84,12 @@ async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, b
             upload = form.get("image")
             if upload is None or isinstance(upload, str):
                 return error(422, "invalid_job", "image: a multipart request needs a file part"), None
+            extra = sorted({k for k, v in form.multi_items() if k != "image" and not isinstance(v, str)})
+            if extra or len(form.getlist("image")) > 1:
+                name = extra[0][:64] if extra else "image"
+                return error(
+                    422, "invalid_job", f"unknown file part {name!r} (one part, image, is taken)"
+                ), None
             data = await upload.read()
             fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         fields["image"] = ""

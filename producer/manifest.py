@@ -29,7 +29,7 @@ from shared.jobs import JOB_ID_RE, limit_problem, local_image_problem
 from shared.response_format import ChoiceFormat, JsonSchemaFormat
 from shared.settings import Settings
 
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
 RUN_ID_RULE = "1-64 of [A-Za-z0-9_-], starting with a letter or digit"
 _FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id", "response_format"}
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

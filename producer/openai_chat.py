@@ -29,7 +29,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from producer.api import prepare_job
-from producer.api_front import UNAVAILABLE, caller_of
+from producer.api_front import caller_of
 from producer.api_guard import Caller
 from producer.openai_errors import OpenAIError, from_usage_error, result_status
 from producer.openai_requests import ChatJob, parse_chat, read_json
@@ -40,6 +40,16 @@ from shared.settings import Settings
 
 _MODELS_CACHE_S = 5.0
 _RETRY_LOOK_S = 0.5  # after an outage (or no record yet), the wait looks again this often
+# KEYS[1] a retry-window mapping; ARGV: the job it named, its replacement, ttl. Replace only what the
+# caller saw (concurrent retries of a failed job agree on one new job); the job it names now.
+_REPLACE_IF = """
+local now = redis.call('GET', KEYS[1])
+if now == false or now == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  return ARGV[2]
+end
+return now
+"""
 _IMAGE_CODES = ("image_source_forbidden:", "unsupported_image_format:", "image_too_large:")
 
 
@@ -229,14 +239,19 @@ class Chat:
         )
 
     async def _answer(self, job_id: str, wait_s: float) -> dict[str, Any] | None:
-        """The job's result within `wait_s`, or None. Redis or S3 going away meanwhile is waited out:
-        the job is queued, and its result will be in S3 whatever happens to this wait."""
+        """The job's result within `wait_s`, or None. Whatever happens to Redis or S3 meanwhile (gone,
+        hung, refusing) is waited out to the deadline, never past it: the job is queued, and its
+        result will be in S3 whatever happens to this wait, so the answer names the job."""
         deadline, told = time.monotonic() + wait_s, False
         while True:
             left = max(0.0, deadline - time.monotonic())
-            try:
-                found = await self.intake.waits.result(job_id, left, self.intake.client.result)
-            except UNAVAILABLE as exc:
+            try:  # one look can block for a socket timeout (a hung Redis or S3): bounded by the deadline
+                found = await asyncio.wait_for(
+                    self.intake.waits.result(job_id, left, self.intake.client.result), left + 0.05
+                )
+            except TimeoutError:
+                return None
+            except Exception as exc:  # after the push nothing may answer without the job's id
                 if not told:  # once per request: an outage is seen again at every look
                     told = True
                     logs.get_logger().warning(
@@ -266,7 +281,7 @@ class Chat:
         """The job this exact request (same key, same bytes) names within MRC_OPENAI_RETRY_WINDOW_S:
         an SDK's retry after a 5xx or a lost answer waits for the first attempt's job instead of
         queueing a second. A job that failed is not reused: sending the request again runs it again."""
-        digest = hashlib.sha256(bytes(raw)).hexdigest()[:32]
+        digest = hashlib.sha256(raw).hexdigest()[:32]  # the body as it came: no copy of it
         mapping = names.idempotency_key("chat-retry", caller.owner, digest)
         fresh = f"chat-{uuid.uuid4().hex}"
         ttl = max(1, int(self.settings.openai_retry_window_s))
@@ -275,10 +290,10 @@ class Chat:
             return fresh
         earlier = str(client.get(mapping) or fresh)
         stored = tenants.job_id(caller.key_id, earlier)
-        if self.intake.client.records.get(stored).get("state") == "failed":
-            client.set(mapping, fresh, ex=ttl)
-            return fresh
-        return earlier
+        if self.intake.client.records.get(stored).get("state") != "failed":
+            return earlier
+        # It failed: a new job, once however many copies of the request come at the same moment.
+        return str(client.eval(_REPLACE_IF, 1, mapping, earlier, fresh, ttl))
 
     def _enqueue(self, chat: ChatJob, job_id: str | None, caller: Caller) -> Job:
         fields = {

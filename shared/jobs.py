@@ -22,7 +22,7 @@ Lane = Literal["interactive", "backlog"]
 Status = Literal["succeeded", "failed"]
 State = Literal["queued", "running", "succeeded", "failed", "unknown"]
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 JOB_ID_RULE = "1-128 of [A-Za-z0-9._:-], starting with a letter or digit"
 
 

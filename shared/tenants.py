@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from shared import names
 
 SEP = "~"
-OWNER_RE = re.compile(r"^[0-9a-f]{12}$")
+OWNER_RE = re.compile(r"^[0-9a-f]{12}\Z")
 # A client's id (shared/jobs.py JOB_ID_RE) with or without its owner's namespace in front.
-STORED_JOB_ID_RE = re.compile(r"^(?:[0-9a-f]{12}~)?[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+STORED_JOB_ID_RE = re.compile(r"^(?:[0-9a-f]{12}~)?[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 ALL = "*"
+# Folders of mrc's own in the bucket (under MRC_S3_PREFIX) that hold jobs, files and runs, not images.
+PRIVATE_FOLDERS = ("results/", "files/", "runs/")
 
 
 def job_id(owner: str | None, client_id: str) -> str:
@@ -113,10 +115,17 @@ def source_problem(
         found_bucket, key = names.parse_s3_uri(uri)
     except ValueError as exc:
         return f"image_source_forbidden: {exc}"
-    uploads = names.uploads_folder(s3_prefix)  # everyone's uploads lie below it
-    if found_bucket == bucket and key.startswith(uploads):
-        first = key[len(uploads) :].partition("/")
-        if first[1] and OWNER_RE.match(first[0]):  # a key's upload folder
-            return None if first[0] == owner else refusal
+    if found_bucket == bucket:
+        # mrc's own folders are never a source, whatever an operator allowed: results, files and runs
+        # would tell one key about another's jobs (an object there fails differently from none).
+        # Compared without case: some S3-compatible stores fold it.
+        inside = key.lower()[len(s3_prefix) :] if key.lower().startswith(s3_prefix.lower()) else None
+        if inside is not None and inside.startswith(PRIVATE_FOLDERS):
+            return refusal
+        uploads = names.uploads_folder("")  # everyone's uploads lie below it
+        if inside is not None and inside.startswith(uploads):
+            first = inside[len(uploads) :].partition("/")
+            if first[1] and OWNER_RE.match(first[0]):  # a key's upload folder
+                return None if first[0] == owner else refusal
     sources = (*allowed.get(owner, ()), *allowed.get(ALL, ()))
     return None if any(source.holds(found_bucket, key) for source in sources) else refusal

@@ -60,10 +60,13 @@ def job_cache_key(
     image_sha256: str,
     plan: PromptPlan,
     response_format: JsonSchemaFormat | ChoiceFormat | None = None,
+    owner: str | None = None,
 ) -> str:
     """The key of one job: its model as loaded, every setting that changes the answer (its response
     format included: a constrained answer is another answer), its image bytes and its prompt exactly
-    as the model sees it (token ids where the backend has them)."""
+    as the model sees it (token ids where the backend has them), and the API key that asked: keys are
+    tenants, and a hit (`cache_hit`, `cached_tokens`) would tell one key that another sent the same
+    photo and question (shared/tenants.py). Jobs without a key share answers as before."""
     generation: dict[str, object] = {
         "decoding": "greedy",
         "max_new_tokens": max_new_tokens,
@@ -73,6 +76,8 @@ def job_cache_key(
     }
     if response_format is not None:  # free jobs keep the keys they always had
         generation["response_format"] = digest(response_format)
+    if owner is not None:
+        generation["tenant"] = owner
     return cache_key(
         model_id=backend.model_id,
         revision=backend.revision,

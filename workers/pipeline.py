@@ -274,7 +274,7 @@ class Pipeline:
             assert slot.plan is not None
             slot.cache_key = job_cache_key(
                 self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan,
-                slot.job.response_format,
+                slot.job.response_format, slot.job.api_key,
             )  # fmt: skip
         try:
             hits = self.cache.get_many([str(slot.cache_key) for slot in live])

@@ -22,8 +22,9 @@ from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
 
-KEYS = {"alice": "k-alice", "bob": "k-bob", "carol": "k-carol", "ops": "k-ops"}
-SCOPES = {"alice": "", "bob": "", "carol": "@backlog", "ops": "@interactive+backlog+all-tenants"}
+KEYS = {"alice": "k-alice", "bob": "k-bob", "carol": "k-carol", "ops": "k-ops", "reader": "k-reader"}
+SCOPES = {"alice": "", "bob": "", "carol": "@backlog", "ops": "@interactive+backlog+all-tenants",
+          "reader": "@all-tenants"}  # fmt: skip
 OWNER = {name: hashlib.sha256(key.encode()).hexdigest()[:12] for name, key in KEYS.items()}
 AS = {name: {"Authorization": f"Bearer {key}"} for name, key in KEYS.items()}
 
@@ -64,7 +65,7 @@ def _result(api: TestClient, who: str, job_id: str) -> dict[str, Any]:
 def test_a_key_reads_only_its_own_jobs_results_and_events(api: TestClient, client: Client) -> None:
     job_id = _id("order")
     fence = {who: api.get("/v1/events", params={"after": "0"}, headers=AS[who]).json()["last_id"]
-             for who in ("alice", "bob")}  # fmt: skip
+             for who in ("alice", "bob", "reader")}  # fmt: skip
     assert _submit(api, "alice", job_id, "What colour is the parcel?", seed=1).status_code == 202
     mine = _result(api, "alice", job_id)
     assert mine["job_id"] == job_id  # as she named it
@@ -82,7 +83,11 @@ def test_a_key_reads_only_its_own_jobs_results_and_events(api: TestClient, clien
     assert [e["job_id"] for e in seen if e["job_id"] == job_id] == [job_id]
     bobs = api.get("/v1/events", params={"after": fence["bob"]}, headers=AS["bob"]).json()["events"]
     assert all(job_id not in json.dumps(e) for e in bobs)
-    # The all-tenants scope (ops tools) reads any job by its stored id.
+    # The all-tenants scope (ops tools) reads any job by its stored id, and follows the fleet's events
+    # (a read-only key, with no lane, too).
+    stored = tenants.job_id(OWNER["alice"], job_id)
+    assert stored in {e["job_id"] for e in _events(api, "reader", fence["reader"], stored)}
+    assert api.get(f"/v1/jobs/{stored}", headers=AS["reader"]).status_code == 200
     ops = api.get(f"/v1/jobs/{tenants.job_id(OWNER['alice'], job_id)}/result", headers=AS["ops"])
     assert ops.status_code == 200
     assert ops.json()["job_id"] == tenants.job_id(OWNER["alice"], job_id)

@@ -256,3 +256,42 @@ def test_a_batch_create_is_parsed_off_the_event_loop(monkeypatch: Any) -> None:
     with TestClient(create_app(Settings())) as api:
         api.post("/v1/batches", json={"input_file_id": "file-x", "endpoint": "/v1/chat/completions"})
     assert on_loop == [False]
+
+
+def test_a_chat_wait_ends_at_its_deadline_whatever_redis_or_s3_do() -> None:
+    """A look that blocks (a hung Redis: a 10 s socket timeout, retried) ran past the wait: a client
+    that gives up at its own timeout never learned the job id. Another fault (an S3 403, a Redis
+    MASTERDOWN) answered a 500 without the job. Both now end the wait at its deadline."""
+    from types import SimpleNamespace
+
+    from producer.openai_chat import Chat
+
+    class Hung:
+        async def result(self, *_args: Any) -> Any:
+            await asyncio.Event().wait()  # never answers
+
+    class Broken:
+        async def result(self, *_args: Any) -> Any:
+            raise PermissionError("S3 answered 403")
+
+    for waits in (Hung(), Broken()):
+        intake: Any = SimpleNamespace(settings=None, waits=waits, client=SimpleNamespace(result=None))
+        chat = Chat(intake, models=None, redis=lambda: None)  # type: ignore[arg-type]
+        # The outer bound only keeps a broken test from hanging the suite; the wait itself is 0.3 s.
+        assert asyncio.run(asyncio.wait_for(chat._answer("k~job", 0.3), 30)) is None
+
+
+def test_a_multipart_job_with_a_file_part_it_does_not_know_is_refused_by_name() -> None:
+    from fastapi.testclient import TestClient
+
+    from producer.api import create_app
+    from shared.settings import Settings
+
+    with TestClient(create_app(Settings())) as api:
+        files = [("image", ("a.jpg", b"x")), ("pad", ("pad.bin", b"0" * 1000))]
+        reply = api.post("/v1/jobs", files=files, data={"prompt": "p"})
+        assert reply.status_code == 422, reply.text
+        assert "pad" in reply.json()["error"]["message"]
+        two = api.post("/v1/jobs", files=[("image", ("a.jpg", b"x")), ("image", ("b.jpg", b"y"))],
+                       data={"prompt": "p"})  # fmt: skip
+        assert two.status_code == 422, two.text

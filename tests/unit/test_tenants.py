@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,47 @@ def test_keys_carry_lanes_and_the_all_tenants_scope() -> None:
     assert Keys("").caller(None, "10.0.0.1").namespace is None  # no keys: everything, as before
     with pytest.raises(ValueError, match="unknown lane"):
         Keys(f"{digest['k1']}@root")
+
+
+@pytest.mark.parametrize("job_id", ["nl-1\n", "a\n", "x" * 10 + "\n"])
+def test_an_id_ending_in_a_newline_is_no_job_id(job_id: str) -> None:
+    """`$` matched before a final newline: `nl-1\\n` was taken, its result key was one no store
+    writes, and the worker that ran it died at every delivery."""
+    from shared.jobs import JOB_ID_RE, limit_problem
+    from shared.settings import Settings
+
+    assert not JOB_ID_RE.match(job_id)
+    assert not tenants.STORED_JOB_ID_RE.match(tenants.job_id(A, job_id))
+    assert limit_problem(Settings(), "p", None, job_id) is not None
+    with pytest.raises(ValueError, match="job_id"):
+        Job.model_validate(
+            {"image_uri": "s3://m/x.jpg", "prompt": "p", "max_new_tokens": 1, "job_id": job_id}
+        )
+
+
+def test_mrcs_own_folders_are_never_a_source_and_owner_folders_ignore_case() -> None:
+    """With `*=s3://bucket/` allowed, bob named `results/<alice>~order-42.json`: it failed
+    `unsupported_image_format` where a missing one failed `image_not_found`, telling her job ids."""
+    wide = tenants.parse_sources("*=s3://mrc/")
+    for key in (f"results/{A}~order-42.json", f"files/{A}/file-1.jsonl", "runs/batch_1/input.jsonl",
+                f"RESULTS/{A}~x.json", f"inputs/{A.upper()}/{'0' * 64}.jpg"):  # fmt: skip
+        assert tenants.source_problem(f"s3://mrc/{key}", B, "mrc", "", wide) is not None, key
+    for key in (f"p/results/{A}~x.json", f"p/inputs/{A}/{'0' * 64}.jpg"):  # under MRC_S3_PREFIX too
+        assert tenants.source_problem(f"s3://mrc/{key}", B, "mrc", "p/", wide) is not None, key
+    assert tenants.source_problem(f"s3://mrc/inputs/{A.upper()}/x.jpg", A, "mrc", "", {}) is None  # own
+
+
+def test_the_cache_key_keeps_tenants_apart() -> None:
+    """A hit told bob that someone sent the same photo and question (`cached_tokens`)."""
+    from types import SimpleNamespace
+
+    from shared.settings import Settings
+    from workers.cache import job_cache_key
+
+    backend: Any = SimpleNamespace(model_id="m", revision="r", quantization="nf4")
+    plan: Any = SimpleNamespace(text="p", ids=[1, 2, 3])
+    keys = {
+        owner: job_cache_key(backend, Settings(), 4, "ab" * 32, plan, None, owner) for owner in (A, B, None)
+    }
+    assert len(set(keys.values())) == 3
+    assert keys[None] == job_cache_key(backend, Settings(), 4, "ab" * 32, plan)  # keyless: as before
