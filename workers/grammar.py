@@ -67,6 +67,14 @@ class Grammars:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def longest_token_chars(self) -> int:
+        """The most characters one token the grammar may allow decodes to (specials are empty, never
+        allowed): with max_new_tokens it bounds an answer's length, which the producer assumes is at
+        most MRC_MAX_TOKEN_CHARS (shared/schema_bounds.py)."""
+        pieces = self.info.decoded_vocab
+        return max((len(bytes(piece).decode("utf-8", "replace")) for piece in pieces), default=0)
+
     def constraint(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Constraint, float | None]:
         """A fresh row state for this format, and the seconds its compile took (None: cached)."""
         compiled, seconds = self.compiled(fmt)
@@ -79,7 +87,7 @@ class Grammars:
                 self._compiled.move_to_end(key)
                 return self._compiled[key], None
         began = time.perf_counter()
-        compiled = self._compile(fmt)  # outside the lock: formats compile in parallel on the lane pools
+        compiled = self.compile(fmt)  # outside the lock: formats compile in parallel on the lane pools
         seconds = time.perf_counter() - began
         with self._lock:
             self._compiled[key] = compiled
@@ -87,7 +95,7 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled, seconds
 
-    def _compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
+    def compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
         try:
             if isinstance(fmt, ChoiceFormat):
                 compiled = self.compiler.compile_grammar(choice_ebnf(fmt.choices))

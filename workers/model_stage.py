@@ -73,6 +73,13 @@ class ModelStage:
             cuda_graphs=self.captured, reserved_interactive=self.limits.reserved_interactive,
             hold_backlog=self.limits.hold_backlog,
         )  # fmt: skip
+        longest = getattr(getattr(backend, "grammars", None), "longest_token_chars", 0)
+        if longest > settings.max_token_chars:  # the producer's bound checks assume no longer token
+            logs.get_logger().warning(
+                "MRC_TOKEN_CHARS_EXCEEDED",
+                longest_token_chars=longest,
+                max_token_chars=settings.max_token_chars,
+            )
 
     @property
     def busy_ratio(self) -> float:
