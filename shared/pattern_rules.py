@@ -61,6 +61,27 @@ def bounded_repeats(pattern: str) -> Iterator[tuple[int, int, int]]:
                 stack.extend(branch)
 
 
+def spelled_out(pattern: str) -> int:
+    """How many characters and classes the pattern is once its bounded repeats are spelled out, as the
+    grammar library does (nested repeats multiply): what a compile's cost grows with."""
+    return _spelled(list(sre_parse.parse(pattern)))
+
+
+def _spelled(items: list[tuple[Any, Any]]) -> int:
+    total = 0
+    for op, value in items:
+        if op in _REPEATS:
+            low, high, item = value
+            total += (max(1, low) if high is sre.MAXREPEAT else high) * _spelled(list(item))
+        elif op is sre.SUBPATTERN:
+            total += _spelled(list(value[3]))
+        elif op is sre.BRANCH:
+            total += sum(_spelled(list(branch)) for branch in value[1])
+        elif op is not sre.AT:  # a character or a class; anchors spell nothing
+            total += 1
+    return total
+
+
 def _items(items: list[tuple[Any, Any]]) -> str | None:
     stack = list(items)
     while stack:

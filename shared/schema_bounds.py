@@ -75,6 +75,18 @@ def schema_problem(schema: dict[str, Any], reach: Reach) -> str | None:
     return None
 
 
+def costliest(schema: dict[str, Any]) -> str:
+    """The place of the pattern the grammar library spells out longest (what a slow compile is made
+    of), with its size; the schema itself when it has no pattern."""
+    best, place = 0, "response_format.schema"
+    for node, where in schema_rules.nodes(schema, ""):
+        pattern = node.get("pattern")
+        size = pattern_rules.spelled_out(pattern) if isinstance(pattern, str) else 0
+        if size > best:
+            best, place = size, f"{_place('' if where == '/' else where, 'pattern')} ({size} spelled out)"
+    return place
+
+
 def _place(where: str, key: str = "") -> str:
     """`/properties/note` and `pattern` -> `response_format.schema.properties.note.pattern`."""
     parts = [p for p in where.split("/") if p] + ([key] if key else [])

@@ -2,8 +2,9 @@
 cold through the worker's own code (workers/grammar.py), for several n, on the parcels model's
 vocabulary (448 tokens) and optionally on a synthetic one of Fuyu-8B's size (262,144 tokens; see
 tests/bench/bench_grammar_vocab.py for how it is made). xgrammar spells such a repeat out once per
-count, so the compile grows with n: bounds past what max_new_tokens can emit are refused at
-submission (shared/schema_bounds.py).
+count, so the compile grows with n; what the worker does about it: docs/design.md, "Structured
+answers" (bounds past max_new_tokens refused at submission, compiles off the delivery's path, with
+MRC_GRAMMAR_COMPILE_TIMEOUT_S).
 
     python tests/bench/bench_grammar_repeats.py [--repeats 500,2000,10000] [--vocab 262144]
 """
