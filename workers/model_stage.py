@@ -155,6 +155,7 @@ class ModelStage:
         while decodes:
             slot, ask, future = decodes.popleft()
             prepared = self._prepare(slot, future)
+            del future  # its result is the decoded image: nothing may hold it past the row's inputs
             if prepared is None:
                 self.grammars.forget(ask)  # failed before it needed one: a queued compile may go
             else:
@@ -168,13 +169,17 @@ class ModelStage:
         self._finish(failed)
 
     def _prepare(self, slot: Slot, decoding: Future[tuple[Any, float]]) -> tuple[Any, int] | None:
-        """The job's model inputs from its decoded image, or None (its error is set)."""
+        """The job's model inputs from its decoded image, or None (its error is set). What the result
+        needs of the image (its size) is kept; the decoded tensor (on the device, ~120 MB at the pixel
+        limit) and the fetched bytes are not: they would stay in memory until the delivery's last row."""
         decoded, seconds = decoding.result()
         slot.timings["preprocess"] += seconds * 1000
+        if slot.encoded is not None:
+            slot.encoded = slot.encoded.without_bytes()
         if isinstance(decoded, MrcError):
             slot.error = decoded
             return None
-        slot.decoded = decoded
+        slot.decoded_size = decoded.size
         built, seconds = stages.timed("preparing the model inputs", partial(self._inputs, slot, decoded))
         slot.timings["preprocess"] += seconds * 1000
         if isinstance(built, MrcError):

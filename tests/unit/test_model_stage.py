@@ -1,20 +1,24 @@
 """The model stage of a delivery over the echo model (issue 36): a grammar that compiles slowly holds
-neither the jobs beside it nor a second compile of itself (item 9). States and counts only: the slow
-compile is a stand-in the test holds and releases."""
+neither the jobs beside it nor a second compile of itself (item 9), and a job keeps nothing of its
+decoded image but its size once its model inputs are built, nor its inputs once its row is done
+(item 10). States and counts only: the slow compile is a stand-in the test holds and releases."""
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import pytest
+import torch
 
 from shared import response_format as rf
 from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
-from workers.backends.echo import EchoBackend
+from workers.backends.base import GenerationInput
+from workers.backends.echo import EchoBackend, EchoRows, EchoSteps
 from workers.pipeline import Pipeline, assemble
 from workers.slots import Message
 
@@ -113,3 +117,62 @@ def test_a_slow_grammar_holds_neither_the_jobs_beside_it_nor_a_second_compile(st
     # Once it ends, its grammar is kept: the format's next job runs without compiling it again.
     assert pipeline.run([_job("held-later", response_format=slow)]) == ["succeeded"]
     assert sum("slow" in c for c in grammars.compiles) == 1
+
+
+# ------------------------------------------------------------------ item 10: what a job keeps
+class Watched(EchoBackend):
+    """The echo model, watching what stays alive: at every decode step, a running row's decoded image
+    must be gone (its inputs are built), and so must the inputs of every row that has finished. No
+    garbage collection is forced: freed means freed at once, by reference counting (a GPU tensor
+    held until the collector runs holds its device memory as long)."""
+
+    def __init__(self) -> None:
+        super().__init__(token_s=0.001)  # paced: every answer takes its whole max_new_tokens
+        self.images: dict[str, weakref.ref[torch.Tensor]] = {}
+        self.inputs: dict[str, weakref.ref[GenerationInput]] = {}
+        self.seen: set[str] = set()  # prompts of rows that have run
+        self.alive: list[tuple[str, str]] = []
+        self.steps = 0
+
+    def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
+        """Inputs that are not the image (as a real model's patches are not): a view of the same shape
+        over three bytes."""
+        height, width = item.image.shape[-2:]
+        self.images[item.prompt] = weakref.ref(item.image)
+        shaped = torch.zeros((3, 1, 1), dtype=torch.uint8).expand(3, height, width)
+        inputs = GenerationInput(shaped, item.prompt, item.max_new_tokens, item.prompt_ids)
+        self.inputs[item.prompt] = weakref.ref(inputs)
+        return inputs, self.image_tokens(height, width) + len(item.prompt.split())
+
+    def step_model(self, slots: int = 2, positions: int | None = None) -> EchoSteps:
+        return WatchedSteps(self)
+
+
+class WatchedSteps(EchoSteps):
+    backend: Watched
+
+    def decode(self, batch: EchoRows, last_tokens: list[int], masks: Any = None) -> list[int]:
+        watched = self.backend
+        running = {batch.scripts[row_id][1].prompt for row_id in batch.row_ids}
+        watched.steps += 1
+        watched.alive += [("image", p) for p in running if watched.images[p]() is not None]
+        finished = watched.seen - running  # no row is paused here: a row gone from the batch is done
+        watched.alive += [("inputs", p) for p in finished if watched.inputs[p]() is not None]
+        watched.seen |= running
+        return super().decode(batch, last_tokens, masks)
+
+
+def test_a_job_keeps_its_images_size_not_its_pixels_nor_its_finished_inputs(store: MemoryStore) -> None:
+    backend = Watched()
+    pipeline = _pipeline(store, backend)
+    messages = [
+        _job("short", prompt="short one", max_new_tokens=2),
+        _job("long", prompt="long one", max_new_tokens=12),
+    ]
+    assert pipeline.run(messages) == ["succeeded", "succeeded"]
+    assert backend.steps >= 10  # the long row decoded on long after the short one finished
+    assert backend.alive == []
+    for job_id in ("short", "long"):
+        image = store.get_result(job_id)["image"]
+        assert (image["width"], image["height"]) == (64, 48)
+        assert image["sha256"]
