@@ -111,7 +111,7 @@ class Compiles:
             if now >= deadline:
                 self._end(wait)
                 return Verdict(state)
-            return Verdict("waiting", max(0.0, min(deadline, *self._next_overdue()) - now))
+            return Verdict("waiting", min([deadline, *self._next_overdue(now)]) - now)
 
     def give_up(self, wait: Wait) -> None:
         """This job stops waiting (it failed before it needed the grammar)."""
@@ -149,12 +149,15 @@ class Compiles:
                 self._overdue += 1
         self._dispatch()
 
-    def _next_overdue(self) -> list[float]:
-        return [
+    def _next_overdue(self, now: float) -> list[float]:
+        """When running compiles will pass their limit (still ahead: one already past it that could not
+        give its place waits for an overdue one to end, which no clock tells)."""
+        moments = [
             c.started_at + self.limit_s
             for c in self._flight.values()
             if c.started_at is not None and not c.overdue and not c.future.done()
         ]
+        return [moment for moment in moments if moment > now]
 
     def _end(self, wait: Wait) -> None:
         if wait.ended:

@@ -247,3 +247,18 @@ def test_a_queued_compile_whose_only_job_failed_first_is_never_run(held: Held) -
     held.release("a")
     assert _done(a) == "grammar:a"
     assert held.started == ["a"]
+
+
+def test_a_queued_job_never_spins_while_the_compile_ahead_of_it_cannot_give_its_place(held: Held) -> None:
+    clock = Clock()
+    compiles = Compiles(limit_s=5.0, threads=1, overdue=0, clock=clock)
+    a = compiles.request("a", held.work("a"))
+    assert held.ran("a").wait(GUARD_S)
+    clock.now += 1.0
+    b = compiles.request("b", held.work("b"))
+    clock.now += 4.0  # a is past its limit but has no overdue place to go to
+    assert compiles.poll(a).state == "overdue"
+    verdict = compiles.poll(b)
+    assert (verdict.state, verdict.wait_s) == ("waiting", 1.0)  # its own limit, not 0 again and again
+    clock.now += 1.0
+    assert compiles.poll(b).state == "busy"
