@@ -60,8 +60,9 @@ class HeldGrammars:
         self.compiles.append(rf.canonical(fmt))
         if "slow" in rf.canonical(fmt):
             self.release.wait(GUARD_S)
-            self.returned.set()
         self.kept[rf.digest(fmt)] = "grammar"
+        if "slow" in rf.canonical(fmt):
+            self.returned.set()  # kept first: the next job of the format finds it
         return "grammar", 0.0
 
     def matcher(self, compiled: Any) -> Any:
@@ -114,6 +115,7 @@ def test_a_slow_grammar_holds_neither_the_jobs_beside_it_nor_a_second_compile(st
     finally:
         grammars.release.set()
         delivery.join(GUARD_S)
+    assert grammars.returned.wait(GUARD_S)
     # Once it ends, its grammar is kept: the format's next job runs without compiling it again.
     assert pipeline.run([_job("held-later", response_format=slow)]) == ["succeeded"]
     assert sum("slow" in c for c in grammars.compiles) == 1
