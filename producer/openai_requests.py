@@ -244,6 +244,9 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
     problem = limit_problem(settings, prompt, max_new, job_id, response_formats.parse(fmt))
     if problem:
         where = "metadata.job_id" if problem.startswith("job_id") else prompt_param
+        if problem.startswith("response_format"):  # its size, or a bound max_new_tokens cannot meet
+            where = "response_format.json_schema.schema"
+            problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
     uri, data = _image(image.url, settings, image_param)
     return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)

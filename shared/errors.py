@@ -99,6 +99,14 @@ class InternalError(MrcError):
     code = "internal_error"
 
 
+class CompilerBusy(InternalError):
+    """The job's grammar could not start compiling within MRC_GRAMMAR_COMPILE_TIMEOUT_S: the worker's
+    compile threads were all taken by other formats past their limit. Not the job's format's fault:
+    it is retried later."""
+
+    retryable = True
+
+
 class Abandoned(InternalError):
     """The job killed every worker that ran it alone; it is dead-lettered so a person can requeue it."""
 

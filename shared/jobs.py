@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shared import encoding, tenants
 from shared.errors import InvalidJob, MrcError
-from shared.response_format import ResponseFormat, canonical, size_problem
+from shared.response_format import ResponseFormat, canonical, reach_problem, size_problem
 from shared.settings import Settings
 
 JOB_SCHEMA = "mrc.job/1"
@@ -72,7 +72,10 @@ def limit_problem(
     if job_id is not None and not JOB_ID_RE.match(job_id):
         return f"job_id {job_id[:40]!r}: {JOB_ID_RULE}"
     if response_format is not None:
-        return size_problem(response_format, settings.max_response_format_bytes, settings.max_choices)
+        tokens = settings.max_new_tokens_default if max_new_tokens is None else max_new_tokens
+        return size_problem(
+            response_format, settings.max_response_format_bytes, settings.max_choices
+        ) or reach_problem(response_format, tokens, settings.max_token_chars)
     return None
 
 

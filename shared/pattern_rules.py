@@ -14,6 +14,7 @@ both read the same way: literal printable characters and positive classes of the
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from re import _constants as sre  # type: ignore[attr-defined]  # the stdlib's own, typeshed has no stubs
 from re import _parser as sre_parse  # type: ignore[attr-defined]  # Python's parser, as `re` reads it
 from typing import Any
@@ -34,6 +35,51 @@ def problem(pattern: str) -> str | None:
     if parsed.state.flags & ~_UNICODE:
         return "inline flags ((?i), (?s), ...) are not enforced by the decoder"
     return _items(list(parsed))
+
+
+def shortest(pattern: str) -> int:
+    """The fewest characters a match of this (accepted) pattern has: repeats multiply, nested too."""
+    return int(sre_parse.parse(pattern).getwidth()[0])
+
+
+def bounded_repeats(pattern: str) -> Iterator[tuple[int, int, int]]:
+    """Each repeat of this (accepted) pattern with an upper bound (`{m,n}`, `?`), nested ones too, as
+    (m, n, the fewest characters one repetition has). The grammar library spells such a repeat out
+    once per count, which is what makes its compile slow (issue 36: quadratic in n)."""
+    stack = list(sre_parse.parse(pattern))
+    while stack:
+        op, value = stack.pop()
+        if op in _REPEATS:
+            low, high, item = value
+            if high is not sre.MAXREPEAT:
+                yield int(low), int(high), int(item.getwidth()[0])
+            stack.extend(item)
+        elif op is sre.SUBPATTERN:
+            stack.extend(value[3])
+        elif op is sre.BRANCH:
+            for branch in value[1]:
+                stack.extend(branch)
+
+
+def spelled_out(pattern: str) -> int:
+    """How many characters and classes the pattern is once its bounded repeats are spelled out, as the
+    grammar library does (nested repeats multiply): what a compile's cost grows with."""
+    return _spelled(list(sre_parse.parse(pattern)))
+
+
+def _spelled(items: list[tuple[Any, Any]]) -> int:
+    total = 0
+    for op, value in items:
+        if op in _REPEATS:
+            low, high, item = value
+            total += (max(1, low) if high is sre.MAXREPEAT else high) * _spelled(list(item))
+        elif op is sre.SUBPATTERN:
+            total += _spelled(list(value[3]))
+        elif op is sre.BRANCH:
+            total += sum(_spelled(list(branch)) for branch in value[1])
+        elif op is not sre.AT:  # a character or a class; anchors spell nothing
+            total += 1
+    return total
 
 
 def _items(items: list[tuple[Any, Any]]) -> str | None:

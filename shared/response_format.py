@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from shared import encoding, schema_rules, schema_values
+from shared import encoding, schema_bounds, schema_rules, schema_values
 
 # A ceiling whatever the deployment's own (smaller) limit says: checked before the schema is walked.
 HARD_MAX_BYTES = 1 << 20
@@ -143,6 +143,14 @@ def size_problem(fmt: JsonSchemaFormat | ChoiceFormat, max_bytes: int, max_choic
     if isinstance(fmt, ChoiceFormat) and len(fmt.choices) > max_choices:
         return f"response_format has {len(fmt.choices)} choices; the limit is {max_choices}"
     return None
+
+
+def reach_problem(fmt: JsonSchemaFormat | ChoiceFormat, tokens: int, token_chars: int) -> str | None:
+    """A bound the job's max_new_tokens can never meet or reach (shared/schema_bounds.py), by place."""
+    reach = schema_bounds.Reach(tokens, token_chars)
+    if isinstance(fmt, ChoiceFormat):
+        return schema_bounds.choices_problem(fmt.choices, reach)
+    return schema_bounds.schema_problem(fmt.schema_, reach)
 
 
 def read_output(fmt: JsonSchemaFormat | ChoiceFormat, text: str) -> Any:

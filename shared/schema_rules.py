@@ -56,10 +56,10 @@ _BESIDE_ALONE = ANNOTATIONS | {"$defs", "definitions"}
 
 def problem(schema: dict[str, Any]) -> str | None:
     """Why the decoder cannot enforce this (valid) schema, or None."""
-    return _first(_node_problem(node, where) for node, where in _nodes(schema, "")) or _finite_problem(schema)
+    return _first(_node_problem(node, where) for node, where in nodes(schema, "")) or _finite_problem(schema)
 
 
-def _nodes(schema: object, path: str) -> Iterator[tuple[dict[str, Any], str]]:
+def nodes(schema: object, path: str) -> Iterator[tuple[dict[str, Any], str]]:
     """Every subschema that is an object, with its place (iterative: no recursion limit to hit)."""
     stack = [(schema, path)]
     while stack:
@@ -259,11 +259,11 @@ def _finite_problem(schema: dict[str, Any]) -> str | None:
     """A least fixpoint over the local references: a subschema is finite when some answer of it can
     be written out. None when the root is."""
     targets: dict[str, Any] = {}
-    for node, where in _nodes(schema, ""):
+    for node, where in nodes(schema, ""):
         ref = node.get("$ref")
         if isinstance(ref, str) and ref not in targets:
-            target = _resolve(schema, ref)
-            if target is _NOWHERE:
+            target = resolve(schema, ref)
+            if target is NOWHERE:
                 return f"at {_at(where, '$ref')}: {ref[:80]!r} points at nothing in this schema"
             targets[ref] = target
     cycle = _bare_cycle(targets)
@@ -285,7 +285,7 @@ def _finite_problem(schema: dict[str, Any]) -> str | None:
     )
 
 
-_NOWHERE = object()
+NOWHERE = object()
 
 
 def _bare_cycle(targets: dict[str, Any]) -> str | None:
@@ -303,7 +303,7 @@ def _bare_cycle(targets: dict[str, Any]) -> str | None:
     return None
 
 
-def _resolve(root: dict[str, Any], ref: str) -> Any:
+def resolve(root: dict[str, Any], ref: str) -> Any:
     """A local reference (`#`, `#/$defs/a`, any JSON pointer) to the subschema it names."""
     pointer = unquote(ref.removeprefix("#"))
     node: Any = root
@@ -314,7 +314,7 @@ def _resolve(root: dict[str, Any], ref: str) -> Any:
         elif isinstance(node, list) and name.isdigit() and int(name) < len(node):
             node = node[int(name)]
         else:
-            return _NOWHERE
+            return NOWHERE
     return node
 
 

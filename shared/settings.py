@@ -186,6 +186,14 @@ class Settings(BaseSettings):
     max_response_format_bytes: int = Field(default=16384, ge=64)
     max_choices: int = Field(default=64, ge=1)
     grammar_cache_size: int = Field(default=256, ge=1)
+    # The most characters one token of the served model's vocabulary decodes to: an answer of N tokens
+    # holds at most N x this many, and a schema bound past that is refused at submission
+    # (shared/schema_bounds.py). The worker logs MRC_TOKEN_CHARS_EXCEEDED when its vocabulary has a
+    # longer token (then a few schemas an answer could just meet are refused, never the reverse).
+    max_token_chars: int = Field(default=32, ge=1)
+    # How long a job waits for its grammar's compile to run (workers/grammar_compiles.py) before it
+    # fails `invalid_job`; the compile cannot be interrupted and finishes off the delivery's path.
+    grammar_compile_timeout_s: float = Field(default=10.0, gt=0)
     max_prompt_tokens: int = Field(default=512, ge=1)
     truncate_prompts: bool = True
     max_image_bytes: int = Field(default=32 * 1024 * 1024, ge=1)

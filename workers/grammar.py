@@ -67,27 +67,49 @@ class Grammars:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def constraint(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Constraint, float | None]:
-        """A fresh row state for this format, and the seconds its compile took (None: cached)."""
-        compiled, seconds = self.compiled(fmt)
-        return Constraint(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.guard), seconds
+    @property
+    def longest_token_chars(self) -> int:
+        """The most characters one token the grammar may allow decodes to (specials are empty, never
+        allowed): with max_new_tokens it bounds an answer's length, which the producer assumes is at
+        most MRC_MAX_TOKEN_CHARS (shared/schema_bounds.py)."""
+        pieces = self.info.decoded_vocab
+        return max((len(bytes(piece).decode("utf-8", "replace")) for piece in pieces), default=0)
 
-    def compiled(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Any, float | None]:
+    def constraint(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Constraint, float | None]:
+        """A fresh row state for this format, and the seconds its compile took (None: cached). Compiles
+        here, on the caller's thread: the worker's delivery path asks through workers/grammar_compiles.py
+        instead, which compiles off it with a time limit."""
+        compiled = self.cached(fmt)
+        if compiled is not None:
+            return self.matcher(compiled), None
+        compiled, seconds = self.compile_and_keep(fmt)
+        return self.matcher(compiled), seconds
+
+    def matcher(self, compiled: Any) -> Constraint:
+        """A fresh row state over a compiled grammar."""
+        return Constraint(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.guard)
+
+    def cached(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any | None:
+        """The compiled grammar kept for this format (by its canonical hash), or None."""
         key = digest(fmt)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
-                return self._compiled[key], None
+                return self._compiled[key]
+        return None
+
+    def compile_and_keep(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Any, float]:
+        """Compile (InvalidJob when it does not), keep it, and say how many seconds it took."""
         began = time.perf_counter()
-        compiled = self._compile(fmt)  # outside the lock: formats compile in parallel on the lane pools
+        compiled = self.compile(fmt)
         seconds = time.perf_counter() - began
         with self._lock:
-            self._compiled[key] = compiled
+            self._compiled[digest(fmt)] = compiled
             while len(self._compiled) > self.keep:
                 self._compiled.popitem(last=False)
         return compiled, seconds
 
-    def _compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
+    def compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
         try:
             if isinstance(fmt, ChoiceFormat):
                 compiled = self.compiler.compile_grammar(choice_ebnf(fmt.choices))

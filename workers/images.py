@@ -10,6 +10,7 @@ what torchvision cannot or should not (PNG, BMP, animated images: first frame on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import struct
@@ -60,6 +61,19 @@ class EncodedImage:
     frames: int = 1
     sha256: str = ""  # of the bytes themselves: what the result reports and the cache keys on
 
+    def without_bytes(self) -> EncodedImage:
+        """What a job keeps once its bytes are decoded (or answered from the cache): the header's facts
+        and the hash, for its result; not up to MRC_MAX_IMAGE_BYTES until its delivery ends."""
+        return dataclasses.replace(self, data=b"")
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """What the result needs of a decoded image: its size as decoded (oriented)."""
+
+    width: int
+    height: int
+
 
 @dataclass(frozen=True)
 class DecodedImage:
@@ -67,6 +81,10 @@ class DecodedImage:
     format: str
     height: int  # of the image as decoded (oriented), whatever the tensor was shrunk to since
     width: int
+
+    @property
+    def size(self) -> ImageSize:
+        return ImageSize(self.width, self.height)
 
 
 def fetch(source: ImageSource, uri: str, sources: Mapping[str, str], max_bytes: int) -> bytes:

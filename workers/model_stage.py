@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from shared import encoding, logs
 from shared.errors import AnswerIncomplete, InternalError, InvalidJob, ModelError, MrcError, WorkerUnusable
-from shared.response_format import ChoiceFormat, JsonSchemaFormat, read_output
+from shared.response_format import read_output
 from shared.settings import Settings
 from workers import images, stages
 from workers.admission import Admission
@@ -25,9 +27,20 @@ from workers.backends.base import GenerationInput, ModelBackend
 from workers.engine import capacity, scheduler
 from workers.engine.sequence import Sequence as Row
 from workers.engine.service import EngineService
-from workers.grammar import Constraint
 from workers.metrics import Metrics
+from workers.row_grammars import Ask, RowGrammars
 from workers.slots import Slot
+
+
+@dataclass(eq=False)
+class _Parked:
+    """A job whose model inputs are built, waiting for its grammar to settle before its row is made."""
+
+    slot: Slot
+    ask: Ask
+    inputs: Any
+    positions: int
+    wait_s: float = 0.0
 
 
 class ModelStage:
@@ -46,6 +59,7 @@ class ModelStage:
         self._busy_s = 0.0
         self._first_batch_at: float | None = None
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across deliveries
+        self.grammars = RowGrammars(backend, settings.grammar_compile_timeout_s, metrics)
         self.engine_at = time.monotonic()  # the engine's last step (monotonic), for /healthz
         # The cache: slots of `positions` each (one row to its longest), as many as memory holds, at most
         # the settings' (workers/engine/capacity.py); allocated once, here.
@@ -73,6 +87,13 @@ class ModelStage:
             cuda_graphs=self.captured, reserved_interactive=self.limits.reserved_interactive,
             hold_backlog=self.limits.hold_backlog,
         )  # fmt: skip
+        longest = getattr(getattr(backend, "grammars", None), "longest_token_chars", 0)
+        if longest > settings.max_token_chars:  # the producer's bound checks assume no longer token
+            logs.get_logger().warning(
+                "MRC_TOKEN_CHARS_EXCEEDED",
+                longest_token_chars=longest,
+                max_token_chars=settings.max_token_chars,
+            )
 
     @property
     def busy_ratio(self) -> float:
@@ -114,70 +135,110 @@ class ModelStage:
         return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
 
     def run(self, slots: list[Slot]) -> None:
-        """Decode each image in the pool, hand each job to the engine as soon as it is ready, and
-        send each result off as its row finishes."""
+        """Decode each image in the pool, hand each job to the engine as soon as its inputs and its
+        grammar are ready, and send each result off as its row finishes. A job whose grammar is still
+        compiling waits beside the engine's rows, never in front of the jobs after it."""
         live = [s for s in slots if s.live]
         if not live:
             return
         with self._lock:
             if self._first_batch_at is None:
                 self._first_batch_at = time.perf_counter()
-        decodes = [(slot, self._pool.submit(slot, self._decode_one, slot)) for slot in live]
+        # Compiles start now, beside the decodes (workers/row_grammars.py).
+        asks = [self.grammars.ask(slot.job.response_format if slot.job else None) for slot in live]
+        decodes = deque(
+            (slot, ask, self._pool.submit(slot, self._decode_one, slot))
+            for slot, ask in zip(live, asks, strict=True)
+        )
         rows: dict[Future[Row], Slot] = {}
-        for slot, future in decodes:
-            decoded, seconds = future.result()
-            slot.timings["preprocess"] += seconds * 1000
-            if isinstance(decoded, MrcError):
-                slot.error = decoded
-                continue
-            slot.decoded = decoded
-            row, seconds = stages.timed("preparing the model inputs", partial(self._row, slot))
-            slot.timings["preprocess"] += seconds * 1000
-            if isinstance(row, MrcError):
-                slot.error = row
-                continue
-            rows[self.engine.submit(row)] = slot
-        failed: list[Slot] = []  # model errors: written once the streak rule has judged them
-        for done in as_completed(rows):
-            slot = rows[done]
-            self._take_row(slot, done.result())  # raises WorkerUnusable when the engine died
-            if isinstance(slot.error, ModelError):
-                failed.append(slot)
+        parked: list[_Parked] = []
+        while decodes:
+            slot, ask, future = decodes.popleft()
+            prepared = self._prepare(slot, future)
+            del future  # its result is the decoded image: nothing may hold it past the row's inputs
+            if prepared is None:
+                self.grammars.forget(ask)  # failed before it needed one: a queued compile may go
             else:
-                self._finish([slot])
+                parked.append(_Parked(slot, ask, *prepared))
+                parked = self._hand_over(parked, rows)
+        failed = self._follow(parked, rows)
         self.metrics.busy_ratio.set(self.busy_ratio)
         if rows:
             errors = [s.error for s in failed if isinstance(s.error, ModelError)]
             self._watch_failures(len(failed) < len(rows), errors)
         self._finish(failed)
 
-    def _row(self, slot: Slot) -> Row:
-        assert slot.decoded is not None
+    def _prepare(self, slot: Slot, decoding: Future[tuple[Any, float]]) -> tuple[Any, int] | None:
+        """The job's model inputs from its decoded image, or None (its error is set). What the result
+        needs of the image (its size) is kept; the decoded tensor (on the device, ~120 MB at the pixel
+        limit) and the fetched bytes are not: they would stay in memory until the delivery's last row."""
+        decoded, seconds = decoding.result()
+        slot.timings["preprocess"] += seconds * 1000
+        if slot.encoded is not None:
+            slot.encoded = slot.encoded.without_bytes()
+        if isinstance(decoded, MrcError):
+            slot.error = decoded
+            return None
+        slot.decoded_size = decoded.size
+        built, seconds = stages.timed("preparing the model inputs", partial(self._inputs, slot, decoded))
+        slot.timings["preprocess"] += seconds * 1000
+        if isinstance(built, MrcError):
+            slot.error = built
+            return None
+        return built
+
+    def _inputs(self, slot: Slot, decoded: images.DecodedImage) -> tuple[Any, int]:
         assert slot.plan is not None
         assert slot.job is not None
-        job, plan = slot.job, slot.plan
-        item = GenerationInput(slot.decoded.tensor, plan.text, job.max_new_tokens, plan.ids)
-        constraint = self._constraint(job.response_format)
+        item = GenerationInput(decoded.tensor, slot.plan.text, slot.job.max_new_tokens, slot.plan.ids)
         inputs, positions = self.backend.row_inputs(item)
-        return Row(
-            self.engine.row_id(job.job_id), inputs, positions, job.max_new_tokens, self.backend.eos_id,
-            lane=job.lane, alone=slot.suspect, deadline=self.admission.deadline_s(job), constraint=constraint,
-        )  # fmt: skip
+        return inputs, positions
 
-    def _constraint(self, fmt: JsonSchemaFormat | ChoiceFormat | None) -> Constraint | None:
-        """The row's grammar (compiled here, on the lane's pool, once per format); InvalidJob when the
-        format does not compile or this model cannot constrain answers."""
-        if fmt is None:
-            return None
-        grammars = getattr(self.backend, "grammars", None)
-        if grammars is None:
-            raise InvalidJob(f"the model backend {self.backend.model_id!r} cannot constrain answers")
-        constraint: Constraint
-        constraint, seconds = grammars.constraint(fmt)
-        self.metrics.grammar_cache.labels(result="miss" if seconds is not None else "hit").inc()
-        if seconds is not None:
-            self.metrics.grammar_compile.labels(type=fmt.type).observe(seconds)
-        return constraint
+    def _hand_over(self, parked: list[_Parked], rows: dict[Future[Row], Slot]) -> list[_Parked]:
+        """Submit every parked job whose grammar is settled; a job whose grammar failed gets its result
+        at once. The rest stay parked."""
+        still = []
+        for job in parked:
+            settled = self.grammars.settle(job.ask)
+            if isinstance(settled, float):
+                job.wait_s = settled
+                still.append(job)
+            elif isinstance(settled, MrcError):
+                job.slot.error = settled
+                self._finish([job.slot])
+            else:
+                rows[self.engine.submit(self._row(job, settled))] = job.slot
+        return still
+
+    def _follow(self, parked: list[_Parked], rows: dict[Future[Row], Slot]) -> list[Slot]:
+        """Take each row back as it finishes and hand over parked jobs as their grammars settle; the
+        model errors, to be written once the streak rule has judged them."""
+        failed: list[Slot] = []
+        taken: set[Future[Row]] = set()
+        while parked or len(taken) < len(rows):
+            running = set(rows) - taken
+            compiling = {job.ask.future for job in parked if job.ask.future is not None}
+            timeout = min((job.wait_s for job in parked), default=None)
+            done, _ = wait(running | compiling, timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in done & running:
+                taken.add(future)
+                slot = rows[future]
+                self._take_row(slot, future.result())  # raises WorkerUnusable when the engine died
+                if isinstance(slot.error, ModelError):
+                    failed.append(slot)
+                else:
+                    self._finish([slot])
+            parked = self._hand_over(parked, rows)
+        return failed
+
+    def _row(self, job: _Parked, constraint: Any) -> Row:
+        slot = job.slot
+        assert slot.job is not None
+        return Row(
+            self.engine.row_id(slot.job.job_id), job.inputs, job.positions, slot.job.max_new_tokens,
+            self.backend.eos_id, lane=slot.job.lane, alone=slot.suspect,
+            deadline=self.admission.deadline_s(slot.job), constraint=constraint,
+        )  # fmt: skip
 
     def _take_row(self, slot: Slot, row: Row) -> None:
         """What the engine made of one job: its text, or its own error; the failure streak."""

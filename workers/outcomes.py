@@ -32,7 +32,7 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
     total_ms = max(0.0, (parse_rfc3339(finished).timestamp() - submitted_s) * 1000)
     started = slot.admitted_at if slot.admitted_at is not None else slot.received
     queued_ms = max(0.0, (started - submitted_s) * 1000)
-    size = slot.decoded or slot.encoded
+    size = slot.decoded_size or slot.encoded
     prompt = PromptInfo(chars=len(job.prompt) if job else 0)
     if slot.plan:
         prompt = PromptInfo(
@@ -144,7 +144,7 @@ def report(slot: Slot, result: JobResult, backend: ModelBackend, metrics: Metric
 
 
 def _image_tokens(slot: Slot, backend: ModelBackend) -> int:
-    size = slot.decoded or slot.encoded
+    size = slot.decoded_size or slot.encoded
     return backend.image_tokens(size.height, size.width) if size else 0
 
 

@@ -285,6 +285,8 @@ class Pipeline:
             hit = _usable_hit(slot, hit)
             self.metrics.cache.labels(result="hit" if hit else "miss").inc()
             if hit is not None:
+                assert slot.encoded is not None
+                slot.encoded = slot.encoded.without_bytes()  # never decoded: the result needs its hash
                 slot.text, slot.output_tokens, slot.cache_hit = (
                     str(hit["text"]),
                     int(hit["output_tokens"]),

@@ -34,8 +34,11 @@ class Slot:
     error: MrcError | None = None
     outcome: Outcome | None = None
     attempts: int = 1
-    encoded: images.EncodedImage | None = None
-    decoded: images.DecodedImage | None = None
+    encoded: images.EncodedImage | None = None  # its bytes dropped once decoded (without_bytes)
+    # The decoded image's size: all the result needs of it. The decoded tensor itself is never kept
+    # here (workers/model_stage.py): on a GPU it is the full image on the device until its row's
+    # inputs are built, and a slot lives as long as its delivery.
+    decoded_size: images.ImageSize | None = None
     plan: PromptPlan | None = None
     text: str | None = None
     output: Any = None  # the answer read as its response_format asked (parsed JSON, or the choice)

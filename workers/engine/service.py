@@ -106,6 +106,9 @@ class EngineService:
 
     def _finished(self, row: Sequence) -> None:
         future = self._futures.pop(row.row_id, None)
+        # A finished row is never recomputed: its inputs (the image's patches, on the device) go now,
+        # not when the last row of its delivery is handed back.
+        row.inputs = None
         if row.first_admitted_at is not None:
             self.metrics.admission_wait.labels(lane=row.lane).observe(
                 max(0.0, row.first_admitted_at - row.submitted_at)

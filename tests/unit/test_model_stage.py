@@ -1,0 +1,180 @@
+"""The model stage of a delivery over the echo model (issue 36): a grammar that compiles slowly holds
+neither the jobs beside it nor a second compile of itself (item 9), and a job keeps nothing of its
+decoded image but its size once its model inputs are built, nor its inputs once its row is done
+(item 10). States and counts only: the slow compile is a stand-in the test holds and releases."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+from shared import response_format as rf
+from shared.memory_records import MemoryJobRecords
+from shared.settings import Settings
+from shared.stores.memory import MemoryStore
+from tests.support import imagegen
+from workers.backends.base import GenerationInput
+from workers.backends.echo import EchoBackend, EchoRows, EchoSteps
+from workers.pipeline import Pipeline, assemble
+from workers.slots import Message
+
+GUARD_S = 15.0  # how long a held compile or a wait for results lasts at most, should the test fail
+ANSWER = "64x48: refund?"  # the echo model's answer to the prompt "refund?" about a 64x48 photo
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    s = MemoryStore("mrc")
+    s.put_bytes("inputs/good.jpg", imagegen.photo(64, 48), "image/jpeg")
+    return s
+
+
+def _job(job_id: str, prompt: str = "refund?", **fields: Any) -> Message:
+    body = {"job_id": job_id, "image_uri": "s3://mrc/inputs/good.jpg", "prompt": prompt, "max_new_tokens": 8}
+    return Message(job_id, {**body, **fields})
+
+
+def _pipeline(store: MemoryStore, backend: EchoBackend, **settings: Any) -> Pipeline:
+    return assemble(backend, store, store, MemoryJobRecords(), Settings(**settings), sleep=lambda _s: None)
+
+
+# ------------------------------------------------------------------ item 9: a slow grammar compile
+class HeldGrammars:
+    """The backend's grammars with a compile the test holds: any format holding the choice "slow".
+    A compiled grammar is a free row here (the echo model applies no mask)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.returned = threading.Event()  # the held compile has ended
+        self.compiles: list[str] = []
+        self.kept: dict[str, str] = {}
+
+    def cached(self, fmt: Any) -> Any:
+        return self.kept.get(rf.digest(fmt))
+
+    def compile_and_keep(self, fmt: Any) -> tuple[Any, float]:
+        self.compiles.append(rf.canonical(fmt))
+        if "slow" in rf.canonical(fmt):
+            self.release.wait(GUARD_S)
+        self.kept[rf.digest(fmt)] = "grammar"
+        if "slow" in rf.canonical(fmt):
+            self.returned.set()  # kept first: the next job of the format finds it
+        return "grammar", 0.0
+
+    def matcher(self, compiled: Any) -> Any:
+        return None
+
+    def constraint(self, fmt: Any) -> tuple[Any, float | None]:  # the interface before issue 36
+        if self.cached(fmt) is not None:
+            return None, None
+        return None, self.compile_and_keep(fmt)[1]
+
+
+def _written(store: MemoryStore) -> set[str]:
+    return {
+        key.removeprefix("results/").removesuffix(".json") for _b, key in store.objects if "results/" in key
+    }
+
+
+def _code(store: MemoryStore, job_id: str) -> str | None:
+    result = store.get_result(job_id)
+    assert result is not None, job_id
+    return result["error"]["code"] if result["error"] else None
+
+
+def test_a_slow_grammar_holds_neither_the_jobs_beside_it_nor_a_second_compile(store: MemoryStore) -> None:
+    backend = EchoBackend()
+    grammars = HeldGrammars()
+    backend.grammars = grammars  # type: ignore[assignment]
+    pipeline = _pipeline(store, backend, grammar_compile_timeout_s=0.2)
+    slow = {"type": "choice", "choices": [ANSWER, "slow"]}
+    quick = {"type": "choice", "choices": [ANSWER, "quick"]}
+    first = [_job("held", response_format=slow), _job("free"), _job("quick", response_format=quick)]
+    delivery = threading.Thread(target=pipeline.run, args=(first,), daemon=True)
+    delivery.start()
+    try:
+        while not {"held", "free", "quick"} <= _written(store) and not grammars.returned.wait(0.05):
+            pass
+        # Every result of the delivery is written while the held compile still runs.
+        assert not grammars.returned.is_set()
+        assert {"held", "free", "quick"} <= _written(store)
+        assert (_code(store, "free"), _code(store, "quick")) == (None, None)
+        assert store.get_result("quick")["output"] == ANSWER
+        held = store.get_result("held")
+        assert held["error"]["code"] == "invalid_job"
+        assert held["error"]["message"].startswith("response_format.choices: its grammar did not compile")
+        assert "MRC_GRAMMAR_COMPILE_TIMEOUT_S" in held["error"]["message"]
+        # A later job of the same format fails at once: the compile still runs, none is started again.
+        assert pipeline.run([_job("held-again", response_format=slow)]) == ["failed"]
+        assert _code(store, "held-again") == "invalid_job"
+        assert sum("slow" in c for c in grammars.compiles) == 1
+    finally:
+        grammars.release.set()
+        delivery.join(GUARD_S)
+    assert grammars.returned.wait(GUARD_S)
+    # Once it ends, its grammar is kept: the format's next job runs without compiling it again.
+    assert pipeline.run([_job("held-later", response_format=slow)]) == ["succeeded"]
+    assert sum("slow" in c for c in grammars.compiles) == 1
+
+
+# ------------------------------------------------------------------ item 10: what a job keeps
+class Watched(EchoBackend):
+    """The echo model, watching what stays alive: at every decode step, a running row's decoded image
+    must be gone (its inputs are built), and so must the inputs of every row that has finished. No
+    garbage collection is forced: freed means freed at once, by reference counting (a GPU tensor
+    held until the collector runs holds its device memory as long)."""
+
+    def __init__(self) -> None:
+        super().__init__(token_s=0.001)  # paced: every answer takes its whole max_new_tokens
+        self.images: dict[str, weakref.ref[torch.Tensor]] = {}
+        self.inputs: dict[str, weakref.ref[GenerationInput]] = {}
+        self.seen: set[str] = set()  # prompts of rows that have run
+        self.alive: list[tuple[str, str]] = []
+        self.steps = 0
+
+    def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
+        """Inputs that are not the image (as a real model's patches are not): a view of the same shape
+        over three bytes."""
+        height, width = item.image.shape[-2:]
+        self.images[item.prompt] = weakref.ref(item.image)
+        shaped = torch.zeros((3, 1, 1), dtype=torch.uint8).expand(3, height, width)
+        inputs = GenerationInput(shaped, item.prompt, item.max_new_tokens, item.prompt_ids)
+        self.inputs[item.prompt] = weakref.ref(inputs)
+        return inputs, self.image_tokens(height, width) + len(item.prompt.split())
+
+    def step_model(self, slots: int = 2, positions: int | None = None) -> EchoSteps:
+        return WatchedSteps(self)
+
+
+class WatchedSteps(EchoSteps):
+    backend: Watched
+
+    def decode(self, batch: EchoRows, last_tokens: list[int], masks: Any = None) -> list[int]:
+        watched = self.backend
+        running = {batch.scripts[row_id][1].prompt for row_id in batch.row_ids}
+        watched.steps += 1
+        watched.alive += [("image", p) for p in running if watched.images[p]() is not None]
+        finished = watched.seen - running  # no row is paused here: a row gone from the batch is done
+        watched.alive += [("inputs", p) for p in finished if watched.inputs[p]() is not None]
+        watched.seen |= running
+        return super().decode(batch, last_tokens, masks)
+
+
+def test_a_job_keeps_its_images_size_not_its_pixels_nor_its_finished_inputs(store: MemoryStore) -> None:
+    backend = Watched()
+    pipeline = _pipeline(store, backend)
+    messages = [
+        _job("short", prompt="short one", max_new_tokens=2),
+        _job("long", prompt="long one", max_new_tokens=12),
+    ]
+    assert pipeline.run(messages) == ["succeeded", "succeeded"]
+    assert backend.steps >= 10  # the long row decoded on long after the short one finished
+    assert backend.alive == []
+    for job_id in ("short", "long"):
+        image = store.get_result(job_id)["image"]
+        assert (image["width"], image["height"]) == (64, 48)
+        assert image["sha256"]
