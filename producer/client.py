@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import threading
 import time
@@ -18,7 +17,7 @@ from celery import Celery
 from shared import logs, names, prompts
 from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
-from shared.errors import MrcError, NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable, UsageError
+from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, limit_problem, local_image_problem
 from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
 from shared.response_format import ChoiceFormat, JsonSchemaFormat
@@ -341,44 +340,6 @@ class Client:
             raise error
         return ids
 
-    def requeue_dead_letters(self, limit: int) -> tuple[int, int, int]:
-        """Send dead-lettered jobs back with fresh attempts, oldest first; their old failed result is
-        replaced when they finish. Each entry moves to a processing list first and leaves it only once
-        sent, so a failed send or a killed requeue loses nothing. An entry that is not a valid job is
-        kept (and counted) for a person to look at. Returns (requeued, invalid, requeued but not
-        confirmed by MRC_REDIS_WAIT_REPLICAS replicas)."""
-        self.records.recover_dead_letters()
-        requeued = invalid = unreplicated = 0
-        for _ in range(min(limit, self.records.dead_letter_count())):
-            raw = self.records.take_dead_letter()
-            if raw is None:
-                break
-            job = _dead_letter_job(raw)
-            if job is None:
-                self.records.return_dead_letter(raw, oldest=False)  # not seen again in this pass
-                self.log.warning("MRC_DLQ_INVALID", entry=raw[:200])
-                invalid += 1
-                continue
-            try:
-                self.records.reset_attempts(job.job_id)
-                # A new push: under the submission's push id a requeue within the marker's hour was
-                # taken for that submission's retry and silently dropped.
-                self._send(job, push_id=names.requeue_push_id(job.job_id))
-            except NotReplicated:  # sent: it leaves the dead letters; the caller hears it is not durable yet
-                self.records.ack_dead_letter(raw)
-                self.log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="dlq requeue")
-                unreplicated += 1
-                requeued += 1
-                continue
-            except BaseException:
-                self.records.set_state(job.job_id, "failed", dead_letter="1")
-                self.records.return_dead_letter(raw)
-                raise
-            self.records.ack_dead_letter(raw)
-            self.log.info("MRC_DLQ_REQUEUED", job_id=job.job_id, lane=job.lane)
-            requeued += 1
-        return requeued, invalid, unreplicated
-
     # ---- read back ----
     def result(self, job_id: str) -> dict[str, Any] | None:
         return self.results.get_result(job_id)
@@ -428,11 +389,3 @@ class Client:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
             time.sleep(self.settings.wait_poll_s)
-
-
-def _dead_letter_job(raw: str) -> Job | None:
-    try:
-        entry = json.loads(raw)
-        return Job.from_message(entry.get("job") if isinstance(entry, dict) else None)
-    except (ValueError, MrcError, RecursionError):
-        return None

@@ -25,10 +25,9 @@ with the reason, in tests/kombu/expected_differences.txt, which `make test-kombu
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from queue import Empty
 from typing import Any
 
@@ -40,6 +39,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from shared import names, redis_target
 from shared.errors import NotReplicated
+from shared.unacked import parse_unacked
 
 # Called at every poll of a consumer's channel (the worker's liveness: an idle consumer polls every
 # `Channel.idle_wait_s`); None outside a worker.
@@ -99,42 +99,6 @@ return false
 """
 
 
-# KEYS[1] unacked hash, KEYS[2] its index, KEYS[3] the queue; ARGV[1] the tag, ARGV[2] the message.
-# Back to the head of its queue only if it is still unacked here: never twice, never lost.
-_GIVE_BACK_SCRIPT = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('RPUSH', KEYS[3], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-
-def give_back(client: Any, task_ids: Collection[str]) -> int:
-    """Put the unacked messages of these tasks back at the head of their queues at once, instead of
-    after the visibility timeout: for a worker about to exit because it cannot run them."""
-    wanted = set(task_ids)
-    script = client.register_script(_GIVE_BACK_SCRIPT)
-    returned = 0
-    for tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
-        try:
-            payload, _exchange, routing_key = json.loads(bytes_to_str(raw))
-            task_id = payload["headers"]["id"]
-        except (ValueError, TypeError, KeyError, RecursionError):
-            continue
-        if task_id not in wanted:
-            continue
-        payload["headers"]["redelivered"] = True
-        # mrc's queues are bound by name (direct exchange): the routing key names the list
-        queue = (
-            routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")
-        )
-        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue]
-        returned += int(script(keys=keys, args=[tag, json.dumps(payload)]))
-    return returned
-
-
 def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
     """The message envelope in a queue entry, or None when the entry is not one. kombu's loader:
     typed values (datetime, UUID, Decimal) in headers come back typed, as kombu delivers them."""
@@ -145,17 +109,6 @@ def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
     if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
         return None
     return message
-
-
-def parse_unacked(raw: bytes | str) -> list[Any] | None:
-    """An unacked record ([payload, exchange, routing_key]) as kombu's restore reads it, or None."""
-    try:
-        record = kombu_json.loads(bytes_to_str(raw))
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(record, list) or len(record) != 3 or not isinstance(record[0], dict):
-        return None
-    return record
 
 
 def _log_rejected(queue: str, item: bytes | str, reason: str) -> None:

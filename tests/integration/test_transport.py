@@ -107,7 +107,7 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
 def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> None:
     """A worker that cannot go on (device lost) puts its delivery back at the head of the queue
     instead of leaving it to the visibility timeout; messages of other deliveries stay put."""
-    from shared.transport import give_back
+    from shared.unacked import give_back
 
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     with _connect(redis_url) as conn:
