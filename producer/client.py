@@ -14,6 +14,7 @@ from typing import Any
 
 from celery import Celery
 
+from producer import resubmission
 from shared import logs, names, prompts
 from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
@@ -170,19 +171,16 @@ class Client:
     def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
         """Send the job unless its id was already submitted; True when this call enqueued it.
 
-        The same job under a used id is a duplicate (False) once the other submission is published; a
+        The same job under a used id is a duplicate (False) once the other submission is published and
+        its message is in Redis (pushed again where it is not: producer/resubmission.py); a
         different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
         included) undoes the claim. The message is sent only while the claim is still this call's:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
         self.wait_for_room(job.lane, block, timeout)
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job)
-            if token is None:
-                record = self.records.get(job.job_id)
-                duplicate = self._duplicate(job, record.get("fingerprint"))
-                if record.get("state") not in TERMINAL:  # a finished job's result is in S3: durable
-                    self._confirm_replicated(job)
-                return duplicate
+            if token is None:  # the same job, once its message is known to be there (or pushed again)
+                return resubmission.answer(job, self.records, self.settings, self._send, self.log)
             sent = self._send_claimed(job, token)
             if sent is not None:
                 return sent
@@ -290,25 +288,8 @@ class Client:
         error.job_id = job.job_id
         return error
 
-    def _confirm_replicated(self, job: Job) -> None:
-        """A resubmission is the same job; with MRC_REDIS_WAIT_REPLICAS it is answered as such only
-        once the replicas hold the earlier publish, NotReplicated (duplicate) otherwise: a caller that
-        resubmits after exit 6 / "replicated": false learns whether its job is durable now."""
-        wanted, timeout_ms = self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
-        if wanted <= 0:
-            return
-        found = self.records.replicas(wanted, timeout_ms)
-        if found < wanted:
-            error = NotReplicated(found, wanted, timeout_ms, "the earlier submission of this job")
-            error.job_id, error.duplicate = job.job_id, True
-            raise error
-
     def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
-        if fingerprint and fingerprint != job.fingerprint():
-            raise UsageError(
-                f"job id {job.job_id} is already used by a different job (another image, prompt, "
-                "max_new_tokens or response_format); choose a new id"
-            )
+        resubmission.same_job(job, fingerprint)
         self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
         return False
 

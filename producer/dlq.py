@@ -30,11 +30,13 @@ def requeue(client: Client, limit: int) -> tuple[int, int, int]:
             log.warning("MRC_DLQ_INVALID", entry=raw[:200])
             invalid += 1
             continue
+        # A new push: under the submission's push id a requeue within the marker's life would be
+        # taken for that submission's retry and silently dropped. The record names it, so that a
+        # resubmission of the job checks this message (shared/pushes.py).
+        push_id = names.requeue_push_id(job.job_id)
         try:
-            records.reset_attempts(job.job_id)
-            # A new push: under the submission's push id a requeue within the marker's hour was
-            # taken for that submission's retry and silently dropped.
-            send_job(client.celery, job.to_message(), job.lane, push_id=names.requeue_push_id(job.job_id))
+            records.reset_attempts(job.job_id, push_id)
+            send_job(client.celery, job.to_message(), job.lane, push_id=push_id)
         except NotReplicated:  # sent: it leaves the dead letters; the caller hears it is not durable yet
             records.ack_dead_letter(raw)
             log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="dlq requeue")

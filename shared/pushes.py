@@ -1,5 +1,5 @@
-"""One publish's marker in Redis (`names.push_key(push_id)`): what lets a publish be pushed once,
-however long its message waits.
+"""One publish's marker in Redis (`names.push_key(push_id)`): what lets a publish be pushed once, and
+a resubmission tell a job whose message is waiting from one whose message was lost.
 
 The marker is written in the same step as the push (`PUSH_ONCE_SCRIPT`: a second push of the same
 push id lands nothing) and lives as long as its message: `HELD` while the message waits in a lane or
@@ -9,8 +9,11 @@ of the same publish (redis-py after a lost reply, Celery after a lost connection
 Marker and message are written in one atomic step on one master, so a replica, and a master promoted
 from it, holds both or neither: a failover that loses the message loses its marker with it.
 
-Before, the marker lived an hour whatever happened to its message: a message still waiting after that
-(a deep backlog) could be pushed a second time by a late retry of its publish.
+So a published job whose record says queued and never begun, with no marker on the master in use,
+has no message anywhere (`message_missing`): its producer's push went to a master that was demoted
+before a replica had it (docs/contract.md, "Enqueued, not replicated"), and a resubmission pushes it
+again under the same push id. Before, the marker lived an hour whatever happened to its message: a
+job queued longer than that would have been pushed twice by the same check.
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ end
 return 0
 """
 
+# KEYS[1] the job's hash, KEYS[2] the marker of the job's own push id; ARGV[1] the marker keys' prefix.
+# The record and the marker of the push it stands for (a requeued dead letter names its own push id in
+# `push`; that marker's key is built here, the one key not declared: mrc's Redis is never a cluster),
+# read in one step. Returns {the record as HGETALL gives it, the marker's value or ''}.
+LOOK_SCRIPT = """
+local push = redis.call('HGET', KEYS[1], 'push')
+local marker = KEYS[2]
+if push then marker = ARGV[1] .. push end
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', marker) or ''}
+"""
+
 
 def push_id_of(headers: Mapping[str, Any] | None) -> str | None:
     """The push id a message's headers carry (every publish through `send_job` has one)."""
@@ -50,3 +64,22 @@ def push_id_of(headers: Mapping[str, Any] | None) -> str | None:
 def mark_acked(pipe: Any, push_id: str) -> None:
     """Queue the marker's change to ACKED on `pipe` (the ack's MULTI): never creates one (XX)."""
     pipe.set(names.push_key(push_id), ACKED, xx=True, px=ACKED_TTL_MS)
+
+
+def record_push_id(job_id: str, record: Mapping[str, str]) -> str:
+    """The push id of the message a job's record stands for: its own, unless a requeue named one."""
+    return record.get("push") or names.job_push_id(job_id)
+
+
+def message_missing(record: Mapping[str, str], marker: str) -> bool:
+    """Whether a job's message is in no lane, held by no worker and was never taken: its record says
+    published, queued and never begun (no attempt counted: a job that began is the worker's, which
+    retries or dead-letters it), and its push left no marker. A backlog job's record was written in
+    the same step as its message (shared/runs.py): it has no marker and is never missing."""
+    if record.get("state") != "queued" or record.get("published") != "1":
+        return False
+    if int(record.get("attempts") or 0) > 0:
+        return False
+    if record.get("run_id") and not record.get("push"):
+        return False
+    return marker == ""
