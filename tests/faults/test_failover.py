@@ -125,7 +125,13 @@ def test_a_partitioned_primary_comes_back_as_a_replica_and_never_takes_a_job(run
         node = cluster.node(port)
         node.proc.send_signal(signal.SIGSTOP)
         cluster.wait_for_new_master(port)
-        time.sleep(2)  # the rest of the cluster runs on without it
+        # The rest of the cluster runs on without it, the other replica following the new master (a
+        # fixed wait alone could leave a slow Sentinel's replica attached to the stopped primary, which,
+        # continued, would then have a replica and rightly take the probe below).
+        wait_for(
+            lambda: _follows_a_new_master(cluster, port), 30, "the other replica to follow the new master"
+        )
+        time.sleep(2)  # how long the partition lasts past that: the scenario's length, not a condition
         node.proc.send_signal(signal.SIGCONT)
         # Back, before Sentinel has told it to follow the new master: a write must not land there.
         try:
@@ -139,6 +145,11 @@ def test_a_partitioned_primary_comes_back_as_a_replica_and_never_takes_a_job(run
     _checks(outcome)
     assert refused_on_return in (["NOREPLICAS"], ["READONLY"]), refused_on_return
     assert run.cluster.role(outcome.old_port) == "slave"
+
+
+def _follows_a_new_master(cluster: sentinel_cluster.SentinelCluster, old: int) -> bool:
+    master = cluster.master_port()
+    return master not in (None, old) and cluster.replicas_in_sync(master) >= 1
 
 
 def test_a_push_a_partitioned_primary_took_is_pushed_again_when_resubmitted(
