@@ -31,7 +31,7 @@ from shared import names
 from shared.errors import NotReplicated
 from tests.conftest import MODEL_HOME
 from tests.support import imagegen
-from tests.support.failover import BACKLOG_LINES, Outcome, Run
+from tests.support.failover import BACKLOG_LINES, FLOWING, Outcome, Run
 
 pytestmark = pytest.mark.faults
 # Messages one worker holds at most (MRC_WORKER_DELIVERIES x MRC_BATCH_MAX_JOBS, the defaults).
@@ -67,7 +67,10 @@ def _check(outcome: Outcome, extras: bool) -> None:
     backlog run and the lane exporter."""
     assert outcome.new_port != outcome.old_port
     assert outcome.recovery_s is not None, "no submission was acknowledged after the failover"
-    assert len(outcome.acknowledged) > 10  # a stream before, during and after the fault
+    # A stream before, during and after the fault (recovery_s: one begun after it was acknowledged). The
+    # fault waits for these; a total count bounded below measured the machine's speed instead (10 were
+    # asked for; a slow run here made 20 in all, half what a quick one makes).
+    assert outcome.acknowledged_before_fault >= FLOWING
     # Computed twice only where a failover can cause it (docs/scaling.md): a job in the worker's hands
     # at the fault whose unacked record the new master holds older than its last heartbeat, handed out
     # again after the visibility timeout while the first copy runs. At most what the worker held.
