@@ -263,6 +263,7 @@ def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
+    from producer import dlq
     from producer.client import Client
 
     client = Client(settings)
@@ -270,7 +271,7 @@ def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
         for entry in client.records.dead_letters(args.limit):
             _print_json(entry)
     elif args.dlq_command == "requeue":
-        requeued, invalid, unreplicated = client.requeue_dead_letters(args.limit)
+        requeued, invalid, unreplicated = dlq.requeue(client, args.limit)
         print(json.dumps({"requeued": requeued, "invalid": invalid, "not_replicated": unreplicated}))
         if unreplicated:
             print(f"mrc: {unreplicated} requeued job(s) not confirmed by the Redis replicas", file=sys.stderr)

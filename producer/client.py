@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import threading
 import time
@@ -15,10 +14,11 @@ from typing import Any
 
 from celery import Celery
 
+from producer import resubmission
 from shared import logs, names, prompts, tenants
 from shared import response_format as response_formats
 from shared.celery_app import make_celery, send_job
-from shared.errors import MrcError, NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable, UsageError
+from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, Lane, limit_problem, local_image_problem
 from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
 from shared.response_format import ChoiceFormat, JsonSchemaFormat
@@ -174,19 +174,16 @@ class Client:
     def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
         """Send the job unless its id was already submitted; True when this call enqueued it.
 
-        The same job under a used id is a duplicate (False) once the other submission is published; a
+        The same job under a used id is a duplicate (False) once the other submission is published and
+        its message is in Redis (pushed again where it is not: producer/resubmission.py); a
         different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
         included) undoes the claim. The message is sent only while the claim is still this call's:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
         self.wait_for_room(job.lane, block, timeout)
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job)
-            if token is None:
-                record = self.records.get(job.job_id)
-                duplicate = self._duplicate(job, record.get("fingerprint"))
-                if record.get("state") not in TERMINAL:  # a finished job's result is in S3: durable
-                    self._confirm_replicated(job)
-                return duplicate
+            if token is None:  # the same job, once its message is known to be there (or pushed again)
+                return resubmission.answer(job, self.records, self.settings, self._send, self.log)
             sent = self._send_claimed(job, token)
             if sent is not None:
                 return sent
@@ -307,25 +304,8 @@ class Client:
         error.job_id = job.job_id
         return error
 
-    def _confirm_replicated(self, job: Job) -> None:
-        """A resubmission is the same job; with MRC_REDIS_WAIT_REPLICAS it is answered as such only
-        once the replicas hold the earlier publish, NotReplicated (duplicate) otherwise: a caller that
-        resubmits after exit 6 / "replicated": false learns whether its job is durable now."""
-        wanted, timeout_ms = self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
-        if wanted <= 0:
-            return
-        found = self.records.replicas(wanted, timeout_ms)
-        if found < wanted:
-            error = NotReplicated(found, wanted, timeout_ms, "the earlier submission of this job")
-            error.job_id, error.duplicate = job.job_id, True
-            raise error
-
     def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
-        if fingerprint and fingerprint != job.fingerprint():
-            raise UsageError(
-                f"job id {job.job_id} is already used by a different job (another image, prompt, "
-                "max_new_tokens or response_format); choose a new id"
-            )
+        resubmission.same_job(job, fingerprint)
         self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
         return False
 
@@ -356,44 +336,6 @@ class Client:
             error.job_ids, error.submitted = unreplicated, ids
             raise error
         return ids
-
-    def requeue_dead_letters(self, limit: int) -> tuple[int, int, int]:
-        """Send dead-lettered jobs back with fresh attempts, oldest first; their old failed result is
-        replaced when they finish. Each entry moves to a processing list first and leaves it only once
-        sent, so a failed send or a killed requeue loses nothing. An entry that is not a valid job is
-        kept (and counted) for a person to look at. Returns (requeued, invalid, requeued but not
-        confirmed by MRC_REDIS_WAIT_REPLICAS replicas)."""
-        self.records.recover_dead_letters()
-        requeued = invalid = unreplicated = 0
-        for _ in range(min(limit, self.records.dead_letter_count())):
-            raw = self.records.take_dead_letter()
-            if raw is None:
-                break
-            job = _dead_letter_job(raw)
-            if job is None:
-                self.records.return_dead_letter(raw, oldest=False)  # not seen again in this pass
-                self.log.warning("MRC_DLQ_INVALID", entry=raw[:200])
-                invalid += 1
-                continue
-            try:
-                self.records.reset_attempts(job.job_id)
-                # A new push: under the submission's push id a requeue within the marker's hour was
-                # taken for that submission's retry and silently dropped.
-                self._send(job, push_id=names.requeue_push_id(job.job_id))
-            except NotReplicated:  # sent: it leaves the dead letters; the caller hears it is not durable yet
-                self.records.ack_dead_letter(raw)
-                self.log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="dlq requeue")
-                unreplicated += 1
-                requeued += 1
-                continue
-            except BaseException:
-                self.records.set_state(job.job_id, "failed", dead_letter="1")
-                self.records.return_dead_letter(raw)
-                raise
-            self.records.ack_dead_letter(raw)
-            self.log.info("MRC_DLQ_REQUEUED", job_id=job.job_id, lane=job.lane)
-            requeued += 1
-        return requeued, invalid, unreplicated
 
     # ---- read back ----
     def result(self, job_id: str) -> dict[str, Any] | None:
@@ -444,11 +386,3 @@ class Client:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
             time.sleep(self.settings.wait_poll_s)
-
-
-def _dead_letter_job(raw: str) -> Job | None:
-    try:
-        entry = json.loads(raw)
-        return Job.from_message(entry.get("job") if isinstance(entry, dict) else None)
-    except (ValueError, MrcError, RecursionError):
-        return None

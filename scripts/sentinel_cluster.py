@@ -73,6 +73,10 @@ class SentinelCluster:
         """master or slave, as the node itself says."""
         return str(_client(port).execute_command("ROLE")[0])
 
+    def replicas_in_sync(self, port: int) -> int:
+        """How many replicas follow the node at `port` and are in sync with it."""
+        return _connected_replicas(port)
+
     def wait_for_new_master(self, old_port: int, timeout: float = 60) -> int:
         """Block until the Sentinels agree on a master other than `old_port`; its port."""
         found: list[int] = []

@@ -6,6 +6,7 @@ import json
 import secrets
 import threading
 
+from shared import pushes
 from shared import usage as usage_book
 from shared.jobs import State
 
@@ -23,6 +24,11 @@ class MemoryJobRecords:
 
     def pushed(self, push_id: str) -> bool:
         return False  # no broker here: nothing is ever pushed through these records
+
+    def look(self, job_id: str) -> tuple[dict[str, str], str]:
+        """No broker here: a published job's message is taken to be where its push put it."""
+        record = self.get(job_id)
+        return record, pushes.HELD if record.get("published") == "1" else ""
 
     def replicas(self, wanted: int, timeout_ms: int) -> int:
         return wanted  # one process: nothing to wait for
@@ -94,10 +100,12 @@ class MemoryJobRecords:
             record["solo_runs"] = str(earlier + 1)
             return earlier
 
-    def reset_attempts(self, job_id: str) -> None:
+    def reset_attempts(self, job_id: str, push_id: str) -> None:
         with self._lock:
             record = self.records.setdefault(job_id, {})
-            record.update({"attempts": "0", "solo_runs": "0", "state": "queued"})
+            record.update(
+                {"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1", "push": push_id}
+            )
             record.pop("usage_counted", None)
 
     def count_usage(self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool) -> bool:

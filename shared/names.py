@@ -112,8 +112,9 @@ def requeue_push_id(job_id: str) -> str:
 
 
 def push_key(push_id: str) -> str:
-    """Marks one publish as done for a few minutes: a publish retried after its first attempt landed
-    (a reply lost to a timeout or a dropped connection) finds it and pushes nothing twice."""
+    """Marks one publish as pushed, from the push until an hour after its message is acked
+    (shared/pushes.py): a publish retried after its first attempt landed finds it and pushes nothing
+    twice, and a resubmission finding none knows the message is in no lane and held by no worker."""
     return f"{REDIS_PREFIX}pushed:{push_id}"
 
 

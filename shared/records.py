@@ -11,7 +11,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import encoding, names, redis_target, tenants
+from shared import encoding, names, pushes, redis_target, tenants
 from shared import usage as usage_book
 from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
@@ -98,13 +98,14 @@ class JobRecords(Protocol):
     def release(self, job_id: str, token: str) -> None: ...
     def replicas(self, wanted: int, timeout_ms: int) -> int: ...
     def pushed(self, push_id: str) -> bool: ...
+    def look(self, job_id: str) -> tuple[dict[str, str], str]: ...
     def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
     def begin(self, job_id: str) -> int: ...
     def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]: ...
     def solo_run(self, job_id: str) -> int: ...
-    def reset_attempts(self, job_id: str) -> None: ...
+    def reset_attempts(self, job_id: str, push_id: str) -> None: ...
     def count_usage(
         self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool
     ) -> bool: ...
@@ -132,6 +133,7 @@ class RedisJobRecords:
         self._confirm = client.register_script(_CONFIRM_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
         self._count_usage = client.register_script(usage_book.COUNT_SCRIPT)
+        self._look = client.register_script(pushes.LOOK_SCRIPT)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisJobRecords:
@@ -159,6 +161,13 @@ class RedisJobRecords:
     def pushed(self, push_id: str) -> bool:
         """Whether the publish of this push id landed (shared/transport.py marks it in the same step)."""
         return bool(self._redis.exists(names.push_key(push_id)))
+
+    def look(self, job_id: str) -> tuple[dict[str, str], str]:
+        """The job's record and the marker of the push it stands for (shared/pushes.py: '' when none),
+        read in one step: what a resubmission decides on."""
+        keys = [names.job_key(job_id), names.push_key(names.job_push_id(job_id))]
+        flat, marker = self._look(keys=keys, args=[names.push_key("")])
+        return dict(zip(flat[::2], flat[1::2], strict=True)), str(marker)
 
     def replicas(self, wanted: int, timeout_ms: int) -> int:
         """How many replicas (waiting for `wanted` at most `timeout_ms`) hold everything the master
@@ -229,11 +238,13 @@ class RedisJobRecords:
                 pipe.llen(key)
             return sum(int(n) for n in pipe.execute())
 
-    def reset_attempts(self, job_id: str) -> None:
-        """A fresh start for a requeued dead letter: no attempts, no crash history."""
+    def reset_attempts(self, job_id: str, push_id: str) -> None:
+        """A fresh start for a requeued dead letter: no attempts, no crash history, and the push id of
+        its new message (what a resubmission checks its message by)."""
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
-            pipe.hset(key, mapping={"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1"})
+            fresh = {"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1", "push": push_id}
+            pipe.hset(key, mapping=fresh)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
             pipe.hdel(key, "dead_letter", "error_code", "error_message", "usage_counted")  # runs again
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()

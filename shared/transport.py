@@ -25,10 +25,9 @@ with the reason, in tests/kombu/expected_differences.txt, which `make test-kombu
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from queue import Empty
 from typing import Any
 
@@ -38,8 +37,9 @@ from kombu.transport import virtual as kombu_virtual
 from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
-from shared import names, redis_target
+from shared import names, pushes, redis_target
 from shared.errors import NotReplicated
+from shared.unacked import parse_unacked
 
 # Called at every poll of a consumer's channel (the worker's liveness: an idle consumer polls every
 # `Channel.idle_wait_s`); None outside a worker.
@@ -54,19 +54,6 @@ IDLE_KEY = f"{names.REDIS_PREFIX}idle"  # never written: a consumer with no queu
 REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
 _KEEP_REJECTED = 1000
 
-# One publish, pushed once: KEYS[1] the list, KEYS[2] the publish's marker; ARGV[1] the message,
-# ARGV[2] how long the marker lives (ms). Returns 1 when pushed now, 0 when an earlier attempt did.
-_PUSH_ONCE_SCRIPT = """
-if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then
-    redis.call('LPUSH', KEYS[1], ARGV[1])
-    return 1
-end
-return 0
-"""
-# How long a push is remembered: longer than every retry of one publish (redis-py's and Celery's:
-# seconds) and than the claim of a submission whose reply was lost (30 s, then resubmitted): within it,
-# a resubmission of the same job pushes nothing (docs/contract.md, "Enqueued, not replicated").
-PUSH_TTL_MS = 3_600_000
 
 # KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now,
 # ARGV[2..] "1" where the list's consumer acks (its message gets an unacked record), else "0".
@@ -99,42 +86,6 @@ return false
 """
 
 
-# KEYS[1] unacked hash, KEYS[2] its index, KEYS[3] the queue; ARGV[1] the tag, ARGV[2] the message.
-# Back to the head of its queue only if it is still unacked here: never twice, never lost.
-_GIVE_BACK_SCRIPT = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('RPUSH', KEYS[3], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-
-def give_back(client: Any, task_ids: Collection[str]) -> int:
-    """Put the unacked messages of these tasks back at the head of their queues at once, instead of
-    after the visibility timeout: for a worker about to exit because it cannot run them."""
-    wanted = set(task_ids)
-    script = client.register_script(_GIVE_BACK_SCRIPT)
-    returned = 0
-    for tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
-        try:
-            payload, _exchange, routing_key = json.loads(bytes_to_str(raw))
-            task_id = payload["headers"]["id"]
-        except (ValueError, TypeError, KeyError, RecursionError):
-            continue
-        if task_id not in wanted:
-            continue
-        payload["headers"]["redelivered"] = True
-        # mrc's queues are bound by name (direct exchange): the routing key names the list
-        queue = (
-            routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")
-        )
-        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue]
-        returned += int(script(keys=keys, args=[tag, json.dumps(payload)]))
-    return returned
-
-
 def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
     """The message envelope in a queue entry, or None when the entry is not one. kombu's loader:
     typed values (datetime, UUID, Decimal) in headers come back typed, as kombu delivers them."""
@@ -145,17 +96,6 @@ def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
     if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
         return None
     return message
-
-
-def parse_unacked(raw: bytes | str) -> list[Any] | None:
-    """An unacked record ([payload, exchange, routing_key]) as kombu's restore reads it, or None."""
-    try:
-        record = kombu_json.loads(bytes_to_str(raw))
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(record, list) or len(record) != 3 or not isinstance(record[0], dict):
-        return None
-    return record
 
 
 def _log_rejected(queue: str, item: bytes | str, reason: str) -> None:
@@ -236,6 +176,27 @@ class QoS(kombu_redis.QoS):
             self.channel.pool  # noqa: B018  # made here, not raced for by the heartbeat thread
             self._heartbeat = _Heartbeat(self, heartbeat_interval(self.visibility_timeout))
             self._heartbeat.start()
+
+    def ack(self, delivery_tag: str) -> None:
+        if not self._settle(delivery_tag):
+            super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue or not self._settle(delivery_tag):
+            super().reject(delivery_tag, requeue)
+
+    def _settle(self, delivery_tag: str) -> bool:
+        """kombu's ack for a message with a push id (shared/pushes.py): its unacked record goes and its
+        push marker turns ACKED in one MULTI. False for one without (kombu's own ack runs instead)."""
+        push_id = pushes.push_id_of(getattr(self._delivered.get(delivery_tag), "headers", None))
+        if push_id is None:
+            return False
+        with self.pipe_or_acquire() as pipe:
+            self._remove_from_indices(delivery_tag, pipe)
+            pushes.mark_acked(pipe, push_id)
+            pipe.execute()
+        kombu_virtual.QoS.ack(self, delivery_tag)
+        return True
 
     def held_tags(self) -> list[str]:
         """The tags this consumer holds unacked; read from another thread, so copied with a retry."""
@@ -352,7 +313,7 @@ class Channel(kombu_redis.Channel):
             pri = self._get_message_priority(message, reverse=False)
             self._captured.append((self._q_for_pri(queue, pri), kombu_json.dumps(message)))
             return
-        push_id = (message.get("headers") or {}).get(names.PUSH_HEADER)
+        push_id = pushes.push_id_of(message.get("headers"))
         if "_publish_batch" in kwargs or (push_id is None and self.wait_replicas == 0):
             super()._put(queue, message, **kwargs)
             return
@@ -369,8 +330,8 @@ class Channel(kombu_redis.Channel):
             if push_id is None:
                 pipe.lpush(key, kombu_json.dumps(message))
             else:  # EVAL, not a registered script: no SCRIPT EXISTS round trip per publish
-                pipe.eval(_PUSH_ONCE_SCRIPT, 2, key, names.push_key(str(push_id)), kombu_json.dumps(message),
-                          PUSH_TTL_MS)  # fmt: skip
+                pipe.eval(pushes.PUSH_ONCE_SCRIPT, 2, key, names.push_key(push_id), kombu_json.dumps(message),
+                          pushes.HELD_TTL_MS)  # fmt: skip
             if self._expires and queue in self._expires:
                 for pri in self.priority_steps:
                     pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])

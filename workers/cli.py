@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     """Load, warm up and consume until stopped; the exit code."""
     from celery.signals import worker_ready
 
-    from shared import transport
+    from shared import transport, unacked
     from shared.celery_app import make_celery
     from shared.lane_metrics import LaneCollector
     from shared.records import RedisJobRecords, connect
@@ -162,7 +162,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         metrics.ready.set(0)
 
     tasks.register(
-        app, settings, pipeline, lambda ids: transport.give_back(fatal_client, ids), on_fatal=on_fatal
+        app, settings, pipeline, lambda ids: unacked.give_back(fatal_client, ids), on_fatal=on_fatal
     )
     metrics.registry.register(LaneCollector(depth_client))
     metrics.registry.register(GpuCollector(backend.device))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from producer import dlq
 from producer.client import Client, Submission
 from scripts import devservices as services
 from shared import names
@@ -108,7 +109,7 @@ def test_dlq_requeue_keeps_invalid_entries_and_sends_the_rest(
     entries = ["{not json", json.dumps({"job": {"job_id": "x"}}), json.dumps({"job": job.to_message()})]
     for raw in entries:
         _dead_letter(client, raw)
-    assert client.requeue_dead_letters(100) == (1, 2, 0)
+    assert dlq.requeue(client, 100) == (1, 2, 0)
     assert sorted(client.records._redis.lrange(names.dead_letter_key(), 0, -1)) == sorted(entries[:2])
     assert client.records._redis.llen(names.dead_letter_processing_key()) == 0
     assert _ran(client, job.job_id)
@@ -126,7 +127,7 @@ def test_dlq_requeue_of_a_job_submitted_minutes_ago_runs_it_again(
     first = client.result(job.job_id)
     client.records.set_state(job.job_id, "failed", dead_letter="1")
     _dead_letter(client, json.dumps({"job": job.to_message()}))
-    assert client.requeue_dead_letters(10) == (1, 0, 0)
+    assert dlq.requeue(client, 10) == (1, 0, 0)
     deadline = time.monotonic() + 60
     while client.result(job.job_id) == first:  # the second run writes a new result object
         assert time.monotonic() < deadline, "the requeued job never ran"
@@ -143,13 +144,13 @@ def test_dlq_requeue_that_cannot_send_loses_nothing(
     _dead_letter(client, raw)
     interrupted = Interrupted(client, ConnectionError("broker gone"))
     with pytest.raises(ConnectionError):
-        client.requeue_dead_letters(10)
+        dlq.requeue(client, 10)
     assert client.records._redis.lrange(names.dead_letter_key(), 0, -1) == [raw]
     assert client.records.get(job.job_id)["state"] == "failed", "no record claims a queued message"
     # A requeue killed between taking an entry and sending it leaves it in the processing list:
     assert client.records.take_dead_letter() == raw
     client.celery.send_task = interrupted.real  # type: ignore[method-assign]  # the fault injected
-    assert client.requeue_dead_letters(10) == (1, 0, 0)
+    assert dlq.requeue(client, 10) == (1, 0, 0)
     assert _ran(client, job.job_id)
 
 

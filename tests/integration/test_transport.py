@@ -15,9 +15,11 @@ import redis as redis_lib
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from scripts import devservices as services
+from shared import names, pushes
 
 pytestmark = pytest.mark.integration
 
+HOUR_MS = 3_600_000
 QUEUE = Queue("mrc.t", Exchange("mrc.t", type="direct"), routing_key="mrc.t")
 
 
@@ -88,6 +90,37 @@ def test_a_message_popped_by_a_consumer_that_dies_is_restored(redis_url: str) ->
     assert _where(client) == (0, 0), "acked: gone from the unacked hash"
 
 
+def test_a_push_marker_lives_while_its_message_waits_and_says_acked_after(redis_url: str) -> None:
+    """shared/pushes.py: the marker of a publish with a push id says pushed while its message waits or
+    is held, and acked (for an hour more) once acked or rejected. Before, it lived an hour whatever
+    its message did: a message waiting longer lost the mark that keeps it from being pushed twice."""
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    pushes_ = ("p-ack", "p-reject")
+    with _connect(redis_url) as conn:
+        producer = Producer(conn.channel())
+        for n, push_id in enumerate(pushes_):
+            producer.publish({"n": n}, exchange=QUEUE.exchange, routing_key="mrc.t", declare=[QUEUE],
+                             serializer="json", headers={names.PUSH_HEADER: push_id})  # fmt: skip
+
+    def markers() -> list[tuple[str | None, int]]:
+        return [(client.get(names.push_key(p)), int(client.pttl(names.push_key(p)))) for p in pushes_]
+
+    assert all(value == pushes.HELD and ttl > 24 * HOUR_MS for value, ttl in markers())
+    held: list[Any] = []
+    conn = _connect(redis_url)
+    with conn, Consumer(conn.channel(), [QUEUE], accept=["json"], callbacks=[lambda _b, m: held.append(m)]):
+        deadline = time.monotonic() + 10
+        while len(held) < 2 and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=1)
+        assert _where(client) == (0, 2)
+        assert all(value == pushes.HELD and ttl > 24 * HOUR_MS for value, ttl in markers())
+        held[0].ack()
+        held[1].reject()
+    assert _where(client) == (0, 0)
+    assert all(value == pushes.ACKED and 0 < ttl <= HOUR_MS for value, ttl in markers()), markers()
+
+
 def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url: str) -> None:
     received: list[int] = []
     with _connect(redis_url) as conn:
@@ -107,7 +140,7 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
 def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> None:
     """A worker that cannot go on (device lost) puts its delivery back at the head of the queue
     instead of leaving it to the visibility timeout; messages of other deliveries stay put."""
-    from shared.transport import give_back
+    from shared.unacked import give_back
 
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     with _connect(redis_url) as conn:

@@ -28,6 +28,8 @@ from tests.conftest import MODEL_HOME
 from tests.support import imagegen
 
 BACKLOG_LINES = 16
+# Submissions acknowledged before the fault comes: the stream is flowing, however slow the machine.
+FLOWING = 5
 # No result for this long while jobs are still pending: the worker stopped consuming (a failure).
 STALLED_S = 120
 
@@ -35,6 +37,7 @@ STALLED_S = 120
 @dataclass
 class Outcome:
     acknowledged: list[str] = field(default_factory=list)
+    acknowledged_before_fault: int = 0
     refused: int = 0  # submissions the producer saw fail (retried under the same id)
     lost: list[str] = field(default_factory=list)  # acknowledged, no result object
     computed_twice: list[str] = field(default_factory=list)
@@ -77,7 +80,8 @@ class Outcome:
 
     def report(self, name: str) -> str:
         return (
-            f"{name}: acknowledged {len(self.acknowledged)}, lost {len(self.lost)}, computed twice "
+            f"{name}: acknowledged {len(self.acknowledged)} ({self.acknowledged_before_fault} before the "
+            f"fault), lost {len(self.lost)}, computed twice "
             f"{len(self.computed_twice)}, skipped as already done {self.skipped_existing}, refused "
             f"{self.refused}, recovered in {_seconds(self.recovery_s)}"
         )
@@ -140,10 +144,13 @@ class Run:
         producer.start()
         backlog = self._start_backlog(uri) if extras else None
         time.sleep(produce_s * 0.3)
+        services.wait_for(lambda: len(self.outcome.acknowledged) >= FLOWING, 120, "the first submissions")
         old = self.cluster.master_port()
         assert old is not None
         self.outcome.old_port = old
-        self._fault_at = time.monotonic()
+        with self._lock:
+            self._fault_at = time.monotonic()
+            self.outcome.acknowledged_before_fault = len(self.outcome.acknowledged)
         fault(self.cluster, old)
         self.outcome.new_port = self.cluster.wait_for_new_master(old)
         # On until 4 s past the first submission acknowledged after the fault (however long the

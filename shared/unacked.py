@@ -1,0 +1,59 @@
+"""The unacked hash the transport keeps (kombu's layout: tag -> [payload, exchange, routing_key]):
+its records read back, and a dying worker's messages handed back at once."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+from kombu.utils import json as kombu_json
+from kombu.utils.encoding import bytes_to_str
+
+from shared import names
+
+# KEYS[1] unacked hash, KEYS[2] its index, KEYS[3] the queue; ARGV[1] the tag, ARGV[2] the message.
+# Back to the head of its queue only if it is still unacked here: never twice, never lost.
+_GIVE_BACK_SCRIPT = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('RPUSH', KEYS[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def give_back(client: Any, task_ids: Collection[str]) -> int:
+    """Put the unacked messages of these tasks back at the head of their queues at once, instead of
+    after the visibility timeout: for a worker about to exit because it cannot run them."""
+    wanted = set(task_ids)
+    script = client.register_script(_GIVE_BACK_SCRIPT)
+    returned = 0
+    for tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
+        try:
+            payload, _exchange, routing_key = json.loads(bytes_to_str(raw))
+            task_id = payload["headers"]["id"]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            continue
+        if task_id not in wanted:
+            continue
+        payload["headers"]["redelivered"] = True
+        # mrc's queues are bound by name (direct exchange): the routing key names the list
+        queue = (
+            routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")
+        )
+        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue]
+        returned += int(script(keys=keys, args=[tag, json.dumps(payload)]))
+    return returned
+
+
+def parse_unacked(raw: bytes | str) -> list[Any] | None:
+    """An unacked record ([payload, exchange, routing_key]) as kombu's restore reads it, or None."""
+    try:
+        record = kombu_json.loads(bytes_to_str(raw))
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(record, list) or len(record) != 3 or not isinstance(record[0], dict):
+        return None
+    return record
