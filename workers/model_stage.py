@@ -58,6 +58,7 @@ class ModelStage:
             max_rows=slots,
             reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
             backlog_prefill_tokens=settings.engine_prefill_tokens,
+            backlog_share=settings.engine_backlog_share,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
         )
@@ -71,7 +72,7 @@ class ModelStage:
             "MRC_ENGINE_READY", slots=slots, slot_positions=self.positions, cache_bytes=self.cache_bytes,
             slots_memory_holds=fit, measured_from=self.kv_measured, decode=self.decode,
             cuda_graphs=self.captured, reserved_interactive=self.limits.reserved_interactive,
-            hold_backlog=self.limits.hold_backlog,
+            hold_backlog=self.limits.hold_backlog, backlog_share=self.limits.backlog_share,
         )  # fmt: skip
 
     @property
@@ -92,12 +93,20 @@ class ModelStage:
             "engine_cuda_graphs": self.captured,
             "engine_reserved_interactive": self.limits.reserved_interactive,
             "engine_hold_backlog": self.limits.hold_backlog,
+            "engine_backlog_share": self.limits.backlog_share,
         }
 
     def live(self) -> dict[str, Any]:
         """The engine's rows now (the heartbeat; /readyz is set once and would show them frozen)."""
         engine = self.engine.engine
-        return {"engine_rows_running": len(engine.running), "engine_rows_waiting": len(engine.waiting)}
+        return {
+            "engine_rows_running": len(engine.running),
+            "engine_rows_waiting": len(engine.waiting),
+            # Backlog rows sitting out the steps while tickets decode, and the steps in a row the backlog
+            # had work and none of its rows moved: a starved backlog shows here, not only in its silence.
+            "engine_rows_held": len(engine.held),
+            "engine_backlog_stalled_steps": engine.backlog_stalled,
+        }
 
     def close(self) -> None:
         self.engine.stop()
@@ -161,7 +170,7 @@ class ModelStage:
         inputs, positions = self.backend.row_inputs(item)
         return Row(
             self.engine.row_id(job.job_id), inputs, positions, job.max_new_tokens, self.backend.eos_id,
-            lane=job.lane, alone=slot.suspect, deadline=self.admission.deadline_s(job), constraint=constraint,
+            lane=job.lane, group=slot.group, deadline=self.admission.deadline_s(job), constraint=constraint,
         )  # fmt: skip
 
     def _constraint(self, fmt: JsonSchemaFormat | ChoiceFormat | None) -> Constraint | None:

@@ -17,6 +17,7 @@ delivery to finish.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +103,7 @@ class Pipeline:
         self._local = threading.local()  # each delivery runs on one thread: its own pending writes
         self._lock = threading.Lock()
         self.jobs_seen = 0
+        self._groups = itertools.count()  # engine group names for suspects, unique in the process
         self.model = ModelStage(backend, settings, metrics, admission, self._pool, self._finish_async)
         # For /healthz (workers/liveness.py), monotonic clock: per delivery in hand (by thread), when
         # it began, when it last moved (a stage ended), and whether it waits on the engine (then each
@@ -181,6 +183,7 @@ class Pipeline:
             if slot.suspect:
                 if slot.live:
                     self.admission.start_alone(slot)
+                slot.group = f"suspect-{next(self._groups)}"
                 self._run_jobs([slot], spent)
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(

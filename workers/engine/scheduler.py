@@ -1,5 +1,5 @@
-"""Who is admitted to the running batch at the next step, and who is paused for them. Pure: no
-torch, no Redis, no clock.
+"""Who is admitted to the running batch at the next step, who is paused for them, and whether backlog
+rows sit out the step. Pure: no torch, no Redis, no clock.
 
 Rules, in order:
 - interactive rows before backlog rows, first come first served within a lane;
@@ -9,16 +9,26 @@ Rules, in order:
   ticket that arrives while a long backlog batch runs is admitted at the next step instead of waiting
   for a backlog row to finish (with nothing in memory, one backlog row always may run);
 - an interactive row that finds no free slot pauses the youngest backlog row (it goes back to waiting
-  and is recomputed later): a ticket never waits for a backlog answer;
+  and is recomputed later): a ticket never waits for a backlog answer, except for a row already
+  paused `SHARE_PAUSES` times while the backlog has a share (below);
 - backlog rows admitted at one step prefill at most `backlog_prefill_tokens` positions together
   (one row always may), so a ticket arriving mid-step waits for little prefill;
-- no backlog row is admitted while an interactive row runs: a prefill stalls every running row for
-  its length (a 1 MP photo's is several decode steps' worth), and a ticket's answer must not pay for
-  the backlog's refills; backlog slots freed meanwhile are refilled once the tickets are done;
-- a row marked `alone` (a suspect: its last delivery died with it) runs only with nothing beside it,
-  and nothing is admitted while it runs, nor past it while it waits (the rows in memory drain, so it
-  is never starved); a backlog suspect gives way to a ticket (paused), a ticket suspect pauses the
-  backlog rows in memory (held ones too) once no other ticket runs.
+- no backlog row is admitted while an interactive row runs (a prefill stalls every running row for its
+  length), and on the CPU backlog rows are held (skip decode steps) while one does, except at the
+  backlog's own steps (below);
+- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE): while tickets and backlog work
+  are both in the engine, the backlog earns that share of a step at every step and spends a whole one
+  at each step it takes at the tickets' expense (deficit counting, `Share`); with a step's credit it is
+  *due*: its held rows decode beside the tickets, its waiting rows may be admitted beside them, and if
+  it holds fewer rows than its share of the slots, its first waiting row goes before the waiting
+  tickets. A row admitted so is paused at most `SHARE_PAUSES` times, so it finishes. Tickets still
+  come first at every other step; with a share of 0 the backlog only gets what tickets leave;
+- rows of a **group** (suspects: a delivery that died with them in hand, or the rows of a decode step
+  that failed for no one row's memory) run only beside their own group, so a group that fails is
+  split in two and the one row that breaks the model ends up failing alone. Nothing is admitted while
+  a group runs, nor past it while it waits (the rows in memory drain, so it is never starved); a
+  backlog group gives way to a ticket as a backlog row does, a group with a ticket pauses the backlog
+  rows in memory (held ones too) once no other ticket runs.
 """
 
 from __future__ import annotations
@@ -27,74 +37,132 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 INTERACTIVE = "interactive"
+# While the backlog has a share, a backlog row is paused for tickets at most this many times: every pause
+# throws its tokens away, and a row paused at each ticket (one slot, a steady stream of tickets) never
+# finished. After that it keeps its slot and a ticket that needs one waits for it, at the backlog's cost.
+SHARE_PAUSES = 1
+_DUE = 1.0 - 1e-9  # one step's credit (a share such as 0.1 never sums to exactly 1.0 in floats)
 
 
 @dataclass(frozen=True)
 class Limits:
     max_rows: int  # slots: rows in memory at once (lowered for a while after an out-of-memory step)
     reserved_interactive: int = 1
-    hold_backlog: bool = False  # backlog rows skip decode steps (cache kept) while tickets are in
+    hold_backlog: bool = False  # backlog rows skip decode steps (cache kept) while tickets decode
     # Most prefill positions of backlog rows admitted at one step (one row always may): a ticket that
     # arrives during a step waits at most that much prefill, not a whole delivery's.
     backlog_prefill_tokens: int = 1 << 30
-
-
-def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits) -> bool:
-    """Whether backlog rows sit out the next decode steps, their cache kept: while any ticket is in
-    the engine, where a step's cost grows with its rows (the CPU: rows x the model's work), so a
-    ticket decodes as fast as alone. On a GPU a decode step is expected to be bound by reading the
-    weights (extra rows nearly free; not measured yet: docs/benchmarks.md), and holding rows would only
-    cost the backlog its steps."""
-    return limits.hold_backlog and any(c.lane == INTERACTIVE for c in (*running, *waiting))
+    # Share of the steps, while tickets are in, that belong to the backlog (0: none, strict priority).
+    backlog_share: float = 0.0
 
 
 @dataclass(frozen=True)
 class Candidate:
     row_id: str
     lane: str
-    alone: bool = False
+    group: str | None = None  # runs only beside rows of the same group (suspects)
     prompt_tokens: int = 0  # positions its prefill computes
+    pauses: int = 0  # times it was paused for a ticket
 
 
 @dataclass
 class Plan:
     admit: list[str] = field(default_factory=list)  # in admission order
     pause: list[str] = field(default_factory=list)  # running rows to send back to waiting first
+    drain: bool = False  # a group waits for the rows in memory to leave: nothing else was admitted
 
 
-def admit(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits) -> list[str]:
+@dataclass(frozen=True)
+class Step:
+    """One engine step as the backlog's share counts it (rows as candidates)."""
+
+    admitted: Seq[Candidate]  # admitted at this step
+    decoded: Seq[Candidate]  # in the step's decode (held rows are not)
+    waiting: Seq[Candidate]  # after the step
+    in_memory: Seq[Candidate]  # after the step: running and held
+    drain: bool = False  # the step's plan waited for a group's drain
+
+
+@dataclass
+class Share:
+    """The backlog's claim on the steps while tickets are in: deficit counting, as deficit round robin
+    does it. Every step at which tickets and backlog work are both in the engine earns the backlog
+    `share` of a step (at most one step banked); every step it takes at the tickets' expense costs a
+    whole one, and may leave it owing (a row that keeps its slot while a ticket waits). Due at one
+    step's credit. With no ticket in, nothing is owed either way."""
+
+    share: float
+    credit: float = 0.0
+
+    @property
+    def due(self) -> bool:
+        return self.share > 0 and self.credit >= _DUE
+
+    def settle(self, step: Step, limits: Limits) -> None:
+        rows = [*step.admitted, *step.decoded, *step.waiting, *step.in_memory]
+        if self.share <= 0 or not (_tickets(rows) and _backlog(rows)):
+            self.credit = 0.0
+            return
+        # A drain for a group spends nothing: the group is owed its turn until it runs.
+        spent = 1.0 if not step.drain and took_turn(step, limits) else 0.0
+        self.credit = min(1.0, self.credit + self.share - spent)
+
+
+def took_turn(step: Step, limits: Limits) -> bool:
+    """Whether the backlog took this step at the tickets' expense: a backlog row admitted while tickets
+    were in (its prefill stalls them), held rows decoding beside a ticket, or a ticket left waiting
+    while backlog rows keep slots."""
+    if not _tickets([*step.admitted, *step.decoded, *step.waiting, *step.in_memory]):
+        return False
+    return (
+        _backlog(step.admitted)
+        or (limits.hold_backlog and _backlog(step.decoded) and _tickets(step.decoded))
+        or (_tickets(step.waiting) and _backlog(step.in_memory))
+    )
+
+
+def hold(running: Seq[Candidate], limits: Limits, due: bool = False) -> bool:
+    """Whether backlog rows sit out the next decode step, their cache kept: while a ticket decodes,
+    where a step's cost grows with its rows (the CPU: rows x the model's work), so a ticket decodes as
+    fast as alone; except at the backlog's due steps. On a GPU a decode step is expected to be bound
+    by reading the weights (extra rows nearly free; docs/benchmarks.md), and holding rows would only
+    cost the backlog its steps. `running`: the rows in memory once this step's admissions are in."""
+    return limits.hold_backlog and not due and _tickets(running)
+
+
+def admit(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, due: bool = False) -> list[str]:
     """The ids to admit now, in admission order (without pausing anyone)."""
-    return plan(waiting, running, limits, pause=False).admit
+    return plan(waiting, running, limits, pause=False, due=due).admit
 
 
-def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause: bool = True) -> Plan:
-    """What to do at the next step. `running` is in admission order (the youngest last)."""
+def plan(
+    waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause: bool = True, due: bool = False
+) -> Plan:
+    """What to do at the next step. `running` is every row in memory (running and held), in admission
+    order (the youngest last); `due`: the backlog has a step's credit (`Share`)."""
     result = Plan()
     kept = list(running)
-    if not _alone_running_yields(waiting, kept, result, pause):
+    group = next((c.group for c in kept if c.group is not None), None)
+    if group is not None and not _group_yields(group, waiting, kept, result, limits, pause):
+        _admit_members(group, waiting, kept, result, limits)  # more of it as slots free, nothing else
         return result
     backlog_rows = max(0, limits.max_rows - limits.reserved_interactive)
     prefill = 0  # backlog prefill positions admitted in this plan
-    ordered = [c for c in waiting if c.lane == INTERACTIVE] + [c for c in waiting if c.lane != INTERACTIVE]
-    for candidate in ordered:
-        if candidate.alone:
-            _admit_alone(candidate, kept, result, pause)
-            return result  # nothing past a waiting suspect: the rows in memory drain, it is never starved
+    for candidate in _order(waiting, kept, limits, due):
+        if candidate.group is not None:
+            _enter_group(candidate.group, waiting, kept, result, limits, pause)
+            return result  # nothing past a waiting group: the rows in memory drain, it is never starved
         interactive = candidate.lane == INTERACTIVE
         # With nothing in memory one backlog row always may run, even when the reserve takes every slot
         # (a memory ceiling lowered to the reserve, or the reserve set to the slots): a ticket that
         # comes pauses it.
-        if (
-            not interactive
-            and kept
-            and (len(kept) >= backlog_rows or any(c.lane == INTERACTIVE for c in kept))
-        ):
+        if not interactive and kept and (len(kept) >= backlog_rows or (_tickets(kept) and not due)):
             continue
         if not interactive and prefill and prefill + candidate.prompt_tokens > limits.backlog_prefill_tokens:
             continue
-        if not _fits(candidate, kept, limits) and interactive and pause:
-            _pause_for(candidate, kept, limits, result)
-        if not _fits(candidate, kept, limits):
+        if not _fits(kept, limits) and interactive and pause:
+            _pause_for(kept, limits, result)
+        if not _fits(kept, limits):
             continue
         result.admit.append(candidate.row_id)
         kept.append(candidate)
@@ -102,46 +170,99 @@ def plan(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, pause
     return result
 
 
-def _alone_running_yields(waiting: Seq[Candidate], kept: list[Candidate], result: Plan, pause: bool) -> bool:
-    """A suspect runs with nothing beside it: False (admit nothing) while one runs, unless it is a
-    backlog one and a ticket waits: then it gives way as any backlog row does (paused, recomputed)."""
-    for row in [c for c in kept if c.alone]:
-        if pause and row.lane != INTERACTIVE and any(c.lane == INTERACTIVE for c in waiting):
-            kept.remove(row)
-            result.pause.append(row.row_id)
-        else:
-            return False
-    return True
+def backlog_slots(limits: Limits) -> int:
+    """The backlog's share of the slots (at least one while it has a share): below it, a due backlog
+    row goes before the waiting tickets."""
+    return max(1, int(limits.backlog_share * limits.max_rows)) if limits.backlog_share > 0 else 0
 
 
-def _admit_alone(candidate: Candidate, kept: list[Candidate], result: Plan, pause: bool) -> None:
-    """A waiting suspect runs once nothing is kept; a ticket one pauses the backlog rows in memory
-    (held ones too) once no other ticket runs."""
-    if pause and candidate.lane == INTERACTIVE and all(c.lane != INTERACTIVE for c in kept):
+def _order(waiting: Seq[Candidate], kept: list[Candidate], limits: Limits, due: bool) -> list[Candidate]:
+    """Tickets first; on the backlog's due step, its first row first while it holds fewer rows than its
+    share of the slots (one slot freed by a finished ticket then goes to it, not to the next ticket)."""
+    tickets = [c for c in waiting if c.lane == INTERACTIVE]
+    backlog = [c for c in waiting if c.lane != INTERACTIVE]
+    if due and backlog and sum(c.lane != INTERACTIVE for c in kept) < backlog_slots(limits):
+        return [backlog[0], *tickets, *backlog[1:]]
+    return tickets + backlog
+
+
+def _group_yields(
+    group: str, waiting: Seq[Candidate], kept: list[Candidate], result: Plan, limits: Limits, pause: bool
+) -> bool:
+    """A group in memory runs with nothing beside it: False (admit nothing else) while it runs, unless
+    it is a backlog one and a ticket waits: then it gives way as a backlog row does (paused,
+    recomputed; at most SHARE_PAUSES times while the backlog has a share)."""
+    members = [c for c in kept if c.group == group]
+    if (
+        pause
+        and not _tickets(members)
+        and any(c.lane == INTERACTIVE and c.group != group for c in waiting)
+        and all(_pausable(c, limits) for c in members)
+    ):
         result.pause += [c.row_id for c in reversed(kept)]
         kept.clear()
-    if not kept:
+        return True
+    return False
+
+
+def _enter_group(
+    group: str, waiting: Seq[Candidate], kept: list[Candidate], result: Plan, limits: Limits, pause: bool
+) -> None:
+    """A waiting group runs once nothing else is in memory; one with a ticket pauses the backlog rows in
+    memory (held ones too) once no other ticket runs."""
+    if pause and _tickets([c for c in waiting if c.group == group]) and not _tickets(kept):
+        result.pause += [c.row_id for c in reversed(kept)]
+        kept.clear()
+    if kept:
+        result.drain = True
+        return
+    _admit_members(group, waiting, kept, result, limits)
+
+
+def _admit_members(
+    group: str, waiting: Seq[Candidate], kept: list[Candidate], result: Plan, limits: Limits
+) -> None:
+    """The group's waiting members (tickets first), as many as there are slots: they run together, apart
+    from everything else (the prefill bound is for tickets beside the backlog; none runs beside it)."""
+    members = [c for c in waiting if c.group == group]
+    for candidate in sorted(members, key=lambda c: c.lane != INTERACTIVE):
+        if not _fits(kept, limits):
+            return
         result.admit.append(candidate.row_id)
+        kept.append(candidate)
 
 
-def _fits(candidate: Candidate, kept: list[Candidate], limits: Limits) -> bool:
+def _fits(kept: list[Candidate], limits: Limits) -> bool:
     """A free slot (every slot holds any job to its longest; one row always runs)."""
     return not kept or len(kept) < limits.max_rows
 
 
-def _pause_for(candidate: Candidate, kept: list[Candidate], limits: Limits, result: Plan) -> None:
-    """Pause the youngest running backlog rows (never one admitted in this plan) until it fits, or
-    none if pausing every such row would still not make room."""
-    pausable = [c for c in reversed(kept) if c.lane != INTERACTIVE and c.row_id not in result.admit]
+def _pausable(candidate: Candidate, limits: Limits) -> bool:
+    """A backlog row a ticket may pause: any, with no share; with one, a row not paused too often yet."""
+    return candidate.lane != INTERACTIVE and (limits.backlog_share <= 0 or candidate.pauses < SHARE_PAUSES)
+
+
+def _pause_for(kept: list[Candidate], limits: Limits, result: Plan) -> None:
+    """Pause the youngest pausable backlog rows (never one admitted in this plan) until a ticket fits,
+    or none if pausing every such row would still not make room."""
+    pausable = [c for c in reversed(kept) if _pausable(c, limits) and c.row_id not in result.admit]
     trial = list(kept)
     chosen: list[Candidate] = []
     for victim in pausable:
-        if _fits(candidate, trial, limits):
+        if _fits(trial, limits):
             break
         trial.remove(victim)
         chosen.append(victim)
-    if not _fits(candidate, trial, limits):
+    if not _fits(trial, limits):
         return
     for victim in chosen:
         kept.remove(victim)
         result.pause.append(victim.row_id)
+
+
+def _tickets(rows: Seq[Candidate]) -> bool:
+    return any(c.lane == INTERACTIVE for c in rows)
+
+
+def _backlog(rows: Seq[Candidate]) -> bool:
+    return any(c.lane != INTERACTIVE for c in rows)

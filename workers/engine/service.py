@@ -152,6 +152,8 @@ class EngineService:
             metrics.paused.labels(reason="failed_step").inc(report.restarted)
             self.log.warning("MRC_ENGINE_STEP_FAILED", rows=report.restarted, row_ceiling=engine.row_ceiling)
         metrics.rows_running.set(len(engine.running))
+        metrics.rows_held.set(len(engine.held))
+        metrics.backlog_stalled.set(engine.backlog_stalled)
         waiting = {"interactive": 0, "backlog": 0}
         for row in engine.waiting:
             waiting[row.lane] = waiting.get(row.lane, 0) + 1
