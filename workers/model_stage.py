@@ -133,6 +133,9 @@ class ModelStage:
                 self._first_batch_at = time.perf_counter()
         decodes = [(slot, self._pool.submit(slot, self._decode_one, slot)) for slot in live]
         rows: dict[Future[Row], Slot] = {}
+        # Suspects run as one group, so they go to the engine together: a member handed in after the
+        # others had run would start the group's run again (and a run of one is a lone run).
+        grouped: list[tuple[Row, Slot]] = []
         for slot, future in decodes:
             decoded, seconds = future.result()
             slot.timings["preprocess"] += seconds * 1000
@@ -145,7 +148,12 @@ class ModelStage:
             if isinstance(row, MrcError):
                 slot.error = row
                 continue
-            rows[self.engine.submit(row)] = slot
+            if slot.group is None:
+                rows[self.engine.submit(row)] = slot
+            else:
+                grouped.append((row, slot))
+        futures = self.engine.submit_many([row for row, _slot in grouped])
+        rows.update(zip(futures, (slot for _row, slot in grouped), strict=True))
         failed: list[Slot] = []  # model errors: written once the streak rule has judged them
         for done in as_completed(rows):
             slot = rows[done]

@@ -33,7 +33,7 @@ from shared.response_format import read_output
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore
 from workers import images, stages
-from workers.admission import Admission
+from workers.admission import Admission, suspect_groups
 from workers.backends.base import ModelBackend
 from workers.cache import ResultCache, job_cache_key
 from workers.finisher import Finisher, Requeue
@@ -178,13 +178,14 @@ class Pipeline:
         spent: dict[str, float] = {}
         self._stage("decode", self._decode, slots, spent)
         self._stage("claim", self.admission.admit, slots, spent)
-        self._run_jobs([s for s in slots if not s.suspect], spent)
-        for slot in slots:
-            if slot.suspect:
-                if slot.live:
-                    self.admission.start_alone(slot)
-                slot.group = f"suspect-{next(self._groups)}"
-                self._run_jobs([slot], spent)
+        suspects = [s for s in slots if s.suspect and s.live]
+        self._run_jobs([s for s in slots if s not in suspects], spent)
+        for group in suspect_groups(suspects):  # each group apart, its results written before the next
+            self.admission.start_group(group)
+            name = f"suspect-{next(self._groups)}"
+            for slot in group:
+                slot.group = name
+            self._run_jobs(group, spent)
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(
             "MRC_BATCH",
@@ -192,7 +193,7 @@ class Pipeline:
             succeeded=sum(s.outcome == "succeeded" for s in slots),
             failed=sum(s.outcome == "failed" for s in slots),
             skipped=sum(s.outcome == "skipped" for s in slots),
-            alone=sum(s.suspect for s in slots),
+            suspects=sum(s.suspect for s in slots),
             seconds=round(time.time() - start, 4),
             stages=",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in spent.items()),
         )

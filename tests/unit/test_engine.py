@@ -253,9 +253,10 @@ def test_out_of_memory_at_admission_waits_then_runs_alone(backend: FuyuBackend) 
     assert type(failed["big"].error).__name__ == "OutOfMemory"
 
 
-def test_a_step_that_fails_only_in_company_runs_each_row_alone(backend: FuyuBackend) -> None:
-    """A decode error that no single row explains: every row is recomputed alone, and each succeeds
-    with its own tokens (the one that breaks the model would fail by itself)."""
+def test_a_step_that_fails_only_in_company_is_split_until_each_row_runs_alone(backend: FuyuBackend) -> None:
+    """A decode error that no single row explains: the rows are recomputed in halves, each half apart,
+    a half that fails again is halved again, and each row succeeds with its own tokens (the one that
+    breaks the model would fail by itself)."""
     items = [_item(0, 0, 6), _item(1, 1, 6), _item(2, 2, 6)]
 
     def fault(row_ids: list[str]) -> Exception | None:
@@ -268,7 +269,9 @@ def test_a_step_that_fails_only_in_company_runs_each_row_alone(backend: FuyuBack
     for index, item in enumerate(items):
         assert done[str(index)].error is None
         assert done[str(index)].tokens == _alone(backend, item)
-    assert all(len(ids) == 1 for ids in runner.decodes[1:]), "rows shared a step after the failure"
+    assert runner.decodes[0] == ["0", "1", "2"]
+    assert runner.decodes[1] == ["0", "1"], "the first half did not run apart"  # fails again: halved
+    assert all(len(ids) == 1 for ids in runner.decodes[2:]), "rows shared a step after two failures"
 
 
 def test_a_device_fault_mid_step_fails_every_row_with_the_worker(backend: FuyuBackend) -> None:

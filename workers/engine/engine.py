@@ -8,9 +8,10 @@ Failures are settled here, per row, so one job never fails for its neighbours:
 - a decode step that fails may have written part of the step into the cache, so every running row
   goes back to waiting and is recomputed from its prompt (greedy: on the CPU in fp32 the same tokens
   again; on a GPU a batch of another shape may round differently). Out of memory also lowers the
-  admission ceiling below what ran, for CEILING_STEPS steps; any other error puts each row in a group
-  of its own (scheduler: a group runs beside nothing else), so the one that breaks the model fails by
-  itself and the others succeed;
+  admission ceiling below what ran, for CEILING_STEPS steps; any other error splits the rows into two
+  groups (scheduler: a group runs beside nothing else), and a group that fails again is split again,
+  so the one row that breaks the model fails by itself in about log2(rows) failed steps and the
+  others succeed, most of them still in company;
 - out of memory in the batch's own bookkeeping (a join, a drop, a hold) is settled like a failed
   step: the rows in memory go back to waiting, the ceiling is lowered; no job fails for it;
 - a device fault (WorkerUnusable) leaves the engine: nothing on this process can run any more.
@@ -260,9 +261,11 @@ class Engine:
         self._report.restarted += len(rows)
         if isinstance(error, OutOfMemory):
             self._lower_ceiling(len(rows) - 1 + len(self.held))  # the youngest's share freed
-        else:  # one at a time: the row that breaks the model fails by itself
-            for row in rows:
-                row.group = f"split-{next(self._groups)}"
+        else:  # halves that run apart: the one that fails again is split again, down to one row
+            for half in halves(rows):
+                group = f"split-{next(self._groups)}"
+                for row in half:
+                    row.group = group
         self._drop_all()
         self._requeue(rows)
 
@@ -357,6 +360,14 @@ def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
 
 def _has_backlog(rows: Iterable[scheduler.Candidate]) -> bool:
     return any(c.lane != scheduler.INTERACTIVE for c in rows)
+
+
+def halves(rows: list[Sequence]) -> list[list[Sequence]]:
+    """Two groups of (nearly) equal size, tickets first (so the tickets' half runs first); one row
+    stays one."""
+    ordered = sorted(rows, key=lambda r: r.lane != scheduler.INTERACTIVE)
+    middle = (len(ordered) + 1) // 2
+    return [part for part in (ordered[:middle], ordered[middle:]) if part]
 
 
 def _equal_lengths(rows: list[Sequence]) -> list[list[Sequence]]:

@@ -58,15 +58,21 @@ class EngineService:
         return f"{next(self._ids)}:{job_id}"
 
     def submit(self, row: Sequence) -> Future[Sequence]:
-        future: Future[Sequence] = Future()
-        row.submitted_at = self.clock()
+        return self.submit_many([row])[0]
+
+    def submit_many(self, rows: list[Sequence]) -> list[Future[Sequence]]:
+        """Hand rows in at once: the engine takes them at the same step (a group's members together)."""
+        futures: list[Future[Sequence]] = [Future() for _row in rows]
+        now = self.clock()
         with self._cond:
-            if self.fatal is not None:
-                future.set_exception(self.fatal)
-                return future
-            self._inbox.append((row, future))
+            for row, future in zip(rows, futures, strict=True):
+                row.submitted_at = now
+                if self.fatal is not None:
+                    future.set_exception(self.fatal)
+                else:
+                    self._inbox.append((row, future))
             self._cond.notify()
-        return future
+        return futures
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
