@@ -113,6 +113,12 @@ def test_a_due_backlog_is_admitted_beside_tickets_and_one_row_goes_before_waitin
     # Holding its share of the slots (2 of 4 at 0.5), the due backlog no longer goes first.
     two = [_c("t1", "interactive"), _c("b0"), _c("b9")]
     assert scheduler.admit(waiting, two, limits, due=True) == ["t4"]
+    # Its turn may take a slot the reserve keeps for tickets: with tickets in all the others, it was
+    # never its turn (16 closed-loop clients on 16 slots: the backlog stopped for good).
+    reserve = _limits(4, 1, True, share=0.5)
+    assert scheduler.admit(waiting, full, reserve) == ["t4"]
+    assert scheduler.admit(waiting, full, reserve, due=True) == ["b1"]
+    assert scheduler.plan(waiting, full, reserve, due=True).turn == ["b1"]
 
 
 def test_a_row_paused_once_keeps_its_slot_while_the_backlog_has_a_share() -> None:
@@ -125,12 +131,44 @@ def test_a_row_paused_once_keeps_its_slot_while_the_backlog_has_a_share() -> Non
     assert (strict.admit, strict.pause) == (["t1", "t2"], ["b2", "b1"])
 
 
+def test_rows_admitted_on_the_backlogs_turn_keep_their_slots_within_its_share_only() -> None:
+    limits = _limits(2, 0, False, share=0.5)  # its share: one slot
+    tickets = [_c("t1", "interactive"), _c("t2", "interactive")]
+    turn = scheduler.Candidate("b1", "backlog", turn=True)
+    plan = scheduler.plan(tickets, [turn, _c("b2")], limits)
+    assert (plan.admit, plan.pause) == (["t1"], ["b2"])
+    both = scheduler.plan(tickets, [turn, scheduler.Candidate("b2", "backlog", turn=True)], limits)
+    assert (both.admit, both.pause) == (["t1"], ["b2"]), "past its share the youngest is paused anyway"
+
+
+def test_a_row_paused_once_joins_tickets_again_only_within_the_backlogs_share() -> None:
+    limits = _limits(8, 0, True, share=0.25)  # its share: two slots
+    running = [_c("t1", "interactive"), _c("b1"), _c("b2")]
+    assert scheduler.admit([_c("b3", pauses=1)], running, limits, due=True) == []
+    assert scheduler.admit([_c("b3")], running, limits, due=True) == ["b3"]
+    assert scheduler.admit([_c("b3", pauses=1)], running[:2], limits, due=True) == ["b3"]
+
+
+def test_a_step_costs_the_backlog_only_what_it_takes_from_the_tickets() -> None:
+    limits = _limits(4, 0, True, share=0.5)  # its share: two slots
+    t, b1, b2, b3 = _c("t", "interactive"), _c("b1"), _c("b2"), _c("b3")
+    assert scheduler.took_turn(scheduler.Step([b1], [t], [], [t, b1]), limits)  # a prefill beside it
+    assert scheduler.took_turn(scheduler.Step([], [t, b1], [], [t, b1]), limits)  # held rows decoding
+    assert not scheduler.took_turn(scheduler.Step([], [t], [], [t, b1]), limits)  # held: nothing taken
+    waits = _c("t2", "interactive")
+    assert not scheduler.took_turn(scheduler.Step([], [t, b1, b2], [waits], [t, b1, b2]), limits)
+    assert scheduler.took_turn(scheduler.Step([], [t, b1, b2, b3], [waits], [t, b1, b2, b3]), limits)
+    assert not scheduler.took_turn(scheduler.Step([], [b1], [], [b1]), limits), "no ticket in"
+
+
 def test_held_rows_decode_at_the_backlogs_due_steps_only() -> None:
     limits = _limits(4, 0, True, share=0.25)
     running = [_c("t1", "interactive"), _c("b1")]
-    assert scheduler.hold(running, limits)
-    assert not scheduler.hold(running, limits, due=True)
-    assert not scheduler.hold([_c("b1")], limits), "held with no ticket decoding"
+    assert scheduler.hold(running, [], limits)
+    assert not scheduler.hold(running, [], limits, due=True)
+    assert not scheduler.hold([_c("b1")], [], limits), "held with no ticket decoding"
+    # A ticket waiting for a slot: the backlog rows keeping the slots move, to give them back.
+    assert not scheduler.hold(running, [_c("t2", "interactive")], limits)
 
 
 def test_the_share_is_earned_only_while_tickets_and_backlog_are_both_in_and_a_debt_is_repaid() -> None:
@@ -148,3 +186,46 @@ def test_the_share_is_earned_only_while_tickets_and_backlog_are_both_in_and_a_de
     assert steps == 16  # 3 owed + 1 to earn, at a quarter a step
     share.settle(scheduler.Step([], [_c("t1", "interactive")], [], [_c("t1", "interactive")]), limits)
     assert share.credit == 0.0, "credit kept with no backlog in"
+
+
+def test_the_pause_cap_holds_for_groups_too() -> None:
+    """A group of suspects pauses what is in memory (or gives way to a ticket) as rows do, but never
+    pauses a row twice while the backlog has a share: it waits for it to drain instead."""
+    limits = _limits(4, 0, False, share=0.25)
+    ticket_group = [scheduler.Candidate("s", "interactive", "g")]
+    once = scheduler.plan(ticket_group, [_c("b1", pauses=1)], limits)
+    assert (once.admit, once.pause, once.drain) == ([], [], True)
+    fresh = scheduler.plan(ticket_group, [_c("b1")], limits)
+    assert (fresh.admit, fresh.pause) == (["s"], ["b1"])
+    backlog_group = [scheduler.Candidate("g1", "backlog", "g", pauses=1)]
+    assert scheduler.plan([_c("t", "interactive")], backlog_group, limits).pause == []
+
+
+def _closed_loop(limits: scheduler.Limits, clients: int, steps: int = 3000) -> tuple[int, int, Engine]:
+    """`clients` each keep one 30-token ticket in the engine (the next one the step after its answer),
+    beside a backlog of 60-token jobs that filled the slots first. (Backlog done, tickets done.)"""
+    done: dict[str, Sequence] = {}
+    engine = Engine(ECHO.step_model(), limits, lambda row: done.__setitem__(row.row_id, row))
+    for index in range(200):
+        engine.submit(_row(f"b{index}", "backlog", 60))
+    engine.step()
+    engine.step()
+    sent = 0
+    for _step in range(steps):
+        while sum(r.lane == "interactive" for r in done.values()) + clients > sent:
+            engine.submit(_row(f"t{sent}", "interactive", 30))
+            sent += 1
+        engine.step()
+    backlog = sum(r.lane == "backlog" for r in done.values())
+    return backlog, len(done) - backlog, engine
+
+
+@pytest.mark.parametrize("clients", [1, 3, 8, 16])
+@pytest.mark.parametrize("hold", [False, True], ids=["hold-off", "hold-on"])
+def test_closed_loop_ticket_clients_stop_neither_the_backlog_nor_tickets(clients: int, hold: bool) -> None:
+    """With the slots full of backlog rows first, the rows a ticket may no longer pause held their
+    slots and sat out every step while tickets waited: neither moved again (seen in the benchmark)."""
+    backlog, tickets, engine = _closed_loop(_limits(16, 2, hold), clients)
+    assert backlog >= 40, f"{backlog} backlog jobs done beside {clients} clients"
+    assert tickets >= clients * 3000 // 40, f"{tickets} tickets done by {clients} clients"
+    assert engine.backlog_stalled < 100

@@ -181,6 +181,7 @@ class Engine:
         admitted = [by_id[row_id] for row_id in plan.admit]
         for row in admitted:
             self.waiting.remove(row)
+            row.turn = row.row_id in plan.turn
         groups = _equal_lengths(admitted)
         for index, group in enumerate(groups):
             if not self._prefill(group):
@@ -301,7 +302,7 @@ class Engine:
     def _hold_or_release(self, due: bool) -> None:
         """Backlog rows out of the decode step while tickets decode (scheduler.hold), back after and
         at the backlog's due steps. After admission: only the tickets that will decode count."""
-        if scheduler.hold(_candidates(self.running.values()), self.limits, due):
+        if scheduler.hold(_candidates(self.running.values()), _candidates(self.waiting), self.limits, due):
             backlog = {row_id for row_id, row in self.running.items() if row.lane != scheduler.INTERACTIVE}
             if backlog:
                 self.held_batch.absorb(self.batch.take(backlog))
@@ -355,7 +356,7 @@ def _masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
 
 def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
     """The rows as the pure policy sees them."""
-    return [scheduler.Candidate(r.row_id, r.lane, r.group, r.prompt_tokens, r.pauses) for r in rows]
+    return [scheduler.Candidate(r.row_id, r.lane, r.group, r.prompt_tokens, r.pauses, r.turn) for r in rows]
 
 
 def _has_backlog(rows: Iterable[scheduler.Candidate]) -> bool:

@@ -9,20 +9,23 @@ Rules, in order:
   ticket that arrives while a long backlog batch runs is admitted at the next step instead of waiting
   for a backlog row to finish (with nothing in memory, one backlog row always may run);
 - an interactive row that finds no free slot pauses the youngest backlog row (it goes back to waiting
-  and is recomputed later): a ticket never waits for a backlog answer, except for a row already
-  paused `SHARE_PAUSES` times while the backlog has a share (below);
+  and is recomputed later): a ticket never waits for a backlog answer, except for the rows the
+  backlog's share protects (below);
 - backlog rows admitted at one step prefill at most `backlog_prefill_tokens` positions together
   (one row always may), so a ticket arriving mid-step waits for little prefill;
 - no backlog row is admitted while an interactive row runs (a prefill stalls every running row for its
-  length), and on the CPU backlog rows are held (skip decode steps) while one does, except at the
-  backlog's own steps (below);
-- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE): while tickets and backlog work
-  are both in the engine, the backlog earns that share of a step at every step and spends a whole one
-  at each step it takes at the tickets' expense (deficit counting, `Share`); with a step's credit it is
-  *due*: its held rows decode beside the tickets, its waiting rows may be admitted beside them, and if
-  it holds fewer rows than its share of the slots, its first waiting row goes before the waiting
-  tickets. A row admitted so is paused at most `SHARE_PAUSES` times, so it finishes. Tickets still
-  come first at every other step; with a share of 0 the backlog only gets what tickets leave;
+  length), and on the CPU backlog rows are held (skip decode steps) while one does and no ticket waits
+  for a slot, except at the backlog's own steps (below);
+- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE), of the steps and of the slots.
+  Steps: while tickets and backlog work are both in the engine, the backlog earns that share of a step
+  at every step and spends a whole one at each step it takes at the tickets' expense (deficit
+  counting, `Share`); with a step's credit it is *due*: its held rows decode beside the tickets, its
+  waiting rows may be admitted beside them, and, up to its share of the slots (`backlog_slots`, at
+  least one), its waiting rows go before the waiting tickets. Slots: up to that share, the rows it
+  holds are not paused for tickets once they were admitted on its turn or paused `SHARE_PAUSES` times
+  (so they finish), and cost it nothing while tickets wait; past that share a row keeping a slot a
+  ticket waits for costs it the step. Tickets still come first at every other step; with a share of 0
+  the backlog only gets what tickets leave;
 - rows of a **group** (suspects: a delivery that died with them in hand, or the rows of a decode step
   that failed for no one row's memory) run only beside their own group, so a group that fails is
   split in two and the one row that breaks the model ends up failing alone. Nothing is admitted while
@@ -63,6 +66,7 @@ class Candidate:
     group: str | None = None  # runs only beside rows of the same group (suspects)
     prompt_tokens: int = 0  # positions its prefill computes
     pauses: int = 0  # times it was paused for a ticket
+    turn: bool = False  # a backlog row admitted on the backlog's turn (its share), beside or before tickets
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Plan:
     admit: list[str] = field(default_factory=list)  # in admission order
     pause: list[str] = field(default_factory=list)  # running rows to send back to waiting first
     drain: bool = False  # a group waits for the rows in memory to leave: nothing else was admitted
+    turn: list[str] = field(default_factory=list)  # backlog rows admitted on the backlog's turn
 
 
 @dataclass(frozen=True)
@@ -110,24 +115,26 @@ class Share:
 
 def took_turn(step: Step, limits: Limits) -> bool:
     """Whether the backlog took this step at the tickets' expense: a backlog row admitted while tickets
-    were in (its prefill stalls them), held rows decoding beside a ticket, or a ticket left waiting
-    while backlog rows keep slots."""
+    were in (its prefill stalls them); backlog rows decoding beside tickets where holding would have
+    kept them out (no ticket waiting for a slot); or a ticket left waiting while the backlog holds more
+    than its share of the slots."""
     if not _tickets([*step.admitted, *step.decoded, *step.waiting, *step.in_memory]):
         return False
-    return (
-        _backlog(step.admitted)
-        or (limits.hold_backlog and _backlog(step.decoded) and _tickets(step.decoded))
-        or (_tickets(step.waiting) and _backlog(step.in_memory))
-    )
+    waits = _tickets(step.waiting)
+    held_back = limits.hold_backlog and not waits and _backlog(step.decoded) and _tickets(step.decoded)
+    over_share = waits and sum(c.lane != INTERACTIVE for c in step.in_memory) > backlog_slots(limits)
+    return _backlog(step.admitted) or held_back or over_share
 
 
-def hold(running: Seq[Candidate], limits: Limits, due: bool = False) -> bool:
+def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits, due: bool = False) -> bool:
     """Whether backlog rows sit out the next decode step, their cache kept: while a ticket decodes,
     where a step's cost grows with its rows (the CPU: rows x the model's work), so a ticket decodes as
-    fast as alone; except at the backlog's due steps. On a GPU a decode step is expected to be bound
-    by reading the weights (extra rows nearly free; docs/benchmarks.md), and holding rows would only
-    cost the backlog its steps. `running`: the rows in memory once this step's admissions are in."""
-    return limits.hold_backlog and not due and _tickets(running)
+    fast as alone; except at the backlog's due steps, and while a ticket waits for a slot: then the
+    backlog rows keeping the slots must move to give them back (held, they kept them for ever). On a
+    GPU a decode step is expected to be bound by reading the weights (extra rows nearly free;
+    docs/benchmarks.md), and holding rows would only cost the backlog its steps. `running` and
+    `waiting`: once this step's admissions are in."""
+    return limits.hold_backlog and not due and _tickets(running) and not _tickets(waiting)
 
 
 def admit(waiting: Seq[Candidate], running: Seq[Candidate], limits: Limits, due: bool = False) -> list[str]:
@@ -148,7 +155,9 @@ def plan(
         return result
     backlog_rows = max(0, limits.max_rows - limits.reserved_interactive)
     prefill = 0  # backlog prefill positions admitted in this plan
-    for candidate in _order(waiting, kept, limits, due):
+    tickets_in = _tickets([*waiting, *kept])
+    ordered, ahead = _order(waiting, kept, limits, due)
+    for candidate in ordered:
         if candidate.group is not None:
             _enter_group(candidate.group, waiting, kept, result, limits, pause)
             return result  # nothing past a waiting group: the rows in memory drain, it is never starved
@@ -156,7 +165,14 @@ def plan(
         # With nothing in memory one backlog row always may run, even when the reserve takes every slot
         # (a memory ceiling lowered to the reserve, or the reserve set to the slots): a ticket that
         # comes pauses it.
-        if not interactive and kept and (len(kept) >= backlog_rows or (_tickets(kept) and not due)):
+        # The backlog's turn, up to its share of the slots, may take any free slot (the reserve included:
+        # with tickets in every other slot, it was never its turn).
+        reserved = len(kept) >= backlog_rows and candidate.row_id not in ahead
+        if (
+            not interactive
+            and kept
+            and (reserved or (_tickets(kept) and not _beside(candidate, kept, limits, due)))
+        ):
             continue
         if not interactive and prefill and prefill + candidate.prompt_tokens > limits.backlog_prefill_tokens:
             continue
@@ -165,25 +181,36 @@ def plan(
         if not _fits(kept, limits):
             continue
         result.admit.append(candidate.row_id)
+        if not interactive and due and tickets_in:
+            result.turn.append(candidate.row_id)
         kept.append(candidate)
         prefill += 0 if interactive else candidate.prompt_tokens
     return result
 
 
 def backlog_slots(limits: Limits) -> int:
-    """The backlog's share of the slots (at least one while it has a share): below it, a due backlog
-    row goes before the waiting tickets."""
-    return max(1, int(limits.backlog_share * limits.max_rows)) if limits.backlog_share > 0 else 0
+    """The backlog's whole share of the slots (0 below one slot: there its share is of the time, paid
+    for in steps). The rows it holds within it keep their slots free of charge while tickets wait."""
+    return int(limits.backlog_share * limits.max_rows)
 
 
-def _order(waiting: Seq[Candidate], kept: list[Candidate], limits: Limits, due: bool) -> list[Candidate]:
-    """Tickets first; on the backlog's due step, its first row first while it holds fewer rows than its
-    share of the slots (one slot freed by a finished ticket then goes to it, not to the next ticket)."""
+def _protected_rows(limits: Limits) -> int:
+    """The backlog rows its turn may put before waiting tickets, and that tickets may not pause once
+    admitted on its turn or paused SHARE_PAUSES times: its share of the slots, at least one."""
+    return max(1, backlog_slots(limits)) if limits.backlog_share > 0 else 0
+
+
+def _order(
+    waiting: Seq[Candidate], kept: list[Candidate], limits: Limits, due: bool
+) -> tuple[list[Candidate], set[str]]:
+    """Tickets first; on the backlog's due step, its first rows first up to its share of the slots (a
+    slot freed by a finished ticket then goes to it, not to the next ticket). The order, and the ids
+    of the backlog rows put ahead."""
     tickets = [c for c in waiting if c.lane == INTERACTIVE]
     backlog = [c for c in waiting if c.lane != INTERACTIVE]
-    if due and backlog and sum(c.lane != INTERACTIVE for c in kept) < backlog_slots(limits):
-        return [backlog[0], *tickets, *backlog[1:]]
-    return tickets + backlog
+    room = _protected_rows(limits) - sum(c.lane != INTERACTIVE for c in kept) if due else 0
+    ahead = backlog[: max(0, room)]
+    return [*ahead, *tickets, *backlog[len(ahead) :]], {c.row_id for c in ahead}
 
 
 def _group_yields(
@@ -209,8 +236,12 @@ def _enter_group(
     group: str, waiting: Seq[Candidate], kept: list[Candidate], result: Plan, limits: Limits, pause: bool
 ) -> None:
     """A waiting group runs once nothing else is in memory; one with a ticket pauses the backlog rows in
-    memory (held ones too) once no other ticket runs."""
-    if pause and _tickets([c for c in waiting if c.group == group]) and not _tickets(kept):
+    memory (held ones too) once no other ticket runs, unless one of them may not be paused again."""
+    if (
+        pause
+        and _tickets([c for c in waiting if c.group == group])
+        and all(_pausable(c, limits) for c in kept)
+    ):
         result.pause += [c.row_id for c in reversed(kept)]
         kept.clear()
     if kept:
@@ -237,22 +268,41 @@ def _fits(kept: list[Candidate], limits: Limits) -> bool:
     return not kept or len(kept) < limits.max_rows
 
 
+def _beside(candidate: Candidate, kept: list[Candidate], limits: Limits, due: bool) -> bool:
+    """Whether a backlog row may join running tickets: on the backlog's due step; a row paused before
+    only into the backlog's share of the slots, where no ticket pauses it again (past it, it would be
+    paused at the next ticket and recomputed once more)."""
+    if not due:
+        return False
+    within = sum(c.lane != INTERACTIVE for c in kept) < _protected_rows(limits)
+    return within or candidate.pauses < SHARE_PAUSES
+
+
 def _pausable(candidate: Candidate, limits: Limits) -> bool:
-    """A backlog row a ticket may pause: any, with no share; with one, a row not paused too often yet."""
-    return candidate.lane != INTERACTIVE and (limits.backlog_share <= 0 or candidate.pauses < SHARE_PAUSES)
+    """A backlog row a ticket may pause: any, with no share; with one, a row neither admitted on the
+    backlog's turn nor paused too often yet (past the backlog's share of the slots, any: _pause_for)."""
+    if candidate.lane == INTERACTIVE:
+        return False
+    return limits.backlog_share <= 0 or (candidate.pauses < SHARE_PAUSES and not candidate.turn)
 
 
 def _pause_for(kept: list[Candidate], limits: Limits, result: Plan) -> None:
-    """Pause the youngest pausable backlog rows (never one admitted in this plan) until a ticket fits,
-    or none if pausing every such row would still not make room."""
-    pausable = [c for c in reversed(kept) if _pausable(c, limits) and c.row_id not in result.admit]
+    """Pause the youngest backlog rows (never one admitted in this plan) until a ticket fits, or none
+    if that would still not make room. A row paused too often already is kept while the backlog holds
+    no more than its share of the slots (the oldest such rows): the backlog keeps what it is owed and
+    no more, so tickets still get every other slot."""
+    candidates = [c for c in reversed(kept) if c.lane != INTERACTIVE and c.row_id not in result.admit]
+    backlog = sum(c.lane != INTERACTIVE for c in kept)
     trial = list(kept)
     chosen: list[Candidate] = []
-    for victim in pausable:
+    for victim in candidates:
         if _fits(trial, limits):
             break
+        if not _pausable(victim, limits) and backlog <= _protected_rows(limits):
+            continue
         trial.remove(victim)
         chosen.append(victim)
+        backlog -= 1
     if not _fits(trial, limits):
         return
     for victim in chosen:

@@ -43,6 +43,7 @@ class Sequence:
     masked_steps: int = 0  # decode steps of its last run whose attention read padding under a mask
     restarts: int = 0  # times it was paused (or its batch failed) and recomputed from its prompt
     pauses: int = 0  # of those, times it was paused for a ticket (capped while the backlog has a share)
+    turn: bool = False  # its last admission was on the backlog's turn (its share): tickets leave it be
 
     @property
     def length(self) -> int:
