@@ -101,24 +101,32 @@ def _c(row_id: str, lane: str = "backlog", pauses: int = 0) -> scheduler.Candida
     return scheduler.Candidate(row_id, lane, pauses=pauses)
 
 
-def test_a_due_backlog_is_admitted_beside_tickets_and_one_row_goes_before_waiting_tickets() -> None:
-    limits = _limits(4, 0, True, share=0.5)
-    running = [_c("t1", "interactive")]
-    assert scheduler.admit([_c("b1")], running, limits) == []  # tickets first at other steps
-    assert scheduler.admit([_c("b1")], running, limits, due=True) == ["b1"]
-    full = [_c("t1", "interactive"), _c("t2", "interactive"), _c("t3", "interactive")]
-    waiting = [_c("t4", "interactive"), _c("b1"), _c("b2")]
-    assert scheduler.admit(waiting, full, limits) == ["t4"]
-    assert scheduler.admit(waiting, full, limits, due=True) == ["b1"]  # the one free slot: backlog's turn
-    # Holding its share of the slots (2 of 4 at 0.5), the due backlog no longer goes first.
-    two = [_c("t1", "interactive"), _c("b0"), _c("b9")]
-    assert scheduler.admit(waiting, two, limits, due=True) == ["t4"]
+def test_the_backlog_joins_tickets_within_its_share_of_the_slots_and_past_it_at_its_due_steps() -> None:
+    limits = _limits(8, 0, True, share=0.25)  # its share: two slots
+    ticket = [_c("t1", "interactive")]
+    backlog = [_c("b1"), _c("b2"), _c("b3")]
+    assert scheduler.admit(backlog, ticket, limits) == ["b1", "b2"]
+    assert scheduler.admit(backlog[2:], [*ticket, *backlog[:2]], limits) == []  # tickets first
+    assert scheduler.admit(backlog[2:], [*ticket, *backlog[:2]], limits, due=True) == ["b3"]
+    # Within its share its rows go before waiting tickets, into the last free slot too.
+    full = [_c(f"t{i}", "interactive") for i in range(6)] + [_c("b0")]
+    waiting = [_c("t9", "interactive"), _c("b1"), _c("b2")]
+    assert scheduler.admit(waiting, full, limits) == ["b1"]
+    assert scheduler.plan(waiting, full, limits).turn == ["b1"]
+    assert scheduler.admit(waiting, [*full[1:], _c("b5")], limits) == ["t9"], "at its share: tickets first"
+
+
+def test_a_share_below_one_slot_goes_before_tickets_at_its_due_steps_only() -> None:
+    limits = _limits(3, 0, True, share=0.25)  # 0.75 of a slot: a share of the time, not of the slots
+    tickets = [_c("t1", "interactive"), _c("t2", "interactive")]
+    waiting = [_c("t3", "interactive"), _c("b1")]
+    assert scheduler.admit(waiting, tickets, limits) == ["t3"]
+    assert scheduler.admit(waiting, tickets, limits, due=True) == ["b1"]
     # Its turn may take a slot the reserve keeps for tickets: with tickets in all the others, it was
     # never its turn (16 closed-loop clients on 16 slots: the backlog stopped for good).
-    reserve = _limits(4, 1, True, share=0.5)
-    assert scheduler.admit(waiting, full, reserve) == ["t4"]
-    assert scheduler.admit(waiting, full, reserve, due=True) == ["b1"]
-    assert scheduler.plan(waiting, full, reserve, due=True).turn == ["b1"]
+    reserve = _limits(3, 1, True, share=0.25)
+    assert scheduler.admit(waiting, tickets, reserve) == ["t3"]
+    assert scheduler.admit(waiting, tickets, reserve, due=True) == ["b1"]
 
 
 def test_a_row_paused_once_keeps_its_slot_while_the_backlog_has_a_share() -> None:

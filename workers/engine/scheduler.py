@@ -16,16 +16,14 @@ Rules, in order:
 - no backlog row is admitted while an interactive row runs (a prefill stalls every running row for its
   length), and on the CPU backlog rows are held (skip decode steps) while one does and no ticket waits
   for a slot, except at the backlog's own steps (below);
-- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE), of the steps and of the slots.
-  Steps: while tickets and backlog work are both in the engine, the backlog earns that share of a step
-  at every step and spends a whole one at each step it takes at the tickets' expense (deficit
-  counting, `Share`); with a step's credit it is *due*: its held rows decode beside the tickets, its
-  waiting rows may be admitted beside them, and, up to its share of the slots (`backlog_slots`, at
-  least one), its waiting rows go before the waiting tickets. Slots: up to that share, the rows it
-  holds are not paused for tickets once they were admitted on its turn or paused `SHARE_PAUSES` times
-  (so they finish), and cost it nothing while tickets wait; past that share a row keeping a slot a
-  ticket waits for costs it the step. Tickets still come first at every other step; with a share of 0
-  the backlog only gets what tickets leave;
+- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE), of the slots and of the steps.
+  Slots (`backlog_slots`): up to its share, the backlog's rows join running tickets and go before
+  waiting ones at any step, and once admitted so (or paused `SHARE_PAUSES` times) are not paused for
+  tickets and cost it nothing while tickets wait. Steps (deficit counting, `Share`): it earns that
+  share of a step at every step it has work and spends a whole one at every step it moves; with a
+  step's credit it is *due*: its held rows decode beside the tickets, fresh rows may join them past
+  its share of the slots, and at least one of its rows goes before waiting tickets. Tickets still come
+  first at every other step; with a share of 0 the backlog only gets what tickets leave;
 - rows of a **group** (suspects: a delivery that died with them in hand, or the rows of a decode step
   that failed for no one row's memory) run only beside their own group, so a group that fails is
   split in two and the one row that breaks the model ends up failing alone. Nothing is admitted while
@@ -40,11 +38,16 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 INTERACTIVE = "interactive"
-# While the backlog has a share, a backlog row is paused for tickets at most this many times: every pause
-# throws its tokens away, and a row paused at each ticket (one slot, a steady stream of tickets) never
-# finished. After that it keeps its slot and a ticket that needs one waits for it, at the backlog's cost.
+# While the backlog has a share, a row within its share of the slots is paused for tickets at most
+# this many times: every pause throws its tokens away, and a row paused at each ticket (one slot, a
+# steady stream of tickets) never finished. After that it keeps its slot and a ticket that needs one
+# waits for it (at the backlog's cost in steps, past its share of the slots).
 SHARE_PAUSES = 1
 _DUE = 1.0 - 1e-9  # one step's credit (a share such as 0.1 never sums to exactly 1.0 in floats)
+# The most steps the backlog's free progress (no ticket paying for it) counts for: with one ticket
+# client the backlog ran between tickets and took a quarter of each ticket's steps anyway (p50 0.36 s
+# -> 0.72 s on the CPU, backlog no faster); it claims steps again after (16 + 1) / share steps stalled.
+FREE_STEPS = 16.0
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,14 @@ class Step:
 
 @dataclass
 class Share:
-    """The backlog's claim on the steps while tickets are in: deficit counting, as deficit round robin
-    does it. Every step at which tickets and backlog work are both in the engine earns the backlog
-    `share` of a step (at most one step banked); every step it takes at the tickets' expense costs a
-    whole one, and may leave it owing (a row that keeps its slot while a ticket waits). Due at one
-    step's credit. With no ticket in, nothing is owed either way."""
+    """The backlog's claim on the steps: deficit counting, as deficit round robin does it. Every step
+    at which the backlog has work earns it `share` of a step (at most one step banked); every step at
+    which it moves spends a whole one. A step it takes at the tickets' expense (`took_turn`) may leave
+    it owing without bound (a row that keeps the only slot while tickets wait); a step it moves at no
+    one's expense (no ticket in, or beside tickets that lose nothing by it) counts down to
+    FREE_STEPS owed at most: a backlog that moves on its own between tickets claims none of theirs,
+    and one that stops moving is due again within (FREE_STEPS + 1) / share steps. Due at one step's
+    credit."""
 
     share: float
     credit: float = 0.0
@@ -104,13 +110,18 @@ class Share:
         return self.share > 0 and self.credit >= _DUE
 
     def settle(self, step: Step, limits: Limits) -> None:
-        rows = [*step.admitted, *step.decoded, *step.waiting, *step.in_memory]
-        if self.share <= 0 or not (_tickets(rows) and _backlog(rows)):
+        if self.share <= 0 or not _backlog([*step.admitted, *step.decoded, *step.waiting, *step.in_memory]):
             self.credit = 0.0
             return
-        # A drain for a group spends nothing: the group is owed its turn until it runs.
-        spent = 1.0 if not step.drain and took_turn(step, limits) else 0.0
-        self.credit = min(1.0, self.credit + self.share - spent)
+        earned = self.credit + self.share
+        if step.drain:  # a group waiting for the rows in memory: owed its turn until it runs
+            self.credit = min(1.0, earned)
+        elif took_turn(step, limits):
+            self.credit = min(1.0, earned - 1.0)
+        elif _backlog([*step.admitted, *step.decoded]):
+            self.credit = min(1.0, max(earned - 1.0, min(self.credit, -FREE_STEPS)))
+        else:
+            self.credit = min(1.0, earned)
 
 
 def took_turn(step: Step, limits: Limits) -> bool:
@@ -168,11 +179,7 @@ def plan(
         # The backlog's turn, up to its share of the slots, may take any free slot (the reserve included:
         # with tickets in every other slot, it was never its turn).
         reserved = len(kept) >= backlog_rows and candidate.row_id not in ahead
-        if (
-            not interactive
-            and kept
-            and (reserved or (_tickets(kept) and not _beside(candidate, kept, limits, due)))
-        ):
+        if not interactive and kept and (reserved or (_tickets(kept) and not _beside(candidate, ahead, due))):
             continue
         if not interactive and prefill and prefill + candidate.prompt_tokens > limits.backlog_prefill_tokens:
             continue
@@ -181,7 +188,7 @@ def plan(
         if not _fits(kept, limits):
             continue
         result.admit.append(candidate.row_id)
-        if not interactive and due and tickets_in:
+        if candidate.row_id in ahead and tickets_in:
             result.turn.append(candidate.row_id)
         kept.append(candidate)
         prefill += 0 if interactive else candidate.prompt_tokens
@@ -203,13 +210,13 @@ def _protected_rows(limits: Limits) -> int:
 def _order(
     waiting: Seq[Candidate], kept: list[Candidate], limits: Limits, due: bool
 ) -> tuple[list[Candidate], set[str]]:
-    """Tickets first; on the backlog's due step, its first rows first up to its share of the slots (a
-    slot freed by a finished ticket then goes to it, not to the next ticket). The order, and the ids
-    of the backlog rows put ahead."""
+    """Tickets first, except the backlog's rows up to its share of the slots: at any step up to its
+    whole share, at its due steps up to at least one (a slot freed by a finished ticket then goes to
+    it, not to the next ticket). The order, and the ids of the backlog rows put ahead."""
     tickets = [c for c in waiting if c.lane == INTERACTIVE]
     backlog = [c for c in waiting if c.lane != INTERACTIVE]
-    room = _protected_rows(limits) - sum(c.lane != INTERACTIVE for c in kept) if due else 0
-    ahead = backlog[: max(0, room)]
+    share = _protected_rows(limits) if due else backlog_slots(limits)
+    ahead = backlog[: max(0, share - sum(c.lane != INTERACTIVE for c in kept))]
     return [*ahead, *tickets, *backlog[len(ahead) :]], {c.row_id for c in ahead}
 
 
@@ -268,14 +275,11 @@ def _fits(kept: list[Candidate], limits: Limits) -> bool:
     return not kept or len(kept) < limits.max_rows
 
 
-def _beside(candidate: Candidate, kept: list[Candidate], limits: Limits, due: bool) -> bool:
-    """Whether a backlog row may join running tickets: on the backlog's due step; a row paused before
-    only into the backlog's share of the slots, where no ticket pauses it again (past it, it would be
-    paused at the next ticket and recomputed once more)."""
-    if not due:
-        return False
-    within = sum(c.lane != INTERACTIVE for c in kept) < _protected_rows(limits)
-    return within or candidate.pauses < SHARE_PAUSES
+def _beside(candidate: Candidate, ahead: set[str], due: bool) -> bool:
+    """Whether a backlog row may join running tickets: within the backlog's share of the slots (put
+    ahead); past it at its due steps, a row not paused before (one paused before would be paused at
+    the next ticket and recomputed once more)."""
+    return candidate.row_id in ahead or (due and candidate.pauses < SHARE_PAUSES)
 
 
 def _pausable(candidate: Candidate, limits: Limits) -> bool:
