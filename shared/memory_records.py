@@ -100,6 +100,11 @@ class MemoryJobRecords:
             record["solo_runs"] = str(earlier + 1)
             return earlier
 
+    def suspect_group(self, job_ids: list[str], size: int) -> None:
+        with self._lock:
+            for job_id in job_ids:
+                self.records.setdefault(job_id, {})["suspect_group"] = str(size)
+
     def reset_attempts(self, job_id: str, push_id: str) -> None:
         with self._lock:
             record = self.records.setdefault(job_id, {})
@@ -107,6 +112,7 @@ class MemoryJobRecords:
                 {"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1", "push": push_id}
             )
             record.pop("usage_counted", None)
+            record.pop("suspect_group", None)
 
     def count_usage(self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool) -> bool:
         args = usage_book.count_args(api_key, usage, cache_hit)

@@ -105,6 +105,7 @@ class JobRecords(Protocol):
     def begin(self, job_id: str) -> int: ...
     def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]: ...
     def solo_run(self, job_id: str) -> int: ...
+    def suspect_group(self, job_ids: list[str], size: int) -> None: ...
     def reset_attempts(self, job_id: str, push_id: str) -> None: ...
     def count_usage(
         self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool
@@ -245,7 +246,9 @@ class RedisJobRecords:
         with self._redis.pipeline() as pipe:
             fresh = {"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1", "push": push_id}
             pipe.hset(key, mapping=fresh)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
-            pipe.hdel(key, "dead_letter", "error_code", "error_message", "usage_counted")  # runs again
+            pipe.hdel(
+                key, "suspect_group", "dead_letter", "error_code", "error_message", "usage_counted"
+            )  # runs again
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
@@ -302,6 +305,14 @@ class RedisJobRecords:
         """Count a run of the job alone; returns how many lone runs came before this one."""
         key = names.job_key(job_id)
         return int(self._redis.hincrby(key, "solo_runs", 1)) - 1
+
+    def suspect_group(self, job_ids: list[str], size: int) -> None:
+        """Record that these suspects start a run together, `size` of them: if their worker dies again,
+        each runs next in a group of half that size (workers/admission.py, suspect_groups)."""
+        with self._redis.pipeline() as pipe:
+            for job_id in job_ids:
+                pipe.hset(names.job_key(job_id), "suspect_group", str(size))
+            pipe.execute()
 
     def add_event(self, event: dict[str, str], keep: int) -> str:
         """Append a completion event to the capped stream (about `keep` newest kept), and an API key's

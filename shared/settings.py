@@ -136,6 +136,12 @@ class Settings(BaseSettings):
     # ticket arriving mid-step may wait for: one 1 MP photo's prefill (~1,300 positions) at a time on
     # the CPU; on an H200 an estimated ~40 ms of Fuyu-8B prefill (arithmetic, not measured).
     engine_prefill_tokens: int = Field(default=2048, ge=1)
+    # The backlog's guaranteed share of the engine's slots and steps while tickets are in (workers/engine/
+    # scheduler.py): up to that share of the slots its rows join running tickets and go before waiting
+    # ones, and once admitted so are not paused for tickets; at that share of the steps (when it does
+    # not move on its own) its held rows decode beside the tickets. 0: strict priority, under which a
+    # steady stream of tickets starved the backlog. Default measured (docs/benchmarks.md).
+    engine_backlog_share: float = Field(default=0.25, ge=0, le=1)
     # How a decode step runs (workers/engine/runner.py): `rows` as they are, each attending to its own
     # length (no padding); `fixed`, one call of bucketed shape over a prefix of the cache's slots
     # (capturable); auto: fixed on CUDA, rows on the CPU.

@@ -5,8 +5,10 @@
 - A job that already succeeded is not computed again; the result object is the truth when the Redis
   record is gone (expired), says the job ended, or was not checked against S3 by the producer.
 - A job whose previous delivery ended with the job in hand (record still `running`: the worker died)
-  is a suspect: it runs alone, after the rest of its delivery, so a job that kills workers takes only
-  itself down. One that killed every worker that ran it alone is abandoned (and dead-lettered).
+  is a suspect: it runs after the rest of its delivery, in a group with nothing beside it, the groups
+  one after another. Each time its worker dies again its group is halved (`suspect_groups`), so a job
+  that kills workers is alone after about log2(n) crashes while its innocent neighbours finish in
+  company; it alone is abandoned (and dead-lettered) once it killed every worker that ran it alone.
 - A job past its deadline expires.
 """
 
@@ -68,6 +70,7 @@ class Admission:
                 continue
             slot.suspect = record.get("state") == "running"
             slot.solo_runs = int(record.get("solo_runs", "0"))
+            slot.suspect_group = int(record.get("suspect_group", "0"))
             running.append(slot)
         for slot, attempts in zip(
             running, self.records.begin_many([s.job_id for s in running], self.worker), strict=True
@@ -80,15 +83,20 @@ class Admission:
             elif slot.error is None and deadline is not None and deadline < now:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
 
-    def start_alone(self, slot: Slot) -> None:
-        """Before a suspect runs alone: count the run, and abandon a job that every lone run lost."""
-        if slot.solo_runs >= max(1, self.settings.max_attempts - 1):
-            slot.error = Abandoned(
-                f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
-                f"({slot.attempts - 1} deliveries in all); requeue it with `mrc dlq requeue` once fixed"
-            )
-        else:
+    def start_group(self, group: list[Slot]) -> None:
+        """Before suspects run together: record the group's size (its jobs run in halves of it if their
+        worker dies again). A group of one is a lone run: counted, and a job that every lone run lost
+        is abandoned."""
+        if len(group) == 1:
+            slot = group[0]
+            if slot.solo_runs >= max(1, self.settings.max_attempts - 1):
+                slot.error = Abandoned(
+                    f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
+                    f"({slot.attempts - 1} deliveries in all); requeue it with `mrc dlq requeue` once fixed"
+                )
+                return
             self.records.solo_run(slot.job_id)
+        self.records.suspect_group([slot.job_id for slot in group], len(group))
 
     def _settled(self, slot: Slot, job: Job, record: dict[str, str]) -> bool:
         fingerprint = job.fingerprint()
@@ -136,3 +144,20 @@ class Admission:
             else self.settings.deadline_interactive_s
         )
         return parse_rfc3339(job.submitted_at) + timedelta(seconds=seconds) if seconds > 0 else None
+
+
+def suspect_groups(suspects: list[Slot]) -> list[list[Slot]]:
+    """A delivery's suspects in the groups they run in, one group after another (bisection): each job
+    in a group of at most half the one it last ran in as a suspect (its worker died again with it
+    there), or, the first time, of half the delivery's suspects. A group of one is a lone run. The
+    least suspected run first (the largest groups): likely innocent, they finish before a crash."""
+    first = -(-len(suspects) // 2)  # half, rounded up
+    by_limit: dict[int, list[Slot]] = {}
+    for slot in suspects:
+        limit = -(-slot.suspect_group // 2) if slot.suspect_group else first
+        by_limit.setdefault(max(1, limit), []).append(slot)
+    groups: list[list[Slot]] = []
+    for limit in sorted(by_limit, reverse=True):
+        slots = by_limit[limit]
+        groups += [slots[i : i + limit] for i in range(0, len(slots), limit)]
+    return groups

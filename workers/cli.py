@@ -154,7 +154,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         backend, images_from, results, records, settings,
         metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, worker=hostname,
     )  # fmt: skip
-    liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since))
+    liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since), pipeline.live)
     fatal_client = connect(settings, settings.connect_timeout_s, retries=1)
 
     def on_fatal(reason: str) -> None:

@@ -26,8 +26,35 @@ _DEVICE_FATAL = (
 )
 
 
+# What an allocator says when it cannot give memory: CUDA/XPU/MPS/HIP ("... out of memory"), the CPU
+# allocator (`[enforce fail at alloc_cpu.cpp] ... DefaultCPUAllocator: can't allocate memory` or `not
+# enough memory`, a plain RuntimeError with ENOMEM's text), C++'s `std::bad_alloc`.
+_OUT_OF_MEMORY = (
+    "out of memory",
+    "defaultcpuallocator",
+    "alloc_cpu.cpp",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "not enough memory",
+    "bad_alloc",
+)
+
+
 def out_of_memory(exc: BaseException) -> bool:
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+    """Whether an allocator ran out, whichever one: the error itself or one it was raised from (a
+    library that wraps the allocator's failure in its own error)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names = {cls.__name__ for cls in type(current).__mro__}
+        if names & {"OutOfMemoryError", "MemoryError"}:
+            return True
+        text = str(current).lower()
+        if any(marker in text for marker in _OUT_OF_MEMORY):
+            return True
+        current = current.__cause__  # `raise ... from`: said on purpose, not an error while handling one
+    return False
 
 
 def device_fatal(exc: BaseException) -> bool:

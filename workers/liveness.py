@@ -11,6 +11,11 @@ nothing to do is not stuck however long it waits; a worker that cannot tell whet
 Before the consumer starts (the model loading, for minutes) and in a worker that stays alive but not
 ready on purpose (it refuses readiness and never consumes), there is no consumer to be stuck: alive.
 Readiness (/readyz) is what says such a worker takes no work; restarting it would change nothing.
+
+An engine step counts as progress for every delivery waiting on the engine, whichever rows moved, so
+the details also show the engine's rows (`engine_rows_held`: backlog rows sitting out steps while
+tickets decode; `engine_backlog_stalled_steps`: steps in a row the backlog had work and none of its
+rows moved): a starving backlog is visible there, though it is no reason to restart the worker.
 """
 
 from __future__ import annotations
@@ -36,14 +41,18 @@ class Liveness:
         self._consuming = consuming
         self._waiting = waiting  # jobs waiting on the lanes: True, False, or None when unknown
         self._progress = progress or (lambda: (0.0, None))
+        self._engine: Callable[[], dict[str, Any]] = dict  # the engine's rows now (/healthz details)
         self._clock = clock
         self._last_poll = clock()
         self._lock = threading.Lock()
         self._waiting_cache: tuple[float, bool | None] = (-1e18, None)
 
-    def watch(self, progress: Progress) -> None:
-        """Follow this pipeline's progress (known once it is built, after the HTTP server started)."""
+    def watch(self, progress: Progress, engine: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Follow this pipeline's progress (known once it is built, after the HTTP server started), and
+        show its engine's rows."""
         self._progress = progress
+        if engine is not None:
+            self._engine = engine
 
     def polled(self) -> None:
         self._last_poll = self._clock()
@@ -62,7 +71,9 @@ class Liveness:
         # With a delivery in hand only its progress counts: the consumer keeps polling beside it.
         last = progress_at if batch_since is not None else max(self._last_poll, progress_at)
         silent = now - last
-        details: dict[str, Any] = {"silent_s": round(silent, 1), "stuck_after_s": self.stuck_after_s}
+        details: dict[str, Any] = {
+            "silent_s": round(silent, 1), "stuck_after_s": self.stuck_after_s, **self._engine(),
+        }  # fmt: skip
         if batch_since is not None:
             details["batch_for_s"] = round(now - batch_since, 1)
         if silent <= self.stuck_after_s:

@@ -132,6 +132,14 @@ class Metrics:
         self.rows_waiting = Gauge(
             "mrc_engine_rows_waiting", "Rows waiting for admission, by lane", ["lane"], registry=r
         )
+        self.rows_held = Gauge(
+            "mrc_engine_rows_held", "Backlog rows in memory sitting out steps beside tickets", registry=r
+        )
+        self.backlog_stalled = Gauge(
+            "mrc_engine_backlog_stalled_steps",
+            "Engine steps in a row at which the backlog had work and none of its rows moved",
+            registry=r,
+        )
         self.kv_used = Gauge(
             "mrc_engine_kv_tokens_used", "Cache positions the rows in memory (running, held) hold", registry=r
         )

@@ -72,6 +72,7 @@ class ModelStage:
             max_rows=slots,
             reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
             backlog_prefill_tokens=settings.engine_prefill_tokens,
+            backlog_share=settings.engine_backlog_share,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
         )
@@ -85,7 +86,7 @@ class ModelStage:
             "MRC_ENGINE_READY", slots=slots, slot_positions=self.positions, cache_bytes=self.cache_bytes,
             slots_memory_holds=fit, measured_from=self.kv_measured, decode=self.decode,
             cuda_graphs=self.captured, reserved_interactive=self.limits.reserved_interactive,
-            hold_backlog=self.limits.hold_backlog,
+            hold_backlog=self.limits.hold_backlog, backlog_share=self.limits.backlog_share,
         )  # fmt: skip
         longest = getattr(getattr(backend, "grammars", None), "longest_token_chars", 0)
         if longest > settings.max_token_chars:  # the producer's bound checks assume no longer token
@@ -113,12 +114,20 @@ class ModelStage:
             "engine_cuda_graphs": self.captured,
             "engine_reserved_interactive": self.limits.reserved_interactive,
             "engine_hold_backlog": self.limits.hold_backlog,
+            "engine_backlog_share": self.limits.backlog_share,
         }
 
     def live(self) -> dict[str, Any]:
         """The engine's rows now (the heartbeat; /readyz is set once and would show them frozen)."""
         engine = self.engine.engine
-        return {"engine_rows_running": len(engine.running), "engine_rows_waiting": len(engine.waiting)}
+        return {
+            "engine_rows_running": len(engine.running),
+            "engine_rows_waiting": len(engine.waiting),
+            # Backlog rows sitting out the steps while tickets decode, and the steps in a row the backlog
+            # had work and none of its rows moved: a starved backlog shows here, not only in its silence.
+            "engine_rows_held": len(engine.held),
+            "engine_backlog_stalled_steps": engine.backlog_stalled,
+        }
 
     def close(self) -> None:
         self.engine.stop()
@@ -152,6 +161,9 @@ class ModelStage:
         )
         rows: dict[Future[Row], Slot] = {}
         parked: list[_Parked] = []
+        # Suspects run as one group, so they go to the engine together once the delivery's last of them
+        # is ready: a member handed in after the others had run would start the group's run again.
+        grouped: list[tuple[Row, Slot]] = []
         while decodes:
             slot, ask, future = decodes.popleft()
             prepared = self._prepare(slot, future)
@@ -160,8 +172,8 @@ class ModelStage:
                 self.grammars.forget(ask)  # failed before it needed one: a queued compile may go
             else:
                 parked.append(_Parked(slot, ask, *prepared))
-                parked = self._hand_over(parked, rows)
-        failed = self._follow(parked, rows)
+            parked = self._hand_over(parked, rows, grouped, decoded_all=not decodes)
+        failed = self._follow(parked, rows, grouped)
         self.metrics.busy_ratio.set(self.busy_ratio)
         if rows:
             errors = [s.error for s in failed if isinstance(s.error, ModelError)]
@@ -194,9 +206,16 @@ class ModelStage:
         inputs, positions = self.backend.row_inputs(item)
         return inputs, positions
 
-    def _hand_over(self, parked: list[_Parked], rows: dict[Future[Row], Slot]) -> list[_Parked]:
-        """Submit every parked job whose grammar is settled; a job whose grammar failed gets its result
-        at once. The rest stay parked."""
+    def _hand_over(
+        self,
+        parked: list[_Parked],
+        rows: dict[Future[Row], Slot],
+        grouped: list[tuple[Row, Slot]],
+        decoded_all: bool = True,
+    ) -> list[_Parked]:
+        """Submit every parked job whose grammar is settled (suspects: together, once every one of the
+        delivery is decoded and settled); a job whose grammar failed gets its result at once. The rest
+        stay parked."""
         still = []
         for job in parked:
             settled = self.grammars.settle(job.ask)
@@ -206,15 +225,24 @@ class ModelStage:
             elif isinstance(settled, MrcError):
                 job.slot.error = settled
                 self._finish([job.slot])
+            elif job.slot.group is not None:
+                grouped.append((self._row(job, settled), job.slot))
             else:
                 rows[self.engine.submit(self._row(job, settled))] = job.slot
+        if grouped and decoded_all and not any(job.slot.group is not None for job in still):
+            futures = self.engine.submit_many([row for row, _slot in grouped])
+            rows.update(zip(futures, (slot for _row, slot in grouped), strict=True))
+            grouped.clear()
         return still
 
-    def _follow(self, parked: list[_Parked], rows: dict[Future[Row], Slot]) -> list[Slot]:
+    def _follow(
+        self, parked: list[_Parked], rows: dict[Future[Row], Slot], grouped: list[tuple[Row, Slot]]
+    ) -> list[Slot]:
         """Take each row back as it finishes and hand over parked jobs as their grammars settle; the
         model errors, to be written once the streak rule has judged them."""
         failed: list[Slot] = []
         taken: set[Future[Row]] = set()
+        parked = self._hand_over(parked, rows, grouped)
         while parked or len(taken) < len(rows):
             running = set(rows) - taken
             compiling = {job.ask.future for job in parked if job.ask.future is not None}
@@ -228,7 +256,7 @@ class ModelStage:
                     failed.append(slot)
                 else:
                     self._finish([slot])
-            parked = self._hand_over(parked, rows)
+            parked = self._hand_over(parked, rows, grouped)
         return failed
 
     def _row(self, job: _Parked, constraint: Any) -> Row:
@@ -236,7 +264,7 @@ class ModelStage:
         assert slot.job is not None
         return Row(
             self.engine.row_id(slot.job.job_id), job.inputs, job.positions, slot.job.max_new_tokens,
-            self.backend.eos_id, lane=slot.job.lane, alone=slot.suspect,
+            self.backend.eos_id, lane=slot.job.lane, group=slot.group,
             deadline=self.admission.deadline_s(slot.job), constraint=constraint,
         )  # fmt: skip
 

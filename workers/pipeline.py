@@ -17,6 +17,7 @@ delivery to finish.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from shared.response_format import read_output
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore
 from workers import images, stages
-from workers.admission import Admission
+from workers.admission import Admission, suspect_groups
 from workers.backends.base import ModelBackend
 from workers.cache import ResultCache, job_cache_key
 from workers.finisher import Finisher, Requeue
@@ -102,6 +103,7 @@ class Pipeline:
         self._local = threading.local()  # each delivery runs on one thread: its own pending writes
         self._lock = threading.Lock()
         self.jobs_seen = 0
+        self._groups = itertools.count()  # engine group names for suspects, unique in the process
         self.model = ModelStage(backend, settings, metrics, admission, self._pool, self._finish_async)
         # For /healthz (workers/liveness.py), monotonic clock: per delivery in hand (by thread), when
         # it began, when it last moved (a stage ended), and whether it waits on the engine (then each
@@ -176,12 +178,14 @@ class Pipeline:
         spent: dict[str, float] = {}
         self._stage("decode", self._decode, slots, spent)
         self._stage("claim", self.admission.admit, slots, spent)
-        self._run_jobs([s for s in slots if not s.suspect], spent)
-        for slot in slots:
-            if slot.suspect:
-                if slot.live:
-                    self.admission.start_alone(slot)
-                self._run_jobs([slot], spent)
+        suspects = [s for s in slots if s.suspect and s.live]
+        self._run_jobs([s for s in slots if s not in suspects], spent)
+        for group in suspect_groups(suspects):  # each group apart, its results written before the next
+            self.admission.start_group(group)
+            name = f"suspect-{next(self._groups)}"
+            for slot in group:
+                slot.group = name
+            self._run_jobs(group, spent)
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(
             "MRC_BATCH",
@@ -189,7 +193,7 @@ class Pipeline:
             succeeded=sum(s.outcome == "succeeded" for s in slots),
             failed=sum(s.outcome == "failed" for s in slots),
             skipped=sum(s.outcome == "skipped" for s in slots),
-            alone=sum(s.suspect for s in slots),
+            suspects=sum(s.suspect for s in slots),
             seconds=round(time.time() - start, 4),
             stages=",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in spent.items()),
         )

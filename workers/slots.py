@@ -48,8 +48,10 @@ class Slot:
     prompt_positions: int | None = None
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
     finishing: bool = False
-    suspect: bool = False  # its last delivery died with it in hand: it runs alone
+    suspect: bool = False  # its last delivery died with it in hand: it runs apart, in a group
+    group: str | None = None  # the engine group it runs in (suspects): nothing else runs beside it
     solo_runs: int = 0  # earlier runs of it alone that never finished
+    suspect_group: int = 0  # the size of the group it last started in as a suspect (0: never)
     attention_path: str | None = None  # causal (it decoded alone) or masked (beside other rows)
     finish_reason: str | None = None  # stop (end-of-text) or length (max_new_tokens)
     admitted_at: float | None = None  # wall clock: admitted to the engine's running batch

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.errors import InternalError, InvalidJob, MrcError, WorkerUnusable
+from shared.errors import InternalError, InvalidJob, MrcError, OutOfMemory, WorkerUnusable
 from shared.jobs import Job, limit_problem
 from shared.settings import Settings
 from shared.stores import ImageSource
@@ -30,7 +30,10 @@ def timed(what: str, work: Callable[[], T]) -> tuple[T | MrcError, float]:
     except Exception as exc:
         if inference.device_fatal(exc):  # e.g. nvjpeg on a broken CUDA context: not the job's fault
             raise WorkerUnusable(f"{what} failed on the device: {exc!r}"[:500]) from exc
-        result = InternalError(f"{what} failed: {exc!r}"[:500])
+        if inference.out_of_memory(exc):  # the machine's memory, not the job's fault: retried later
+            result = OutOfMemory(f"{what} ran out of memory: {exc!r}"[:500])
+        else:
+            result = InternalError(f"{what} failed: {exc!r}"[:500])
     return result, time.perf_counter() - began
 
 

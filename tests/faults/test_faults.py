@@ -254,8 +254,9 @@ def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster
 
 def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(cluster: Cluster) -> None:
     """The killer rides in one delivery with five neighbours. Each time it runs, its worker dies
-    (SIGKILL, as a segfaulting decoder or the OOM killer would). Its neighbours finish, each once; it
-    alone is abandoned after MRC_MAX_ATTEMPTS crashes, dead-lettered, and requeued by `mrc dlq`."""
+    (SIGKILL, as a segfaulting decoder or the OOM killer would). The suspects are split in halves,
+    the killer's group halved at each crash (3, then alone), so its neighbours finish, each once; it
+    alone is abandoned after MRC_MAX_ATTEMPTS - 1 crashes alone, dead-lettered, and requeued by `mrc dlq`."""
     env = {"MRC_MAX_ATTEMPTS": "3", "MRC_BATCH_WAIT_MS": "500"}
     good = cluster.jobs(5, cluster.image(), prefix="good")
     # A paced model: the killer's model call lasts 64 x 50 ms on any machine, time enough to kill its
@@ -263,16 +264,21 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
     killer = cluster.jobs(1, prefix="killer", max_new_tokens=64)[0]
     cluster.send([*good[:2], killer, *good[2:]])
     records = cluster.client.records
-    solo_seen, crashes = 0, 0
+
+    def runs(record: dict[str, str]) -> tuple[str, str]:
+        """The killer's suspect runs so far: the group it last started in, and its lone runs."""
+        return record.get("suspect_group", ""), record.get("solo_runs", "0")
+
+    seen, crashes, groups = runs({}), 0, []
     while cluster.client.result(killer.job_id) is None:
-        assert crashes <= 3, "the killer was never abandoned"
+        assert crashes <= 4, "the killer was never abandoned"
         worker = cluster.paced_worker(**env)
 
-        def armed(crashes: int = crashes, solo_seen: int = solo_seen) -> bool:
+        def armed(crashes: int = crashes, seen: tuple[str, str] = seen) -> bool:
             record = records.get(killer.job_id)
             if crashes == 0:  # the first delivery: the whole batch runs, the killer among them
                 return record.get("state") == "running"
-            return int(record.get("solo_runs", "0")) > solo_seen  # later: only its lone run kills
+            return runs(record) != seen  # later: only a suspect run of its own kills
 
         deadline = time.monotonic() + 90
         while not armed() and cluster.client.result(killer.job_id) is None:
@@ -283,9 +289,11 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
             break
         worker.stop(signal.SIGKILL)
         crashes += 1
-        solo_seen = int(records.get(killer.job_id).get("solo_runs", "0"))
+        seen = runs(records.get(killer.job_id))
+        groups.append(seen[0])
     abandoned = cluster.client.result(killer.job_id)
-    assert crashes == 3, abandoned
+    assert crashes == 4, abandoned  # with the delivery, in its half of 3, then alone twice
+    assert groups == ["", "3", "1", "1"], groups
     assert abandoned is not None
     assert abandoned["error"]["code"] == "internal_error"
     assert "abandoned" in abandoned["error"]["message"]

@@ -214,6 +214,9 @@ def test_health_endpoints(worker: Worker) -> None:
     base = f"http://127.0.0.1:{worker.http_port}"
     with urllib.request.urlopen(base + "/healthz") as r:
         assert r.status == 200
+        health = json.loads(r.read())
+    # The engine's held rows and a stalled backlog are shown (a starving backlog was invisible).
+    assert {"engine_rows_held", "engine_backlog_stalled_steps"} <= set(health), health
     with urllib.request.urlopen(base + "/readyz") as r:
         ready = json.loads(r.read())
     assert ready["model"] == "tiny-fuyu-v1"
@@ -247,6 +250,8 @@ def test_health_endpoints(worker: Worker) -> None:
         'mrc_job_stage_seconds_bucket{le="0.05",stage="queued"}',
         "mrc_engine_rows_running",
         'mrc_engine_rows_waiting{lane="backlog"}',
+        "mrc_engine_rows_held",
+        "mrc_engine_backlog_stalled_steps",
         'mrc_engine_admission_wait_seconds_bucket{lane="interactive",le="0.005"}',
         'mrc_engine_paused_rows_total{reason="ticket"}',
     ):

@@ -93,14 +93,18 @@ job = st.tuples(
 
 
 @settings(max_examples=16, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(st.lists(job, min_size=1, max_size=4), st.integers(1, 4), st.booleans(), st.sampled_from(DECODES))
+@given(
+    st.lists(job, min_size=1, max_size=4), st.integers(1, 4), st.booleans(), st.sampled_from(DECODES),
+    st.sampled_from([0.0, 0.25, 1.0]),
+)  # fmt: skip
 def test_every_row_equals_the_same_job_alone(
-    backend: FuyuBackend, spec: list[Any], rows: int, hold: bool, decode: str
+    backend: FuyuBackend, spec: list[Any], rows: int, hold: bool, decode: str, share: float
 ) -> None:
-    """Both ways a decode step runs: rows as they are (the CPU's), one fixed-shape call (CUDA's)."""
+    """Both ways a decode step runs: rows as they are (the CPU's), one fixed-shape call (CUDA's); with
+    and without the backlog's share (held rows stepping beside tickets, backlog rows joining them)."""
     reference = cache(lambda size, prompt, new: tuple(_alone(backend, _item(size, prompt, new))))
     jobs = [(_item(size, prompt, new), arrival, lane) for size, prompt, new, arrival, lane in spec]
-    limits = scheduler.Limits(max_rows=rows, reserved_interactive=0, hold_backlog=hold)
+    limits = scheduler.Limits(max_rows=rows, reserved_interactive=0, hold_backlog=hold, backlog_share=share)
     done, _engine = _run(backend, jobs, limits, decode)
     assert sorted(done) == [str(i) for i in range(len(jobs))]
     for index, (size, prompt, new, _arrival, _lane) in enumerate(spec):
@@ -249,9 +253,10 @@ def test_out_of_memory_at_admission_waits_then_runs_alone(backend: FuyuBackend) 
     assert type(failed["big"].error).__name__ == "OutOfMemory"
 
 
-def test_a_step_that_fails_only_in_company_runs_each_row_alone(backend: FuyuBackend) -> None:
-    """A decode error that no single row explains: every row is recomputed alone, and each succeeds
-    with its own tokens (the one that breaks the model would fail by itself)."""
+def test_a_step_that_fails_only_in_company_is_split_until_each_row_runs_alone(backend: FuyuBackend) -> None:
+    """A decode error that no single row explains: the rows are recomputed in halves, each half apart,
+    a half that fails again is halved again, and each row succeeds with its own tokens (the one that
+    breaks the model would fail by itself)."""
     items = [_item(0, 0, 6), _item(1, 1, 6), _item(2, 2, 6)]
 
     def fault(row_ids: list[str]) -> Exception | None:
@@ -264,7 +269,9 @@ def test_a_step_that_fails_only_in_company_runs_each_row_alone(backend: FuyuBack
     for index, item in enumerate(items):
         assert done[str(index)].error is None
         assert done[str(index)].tokens == _alone(backend, item)
-    assert all(len(ids) == 1 for ids in runner.decodes[1:]), "rows shared a step after the failure"
+    assert runner.decodes[0] == ["0", "1", "2"]
+    assert runner.decodes[1] == ["0", "1"], "the first half did not run apart"  # fails again: halved
+    assert all(len(ids) == 1 for ids in runner.decodes[2:]), "rows shared a step after two failures"
 
 
 def test_a_device_fault_mid_step_fails_every_row_with_the_worker(backend: FuyuBackend) -> None:
@@ -301,7 +308,7 @@ def test_a_row_past_its_deadline_expires_at_admission(backend: FuyuBackend) -> N
 
 # ------------------------------------------------------------------ pauses and the alone rule (no model)
 def _a(row_id: str, lane: str = "interactive", alone: bool = False) -> scheduler.Candidate:
-    return scheduler.Candidate(row_id, lane, alone)
+    return scheduler.Candidate(row_id, lane, row_id if alone else None)  # alone: a group of one
 
 
 def test_a_ticket_pauses_the_youngest_backlog_rows_only_as_many_as_it_needs() -> None:

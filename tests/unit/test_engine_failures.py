@@ -31,7 +31,7 @@ def _row(
 ) -> Sequence:
     words = " ".join(f"w{i}" for i in range(new))  # the echo answer: the image size, then these words
     item = GenerationInput(torch.zeros((3, 8, 8), dtype=torch.uint8), prompt or f"{row_id} {words}", new)
-    return Sequence(row_id, item, 10, new, 0, lane, alone=alone)
+    return Sequence(row_id, item, 10, new, 0, lane, group=row_id if alone else None)  # a group of one
 
 
 def _engine(limits: scheduler.Limits, steps: Any = None) -> tuple[Engine, dict[str, Sequence]]:

@@ -76,3 +76,34 @@ def test_before_the_consumer_starts_or_when_it_never_will_the_worker_is_alive() 
     live.consuming()
     clock.now += 11
     assert live.report()[0] is False
+
+
+def test_the_engines_held_rows_and_a_stalled_backlog_are_shown_while_other_rows_make_progress() -> None:
+    """An engine step is progress for every delivery waiting on the engine, whichever rows moved: a
+    starving backlog looked alive and nothing said so. It is shown, and is no reason to restart."""
+    live, clock, state = _liveness(waiting=True)
+    live.watch(
+        lambda: (state["progress"], state["batch"]),  # type: ignore[arg-type, return-value]
+        lambda: {"engine_rows_held": 14, "engine_backlog_stalled_steps": 2900},
+    )
+    state["batch"] = clock.now
+    alive, details = live.report()
+    assert alive
+    assert (details["engine_rows_held"], details["engine_backlog_stalled_steps"]) == (14, 2900)
+
+
+def test_the_pipeline_reports_its_engines_held_rows_and_backlog_stall() -> None:
+    from shared.memory_records import MemoryJobRecords
+    from shared.settings import Settings
+    from shared.stores.memory import MemoryStore
+    from workers.backends.echo import EchoBackend
+    from workers.pipeline import assemble
+
+    store = MemoryStore("mrc")
+    pipeline = assemble(EchoBackend(), store, store, MemoryJobRecords(), Settings(), sleep=lambda _s: None)
+    try:
+        live = pipeline.live()
+        assert (live["engine_rows_held"], live["engine_backlog_stalled_steps"]) == (0, 0)
+        assert pipeline.describe()["engine_backlog_share"] == Settings().engine_backlog_share
+    finally:
+        pipeline.close()

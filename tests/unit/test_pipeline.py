@@ -180,16 +180,17 @@ def _crashed(records: MemoryJobRecords, *job_ids: str, solo_runs: int = 0) -> No
             records.solo_run(job_id)
 
 
-def test_jobs_of_a_crashed_delivery_run_alone_after_the_others(store: MemoryStore) -> None:
+def test_jobs_of_a_crashed_delivery_run_in_halves_after_the_others(store: MemoryStore) -> None:
     records, backend = MemoryJobRecords(), EchoBackend()
     _crashed(records, "c1", "c2", "c3")
     messages = [_job("c1"), _job("fresh-1"), _job("c2"), _job("fresh-2"), _job("c3")]
     outcomes = _pipeline(store, backend, records).run(messages)
     assert outcomes == ["succeeded"] * 5
-    # the fresh pair first, then each suspect alone (a delivery of its own through the engine)
+    # the fresh pair first, then the suspects in halves, each apart: c1 and c2 together, c3 alone
     assert backend.prefills == ["refund?"] * 5
     assert records.get("fresh-1")["state"] == "succeeded"
-    assert [records.get(j)["solo_runs"] for j in ("c1", "c2", "c3")] == ["1", "1", "1"]
+    assert [records.get(j)["suspect_group"] for j in ("c1", "c2", "c3")] == ["2", "2", "1"]
+    assert [records.get(j).get("solo_runs") for j in ("c1", "c2", "c3")] == [None, None, "1"]
 
 
 def test_only_the_job_that_keeps_killing_workers_is_abandoned(store: MemoryStore) -> None:

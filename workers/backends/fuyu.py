@@ -10,7 +10,7 @@ from typing import Any
 from shared import prompts
 from shared.errors import InvalidJob, ModelError, OutOfMemory, PromptTooLong
 from shared.settings import Settings
-from workers import preprocess
+from workers import inference, preprocess
 from workers.backends import fuyu_geometry
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
@@ -236,9 +236,13 @@ class FuyuBackend:
                     pad_token_id=self.token_ids.pad,
                     eos_token_id=self.eos_id,
                 )
-        except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
-            raise OutOfMemory(f"CUDA out of memory for a batch of {len(prepared.max_new_tokens)}") from exc
+        except Exception as exc:
+            if not inference.out_of_memory(exc):  # CUDA's or the CPU allocator's: the same class of fault
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            rows = len(prepared.max_new_tokens)
+            raise OutOfMemory(f"out of memory for a batch of {rows}: {exc}"[:500]) from exc
         new_tokens = out[:, inputs["input_ids"].shape[1] :].tolist()
         return [self._decode(row, n) for row, n in zip(new_tokens, prepared.max_new_tokens, strict=True)]
 

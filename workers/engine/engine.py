@@ -8,8 +8,10 @@ Failures are settled here, per row, so one job never fails for its neighbours:
 - a decode step that fails may have written part of the step into the cache, so every running row
   goes back to waiting and is recomputed from its prompt (greedy: on the CPU in fp32 the same tokens
   again; on a GPU a batch of another shape may round differently). Out of memory also lowers the
-  admission ceiling below what ran, for CEILING_STEPS steps; any other error marks the rows `alone`,
-  so the one that breaks the model fails by itself and the others succeed;
+  admission ceiling below what ran, for CEILING_STEPS steps; any other error splits the rows into two
+  groups (scheduler: a group runs beside nothing else), and a group that fails again is split again,
+  so the one row that breaks the model fails by itself in about log2(rows) failed steps and the
+  others succeed, most of them still in company;
 - out of memory in the batch's own bookkeeping (a join, a drop, a hold) is settled like a failed
   step: the rows in memory go back to waiting, the ceiling is lowered; no job fails for it;
 - a device fault (WorkerUnusable) leaves the engine: nothing on this process can run any more.
@@ -18,6 +20,7 @@ Failures are settled here, per row, so one job never fails for its neighbours:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ class StepReport:
     decoded_rows: int = 0
     finished: int = 0  # rows handed back (succeeded, failed, expired)
     paused: int = 0  # rows paused for a ticket
+    held: int = 0  # backlog rows that sat out the decode step (hold) while tickets decoded
     restarted: int = 0  # rows sent back because their step (or the batch's bookkeeping) failed
     discarded: int = 0  # generated tokens thrown away with the rows paused or restarted
 
@@ -68,6 +72,11 @@ class Engine:
         self.row_ceiling: int | None = None  # rows in memory, lowered by out-of-memory for CEILING_STEPS
         self._ceiling_at = 0
         self._report = StepReport()
+        self.share = scheduler.Share(limits.backlog_share)  # the backlog's claim on steps beside tickets
+        # Steps in a row at which the backlog had work and none of its rows moved (the heartbeat and
+        # /healthz show it: a starved backlog is otherwise invisible while other rows step).
+        self.backlog_stalled = 0
+        self._groups = itertools.count()
 
     def submit(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -92,10 +101,12 @@ class Engine:
         self._refuse_oversized()
         if self.row_ceiling is not None and self.steps - self._ceiling_at >= CEILING_STEPS:
             self.row_ceiling = None
-        if self._safely(self._hold_or_release):
-            self._admit()
-        if self.running:
+        due = self.share.due
+        admitted, drain = self._admit(due)
+        rows: list[Sequence] = []
+        if self._safely(lambda: self._hold_or_release(due)) and self.running:
             rows = [self.running[row_id] for row_id in self.batch.row_ids]
+            report.held = len(self.held)
             try:
                 nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows], _masks_of(rows))
             except Exception as exc:
@@ -110,8 +121,20 @@ class Engine:
                         row.finished_at = now
                         done.add(row.row_id)
                 self._retire(done)
+        self._settle_share(admitted, rows if report.decoded_rows else [], drain)
         self.steps += 1
         return report
+
+    def _settle_share(self, admitted: list[Sequence], decoded: list[Sequence], drain: bool) -> None:
+        """Count the step towards the backlog's share, and how long the backlog has not moved."""
+        step = scheduler.Step(
+            _candidates(admitted), _candidates(decoded), _candidates(self.waiting),
+            _candidates([*self.running.values(), *self.held.values()]), drain,
+        )  # fmt: skip
+        self.share.settle(step, self.limits)
+        moved = _has_backlog([*step.admitted, *step.decoded])
+        work = moved or _has_backlog([*step.waiting, *step.in_memory])
+        self.backlog_stalled = self.backlog_stalled + 1 if work and not moved else 0
 
     # ---------------------------------------------------------------- admission
     def _limits(self) -> scheduler.Limits:
@@ -143,22 +166,28 @@ class Engine:
                 f"{row.max_new_tokens} new tokens); a slot of this worker holds {table.positions}"
             ))  # fmt: skip
 
-    def _admit(self) -> None:
+    def _admit(self, due: bool) -> tuple[list[Sequence], bool]:
+        """Admit what the policy says; the rows admitted (prefilled or not) and whether it waits for a
+        group's drain."""
         in_memory = {**self.running, **self.held}
-        plan = scheduler.plan(_candidates(self.waiting), _candidates(in_memory.values()), self._limits())
+        plan = scheduler.plan(
+            _candidates(self.waiting), _candidates(in_memory.values()), self._limits(), due=due
+        )
         if plan.pause:
             if not self._back_to_waiting([in_memory[row_id] for row_id in plan.pause]):
-                return
+                return [], plan.drain
             self._report.paused += len(plan.pause)
         by_id = {row.row_id: row for row in self.waiting}
         admitted = [by_id[row_id] for row_id in plan.admit]
         for row in admitted:
             self.waiting.remove(row)
+            row.turn = row.row_id in plan.turn
         groups = _equal_lengths(admitted)
         for index, group in enumerate(groups):
             if not self._prefill(group):
                 self.waiting[:0] = [row for rest in groups[index + 1 :] for row in rest]
                 break
+        return admitted, plan.drain
 
     def _prefill(self, rows: list[Sequence]) -> bool:
         """Prefill rows of one input length together (unpadded) and join them to the batch; False when
@@ -196,7 +225,7 @@ class Engine:
                 row.finished_at = first
                 ended.append(row.row_id)
         self._retire(set(ended))
-        return not any(row.alone for row in rows)
+        return True
 
     # ---------------------------------------------------------------- failures
     def _safely(self, bookkeeping: Callable[[], object]) -> bool:
@@ -233,9 +262,11 @@ class Engine:
         self._report.restarted += len(rows)
         if isinstance(error, OutOfMemory):
             self._lower_ceiling(len(rows) - 1 + len(self.held))  # the youngest's share freed
-        else:
-            for row in rows:
-                row.alone = True  # one at a time: the row that breaks the model fails by itself
+        else:  # halves that run apart: the one that fails again is split again, down to one row
+            for half in halves(rows):
+                group = f"split-{next(self._groups)}"
+                for row in half:
+                    row.group = group
         self._drop_all()
         self._requeue(rows)
 
@@ -256,6 +287,7 @@ class Engine:
         for row in rows:
             self.running.pop(row.row_id, None)
             self.held.pop(row.row_id, None)
+            row.pauses += 1
         self._requeue(rows)
         return True
 
@@ -267,9 +299,10 @@ class Engine:
                 row.restart()
         self.waiting[:0] = rows
 
-    def _hold_or_release(self) -> None:
-        """Backlog rows out of the decode steps while tickets are in (scheduler.hold), back after."""
-        if scheduler.hold(_candidates(self.running.values()), _candidates(self.waiting), self.limits):
+    def _hold_or_release(self, due: bool) -> None:
+        """Backlog rows out of the decode step while tickets decode (scheduler.hold), back after and
+        at the backlog's due steps. After admission: only the tickets that will decode count."""
+        if scheduler.hold(_candidates(self.running.values()), _candidates(self.waiting), self.limits, due):
             backlog = {row_id for row_id, row in self.running.items() if row.lane != scheduler.INTERACTIVE}
             if backlog:
                 self.held_batch.absorb(self.batch.take(backlog))
@@ -323,13 +356,25 @@ def _masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
 
 def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
     """The rows as the pure policy sees them."""
-    return [scheduler.Candidate(r.row_id, r.lane, r.alone, r.prompt_tokens) for r in rows]
+    return [scheduler.Candidate(r.row_id, r.lane, r.group, r.prompt_tokens, r.pauses, r.turn) for r in rows]
+
+
+def _has_backlog(rows: Iterable[scheduler.Candidate]) -> bool:
+    return any(c.lane != scheduler.INTERACTIVE for c in rows)
+
+
+def halves(rows: list[Sequence]) -> list[list[Sequence]]:
+    """Two groups of (nearly) equal size, tickets first (so the tickets' half runs first); one row
+    stays one."""
+    ordered = sorted(rows, key=lambda r: r.lane != scheduler.INTERACTIVE)
+    middle = (len(ordered) + 1) // 2
+    return [part for part in (ordered[:middle], ordered[middle:]) if part]
 
 
 def _equal_lengths(rows: list[Sequence]) -> list[list[Sequence]]:
-    """Rows grouped by input length (in first-admitted order) for unpadded prefills together; a
-    suspect is a group of its own."""
+    """Rows grouped by input length (in first-admitted order) for unpadded prefills together (a plan
+    never mixes a group with other rows; a prefill that fails is retried a row at a time)."""
     groups: dict[object, list[Sequence]] = {}
     for row in rows:
-        groups.setdefault(row.row_id if row.alone else row.prompt_tokens, []).append(row)
+        groups.setdefault((row.group, row.prompt_tokens), []).append(row)
     return list(groups.values())

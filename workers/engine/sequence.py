@@ -24,7 +24,9 @@ class Sequence:
     max_new_tokens: int
     eos_id: int
     lane: str = "interactive"
-    alone: bool = False  # a suspect (its last delivery died with it): nothing runs beside it
+    # Suspects run only beside their own group: a delivery's jobs that were in hand when its worker
+    # died, or the rows of a decode step that failed (split in two at each failure, down to one row).
+    group: str | None = None
     deadline: float | None = None  # wall-clock seconds; past it at admission, the row expires
     exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
     constraint: RowConstraint | None = None  # its grammar (structured answers); None: free text
@@ -40,6 +42,8 @@ class Sequence:
     finished_at: float | None = None
     masked_steps: int = 0  # decode steps of its last run whose attention read padding under a mask
     restarts: int = 0  # times it was paused (or its batch failed) and recomputed from its prompt
+    pauses: int = 0  # of those, times it was paused for a ticket (capped while the backlog has a share)
+    turn: bool = False  # its last admission was on the backlog's turn (its share): tickets leave it be
 
     @property
     def length(self) -> int:

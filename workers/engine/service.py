@@ -58,15 +58,21 @@ class EngineService:
         return f"{next(self._ids)}:{job_id}"
 
     def submit(self, row: Sequence) -> Future[Sequence]:
-        future: Future[Sequence] = Future()
-        row.submitted_at = self.clock()
+        return self.submit_many([row])[0]
+
+    def submit_many(self, rows: list[Sequence]) -> list[Future[Sequence]]:
+        """Hand rows in at once: the engine takes them at the same step (a group's members together)."""
+        futures: list[Future[Sequence]] = [Future() for _row in rows]
+        now = self.clock()
         with self._cond:
-            if self.fatal is not None:
-                future.set_exception(self.fatal)
-                return future
-            self._inbox.append((row, future))
+            for row, future in zip(rows, futures, strict=True):
+                row.submitted_at = now
+                if self.fatal is not None:
+                    future.set_exception(self.fatal)
+                else:
+                    self._inbox.append((row, future))
             self._cond.notify()
-        return future
+        return futures
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -155,6 +161,8 @@ class EngineService:
             metrics.paused.labels(reason="failed_step").inc(report.restarted)
             self.log.warning("MRC_ENGINE_STEP_FAILED", rows=report.restarted, row_ceiling=engine.row_ceiling)
         metrics.rows_running.set(len(engine.running))
+        metrics.rows_held.set(len(engine.held))
+        metrics.backlog_stalled.set(engine.backlog_stalled)
         waiting = {"interactive": 0, "backlog": 0}
         for row in engine.waiting:
             waiting[row.lane] = waiting.get(row.lane, 0) + 1
