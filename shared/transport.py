@@ -25,21 +25,18 @@ with the reason, in tests/kombu/expected_differences.txt, which `make test-kombu
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator
 from queue import Empty
 from typing import Any
 
-import structlog
 from kombu.transport import redis as kombu_redis
-from kombu.transport import virtual as kombu_virtual
 from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
-from shared import names, pushes, redis_target
+from shared import names, pushes, queue_entries, redis_target
 from shared.errors import NotReplicated
-from shared.unacked import parse_unacked
+from shared.transport_qos import QoS
 
 # Called at every poll of a consumer's channel (the worker's liveness: an idle consumer polls every
 # `Channel.idle_wait_s`); None outside a worker.
@@ -50,225 +47,6 @@ on_poll: Callable[[], None] | None = None
 # held by backlog work, a ticket would wait in Redis until a whole backlog delivery finished.
 lane_limits: dict[str, int] = {}
 IDLE_KEY = f"{names.REDIS_PREFIX}idle"  # never written: a consumer with no queue open blocks on it
-
-REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
-_KEEP_REJECTED = 1000
-
-
-# KEYS[1] unacked hash, KEYS[2] unacked index, KEYS[3..] the lists in priority order; ARGV[1] now,
-# ARGV[2..] "1" where the list's consumer acks (its message gets an unacked record), else "0".
-# The stored entry has kombu's own layout, [payload, exchange, routing_key], so kombu's restore reads
-# it; the payload is spliced in as the raw text so nothing in it is re-encoded. Returns the list, the
-# entry and the tag it recorded (false if none), so Python can undo a record for an entry it rejects.
-POP_SCRIPT = """
-for i = 3, #KEYS do
-  local item = redis.call('RPOP', KEYS[i])
-  if item then
-    local recorded = false
-    local ok, msg = pcall(cjson.decode, item)
-    if ARGV[i - 1] == '1' and ok and type(msg) == 'table' and type(msg.properties) == 'table' then
-      local tag = msg.properties.delivery_tag
-      local info = msg.properties.delivery_info
-      if type(tag) == 'string' and type(info) == 'table' then
-        local ex, rk = info.exchange, info.routing_key
-        if ex == nil then ex = cjson.null end
-        if rk == nil then rk = cjson.null end
-        redis.call('ZADD', KEYS[2], ARGV[1], tag)
-        local entry = '[' .. item .. ',' .. cjson.encode(ex) .. ',' .. cjson.encode(rk) .. ']'
-        redis.call('HSET', KEYS[1], tag, entry)
-        recorded = tag
-      end
-    end
-    return {KEYS[i], item, recorded}
-  end
-end
-return false
-"""
-
-
-def parse_envelope(raw: bytes | str) -> dict[str, Any] | None:
-    """The message envelope in a queue entry, or None when the entry is not one. kombu's loader:
-    typed values (datetime, UUID, Decimal) in headers come back typed, as kombu delivers them."""
-    try:
-        message = kombu_json.loads(bytes_to_str(raw))
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
-        return None
-    return message
-
-
-def _log_rejected(queue: str, item: bytes | str, reason: str) -> None:
-    raw = item if isinstance(item, bytes) else item.encode()
-    structlog.get_logger().error(
-        "MRC_MESSAGE_REJECTED", queue=queue, reason=reason, size=len(raw),
-        preview=raw[:120].decode("utf-8", "replace"),
-    )  # fmt: skip
-
-
-def _keep(pipe: Any, raw: bytes | str) -> None:
-    """Queue the write of an unreadable entry to the rejected list (the last 1000 are kept)."""
-    pipe.lpush(REJECTED_KEY, raw)
-    pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
-
-
-def _set_aside(client: Any, queue: str, item: bytes | str, reason: str, tag: str | None = None) -> None:
-    """Keep an unreadable entry for a person (the last 1000) and drop any unacked record of it."""
-    raw = item if isinstance(item, bytes) else item.encode()
-    _log_rejected(queue, raw, reason)
-    with client.pipeline() as pipe:  # MULTI/EXEC: kept and unrecorded together
-        _keep(pipe, raw)
-        if tag is not None:
-            pipe.hdel(names.UNACKED_KEY, tag)
-            pipe.zrem(names.UNACKED_INDEX_KEY, tag)
-        pipe.execute()
-
-
-class _Heartbeat(threading.Thread):
-    """Refreshes the unacked records of the messages a live consumer holds, so that only a consumer
-    that died (or whose main thread ended) has its messages handed out again."""
-
-    def __init__(self, qos: QoS, interval_s: float) -> None:
-        super().__init__(name="mrc-unacked-heartbeat", daemon=True)
-        self.qos = qos
-        self.interval_s = interval_s
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        main = threading.main_thread()
-        while not self.stopped.wait(self.interval_s) and main.is_alive():
-            try:
-                self.qos.refresh_held()
-            except Exception as exc:  # Redis away: the next beat tries again; nothing else to do
-                structlog.get_logger("mrc.transport").warning(
-                    "MRC_HEARTBEAT_FAILED", error=f"{type(exc).__name__}: {exc}"
-                )
-
-
-def heartbeat_interval(visibility_timeout_s: float) -> float:
-    """Four beats per visibility timeout: a beat may be late (a slow Redis, a busy interpreter) by
-    three quarters of the timeout before a live consumer's message could be handed out again."""
-    return min(60.0, max(0.05, visibility_timeout_s / 4))
-
-
-class QoS(kombu_redis.QoS):
-    """kombu's Redis QoS, minus the second write of records the pop script made, and with a restore
-    that sets aside a record it cannot read instead of raising (which stopped every later restore).
-
-    The visibility timeout measures silence, not age: while a consumer holds a message, a heartbeat
-    thread moves its unacked record's time forward, and the restore re-reads that time inside its
-    transaction. A batch that runs longer than the timeout (long generations, a slow device, retries
-    waiting out their countdown) is never handed to a second worker while the first one lives; a
-    dead worker's messages come back one visibility timeout after its last beat."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._heartbeat: _Heartbeat | None = None
-
-    def append(self, message: Any, delivery_tag: str) -> None:
-        recorded: set[str] = getattr(self.channel, "recorded_by_pop", set())
-        if delivery_tag in recorded:
-            recorded.discard(delivery_tag)
-            kombu_virtual.QoS.append(self, message, delivery_tag)  # in-memory bookkeeping only
-        else:  # a message taken some other way (basic_get): record it as kombu does
-            super().append(message, delivery_tag)
-        if self._heartbeat is None:
-            self.channel.pool  # noqa: B018  # made here, not raced for by the heartbeat thread
-            self._heartbeat = _Heartbeat(self, heartbeat_interval(self.visibility_timeout))
-            self._heartbeat.start()
-
-    def ack(self, delivery_tag: str) -> None:
-        if not self._settle(delivery_tag):
-            super().ack(delivery_tag)
-
-    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if requeue or not self._settle(delivery_tag):
-            super().reject(delivery_tag, requeue)
-
-    def _settle(self, delivery_tag: str) -> bool:
-        """kombu's ack for a message with a push id (shared/pushes.py): its unacked record goes and its
-        push marker turns ACKED in one MULTI. False for one without (kombu's own ack runs instead)."""
-        push_id = pushes.push_id_of(getattr(self._delivered.get(delivery_tag), "headers", None))
-        if push_id is None:
-            return False
-        with self.pipe_or_acquire() as pipe:
-            self._remove_from_indices(delivery_tag, pipe)
-            pushes.mark_acked(pipe, push_id)
-            pipe.execute()
-        kombu_virtual.QoS.ack(self, delivery_tag)
-        return True
-
-    def held_tags(self) -> list[str]:
-        """The tags this consumer holds unacked; read from another thread, so copied with a retry."""
-        for _ in range(5):
-            try:
-                return list(self._delivered)
-            except RuntimeError:  # changed size during the copy
-                continue
-        return []
-
-    def refresh_held(self) -> int:
-        """Move the held messages' unacked times to now; never re-adds one acked or restored since
-        (XX). Returns how many were refreshed."""
-        tags = self.held_tags()
-        if not tags:
-            return 0
-        now = time.time()
-        with self.channel.conn_or_acquire() as client:
-            return int(client.zadd(self.unacked_index_key, dict.fromkeys(tags, now), xx=True, ch=True))
-
-    def stop_heartbeat(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stopped.set()
-
-    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
-        """kombu's, except that each message is restored only if its unacked time is still past the
-        timeout when its transaction runs: a heartbeat between the listing and the restore wins."""
-        self._vrestore_count += 1
-        if (self._vrestore_count - 1) % (interval or 1):
-            return
-        with self.channel.conn_or_acquire() as client:
-            ceil = time.time() - self.visibility_timeout
-            try:
-                with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
-                    visible = client.zrange(
-                        self.unacked_index_key, ceil, 0,
-                        desc=True, byscore=True, offset=num and start, num=num, withscores=True,
-                    )  # fmt: skip
-                    for tag, _score in visible or []:
-                        self._restore(tag, client, stale_before=ceil)
-            except kombu_redis.MutexHeld:
-                pass
-
-    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
-        self._restore(tag, client, leftmost=leftmost)
-
-    def _restore(
-        self, tag: Any, client: Any = None, leftmost: bool = False, stale_before: float | None = None
-    ) -> None:
-        """kombu's restore, one WATCHed transaction per message, except for the record it cannot
-        read: that one is set aside (kept for a person, its unacked record removed) and the restore
-        goes on with the next. With `stale_before`, a message refreshed since then stays put."""
-
-        def restore_transaction(pipe: Any) -> None:
-            if stale_before is not None:
-                score = pipe.zscore(self.unacked_index_key, tag)
-                if score is not None and float(score) > stale_before:
-                    return  # a heartbeat came in after the listing: its consumer lives
-            raw = pipe.hget(self.unacked_key, tag)
-            pipe.multi()
-            self._remove_from_indices(tag, pipe)
-            if raw:
-                record = parse_unacked(raw)
-                if record is None:
-                    _log_rejected("unacked", raw, "unacked record is not a readable message")
-                    _keep(pipe, raw)
-                else:
-                    payload, exchange, routing_key = record
-                    self.channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
-
-        with self.channel.conn_or_acquire(client) as conn:
-            conn.transaction(restore_transaction, self.unacked_key, self.unacked_index_key)
 
 
 class Channel(kombu_redis.Channel):
@@ -385,7 +163,9 @@ class Channel(kombu_redis.Channel):
             connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", self.idle_wait_s)
         else:
             unacked = [self.unacked_key, self.unacked_index_key]
-            connection.send_command("EVAL", POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags)
+            connection.send_command(
+                "EVAL", queue_entries.POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags
+            )
         self._in_poll = connection
         # kombu's clock, the one its health check reads: one clock for both ends of the comparison (with
         # time.monotonic here, kombu's tests, which patch its clock, passed or failed by the machine's
@@ -423,10 +203,10 @@ class Channel(kombu_redis.Channel):
             dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
             tag = bytes_to_str(recorded) if recorded else None
             self._queue_cycle.rotate(dest)
-            message = parse_envelope(item)
+            message = queue_entries.parse_envelope(item)
             if message is None:
                 with self.conn_or_acquire() as client:
-                    _set_aside(client, dest, item, "not a JSON message envelope", tag)
+                    queue_entries.set_aside(client, dest, item, "not a JSON message envelope", tag)
             else:
                 if tag is not None:
                     self.recorded_by_pop.add(tag)
@@ -442,10 +222,10 @@ class Channel(kombu_redis.Channel):
                 item = client.rpop(self._q_for_pri(queue, pri))
                 if item:
                     self._maybe_update_queues_expire(client, queue)
-                    message = parse_envelope(item)
+                    message = queue_entries.parse_envelope(item)
                     if message is not None:
                         return message
-                    _set_aside(client, queue, item, "not a JSON message envelope")
+                    queue_entries.set_aside(client, queue, item, "not a JSON message envelope")
             self._maybe_update_queues_expire(client, queue)
             raise Empty()
 
