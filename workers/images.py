@@ -14,15 +14,13 @@ import dataclasses
 import hashlib
 import io
 import struct
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-import torchvision.transforms.v2.functional as tvF
 from PIL import Image, UnidentifiedImageError
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from shared import frames, names, sniff
 from shared.errors import (
@@ -34,6 +32,12 @@ from shared.errors import (
 )
 from shared.sniff import sniff_format
 from shared.stores import ImageSource
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and torchvision are imported by the functions that decode, not with this module: fetching and
+# header checks need neither, and a worker whose model reads no pixels (echo) never loads torch.
 
 SUPPORTED_FORMATS = sniff.SUPPORTED_FORMATS
 # Not PNG: torchvision's libpng path segfaults on some corrupt PNGs (found by fuzzing: one mangled
@@ -77,7 +81,7 @@ class ImageSize:
 
 @dataclass(frozen=True)
 class DecodedImage:
-    tensor: torch.Tensor  # uint8, [3, H, W], RGB, EXIF orientation applied; maybe already shrunk
+    tensor: Any  # uint8 torch tensor, [3, H, W], RGB, EXIF orientation applied; maybe already shrunk
     format: str
     height: int  # of the image as decoded (oriented), whatever the tensor was shrunk to since
     width: int
@@ -150,7 +154,7 @@ def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
     """Decode checked bytes to a uint8 RGB CHW tensor (on `device` for JPEG when it is CUDA), first
     frame only, then orient it. Orientation is applied here and never by a decoder, so every decoder
     and every device gives the same picture (nvjpeg ignores EXIF orientation)."""
-    tensor: torch.Tensor | None = None
+    tensor: Any = None
     if image.format in _TORCHVISION_FORMATS and image.frames == 1:
         try:
             tensor = _decode_torchvision(image, device)
@@ -166,6 +170,8 @@ def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
 
 def orient(tensor: torch.Tensor, orientation: int) -> torch.Tensor:
     """Apply an EXIF orientation to a CHW tensor: PIL's ImageOps.exif_transpose, as tensor views."""
+    import torch
+
     hw = (-2, -1)
     oriented = {
         2: lambda t: t.flip(-1),
@@ -180,6 +186,10 @@ def orient(tensor: torch.Tensor, orientation: int) -> torch.Tensor:
 
 
 def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
+    import torch
+    import torchvision.transforms.v2.functional as tvF
+    from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
     raw = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
     if image.format == "jpg":
         tensor = decode_jpeg(raw, mode=ImageReadMode.RGB, apply_exif_orientation=False, device=device)
@@ -197,6 +207,9 @@ def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
 
 def _decode_pil(image: EncodedImage) -> torch.Tensor:
     """The first frame only: PIL decodes a GIF, APNG or WebP frame by frame, on demand."""
+    import numpy as np
+    import torch
+
     try:
         with Image.open(io.BytesIO(image.data)) as img:
             img.seek(0)
@@ -209,6 +222,8 @@ def _decode_pil(image: EncodedImage) -> torch.Tensor:
 
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB, scaling 16-bit grey to 8 bits (PIL's own conversion clips it, turning the image white)."""
+    import numpy as np
+
     if img.mode in ("I;16", "I;16B", "I;16L", "I"):
         wide = np.asarray(img, dtype=np.uint32)
         grey = (
@@ -224,8 +239,25 @@ def init_decode_thread() -> None:
     """Thread-pool initializer. A thread that runs ATen ops gets an OpenMP team of its own, sized to
     the cores; with several decode threads that oversubscribes the cores the model's team runs on
     (measured: generate 1.7x slower for the rest of the process). One OpenMP thread per decode
-    thread keeps the model's team intact; the decodes still run in parallel across threads."""
-    torch.set_num_threads(1)
+    thread keeps the model's team intact; the decodes still run in parallel across threads. A worker
+    that has not loaded torch (its model reads no pixels) has no team to keep."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Stands for a decoded image's tensor where a model reads only its size (the echo backend): the
+    header's width and height, oriented, as `tensor.shape` would give them."""
+
+    shape: tuple[int, int, int]
+
+
+def sized(image: EncodedImage) -> DecodedImage:
+    """The image as a model that reads no pixels sees it: its oriented size, from the header (checked
+    already), without decoding (so without torch)."""
+    return DecodedImage(Shape((3, image.height, image.width)), image.format, image.height, image.width)
 
 
 def load(data: bytes, max_pixels: int, device: str = "cpu") -> DecodedImage:

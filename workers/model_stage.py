@@ -50,7 +50,7 @@ class ModelStage:
         settings: Settings,
         metrics: Metrics,
         admission: Admission,
-        pool: Any,  # pipeline.LanePools: submit(slot, work, *args) -> Future
+        pool: Any,  # workers/lane_pools.py LanePools: submit(slot, work, *args) -> Future
         finish: Callable[[list[Slot]], None],
     ) -> None:
         self.backend, self.settings, self.metrics, self.admission = backend, settings, metrics, admission

@@ -2,9 +2,13 @@
 
 decode -> claim (admission) -> prompt -> images (fetch, header checks) -> cache -> model -> results
 
-Jobs whose last delivery died with them in hand run after the rest, one at a time, each through
-every stage, and alone in the engine, so a job that kills its worker cannot take its neighbours
-with it again.
+Jobs whose last delivery died with them in hand (suspects) run after the rest, in groups that each
+have the engine to themselves (workers/admission.py `suspect_groups`: halved each time a group's
+worker dies again), so a job that kills its worker cannot take its neighbours with it again.
+
+The stages' work lives beside it: workers/preparing.py (messages, prompts, image fetches),
+workers/cache_lookup.py, workers/model_stage.py, workers/finisher.py; workers/lane_pools.py holds
+the threads, workers/in_hand.py what /healthz reads of the deliveries in hand.
 
 The model stage (workers/model_stage.py) hands each job to the engine (workers/engine/) as soon as
 its image is decoded and its inputs prepared, on the delivery's thread; the engine's own thread
@@ -21,22 +25,20 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from shared import logs, names
-from shared.errors import InternalError, MrcError
+from shared import logs
+from shared.errors import InternalError
 from shared.records import JobRecords
-from shared.response_format import read_output
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore
-from workers import images, stages
+from workers import cache_lookup, preparing
 from workers.admission import Admission, suspect_groups
 from workers.backends.base import ModelBackend
-from workers.cache import ResultCache, job_cache_key
+from workers.cache import ResultCache
 from workers.finisher import Finisher, Requeue
+from workers.in_hand import InHand
+from workers.lane_pools import LanePools
 from workers.metrics import Metrics
 from workers.model_stage import ModelStage
 from workers.slots import Message, Outcome, Slot
@@ -47,34 +49,6 @@ T = TypeVar("T")
 # A fault in these stages is the job store's (Redis) or the result store's, not a job's: failing the jobs
 # would turn a transient outage into permanent failed results.
 _INFRASTRUCTURE_STAGES = frozenset({"claim", "results"})
-
-
-class LanePools:
-    """The threads that fetch, decode and write results, one pool per lane: a ticket's image is never
-    decoded behind the sixteen of a backlog delivery that arrived just before it."""
-
-    def __init__(self, threads: int) -> None:
-        self.pools = {
-            lane: ThreadPoolExecutor(
-                threads, thread_name_prefix=f"mrc-{lane}", initializer=images.init_decode_thread
-            )
-            for lane in names.LANES
-        }
-
-    def submit(self, slot: Slot, work: Callable[..., T], *args: Any) -> Future[T]:
-        lane = slot.job.lane if slot.job is not None else "interactive"
-        return self.pools.get(lane, self.pools["interactive"]).submit(work, *args)
-
-    def shutdown(self) -> None:
-        for pool in self.pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-
-
-@dataclass
-class _Delivery:
-    since: float
-    at: float
-    on_engine: bool = False
 
 
 class Pipeline:
@@ -105,11 +79,7 @@ class Pipeline:
         self.jobs_seen = 0
         self._groups = itertools.count()  # engine group names for suspects, unique in the process
         self.model = ModelStage(backend, settings, metrics, admission, self._pool, self._finish_async)
-        # For /healthz (workers/liveness.py), monotonic clock: per delivery in hand (by thread), when
-        # it began, when it last moved (a stage ended), and whether it waits on the engine (then each
-        # engine step is its progress too).
-        self._idle_since = time.monotonic()
-        self._in_hand: dict[int, _Delivery] = {}
+        self.in_hand = InHand(lambda: self.model.engine_at)  # for /healthz (workers/liveness.py)
 
     @property
     def busy_ratio(self) -> float:
@@ -118,26 +88,11 @@ class Pipeline:
     @property
     def batch_since(self) -> float | None:
         """When the oldest delivery in hand began (monotonic); None when none is in hand."""
-        with self._lock:
-            return min((d.since for d in self._in_hand.values()), default=None)
+        return self.in_hand.since
 
     @property
     def progress_at(self) -> float:
-        """When the delivery that has moved least recently last moved (a stage, or an engine step
-        while it waits on the engine); between deliveries, when the last one ended."""
-        with self._lock:
-            deliveries = list(self._in_hand.values())
-        if not deliveries:
-            return self._idle_since
-        engine_at = self.model.engine_at
-        return min(max(d.at, engine_at) if d.on_engine else d.at for d in deliveries)
-
-    def _moved(self, on_engine: bool | None = None) -> None:
-        delivery = self._in_hand.get(threading.get_ident())
-        if delivery is not None:
-            delivery.at = time.monotonic()
-            if on_engine is not None:
-                delivery.on_engine = on_engine
+        return self.in_hand.progress_at
 
     @property
     def batch_for_s(self) -> float | None:
@@ -159,16 +114,12 @@ class Pipeline:
 
     # ---------------------------------------------------------------- run
     def run(self, messages: Sequence[Message]) -> list[Outcome]:
-        key, now = threading.get_ident(), time.monotonic()
-        with self._lock:
-            self._in_hand[key] = _Delivery(now, now)
+        self.in_hand.begin()
         self._local.writes = []
         try:
             return self._run(messages)
         finally:
-            with self._lock:
-                self._in_hand.pop(key, None)
-            self._idle_since = time.monotonic()
+            self.in_hand.end()
 
     def _run(self, messages: Sequence[Message]) -> list[Outcome]:
         start = time.time()
@@ -212,7 +163,7 @@ class Pipeline:
 
     def _stage(self, name: str, stage: Stage, slots: list[Slot], spent: dict[str, float]) -> None:
         began = time.perf_counter()
-        self._moved(on_engine=name == "model")
+        self.in_hand.moved(on_engine=name == "model")
         try:
             stage(slots)
         except Exception as exc:  # a bug in a stage fails the jobs still in flight, not the worker
@@ -223,83 +174,25 @@ class Pipeline:
             if name in _INFRASTRUCTURE_STAGES:
                 raise  # Redis or S3 gone: exit unacked and let another delivery run the jobs
         seconds = time.perf_counter() - began
-        self._moved(on_engine=False)
+        self.in_hand.moved(on_engine=False)
         spent[name] = spent.get(name, 0.0) + seconds
         self.metrics.stage.labels(stage=name).observe(seconds)
 
     # ---------------------------------------------------------------- stages
     def _decode(self, slots: list[Slot]) -> None:
-        for slot in slots:
-            job, _seconds = stages.timed(
-                "reading the message", partial(stages.parse, slot.body, self.settings)
-            )
-            if isinstance(job, MrcError):
-                slot.error = job
-            else:
-                slot.job = job
+        preparing.read_messages(slots, self.settings)
 
     def _plan_prompts(self, slots: list[Slot]) -> None:
-        for slot in self._live(slots):
-            job = slot.job
-            assert job is not None
-            work = partial(stages.plan_prompt, job, self.backend, self.settings)
-            plan, _seconds = stages.timed("tokenizing the prompt", work)
-            if isinstance(plan, MrcError):
-                slot.error = plan
-                continue
-            slot.plan = plan
-            if plan.truncated:
-                self.metrics.prompt_truncated.inc()
+        preparing.plan_prompts(self._live(slots), self.backend, self.settings, self.metrics)
 
     def _fetch_images(self, slots: list[Slot]) -> None:
-        live = self._live(slots)
-        fetches = [self._pool.submit(slot, self._fetch_one, slot) for slot in live]
-        for slot, (result, seconds) in zip(live, (f.result() for f in fetches), strict=True):
-            slot.timings["preprocess"] += seconds * 1000
-            if isinstance(result, MrcError):
-                slot.error = result
-            else:
-                slot.encoded = result
-
-    def _fetch_one(self, slot: Slot) -> tuple[images.EncodedImage | MrcError, float]:
-        job = slot.job
-        assert job is not None
-        return stages.timed("image fetch", partial(stages.fetch_image, job, self.images_from, self.settings))
+        preparing.fetch_images(self._live(slots), self._pool, self.images_from, self.settings)
 
     def _look_up_cache(self, slots: list[Slot]) -> None:
-        """A hit skips decoding, preprocessing and the model; the job still gets its own result.
-        The delivery's look-ups go to the cache together (one round trip, not one per job)."""
-        if self.cache is None:
-            return
-        live = self._live(slots)
-        for slot in live:
-            assert slot.job is not None
-            assert slot.encoded is not None
-            assert slot.plan is not None
-            slot.cache_key = job_cache_key(
-                self.backend, self.settings, slot.job.max_new_tokens, slot.encoded.sha256, slot.plan,
-                slot.job.response_format, slot.job.api_key,
-            )  # fmt: skip
-        try:
-            hits = self.cache.get_many([str(slot.cache_key) for slot in live])
-        except Exception as exc:  # a cache that is down costs GPU time, never a job
-            self.log.warning("MRC_CACHE_READ_FAILED", jobs=len(live), error=repr(exc)[:300])
-            hits = [None] * len(live)
-        for slot, hit in zip(live, hits, strict=True):
-            hit = _usable_hit(slot, hit)
-            self.metrics.cache.labels(result="hit" if hit else "miss").inc()
-            if hit is not None:
-                assert slot.encoded is not None
-                slot.encoded = slot.encoded.without_bytes()  # never decoded: the result needs its hash
-                slot.text, slot.output_tokens, slot.cache_hit = (
-                    str(hit["text"]),
-                    int(hit["output_tokens"]),
-                    True,
-                )
-                reason = hit.get("finish_reason")  # absent from entries cached before the engine
-                positions = hit.get("prompt_tokens")  # absent from entries cached before usage
-                slot.prompt_positions = positions if isinstance(positions, int) else None
-                slot.finish_reason = reason if reason in ("stop", "length") else None
+        if self.cache is not None:
+            cache_lookup.look_up(
+                self.cache, self.backend, self.settings, self.metrics, self.log, self._live(slots)
+            )
 
     def _write_results(self, slots: list[Slot]) -> None:
         """Write what the model stage has not already sent off, then wait for every write."""
@@ -318,18 +211,6 @@ class Pipeline:
     @staticmethod
     def _live(slots: list[Slot]) -> list[Slot]:
         return [s for s in slots if s.live]
-
-
-def _usable_hit(slot: Slot, hit: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A cache entry as the job will use it: a constrained job's answer read back as its format asks
-    (`slot.output`); an entry that does not read is a miss (the model answers again)."""
-    if hit is None or slot.job is None or slot.job.response_format is None:
-        return hit
-    try:
-        slot.output = read_output(slot.job.response_format, str(hit["text"]))
-    except (ValueError, KeyError):
-        return None
-    return hit
 
 
 def assemble(

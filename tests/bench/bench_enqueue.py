@@ -1,6 +1,6 @@
 """How fast `mrc backlog` enqueues, and whether its memory stays flat: N manifest lines whose images
 are already in S3, enqueued against a local redis-server and moto S3 server, in this process
-(producer/backlog.py, as the CLI runs it). Prints lines/s and peak RSS at 10 % and at 100 % of the run,
+(producer/backlog/run.py, as the CLI runs it). Prints lines/s and peak RSS at 10 % and at 100 % of the run,
 and the old one-by-one `Client.enqueue` on a sample for comparison.
 
     .venv/bin/python tests/bench/bench_enqueue.py [--lines 100000]
@@ -39,7 +39,7 @@ def main() -> None:
     limit = str(10 * args.lines)
     home = ROOT / ".cache" / "mrc"
     with services.local_stack("mrc-bench-enqueue-", "mrc-bench", home, MRC_BACKLOG_MAX_DEPTH=limit) as env:
-        from producer.backlog import Backlog
+        from producer.backlog.run import Backlog
         from producer.client import Client, Submission
 
         settings = services.settings_from_env(env)

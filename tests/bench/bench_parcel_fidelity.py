@@ -1,7 +1,7 @@
 """Preprocessing fidelity, measured as accuracy: the parcels model answers the same held-out photos
 through four preprocessing paths, and each path's accuracy per question is printed side by side.
 
-  mrc        workers/images.py decode + workers/preprocess.py (the worker's device path)
+  mrc        workers/images.py decode + workers/backends/fuyu_preprocess.py (the worker's device path)
   reference  PIL decode + FuyuProcessor (transformers' own CPU path)
   blur       a naive GPU-style path: a Gaussian blur before a plain bilinear resize, as kornia's
              `resize(..., antialias=True)` does (implemented here in torch: kornia is not a dependency)
@@ -33,8 +33,9 @@ import torch.nn.functional as F  # noqa: E402 - after sys.path is set
 from PIL import Image  # noqa: E402 - after sys.path is set
 
 from scripts import parcels  # noqa: E402 - after sys.path is set
-from workers import images, preprocess  # noqa: E402 - after sys.path is set
+from workers import images  # noqa: E402 - after sys.path is set
 from workers.backends import fuyu_geometry  # noqa: E402 - after sys.path is set
+from workers.backends import fuyu_preprocess as preprocess  # noqa: E402 - after sys.path is set
 from workers.models import parcels_path  # noqa: E402 - after sys.path is set
 
 SEED = 960_000_000  # held out: below the training's seeds, apart from the accuracy test's

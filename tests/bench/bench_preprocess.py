@@ -1,6 +1,6 @@
-"""Preprocessing throughput: our path (torchvision decode + workers/preprocess.py on MRC_DEVICE) against
-the naive one (PIL decode + FuyuProcessor on the CPU), from image bytes to model inputs, same images,
-same run. Prints images/s for both and the ratio at batch 1 and 16.
+"""Preprocessing throughput: our path (torchvision decode + workers/backends/fuyu_preprocess.py on
+MRC_DEVICE) against the naive one (PIL decode + FuyuProcessor on the CPU), from image bytes to model
+inputs, same images, same run. Prints images/s for both and the ratio at batch 1 and 16.
 
 Per kind (12 MP phone photos, full-HD screenshots, small uploads): ms per image at batch 1 and 16, and
 the largest difference from the processor's pixel values (what a CUDA resize may change).
@@ -29,7 +29,8 @@ import torch  # noqa: E402 - after sys.path is set
 from PIL import Image, ImageOps  # noqa: E402 - after sys.path is set
 
 from tests.support import imagegen  # noqa: E402 - after sys.path is set
-from workers import images, preprocess  # noqa: E402 - after sys.path is set
+from workers import images  # noqa: E402 - after sys.path is set
+from workers.backends import fuyu_preprocess as preprocess  # noqa: E402 - after sys.path is set
 from workers.backends.tiny import ensure_tiny_model  # noqa: E402 - after sys.path is set
 
 PROMPT = "The parcel arrived crushed. Can I get a refund?"

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from shared.settings import Settings
-from workers.backends.fuyu import FuyuBackend, quantization_kwargs
+from workers.backends.fuyu import FuyuBackend
+from workers.backends.fuyu_loading import quantization_kwargs
 from workers.backends.tiny import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from tests.support import imagegen
-from workers import images, preprocess
+from workers import images
 from workers.backends import fuyu_geometry
+from workers.backends import fuyu_preprocess as preprocess
 from workers.backends.tiny import ensure_tiny_model
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")

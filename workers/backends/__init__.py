@@ -2,7 +2,8 @@
 
 - `fuyu`: Fuyu-8B, or any Fuyu checkpoint, from a local folder or the offline HF cache; `tiny` builds
   the toy Fuyu and loads it through the same code.
-- `echo`: no model at all (answers from the prompt): for the broker benchmarks and the unit tests.
+- `echo`: no model at all (answers from the prompt): for the broker benchmarks and the unit tests. As a
+  worker's model it reads images' headers, never their pixels, and the worker loads no torch.
 
 A new model is a module here with a class that has ModelBackend's methods, and one line below.
 """
@@ -18,7 +19,7 @@ def make_backend(settings: Settings) -> ModelBackend:
     if settings.model == "echo":
         from workers.backends.echo import EchoBackend
 
-        return EchoBackend(token_s=settings.echo_token_ms / 1000)
+        return EchoBackend(token_s=settings.echo_token_ms / 1000, needs_pixels=False)
     from workers.backends.fuyu import FuyuBackend
 
     return FuyuBackend(settings)

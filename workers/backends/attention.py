@@ -7,9 +7,6 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
 # Op names in a trace -> kernel. Order matters: the first match wins.
 _KERNELS: tuple[tuple[str, str], ...] = (
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash_cpu"),
@@ -35,6 +32,9 @@ def kernel_from_ops(op_names: Iterable[str]) -> str:
 
 def attest(run_batch: Callable[[], object], device: str) -> str:
     """Run one batch under the profiler and name the attention kernel that ran in it."""
+    import torch  # here, not with the module: the worker reads FAST_KERNELS whatever its model
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)

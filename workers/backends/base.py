@@ -48,6 +48,9 @@ class ModelBackend(Protocol):
     revision: str  # what exactly was loaded: the hub commit, or a hash of the model's config
     quantization: str
     device: str
+    # Whether the model reads the image's pixels (Fuyu) or only its size (echo: no model): a worker
+    # whose model reads none never decodes, and never loads torch.
+    needs_pixels: bool
 
     def load(self) -> None:
         """Load weights onto the device; slow, called once per process."""

@@ -126,8 +126,16 @@ class EchoBackend:
     device = "cpu"
 
     def __init__(
-        self, fail_on: str | None = None, error: Exception | None = None, token_s: float = 0.0
+        self,
+        fail_on: str | None = None,
+        error: Exception | None = None,
+        token_s: float = 0.0,
+        needs_pixels: bool = True,
     ) -> None:
+        # In-process (the unit tests) it decodes every image as a model would, so the pipeline's
+        # decode stage is exercised; as a worker's model (MRC_MODEL=echo) it reads an image's size
+        # from its header alone (workers/images.py `sized`) and the worker never loads torch.
+        self.needs_pixels = needs_pixels
         self.fail_on = fail_on
         self.token_s = token_s
         self.error = error or RuntimeError("injected model fault")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -10,8 +9,9 @@ from typing import Any
 from shared import prompts
 from shared.errors import InvalidJob, ModelError, OutOfMemory, PromptTooLong
 from shared.settings import Settings
-from workers import inference, preprocess
-from workers.backends import fuyu_geometry
+from workers import inference
+from workers.backends import fuyu_geometry, fuyu_loading
+from workers.backends import fuyu_preprocess as preprocess
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
 BEGINNING_OF_ANSWER = "<0x04>"  # appended by id, as FuyuProcessor does, never as text
@@ -22,66 +22,16 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-def resolve_device(requested: str) -> str:
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"MRC_DEVICE={requested} but CUDA is not available")
-    return requested
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".index.json")
-
-
-def _revision(config: Any, path: str) -> str:
-    """The hub commit the weights came from; for a local folder, a hash of its config.json and of the
-    weight files' names, sizes and modification times, so swapped weights never keep serving answers
-    cached for the old ones (hashing gigabytes of weights at every start would cost minutes)."""
-    commit = getattr(config, "_commit_hash", None)
-    if commit:
-        return str(commit)
-    folder = Path(path)
-    config_file = folder / "config.json"
-    digest = hashlib.sha256(
-        config_file.read_bytes() if config_file.is_file() else repr(config.to_dict()).encode()
-    )
-    if folder.is_dir():
-        for weights in sorted(p for p in folder.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES)):
-            stat = weights.stat()
-            digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return "local-" + digest.hexdigest()[:16]
-
-
 def torch_full_image(height: int, width: int) -> Any:
     import torch
 
     return torch.full((3, height, width), 128, dtype=torch.uint8)
 
 
-def quantization_kwargs(quantization: str, device: str) -> dict[str, Any]:
-    """from_pretrained keyword arguments for one quantization mode."""
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if quantization == "nf4":
-        config = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=torch.bfloat16,
-            bnb_4bit_use_double_quant=True,
-            # The vision projection (30*30*3 = 2700 wide) breaks bnb's packed CPU path, and the list
-            # replaces the default one, so lm_head must be named too (STACK-NOTES.md).
-            llm_int8_skip_modules=["vision_embed_tokens", "lm_head"],
-        )
-        return {"quantization_config": config, "dtype": torch.bfloat16, "device_map": {"": device}}
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    return {"dtype": dtypes[quantization], "device_map": {"": device}}
-
-
 class FuyuBackend:
     """Fuyu-8B (or the tiny Fuyu) loaded with from_pretrained, generating greedily in batches."""
+
+    needs_pixels = True
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -115,7 +65,7 @@ class FuyuBackend:
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-        self.device = resolve_device(self.settings.device)
+        self.device = fuyu_loading.resolve_device(self.settings.device)
         path = self._path()
         try:
             self.processor = AutoProcessor.from_pretrained(path, local_files_only=True)
@@ -126,7 +76,7 @@ class FuyuBackend:
                 f"weights, a hub id present in the HF cache, or 'tiny' ({exc})"
             ) from exc
         self.model.eval()
-        self.revision = _revision(self.model.config, path)
+        self.revision = fuyu_loading.revision_of(self.model.config, path)
         tokenizer = self.processor.tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
         self.token_ids = preprocess.TokenIds(
@@ -164,7 +114,7 @@ class FuyuBackend:
             path,
             local_files_only=True,
             attn_implementation=self.settings.attention,
-            **quantization_kwargs(self.quantization, self.device),
+            **fuyu_loading.quantization_kwargs(self.quantization, self.device),
         )
 
     def plan_prompt(self, prompt: str, max_tokens: int, truncate: bool) -> PromptPlan:
@@ -194,7 +144,8 @@ class FuyuBackend:
         return preprocess.resize_to_fit(image, self.settings.max_image_side)
 
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
-        """Our device-side preprocessing (workers/preprocess.py), not the processor's CPU path."""
+        """Our device-side preprocessing (workers/backends/fuyu_preprocess.py), not the processor's
+        CPU path."""
         prompt_ids = [[*self._prompt_ids(item), self.answer_id] for item in batch]
         inputs = preprocess.build_inputs(
             [item.image for item in batch],

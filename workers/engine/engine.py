@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from shared.errors import Expired, InvalidJob, MrcError, OutOfMemory
 from workers import inference
 from workers.engine import masks, scheduler
-from workers.engine.runner import RowBatch, StepModel
 from workers.engine.sequence import Sequence
+from workers.engine.step import RowBatch, StepModel
 
 Finished = Callable[[Sequence], None]
 # Decode steps a lowered admission ceiling lasts before full capacity is tried again: an out-of-memory

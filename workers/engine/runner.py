@@ -6,14 +6,15 @@ every running row. It owns the slot cache (workers/engine/kv.py) and the two way
 - `fixed` (CUDA's default): one call of fixed shape over a prefix of the slots, bucketed, each bucket's
   step captured once as a CUDA graph at warm-up and replayed (workers/engine/fixed_step.py).
 
-`StepModel` is the seam: this runner serves transformers' Fuyu; the echo backend has its own
-(workers/backends/echo.py), so the worker's tests drive the same engine without weights.
+`StepModel` (workers/engine/step.py) is the seam: this runner serves transformers' Fuyu; the echo
+backend has its own (workers/backends/echo.py), so the worker's tests drive the same engine without
+weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
@@ -26,36 +27,6 @@ from workers.engine.sequence import DEAD_END
 from workers.engine.slot_table import SlotTable
 
 DecodeMode = Literal["rows", "fixed"]
-
-
-class RowBatch(Protocol):
-    row_ids: list[str]
-    read: int  # positions the last decode step read for these rows
-    padding: int  # of those, positions no row holds
-
-    def __len__(self) -> int: ...
-
-    @property
-    def width(self) -> int: ...
-
-    @property
-    def held(self) -> int: ...
-
-    def add(self, row_ids: list[str], cache: Any, length: int) -> None: ...
-
-    def drop(self, row_ids: set[str]) -> None: ...
-
-    def absorb(self, other: Any) -> None: ...
-
-    def take(self, row_ids: set[str]) -> Any: ...
-
-
-class StepModel(Protocol):
-    def new_batch(self) -> RowBatch: ...
-
-    def prefill(self, inputs: list[Any], masks: MaskFn | None = None) -> tuple[list[int], Any, int]: ...
-
-    def decode(self, batch: Any, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]: ...
 
 
 # Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.

@@ -18,8 +18,8 @@ from shared import logs
 from shared.errors import WorkerUnusable
 from workers.engine import scheduler
 from workers.engine.engine import Engine, StepReport
-from workers.engine.runner import StepModel
 from workers.engine.sequence import Sequence
+from workers.engine.step import StepModel
 from workers.metrics import Metrics
 
 _IDLE_WAIT_S = 1.0
