@@ -17,7 +17,7 @@ import redis
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
-from producer import backlog_cli
+from producer.backlog import cli as backlog_cli
 from shared import logs, names, reach, redis_target
 from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
 from shared.jobs import JOB_ID_RE, JOB_ID_RULE
@@ -233,7 +233,7 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
 
 
 def _print_queues(client: Any, settings: Settings, as_json: bool) -> None:
-    from producer import queues_view
+    from producer.ops import queues as queues_view
 
     view = queues_view.collect(client, settings)
     if as_json:
@@ -263,8 +263,8 @@ def _cmd_events(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
-    from producer import dlq
     from producer.client import Client
+    from producer.queue import dlq
 
     client = Client(settings)
     if args.dlq_command == "list":

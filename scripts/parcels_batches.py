@@ -1,10 +1,10 @@
 """Training batches for the parcels model, built the way the worker builds its inputs.
 
-The worker decodes with workers/images.py and cuts patches with workers/preprocess.py; so do these
-batches, so the model learns exactly what it is served (FuyuProcessor's near-black padding included:
-preprocess.patchify pads as the processor does, and scripts/train_parcels.py checks a few batches
-against the processor itself). The processor is not used per sample: it pads every image to
-1080 x 1920 and costs ~64 ms an image here.
+The worker decodes with workers/images.py and cuts patches with
+workers/backends/fuyu_preprocess.py; so do these batches, so the model learns exactly what it is
+served (FuyuProcessor's near-black padding included: preprocess.patchify pads as the processor does,
+and scripts/train_parcels.py checks a few batches against the processor itself). The processor is
+not used per sample: it pads every image to 1080 x 1920 and costs ~64 ms an image here.
 
 Each row: image placeholder, <s>, the question's ids, <0x04>, the answer's ids, end-of-text. Rows are
 right-padded: with causal attention no real position sees a pad, so no attention mask is needed and
@@ -29,7 +29,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from scripts import parcels
-from workers import images, preprocess
+from workers import images
+from workers.backends import fuyu_preprocess as preprocess
 from workers.backends.fuyu_geometry import PATCH
 
 # Vocabulary pieces of the parcels model beyond the base (bytes, characters): the questions' words

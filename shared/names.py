@@ -62,7 +62,7 @@ def usage_totals_key() -> str:
 
 
 def batch_key(batch_id: str) -> str:
-    """Redis hash of an OpenAI-style batch (producer/openai_batches.py): its state, times, file ids."""
+    """Redis hash of an OpenAI-style batch (producer/openai/batches.py): its state, times, file ids."""
     return f"{REDIS_PREFIX}batch:{batch_id}"
 
 

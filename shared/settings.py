@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     # waiting request holds one; more waiters queue for one, submissions never do.
     api_wait_threads: int = Field(default=256, ge=1)
     events_max: int = Field(default=100_000, ge=100)  # completion events kept in the Redis stream
-    # --- the OpenAI-compatible routes of mrc-api (producer/openai_*.py) ---
+    # --- the OpenAI-compatible routes of mrc-api (producer/openai/) ---
     # POST /v1/chat/completions waits this long for the answer (less when the client says it gives up
     # sooner), then answers 504 `answer_timeout` naming the job id; the job goes on.
     openai_wait_s: float = Field(default=60.0, gt=0, le=3600)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.api import create_app
 from producer.client import Client
-from producer.openai_errors import PATHS as OPENAI_PATHS
+from producer.openai.errors import PATHS as OPENAI_PATHS
+from producer.server import create_app
 from scripts import devservices as services
 from shared import names
 from tests.support import imagegen

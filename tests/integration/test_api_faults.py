@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from producer import api_waits
-from producer.api import create_app
 from producer.client import Client
+from producer.http import waits as api_waits
+from producer.server import create_app
 from scripts import devservices as services
 from shared import logs, tenants
 from tests.integration.test_api import AUTH, KEYS, OWNER

@@ -14,8 +14,8 @@ import boto3
 import pytest
 import redis as redis_lib
 
-from producer import manifest
-from producer.backlog import Backlog
+from producer.backlog import manifest
+from producer.backlog.run import Backlog
 from producer.client import Client
 from scripts import devservices as services
 from shared import names

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.api import create_app
 from producer.client import Client
+from producer.server import create_app
 from scripts import devservices as services
 from scripts.devservices import Worker, run_cli
 from shared.celery_app import send_job

@@ -446,7 +446,7 @@ def test_schemathesis_finds_no_server_error_on_the_openai_routes(oai_env: dict[s
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
-    from producer.api import create_app
+    from producer.server import create_app
 
     quick = {**oai_env, "MRC_OPENAI_WAIT_S": "0.5", "MRC_OPENAI_BATCH_POLL_S": "3600"}
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(services.settings_from_env(quick)))

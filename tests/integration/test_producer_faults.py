@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from producer import dlq
 from producer.client import Client, Submission
+from producer.queue import dlq
 from scripts import devservices as services
 from shared import names
 from shared.errors import UsageError
@@ -241,7 +241,7 @@ def test_a_look_for_an_earlier_result_that_hangs_is_cut_well_inside_the_claim(
     lease and sends the job unchecked (its record tells the worker to look), instead of outliving it."""
     import threading
 
-    from producer import client as client_module
+    from producer.queue import sender as client_module
 
     monkeypatch.setattr(client_module, "CLAIM_TTL_S", 3)
     hung = threading.Event()

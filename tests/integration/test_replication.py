@@ -16,8 +16,8 @@ import pytest
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
-from producer.api import create_app
 from producer.client import Client, Submission
+from producer.server import create_app
 from scripts import devservices as services
 from scripts.devservices import run_cli
 from shared import names

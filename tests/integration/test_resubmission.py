@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from producer import dlq
 from producer.client import Client, Submission
+from producer.queue import dlq
 from scripts import devservices as services
 from shared import names, pushes
 from shared.celery_app import send_job

@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.api import create_app
 from producer.client import Client
+from producer.server import create_app
 from scripts import devservices as services
 from scripts.devservices import Worker, run_cli
 from tests.support import imagegen

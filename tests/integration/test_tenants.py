@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from producer.api import create_app
 from producer.client import Client
+from producer.server import create_app
 from scripts import devservices as services
 from shared import names, tenants
 from tests.support import imagegen

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from producer.api import create_app
+from producer.server import create_app
 from scripts import devservices as services
 
 

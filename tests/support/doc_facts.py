@@ -274,7 +274,8 @@ def exit_constants(module: str) -> dict[str, int]:
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Each console script's parser, built in-process (pyproject.toml's [project.scripts])."""
-    from producer import api, cli
+    from producer import cli
+    from producer import server as api
     from workers import cli as worker_cli
 
     api_parser = getattr(api, "_parser", None)

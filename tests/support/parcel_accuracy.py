@@ -23,8 +23,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from producer.api import create_app
 from producer.client import Client
+from producer.server import create_app
 from scripts import devservices as services
 from scripts import parcels
 from shared import tenants

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from producer.api_front import Front, Limits
-from producer.api_guard import Keys, RateLimiter
+from producer.http.front import Front, Limits
+from producer.http.guard import Keys, RateLimiter
 
 
 def _front(app: Any, bodies: int = 1) -> tuple[Front, list[tuple[str, int]]]:
@@ -69,7 +69,7 @@ def test_the_frameworks_own_refusals_have_the_contracts_error_shape() -> None:
     bare {"detail": ...} before."""
     from fastapi.testclient import TestClient
 
-    from producer.api import create_app
+    from producer.server import create_app
     from shared.settings import Settings
 
     with TestClient(create_app(Settings())) as api:
@@ -93,7 +93,7 @@ def test_every_other_v1_path_answers_in_openais_error_shape() -> None:
     pointed at mrc reads `type` and `param` from every answer under /v1/."""
     from fastapi.testclient import TestClient
 
-    from producer.api import create_app
+    from producer.server import create_app
     from shared.settings import Settings
 
     with TestClient(create_app(Settings())) as api:
@@ -146,8 +146,8 @@ def test_a_body_is_parsed_and_checked_off_the_event_loop(monkeypatch: Any) -> No
     others: /healthz answers while the check is still running."""
     import threading
 
-    from producer import api_forms
-    from producer.api import create_app
+    from producer.http import forms as api_forms
+    from producer.server import create_app
     from shared.settings import Settings
 
     entered, released, returned = threading.Event(), threading.Event(), threading.Event()
@@ -197,7 +197,7 @@ def test_a_body_is_parsed_and_checked_off_the_event_loop(monkeypatch: Any) -> No
 def test_each_route_takes_bodies_as_large_as_what_it_carries() -> None:
     """Item 7: /v1/jobs (JSON) and /v1/batches took bodies up to the image limit + 1 MiB (34.6 MB)
     though they never carry an image; a 28 MB JSON job with an unknown field was accepted after 10 s."""
-    from producer.api import job_json_bytes, limits
+    from producer.server import job_json_bytes, limits
     from shared.settings import Settings
 
     settings = Settings()
@@ -216,7 +216,7 @@ def test_each_route_takes_bodies_as_large_as_what_it_carries() -> None:
 def test_a_json_job_past_its_limit_is_413_before_it_is_read_and_unknown_fields_are_named() -> None:
     from fastapi.testclient import TestClient
 
-    from producer.api import create_app
+    from producer.server import create_app
     from shared.settings import Settings
 
     with TestClient(create_app(Settings())) as api:
@@ -235,8 +235,8 @@ def test_a_json_job_past_its_limit_is_413_before_it_is_read_and_unknown_fields_a
 
 def test_a_batch_create_is_parsed_off_the_event_loop(monkeypatch: Any) -> None:
     """POST /v1/batches parsed its body on the event loop: /healthz went from 5 ms to 3.27 s."""
-    from producer import openai_api
-    from producer.api import create_app
+    from producer.openai import routes as openai_api
+    from producer.server import create_app
     from shared.settings import Settings
 
     on_loop: list[bool] = []
@@ -264,7 +264,7 @@ def test_a_chat_wait_ends_at_its_deadline_whatever_redis_or_s3_do() -> None:
     MASTERDOWN) answered a 500 without the job. Both now end the wait at its deadline."""
     from types import SimpleNamespace
 
-    from producer.openai_chat import Chat
+    from producer.openai.chat import Chat
 
     class Hung:
         async def result(self, *_args: Any) -> Any:
@@ -275,8 +275,8 @@ def test_a_chat_wait_ends_at_its_deadline_whatever_redis_or_s3_do() -> None:
             raise PermissionError("S3 answered 403")
 
     for waits in (Hung(), Broken()):
-        intake: Any = SimpleNamespace(settings=None, waits=waits, client=SimpleNamespace(result=None))
-        chat = Chat(intake, models=None, redis=lambda: None)  # type: ignore[arg-type]
+        state: Any = SimpleNamespace(settings=None, waits=waits, queue=SimpleNamespace(result=None))
+        chat = Chat(state, models=None, redis=lambda: None)  # type: ignore[arg-type]
         # The outer bound only keeps a broken test from hanging the suite; the wait itself is 0.3 s.
         assert asyncio.run(asyncio.wait_for(chat._answer("k~job", 0.3), 30)) is None
 
@@ -284,7 +284,7 @@ def test_a_chat_wait_ends_at_its_deadline_whatever_redis_or_s3_do() -> None:
 def test_a_multipart_job_with_a_file_part_it_does_not_know_is_refused_by_name() -> None:
     from fastapi.testclient import TestClient
 
-    from producer.api import create_app
+    from producer.server import create_app
     from shared.settings import Settings
 
     with TestClient(create_app(Settings())) as api:

@@ -249,9 +249,9 @@ def test_the_readme_exit_code_table_matches_the_code() -> None:
         f"README.md's exit-code table has {c}, producer/cli.py has no such code"
         for c in set(table) - set(codes.values())
     ]
-    for name, code in facts.exit_constants("producer.backlog_cli").items():
+    for name, code in facts.exit_constants("producer.backlog.cli").items():
         if codes.get(name) != code:
-            problems.append(f"producer/backlog_cli.py has {name} = {code}, producer/cli.py {codes.get(name)}")
+            problems.append(f"producer/backlog/cli.py has {name} = {code}, producer/cli.py {codes.get(name)}")
     _fail(problems, "README.md's exit codes and the code disagree:")
 
 

@@ -97,7 +97,7 @@ def test_result_serialises_with_the_contract_field_names() -> None:
 
 
 def test_queue_entries_that_are_not_envelopes_are_recognised() -> None:
-    from shared.transport import parse_envelope
+    from shared.queue_entries import parse_envelope
 
     assert parse_envelope(b'{"body": "", "properties": {"delivery_tag": "x"}}') is not None
     for raw in (b"{not json", b"[1, 2]", b'{"body": "x"}', b"\xff\xfe", b'"text"'):

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from producer import backlog, manifest
-from producer.manifest import Invalid, Line
-from producer.progress import Display, describe
+from producer.backlog import manifest
+from producer.backlog import run as backlog
+from producer.backlog.manifest import Invalid, Line
+from producer.backlog.progress import Display, describe
 from shared.jobs import JOB_ID_RE
 from shared.settings import Settings
 

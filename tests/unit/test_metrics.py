@@ -38,7 +38,7 @@ def test_live_gauges_read_the_worker_at_scrape_time() -> None:
 
 
 def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
-    from producer import queues_view
+    from producer.ops import queues as queues_view
 
     view = {
         "lanes": {"interactive": 3, "backlog": 900},

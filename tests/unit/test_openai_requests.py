@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from producer.openai_errors import OpenAIError, from_usage_error, openai_body
-from producer.openai_files import count_requests
-from producer.openai_requests import parse_chat
+from producer.openai.chat_request import parse_chat
+from producer.openai.errors import OpenAIError, from_usage_error, openai_body
+from producer.openai.files import count_requests
 from shared.settings import Settings
 
 SETTINGS = Settings(s3_bucket="mrc-photos", s3_prefix="tenant-a/", max_image_bytes=1000)

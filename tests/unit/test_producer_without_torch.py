@@ -14,8 +14,9 @@ class _NoTorch:
         return None
 sys.meta_path.insert(0, _NoTorch())
 import producer.cli, producer.client, shared.stores.s3, shared.celery_app, shared.logs
-import producer.backlog, producer.backlog_cli, producer.manifest, producer.progress, shared.runs
-import producer.api, producer.openai_api, shared.usage  # mrc-api ('.[producer,api]'), its OpenAI routes
+import producer.backlog.run, producer.backlog.cli, producer.backlog.manifest, shared.runs
+import producer.backlog.progress
+import producer.server, producer.openai.routes, shared.usage  # mrc-api ('.[producer,api]'), its OpenAI routes
 rc = producer.cli.main(["submit", "--image", "/no/such/file.jpg", "--prompt", "hi"])
 print("rc", rc)
 rc = producer.cli.main(["backlog", "/no/such/manifest.jsonl"])

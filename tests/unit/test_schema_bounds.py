@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from producer import manifest
+from producer.backlog import manifest
+from producer.backlog.manifest import Invalid
 from producer.client import Client, Submission
-from producer.manifest import Invalid
-from producer.openai_errors import OpenAIError
-from producer.openai_requests import parse_chat
+from producer.openai.chat_request import parse_chat
+from producer.openai.errors import OpenAIError
 from shared import response_format as rf
 from shared.errors import InvalidJob, UsageError
 from shared.jobs import limit_problem
@@ -43,7 +43,7 @@ def test_the_issue_schema_is_refused_by_every_surface_naming_its_place() -> None
     assert PLACE in str(_problem(fmt))
     assert "{1,20000}" in str(_problem(fmt))
     assert PLACE in str(_problem(fmt, tokens=None))  # max_new_tokens left out: the default's reach
-    # mrc submit, Client.submit/submit_many and POST /v1/jobs (prepare_job -> Client.validate)
+    # mrc submit, Client.submit/submit_many and POST /v1/jobs (the intake: Intake.validate / .job)
     store = MemoryStore("mrc")
     client = Client(SETTINGS, images=store, results=store, records=MemoryJobRecords())
     with pytest.raises(UsageError, match=PLACE):

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from producer.api_guard import Keys
+from producer.http.guard import Keys
 from shared import names, tenants
 from shared.jobs import Job
 

@@ -1,12 +1,12 @@
 """The OpenAI-compatible routes of mrc-api, mounted beside /v1/jobs (same keys, rate limits, body
-limits and lanes: producer/api_front.py runs first):
+limits and lanes: producer/http/front.py runs first):
 
 POST /v1/chat/completions · GET /v1/models[/{model}] · POST /v1/files · GET /v1/files ·
 GET/DELETE /v1/files/{id} · GET /v1/files/{id}/content · POST /v1/batches · GET /v1/batches ·
 GET /v1/batches/{id} · POST /v1/batches/{id}/cancel
 
 Shapes as OpenAI defines them, so the official SDKs work with `base_url` pointed here; errors in
-OpenAI's shape (producer/openai_errors.py). Files and batches belong to the key that made them.
+OpenAI's shape (producer/openai/errors.py). Files and batches belong to the key that made them.
 """
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from producer.api_front import caller_of
-from producer.openai_batch_book import BatchBook
-from producer.openai_batch_run import Keeper, Runner
-from producer.openai_batches import Batches, CreateBatch
-from producer.openai_chat import Chat, Models
-from producer.openai_errors import OpenAIError
-from producer.openai_files import PURPOSES, Files, new_file_id, public
-from producer.openai_requests import ChatRequest, read_json
+from producer.http.front import caller_of
+from producer.http.state import ApiState
+from producer.openai.batch_book import BatchBook
+from producer.openai.batch_run import Keeper, Runner
+from producer.openai.batches import Batches, CreateBatch
+from producer.openai.chat import Chat
+from producer.openai.chat_request import read_json
+from producer.openai.errors import OpenAIError
+from producer.openai.files import PURPOSES, Files, new_file_id, public
+from producer.openai.models import Models
+from producer.openai.protocol import ChatRequest
 from shared import logs
 from shared.records import connect
 
@@ -65,12 +68,12 @@ def _stored(files: Files, owner: str, file_id: str) -> dict[str, Any]:
 class OpenAIRoutes:
     """State and handlers of the OpenAI-compatible routes; the batch stack is built on first use."""
 
-    def __init__(self, intake: Any) -> None:
-        self.intake, self.settings = intake, intake.settings
+    def __init__(self, state: ApiState) -> None:
+        self.state, self.settings = state, state.settings
         self._redis: Any = None
         self._lock = threading.Lock()
         self.models = Models(self.settings, self.redis)
-        self.chat = Chat(intake, self.models, self.redis)
+        self.chat = Chat(state, self.models, self.redis)
         self._batches: Batches | None = None
         self._files: Files | None = None
         self._book: BatchBook | None = None
@@ -90,12 +93,14 @@ class OpenAIRoutes:
         """The files and batches machinery, built on first use (S3 clients, the producer client)."""
         with self._lock:
             if self._batches is None or self._files is None:
-                from producer.backlog import Backlog
+                from producer.backlog.run import Backlog
                 from shared.stores.s3 import S3Connection, S3RunFiles
 
                 connection = S3Connection(self.settings)
                 self._files = Files(self.settings, connection)
-                backlog = Backlog(self.intake.client, files=S3RunFiles(connection, self.settings))
+                backlog = Backlog(
+                    self.state.queue, files=S3RunFiles(connection, self.settings), intake=self.state.intake
+                )
                 runner = Runner(backlog, self.book(), self._files, self.models, self.redis())
                 self._batches = Batches(runner, self.book(), self._files)
             return self._files, self._batches
@@ -254,8 +259,8 @@ class OpenAIRoutes:
         listing = [_query("after"), _query("limit", "integer", minimum=1)]
         routes: list[tuple[str, Any, str, dict[str, Any]]] = [
             ("/v1/chat/completions", self.chat.create, "POST", chat_body),
-            ("/v1/models", self.chat.models_list, "GET", {}),
-            ("/v1/models/{model:path}", self.chat.model, "GET", {}),
+            ("/v1/models", self.models.models_list, "GET", {}),
+            ("/v1/models/{model:path}", self.models.model, "GET", {}),
             ("/v1/files", self.create_file, "POST", _body(file_form, "multipart/form-data")),
             (
                 "/v1/files",

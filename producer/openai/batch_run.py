@@ -1,12 +1,12 @@
 """What moves a batch along, in every mrc-api process (a keeper thread, every MRC_OPENAI_BATCH_POLL_S):
 
-- `validating` / `in_progress`: its lines are enqueued as a backlog run (producer/openai_batch_lines.py)
+- `validating` / `in_progress`: its lines are enqueued as a backlog run (producer/openai/batch_lines.py)
   by whichever process holds its `enqueue` lease; a process that died leaves a lease that expires,
   and the next look resumes the run (chunks already queued are not queued again). `in_progress` once
   its first requests go in.
 - A cancel, or the window's end: the run is cancelled (its queued jobs end `cancelled`).
 - Every request ended (or, after a cancel or the window's end, every one that was running): the
-  `finalize` lease's holder writes the output and error files (producer/openai_batch_output.py), then
+  `finalize` lease's holder writes the output and error files (producer/openai/batch_output.py), then
   the batch is final.
 """
 
@@ -21,13 +21,13 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from producer import manifest
-from producer.backlog import Backlog
-from producer.openai_batch_book import FINAL, RUNNING, BatchBook, now
-from producer.openai_batch_lines import Translator, max_line_bytes, read_s3_lines
-from producer.openai_batch_output import Output
-from producer.openai_chat import Models
-from producer.openai_files import Files
+from producer.backlog import manifest
+from producer.backlog.run import Backlog
+from producer.openai.batch_book import FINAL, RUNNING, BatchBook, now
+from producer.openai.batch_lines import Translator, max_line_bytes, read_s3_lines
+from producer.openai.batch_output import Output
+from producer.openai.files import Files
+from producer.openai.models import Models
 from shared import logs, names
 from shared import usage as usage_book
 from shared.errors import UsageError
@@ -90,7 +90,7 @@ class Keeper:
 class Runner:
     def __init__(self, backlog: Backlog, book: BatchBook, files: Files, models: Models, redis: Any) -> None:
         self.backlog, self.book, self.files, self.models = backlog, book, files, models
-        self.client, self.settings, self._redis = backlog.client, backlog.settings, redis
+        self.settings, self._redis = backlog.settings, redis
         self.log = logs.get_logger()
         self._stop = threading.Event()
         self._work = threading.BoundedSemaphore(4)  # enqueues and finalizes at once in this process
@@ -190,7 +190,7 @@ class Runner:
                 self.book.update(batch_id, status="in_progress", in_progress_at=now())
 
         translator = Translator(
-            self.client,
+            self.backlog.intake,
             record["endpoint"],
             record.get("api_key") or None,
             self.models.known(),

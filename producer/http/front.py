@@ -4,7 +4,7 @@
 2. authenticated and rate-limited from its headers alone, before one byte of its body is read;
 3. a body is read only while fewer than MRC_API_MAX_BODIES are being read (memory = that x the limit),
    and only up to its route's limit (an image's worth where one comes, a job's JSON, a few KiB for
-   a batch create: `limits` in producer/api.py): past it the rest of the body is read and dropped (up to
+   a batch create: `limits` in producer/server.py): past it the rest of the body is read and dropped (up to
    MRC_API_DRAIN_BYTES, nothing kept) and the answer is 413, so a client that writes its whole body
    before reading sees the 413 instead of a reset connection. A refused caller's body (401, 429) is
    never read;
@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 
-from producer.api_guard import Caller, Keys, RateLimiter
+from producer.http.guard import Caller, Keys, RateLimiter
 from shared import logs
 from shared.errors import ServiceUnreachable, StoreUnavailable
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from producer.client import Client
+from producer.queue.sender import Queue
 from shared import names
 from shared.celery_app import send_job
 from shared.errors import MrcError, NotReplicated
 from shared.jobs import Job
 
 
-def requeue(client: Client, limit: int) -> tuple[int, int, int]:
+def requeue(client: Queue, limit: int) -> tuple[int, int, int]:
     """Send dead-lettered jobs back with fresh attempts, oldest first; their old failed result is
     replaced when they finish. Each entry moves to a processing list first and leaves it only once
     sent, so a failed send or a killed requeue loses nothing. An entry that is not a valid job is

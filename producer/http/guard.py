@@ -1,4 +1,4 @@
-"""mrc-api's keys (stored hashed) and per-key rate limits; producer/api_front.py applies them."""
+"""mrc-api's keys (stored hashed) and per-key rate limits; producer/http/front.py applies them."""
 
 from __future__ import annotations
 

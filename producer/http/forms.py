@@ -5,7 +5,7 @@ exactly what the next step accepts: a multipart `max_new_tokens` is parsed by th
 a JSON one (no `str.isdigit`, which says yes to "²"), and a body too deeply nested to parse is a 400.
 Parsing and checking run off the event loop (`job_fields` hands them to the thread pool), and the
 response_format is only shaped here: its size limit, then its schema, are checked with the rest of
-the job (producer/api.py), so a large hostile schema never holds up other requests.
+the job (producer/intake/), so a large hostile schema never holds up other requests.
 """
 
 from __future__ import annotations

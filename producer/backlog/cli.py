@@ -1,4 +1,4 @@
-"""`mrc backlog`: the command-line shell over producer/backlog.py.
+"""`mrc backlog`: the command-line shell over producer/backlog/run.py.
 
 mrc backlog MANIFEST.jsonl|- [--run-id ID] [--wait [--timeout S]] [--rate N] [--strict] [--no-block]
 mrc backlog --from-s3 s3://bucket/prefix --prompt TEXT [--run-id ID] [--wait]
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from producer import manifest
+from producer.backlog import manifest
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -79,11 +79,11 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from producer.backlog import Backlog
-    from producer.client import Client
-    from producer.progress import Display
+    from producer.backlog.progress import Display
+    from producer.backlog.run import Backlog
+    from producer.queue.sender import Queue
 
-    backlog = Backlog(Client(settings))
+    backlog = Backlog(Queue(settings))
     target = args.target
     if target and target[0] in SUBCOMMANDS:
         return _subcommand(backlog, target[0], target[1], args)
@@ -172,7 +172,7 @@ def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespac
         if args.json:
             print(json.dumps(status))
         else:
-            from producer.progress import describe
+            from producer.backlog.progress import describe
 
             print(describe(status))
         return EXIT_OK
@@ -185,7 +185,7 @@ def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespac
 
 
 def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float) -> int:
-    from producer.progress import Display
+    from producer.backlog.progress import Display
 
     display = Display(interval_s=interval)
     deadline = time.monotonic() + timeout

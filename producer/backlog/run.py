@@ -1,4 +1,5 @@
-"""Backlog runs: a manifest in, its jobs on the backlog lane, a results file out. Resumable.
+"""Backlog runs: a manifest in, its jobs on the backlog lane (this module), a results file out
+(producer/backlog/report.py, which `Backlog` also answers for: status, report, cancel). Resumable.
 
 The manifest is read as a stream in chunks of `CHUNK_LINES` lines. For each chunk: lines are checked,
 local images uploaded (once each, concurrently), the jobs recorded and queued in one Lua step each
@@ -13,25 +14,24 @@ what `status`, `report` and `cancel` read, in manifest order, without holding th
 
 from __future__ import annotations
 
-import json
-import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer import manifest
-from producer.client import Client
-from producer.manifest import Invalid, Line
-from shared import encoding, names, prompts, tenants
-from shared import usage as usage_book
+from producer.backlog import manifest
+from producer.backlog.manifest import Invalid, Line
+from producer.backlog.report import RunReader
+from producer.intake.intake import Intake
+from producer.intake.request import Submission
+from producer.queue.sender import Queue
+from shared import encoding
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, UsageError
-from shared.jobs import Job, parse_rfc3339
-from shared.records import TERMINAL, connect
+from shared.jobs import Job
+from shared.records import connect
 from shared.runs import CANCELLED, FULL, PartNotReplicated, Queued, RunRecords
 from shared.settings import Settings
 from shared.stores import RunFiles, open_run_files
@@ -70,10 +70,17 @@ OnProgress = Callable[[Progress], None]
 Parse = Callable[[int, bytes, str, Settings], "Line | Invalid | None"]
 
 
-class Backlog:
-    def __init__(self, client: Client, runs: RunRecords | None = None, files: RunFiles | None = None) -> None:
-        self.client = client
-        self.settings = client.settings
+class Backlog(RunReader):
+    def __init__(
+        self,
+        queue: Queue,
+        runs: RunRecords | None = None,
+        files: RunFiles | None = None,
+        intake: Intake | None = None,
+    ) -> None:
+        self.queue = queue  # sends parts through its broker, reads results back (a Client is one)
+        self.settings = queue.settings
+        self.intake = intake or Intake(queue.settings, queue.images)
         self.runs = runs or RunRecords(
             connect(self.settings, self.settings.connect_timeout_s, retries=3),
             self.settings.redis_wait_replicas,
@@ -95,13 +102,13 @@ class Backlog:
         parse: Parse = manifest.parse,
     ) -> Progress:
         """Enqueue a manifest's lines under `run_id`; returns what this call did. `parse` reads one
-        line (another format's lines: an OpenAI batch file, producer/openai_batch_lines.py)."""
+        line (another format's lines: an OpenAI batch file, producer/openai/batch_lines.py)."""
         if not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
         record = self.runs.start(run_id, source)
         if record.get("state") == "cancelled":
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
-        self.client.results.ensure_bucket()
+        self.queue.results.ensure_bucket()
         done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
@@ -230,21 +237,20 @@ class Backlog:
         return False
 
     def _job(self, line: Line, images: dict[str, str | Exception]) -> Job:
+        """The line's job through the one intake (its image already an s3:// URI: uploaded above)."""
         image = line.image if line.image.startswith("s3://") else images[line.image]
         assert isinstance(image, str)
-        new = self.settings.max_new_tokens_default if line.max_new_tokens is None else line.max_new_tokens
-        return Job.from_message(
-            {
-                "job_id": tenants.job_id(line.api_key, line.job_id),  # a batch's: in its key's namespace
-                "image_uri": image,
-                "prompt": prompts.neutralise(line.prompt),
-                "lane": "backlog",
-                "max_new_tokens": new,
-                "ticket_id": line.ticket_id,
-                "response_format": line.response_format,
-                "api_key": line.api_key,
-            }
+        sub = Submission(
+            image=image,
+            prompt=line.prompt,
+            job_id=line.job_id,  # a batch's goes into its key's namespace (shared/tenants.py)
+            lane="backlog",
+            max_new_tokens=line.max_new_tokens,
+            ticket_id=line.ticket_id,
+            response_format=line.response_format,
+            api_key=line.api_key,
         )
+        return self.intake.job(sub)
 
     def _upload(self, images: list[str], progress: Progress) -> dict[str, str | Exception]:
         """Local paths of a chunk uploaded once each, concurrently: path -> URI, or the error."""
@@ -252,7 +258,7 @@ class Backlog:
 
         def upload(path: str) -> str | Exception:
             try:
-                return self.client.upload_image(Path(path))[0]
+                return self.intake.upload_image(Path(path))[0]
             except (MrcError, OSError) as exc:
                 return exc
 
@@ -263,7 +269,7 @@ class Backlog:
 
     def _capture(self, jobs: list[Job]) -> list[Queued]:
         """Each job's message exactly as Celery and kombu would publish it, captured instead of sent."""
-        app = self.client.celery
+        app = self.queue.celery
         if self._producer is None:  # one connection for every part: nothing is sent through it
             self._producer = app.amqp.Producer(app.connection_for_write().default_channel)
         producer = self._producer
@@ -281,7 +287,7 @@ class Backlog:
         """How many jobs the backlog lane has room for now, waiting while it is full (or raising
         QueueFull without `block`); 0 when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
-        while (depth := self.client.lane_depth("backlog")) >= limit:
+        while (depth := self.queue.lane_depth("backlog")) >= limit:
             if not block:
                 raise QueueFull(depth, limit)
             if self.runs.cancelled(run_id):
@@ -292,139 +298,6 @@ class Backlog:
             time.sleep(0.5)
         progress.waiting_for_room = False
         return limit - depth
-
-    # ------------------------------------------------------------------ read back
-    def entries(self, run_id: str) -> Iterator[dict[str, Any]]:
-        """The run's index in manifest order: {"line", "custom_id", "job_id"} or {"line", "invalid"}."""
-        for key in self.files.list_keys(self._key(run_id, "index/")):
-            text = self.files.get_text(key) or ""
-            for row in text.split("\n"):  # JSONL: a line ends at "\n" only (U+2028 is text)
-                if row:
-                    yield json.loads(row)
-
-    def status(self, run_id: str) -> dict[str, Any]:
-        run = self._run(run_id)
-        states: Counter[str] = Counter()
-        codes: Counter[str] = Counter()
-        recent = invalid = 0
-        since = time.time() - 60
-        usage = usage_book.empty_sums()
-        for batch in manifest.batched(self.entries(run_id), 1000):
-            invalid += sum(1 for e in batch if "invalid" in e)
-            ids = [e["job_id"] for e in batch if "job_id" in e]
-            usage_book.add_records(usage, self.runs.usage(ids))
-            for state, code, updated in self.runs.states(ids):
-                states[state or "unknown"] += 1
-                if state == "failed":
-                    codes[code or "unknown"] += 1
-                if state in TERMINAL and updated and parse_rfc3339(updated).timestamp() >= since:
-                    recent += 1
-        jobs = sum(states.values())
-        left = states["queued"] + states["running"]
-        rate = recent / 60
-        return {
-            "run_id": run_id,
-            "state": "done" if jobs and not left and run.get("state") == "enqueued" else run.get("state"),
-            "created_at": run.get("created_at"),
-            "lines": int(run.get("lines", 0)),
-            "jobs": jobs,
-            "queued": states["queued"],
-            "running": states["running"],
-            "succeeded": states["succeeded"],
-            "failed": states["failed"],
-            "failed_by_code": dict(codes),
-            "unknown": states["unknown"],  # records expired (after 7 days): the results say
-            "invalid_lines": invalid,
-            "rate_per_s": round(rate, 2),
-            "eta_s": round(left / rate, 1) if rate > 0 else None,
-            "usage": usage,  # the finished jobs' tokens (their results' `usage`, summed)
-        }
-
-    def cancel(self, run_id: str) -> int:
-        """Stop a run: jobs not started yet end failed with `cancelled`; returns how many."""
-        self._run(run_id)
-        # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
-        # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
-        self.runs.update(run_id, state="cancelled")
-        cancelled = 0
-        for batch in manifest.batched(self.entries(run_id), 1000):
-            cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
-        self.runs.count(run_id, cancelled=cancelled)
-        return cancelled
-
-    def report(self, run_id: str) -> dict[str, Any]:
-        """Write results.jsonl (one line per valid manifest line, in order) and errors.jsonl (invalid
-        lines and failed jobs), streaming; returns their URIs and the counts."""
-        run = self._run(run_id)
-        counts: Counter[str] = Counter()
-        codes: Counter[str] = Counter()
-        last_finish: list[str] = []
-        with tempfile.SpooledTemporaryFile(8 << 20, mode="w+", encoding="utf-8") as errors:
-
-            def rows() -> Iterator[str]:
-                with ThreadPoolExecutor(_READ_THREADS) as pool:
-                    for batch in manifest.batched(self.entries(run_id), 1000):
-                        results = pool.map(self._result_of, batch)
-                        for entry, result in zip(batch, results, strict=True):
-                            if "invalid" in entry:
-                                counts["invalid"] += 1
-                                errors.write(encoding.to_text(entry) + "\n")
-                                continue
-                            row = _result_row(entry, result, self.client.results.result_uri(entry["job_id"]))
-                            counts[row["status"]] += 1
-                            if row["status"] == "failed":
-                                codes[(row["error"] or {}).get("code", "unknown")] += 1
-                                errors.write(encoding.to_text({"line": entry["line"], **row}) + "\n")
-                            if result and result.get("finished_at"):
-                                last_finish[:] = [max([result["finished_at"], *last_finish])]
-                            yield encoding.to_text(row) + "\n"
-
-            results_uri = self.files.write_lines(self._key(run_id, "results.jsonl"), rows())
-            errors.seek(0)
-            errors_uri = self.files.write_lines(self._key(run_id, "errors.jsonl"), errors)
-        wall = None
-        if last_finish and run.get("created_at"):
-            wall = (parse_rfc3339(last_finish[0]) - parse_rfc3339(run["created_at"])).total_seconds()
-        done = counts["succeeded"] + counts["failed"]
-        return {
-            "run_id": run_id,
-            "results": results_uri,
-            "errors": errors_uri,
-            "counts": dict(counts),
-            "failed_by_code": dict(codes),
-            "wall_s": round(wall, 1) if wall is not None else None,
-            "images_per_s": round(done / wall, 2) if wall else None,
-        }
-
-    def _result_of(self, entry: dict[str, Any]) -> dict[str, Any] | None:
-        return None if "job_id" not in entry else self.client.result(entry["job_id"])
-
-    def _run(self, run_id: str) -> dict[str, str]:
-        run = self.runs.get(run_id)
-        if not run:
-            raise UsageError(f"no backlog run {run_id[:70]!r} (or its record expired)")
-        return run
-
-    def _key(self, run_id: str, name: str) -> str:
-        return names.run_key(self.settings.s3_prefix, run_id, name)
-
-    def _index_key(self, run_id: str, chunk: int) -> str:
-        """A chunk's index; zero-padded, so a listing returns the chunks in manifest order."""
-        return self._key(run_id, f"index/{chunk:08d}.jsonl")
-
-
-def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) -> dict[str, Any]:
-    base = {"custom_id": entry["custom_id"], "job_id": entry["job_id"]}
-    if result is None:
-        return {**base, "status": "pending", "text": None, "error": None, "result_uri": None, "output": None}
-    return {
-        **base,
-        "status": result["status"],
-        "text": result.get("text"),
-        "error": result.get("error"),
-        "result_uri": uri,
-        "output": result.get("output"),  # structured answers: the parsed JSON, or the choice
-    }
 
 
 _UNCONFIRMED = "unconfirmed_chunk_"

@@ -1,6 +1,6 @@
 """`/v1/batches`: create, retrieve, list (paged), cancel. A batch is a backlog run of its input
 file's requests (the batch id is the run id: `mrc backlog status BATCH_ID` works on it), on the
-backlog lane with its depth limit; producer/openai_batch_run.py moves it along.
+backlog lane with its depth limit; producer/openai/batch_run.py moves it along.
 
 Creating one checks the request and the file (an upload of the owner's with purpose `batch`, holding
 1..MRC_OPENAI_BATCH_MAX_LINES requests), copies the file beside the run (`runs/<batch_id>/input.jsonl`:
@@ -18,12 +18,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from producer.api_guard import Caller
-from producer.openai_batch_book import BatchBook, batch_object, new_batch_id
-from producer.openai_batch_run import Runner, input_key
-from producer.openai_errors import OpenAIError
-from producer.openai_files import Files, listing
-from producer.openai_requests import check_metadata, param_of
+from producer.http.guard import Caller
+from producer.openai.batch_book import BatchBook, batch_object, new_batch_id
+from producer.openai.batch_run import Runner, input_key
+from producer.openai.chat_request import check_metadata, param_of
+from producer.openai.errors import OpenAIError
+from producer.openai.files import Files, listing
 from shared import logs
 
 ENDPOINTS = ("/v1/chat/completions",)

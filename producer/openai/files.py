@@ -19,7 +19,7 @@ from typing import IO, Any
 from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import BotoCoreError, ClientError
 
-from producer.openai_errors import OpenAIError
+from producer.openai.errors import OpenAIError
 from shared import names
 from shared.errors import StoreUnavailable
 from shared.settings import Settings

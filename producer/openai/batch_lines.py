@@ -1,8 +1,8 @@
 """The lines of a batch input file as backlog manifest lines, so a batch runs as a backlog run
-(producer/backlog.py: the same lane, depth limit, resume and cancel as `mrc backlog`).
+(producer/backlog/run.py: the same lane, depth limit, resume and cancel as `mrc backlog`).
 
 Each line, `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {a chat
-request}}`, is checked as `POST /v1/chat/completions` checks its body (producer/openai_requests.py),
+request}}`, is checked as `POST /v1/chat/completions` checks its body (producer/openai/chat_request.py),
 plus: a `custom_id` used once in the file, the batch's own endpoint, a model the workers serve. Its
 `data:` image is checked as an upload and stored (content-addressed, 8 at a time) before the line
 goes on as a manifest line with an `s3://` URI. A refused line goes on as its refusal: the backlog
@@ -24,14 +24,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer import manifest
-from producer.api import _check_image
-from producer.backlog import CHUNK_LINES
-from producer.client import Client
-from producer.manifest import Invalid, Line
-from producer.openai_errors import OpenAIError, from_usage_error
-from producer.openai_requests import ChatJob, param_of, parse_chat
-from shared import encoding, tenants
+from producer.backlog import manifest
+from producer.backlog.manifest import Invalid, Line
+from producer.backlog.run import CHUNK_LINES
+from producer.intake import checks
+from producer.intake.intake import Intake
+from producer.openai.chat_request import ChatJob, param_of, parse_chat
+from producer.openai.errors import OpenAIError, from_usage_error
+from shared import encoding
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -86,7 +86,7 @@ class Translator:
 
     def __init__(
         self,
-        client: Client,
+        intake: Intake,
         endpoint: str,
         api_key: str | None,
         models: frozenset[str],
@@ -94,7 +94,7 @@ class Translator:
         seen: dict[str, int],
         on_group: Callable[[], None] = lambda: None,
     ) -> None:
-        self.client, self.settings = client, client.settings
+        self.intake, self.settings = intake, intake.settings
         self.endpoint, self.api_key, self.models = endpoint, api_key, models
         self.done_chunks, self.seen, self.on_group = done_chunks, seen, on_group
         self.max_bytes = max_line_bytes(self.settings)
@@ -196,11 +196,8 @@ class Translator:
             raise OpenAIError(
                 404, f"The model `{chat.model[:100]}` does not exist", "model", "model_not_found"
             )
-        if chat.image is not None and self.api_key is not None:  # the batch's key names its own images
-            settings = self.settings
-            problem = tenants.source_problem(
-                chat.image, self.api_key, settings.s3_bucket, settings.s3_prefix, settings.key_sources
-            )
+        if chat.image is not None:  # what the workers may read and, for a key, what it may name
+            problem = checks.source_problem(self.settings, chat.image, self.api_key)
             if problem:
                 raise from_usage_error(problem, chat.image_param)
         return line.custom_id, chat
@@ -208,8 +205,8 @@ class Translator:
     def _upload(self, chat: ChatJob) -> str | OpenAIError:
         assert chat.data is not None
         try:
-            _check_image(chat.data, self.settings)
-            return self.client.upload_bytes(chat.data, self.api_key)[0]
+            checks.image_bytes(self.settings, chat.data)
+            return self.intake.upload_bytes(chat.data, self.api_key)[0]
         except UsageError as exc:  # the store failing is not the line's fault: it raises (a resume)
             return from_usage_error(exc.message, chat.image_param)
 

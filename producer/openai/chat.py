@@ -1,6 +1,6 @@
-"""`POST /v1/chat/completions` and `GET /v1/models`: a chat request becomes an interactive job through
-the same intake as `POST /v1/jobs` (producer/api.py `prepare_job`: the same checks, upload and
-claim), then the request waits for its result and answers a `chat.completion`.
+"""`POST /v1/chat/completions`: a chat request becomes an interactive job through the one intake
+(producer/intake/: the same checks and upload as `POST /v1/jobs`) and the same queue (the same claim),
+then the request waits for its result and answers a `chat.completion` (producer/openai/completion.py).
 
 The wait is bounded (`MRC_OPENAI_WAIT_S`, and less when the client says it gives up sooner: the
 SDK's `x-stainless-read-timeout`); past it the answer is 504 `answer_timeout` naming the job id, and
@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -28,17 +26,19 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
-from producer.api import prepare_job
-from producer.api_front import caller_of
-from producer.api_guard import Caller
-from producer.openai_errors import OpenAIError, from_usage_error, result_status
-from producer.openai_requests import ChatJob, parse_chat, read_json
+from producer.http.front import caller_of
+from producer.http.guard import Caller
+from producer.http.state import ApiState
+from producer.intake.request import Submission
+from producer.openai.chat_request import ChatJob, parse_chat, read_json
+from producer.openai.completion import completion
+from producer.openai.errors import OpenAIError, from_usage_error
+from producer.openai.models import Models
 from shared import logs, names, tenants
 from shared.errors import NotReplicated, UsageError
-from shared.jobs import Job, parse_rfc3339
+from shared.jobs import Job
 from shared.settings import Settings
 
-_MODELS_CACHE_S = 5.0
 _RETRY_LOOK_S = 0.5  # after an outage (or no record yet), the wait looks again this often
 # KEYS[1] a retry-window mapping; ARGV: the job it named, its replacement, ttl. Replace only what the
 # caller saw (concurrent retries of a failed job agree on one new job); the job it names now.
@@ -53,140 +53,6 @@ return now
 _IMAGE_CODES = ("image_source_forbidden:", "unsupported_image_format:", "image_too_large:")
 
 
-def chat_completion(result: dict[str, Any], finish_reason: str) -> dict[str, Any]:
-    """A result object as OpenAI's `chat.completion` (id = the job id)."""
-    usage = result.get("usage") or {}
-    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-    model = result.get("model") or {}
-    return {
-        "id": result["job_id"],
-        "object": "chat.completion",
-        "created": epoch(result.get("submitted_at")),
-        "model": model.get("id"),
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": result.get("text") or "",
-                    "refusal": None,
-                    "annotations": [],
-                },
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {
-                "cached_tokens": prompt if result.get("cache_hit") else 0,  # a reused answer: all of it
-                "image_tokens": int(usage.get("image_tokens", 0)),
-            },
-        },
-        "system_fingerprint": f"{model.get('id')}/{model.get('quantization')}",
-        "service_tier": "default",
-    }
-
-
-def completion(result: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """What the endpoint answers for a job's result: 200 and a chat.completion (a constrained answer
-    cut at max_tokens too, `finish_reason: length`, as OpenAI answers one), else the error its code
-    maps to (producer/openai_errors.py), naming the job."""
-    error = result.get("error") or {}
-    if result.get("status") == "succeeded":
-        return 200, chat_completion(result, str(result.get("finish_reason") or "stop"))
-    if error.get("code") == "answer_incomplete":
-        return 200, chat_completion(result, "length")
-    code = str(error.get("code") or "internal_error")
-    job_id = str(result.get("job_id"))
-    message = f"job {job_id} failed ({code}): {error.get('message', '')}"
-    return result_status(code), OpenAIError(
-        result_status(code), message, None, code, extra={"job_id": job_id}
-    ).body()
-
-
-def epoch(stamp: object) -> int:
-    try:
-        return int(parse_rfc3339(str(stamp)).timestamp())
-    except ValueError:
-        return int(time.time())
-
-
-class Models:
-    """The models the workers serve, from their heartbeats (read at most every 5 s)."""
-
-    def __init__(self, settings: Settings, redis: Callable[[], Any]) -> None:
-        self.settings, self._redis = settings, redis
-        self._lock = threading.Lock()
-        self._cached: tuple[float, list[dict[str, Any]]] = (-1e18, [])
-
-    def served(self) -> list[dict[str, Any]]:
-        with self._lock:
-            at, models = self._cached
-            if time.monotonic() - at < _MODELS_CACHE_S:
-                return models
-        client = self._redis()
-        found: dict[str, dict[str, Any]] = {}
-        for key in sorted(client.scan_iter(match=names.worker_pattern(), count=100)):
-            raw = client.get(key)
-            beat = json.loads(raw) if raw else {}
-            model = beat.get("model")
-            if not model:
-                continue
-            entry = found.setdefault(
-                str(model),
-                {
-                    "id": str(model),
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "mrc",
-                    "workers": 0,
-                    "quantization": None,
-                },
-            )
-            entry["workers"] += 1
-            entry["quantization"] = beat.get("quantization")
-            entry["created"] = max(entry["created"], epoch(beat.get("seen_at")))
-        models = sorted(found.values(), key=lambda m: m["id"])
-        with self._lock:
-            self._cached = (time.monotonic(), models)
-        return models
-
-    def listed(self) -> list[dict[str, Any]]:
-        """`GET /v1/models`: the models the workers serve, and the deployment's MRC_MODEL under that
-        name too when the workers report it by another (a folder, say) or none is up yet: every name
-        a request may give `model` is listed, and answers `GET /v1/models/{model}`."""
-        served = self.served()
-        if any(entry["id"] == self.settings.model for entry in served):
-            return served
-        workers = sum(entry["workers"] for entry in served)
-        alias = {
-            "id": self.settings.model,
-            "object": "model",
-            "created": max((entry["created"] for entry in served), default=0),
-            "owned_by": "mrc",
-            "workers": workers,
-            "quantization": served[0]["quantization"] if len(served) == 1 else None,
-        }
-        return sorted([*served, alias], key=lambda entry: str(entry["id"]))
-
-    def known(self) -> frozenset[str]:
-        """What a request may name: a model a worker serves, or the deployment's MRC_MODEL (its jobs
-        wait in the queue while no worker is up)."""
-        return frozenset(entry["id"] for entry in self.listed())
-
-    def check(self, model: str) -> None:
-        if model not in self.known():
-            raise OpenAIError(
-                404,
-                f"The model `{model[:100]}` does not exist (GET /v1/models lists them)",
-                "model",
-                "model_not_found",
-            )
-
-
 def idempotent_job_id(caller: Caller, key: str | None) -> str | None:
     """The job id an Idempotency-Key stands for (per caller's key): a retry names the same job."""
     if key is None:
@@ -199,9 +65,9 @@ def idempotent_job_id(caller: Caller, key: str | None) -> str | None:
 
 
 class Chat:
-    def __init__(self, intake: Any, models: Models, redis: Callable[[], Any]) -> None:
-        self.intake, self.models, self._redis = intake, models, redis
-        self.settings: Settings = intake.settings
+    def __init__(self, state: ApiState, models: Models, redis: Callable[[], Any]) -> None:
+        self.state, self.models, self._redis = state, models, redis
+        self.settings: Settings = state.settings
 
     async def create(self, request: Request) -> Response:
         caller = caller_of(request.scope)
@@ -247,7 +113,7 @@ class Chat:
             left = max(0.0, deadline - time.monotonic())
             try:  # one look can block for a socket timeout (a hung Redis or S3): bounded by the deadline
                 found = await asyncio.wait_for(
-                    self.intake.waits.result(job_id, left, self.intake.client.result), left + 0.05
+                    self.state.waits.result(job_id, left, self.state.queue.result), left + 0.05
                 )
             except TimeoutError:
                 return None
@@ -290,29 +156,27 @@ class Chat:
             return fresh
         earlier = str(client.get(mapping) or fresh)
         stored = tenants.job_id(caller.key_id, earlier)
-        if self.intake.client.records.get(stored).get("state") != "failed":
+        if self.state.queue.records.get(stored).get("state") != "failed":
             return earlier
         # It failed: a new job, once however many copies of the request come at the same moment.
         return str(client.eval(_REPLACE_IF, 1, mapping, earlier, fresh, ttl))
 
     def _enqueue(self, chat: ChatJob, job_id: str | None, caller: Caller) -> Job:
-        fields = {
-            "image": chat.image or "",
-            "prompt": chat.prompt,
-            "job_id": job_id,
-            "lane": "interactive",
-            "max_new_tokens": chat.max_new_tokens,
-            "ticket_id": chat.ticket_id,
-            "deadline": None,
-            "response_format": chat.response_format,
-            "api_key": caller.key_id,
-        }
+        sub = Submission(
+            image=chat.image or "",
+            prompt=chat.prompt,
+            job_id=job_id,
+            max_new_tokens=chat.max_new_tokens,
+            ticket_id=chat.ticket_id,
+            response_format=chat.response_format,
+            api_key=caller.key_id,
+        )
         try:
-            job = prepare_job(self.intake.client, fields, chat.data)
+            job = self.state.intake.job(sub, chat.data, from_network=True)
             # Queued on the master but not replicated yet: the wait for its answer goes on (the answer,
             # once in S3, is durable whatever the replicas do; the producer logs MRC_NOT_REPLICATED).
             with contextlib.suppress(NotReplicated):
-                self.intake.client.enqueue(job, block=False)
+                self.state.queue.enqueue(job, block=False)
         except UsageError as exc:
             message = tenants.in_words_of(caller.namespace, exc.message)
             param = chat.image_param if message.startswith(_IMAGE_CODES) else None
@@ -329,15 +193,3 @@ class Chat:
         if told == told and told > 2:  # not NaN; keep 2 s for the answer to travel
             wait = min(wait, told - 2)
         return wait
-
-    async def models_list(self, request: Request) -> Response:
-        models = await run_in_threadpool(self.models.listed)
-        return JSONResponse({"object": "list", "data": models})
-
-    async def model(self, model: str, request: Request) -> Response:
-        """Every name a request may give `model` (what `Models.check` accepts) answers here."""
-        models = await run_in_threadpool(self.models.listed)
-        for entry in models:
-            if entry["id"] == model:
-                return JSONResponse(entry)
-        raise OpenAIError(404, f"The model `{model[:100]}` does not exist", "model", "model_not_found")

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from producer import manifest
-from producer.backlog import Backlog
-from producer.openai_batch_book import FINAL, BatchBook, now
-from producer.openai_chat import completion
-from producer.openai_files import Files, new_file_id
+from producer.backlog import manifest
+from producer.backlog.run import Backlog
+from producer.openai.batch_book import FINAL, BatchBook, now
+from producer.openai.completion import completion
+from producer.openai.files import Files, new_file_id
 from shared import encoding, logs, names, tenants
 from shared import usage as usage_book
 from shared.records import unstored_result
@@ -36,7 +36,7 @@ InputLines = Callable[[str], Iterator[tuple[int, bytes]]]
 class Output:
     def __init__(self, backlog: Backlog, book: BatchBook, files: Files, input_lines: InputLines) -> None:
         self.backlog, self.book, self.files, self._input = backlog, book, files, input_lines
-        self.client, self.settings = backlog.client, backlog.settings
+        self.queue, self.settings = backlog.queue, backlog.settings
         self.log = logs.get_logger()
 
     def write(self, batch_id: str, renew: Callable[[], None]) -> None:
@@ -151,9 +151,9 @@ class Output:
         if entry is None or "job_id" not in entry:
             return None
         job_id = str(entry["job_id"])
-        result = self.client.result(job_id)
+        result = self.queue.result(job_id)
         if result is None:  # ended without a stored result: its record says how
-            record = self.client.records.get(job_id)
+            record = self.queue.records.get(job_id)
             if record.get("state") == "failed" and record.get("error_code"):
                 return unstored_result(job_id, record)
         return result

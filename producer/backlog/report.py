@@ -1,0 +1,167 @@
+"""What a backlog run says once it is queued, read from its index (`runs/<run_id>/index/`, in
+manifest order) and its jobs' records and results, without holding the run in memory: `status`
+(counts, rate, usage), `report` (results.jsonl and errors.jsonl, streamed), `cancel`."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from producer.backlog import manifest
+from producer.queue.sender import Queue
+from shared import encoding, names
+from shared import usage as usage_book
+from shared.errors import UsageError
+from shared.jobs import parse_rfc3339
+from shared.records import TERMINAL
+from shared.runs import RunRecords
+from shared.settings import Settings
+from shared.stores import RunFiles
+
+_READ_THREADS = 16
+
+
+class RunReader:
+    """The reading half of a backlog run (producer/backlog/run.py `Backlog` is the writing half)."""
+
+    queue: Queue
+    runs: RunRecords
+    files: RunFiles
+    settings: Settings
+
+    def entries(self, run_id: str) -> Iterator[dict[str, Any]]:
+        """The run's index in manifest order: {"line", "custom_id", "job_id"} or {"line", "invalid"}."""
+        for key in self.files.list_keys(self._key(run_id, "index/")):
+            text = self.files.get_text(key) or ""
+            for row in text.split("\n"):  # JSONL: a line ends at "\n" only (U+2028 is text)
+                if row:
+                    yield json.loads(row)
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        run = self._run(run_id)
+        states: Counter[str] = Counter()
+        codes: Counter[str] = Counter()
+        recent = invalid = 0
+        since = time.time() - 60
+        usage = usage_book.empty_sums()
+        for batch in manifest.batched(self.entries(run_id), 1000):
+            invalid += sum(1 for e in batch if "invalid" in e)
+            ids = [e["job_id"] for e in batch if "job_id" in e]
+            usage_book.add_records(usage, self.runs.usage(ids))
+            for state, code, updated in self.runs.states(ids):
+                states[state or "unknown"] += 1
+                if state == "failed":
+                    codes[code or "unknown"] += 1
+                if state in TERMINAL and updated and parse_rfc3339(updated).timestamp() >= since:
+                    recent += 1
+        jobs = sum(states.values())
+        left = states["queued"] + states["running"]
+        rate = recent / 60
+        return {
+            "run_id": run_id,
+            "state": "done" if jobs and not left and run.get("state") == "enqueued" else run.get("state"),
+            "created_at": run.get("created_at"),
+            "lines": int(run.get("lines", 0)),
+            "jobs": jobs,
+            "queued": states["queued"],
+            "running": states["running"],
+            "succeeded": states["succeeded"],
+            "failed": states["failed"],
+            "failed_by_code": dict(codes),
+            "unknown": states["unknown"],  # records expired (after 7 days): the results say
+            "invalid_lines": invalid,
+            "rate_per_s": round(rate, 2),
+            "eta_s": round(left / rate, 1) if rate > 0 else None,
+            "usage": usage,  # the finished jobs' tokens (their results' `usage`, summed)
+        }
+
+    def cancel(self, run_id: str) -> int:
+        """Stop a run: jobs not started yet end failed with `cancelled`; returns how many."""
+        self._run(run_id)
+        # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
+        # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
+        self.runs.update(run_id, state="cancelled")
+        cancelled = 0
+        for batch in manifest.batched(self.entries(run_id), 1000):
+            cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
+        self.runs.count(run_id, cancelled=cancelled)
+        return cancelled
+
+    def report(self, run_id: str) -> dict[str, Any]:
+        """Write results.jsonl (one line per valid manifest line, in order) and errors.jsonl (invalid
+        lines and failed jobs), streaming; returns their URIs and the counts."""
+        run = self._run(run_id)
+        counts: Counter[str] = Counter()
+        codes: Counter[str] = Counter()
+        last_finish: list[str] = []
+        with tempfile.SpooledTemporaryFile(8 << 20, mode="w+", encoding="utf-8") as errors:
+
+            def rows() -> Iterator[str]:
+                with ThreadPoolExecutor(_READ_THREADS) as pool:
+                    for batch in manifest.batched(self.entries(run_id), 1000):
+                        results = pool.map(self._result_of, batch)
+                        for entry, result in zip(batch, results, strict=True):
+                            if "invalid" in entry:
+                                counts["invalid"] += 1
+                                errors.write(encoding.to_text(entry) + "\n")
+                                continue
+                            row = _result_row(entry, result, self.queue.results.result_uri(entry["job_id"]))
+                            counts[row["status"]] += 1
+                            if row["status"] == "failed":
+                                codes[(row["error"] or {}).get("code", "unknown")] += 1
+                                errors.write(encoding.to_text({"line": entry["line"], **row}) + "\n")
+                            if result and result.get("finished_at"):
+                                last_finish[:] = [max([result["finished_at"], *last_finish])]
+                            yield encoding.to_text(row) + "\n"
+
+            results_uri = self.files.write_lines(self._key(run_id, "results.jsonl"), rows())
+            errors.seek(0)
+            errors_uri = self.files.write_lines(self._key(run_id, "errors.jsonl"), errors)
+        wall = None
+        if last_finish and run.get("created_at"):
+            wall = (parse_rfc3339(last_finish[0]) - parse_rfc3339(run["created_at"])).total_seconds()
+        done = counts["succeeded"] + counts["failed"]
+        return {
+            "run_id": run_id,
+            "results": results_uri,
+            "errors": errors_uri,
+            "counts": dict(counts),
+            "failed_by_code": dict(codes),
+            "wall_s": round(wall, 1) if wall is not None else None,
+            "images_per_s": round(done / wall, 2) if wall else None,
+        }
+
+    def _result_of(self, entry: dict[str, Any]) -> dict[str, Any] | None:
+        return None if "job_id" not in entry else self.queue.result(entry["job_id"])
+
+    def _run(self, run_id: str) -> dict[str, str]:
+        run = self.runs.get(run_id)
+        if not run:
+            raise UsageError(f"no backlog run {run_id[:70]!r} (or its record expired)")
+        return run
+
+    def _key(self, run_id: str, name: str) -> str:
+        return names.run_key(self.settings.s3_prefix, run_id, name)
+
+    def _index_key(self, run_id: str, chunk: int) -> str:
+        """A chunk's index; zero-padded, so a listing returns the chunks in manifest order."""
+        return self._key(run_id, f"index/{chunk:08d}.jsonl")
+
+
+def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) -> dict[str, Any]:
+    base = {"custom_id": entry["custom_id"], "job_id": entry["job_id"]}
+    if result is None:
+        return {**base, "status": "pending", "text": None, "error": None, "result_uri": None, "output": None}
+    return {
+        **base,
+        "status": result["status"],
+        "text": result.get("text"),
+        "error": result.get("error"),
+        "result_uri": uri,
+        "output": result.get("output"),  # structured answers: the parsed JSON, or the choice
+    }

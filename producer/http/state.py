@@ -1,0 +1,50 @@
+"""What mrc-api's routes share, its own routes and the OpenAI-compatible ones alike: the settings, the
+producer's queue and intake (made on first use, so an API whose Redis is away still starts and
+answers 503), the long-polls' waits, and the metrics registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from producer.http.waits import Waits
+from producer.intake.intake import Intake
+from producer.queue.sender import Queue
+from shared import redis_target
+from shared.settings import Settings
+
+
+class ApiState:
+    def __init__(self, settings: Settings, queue: Queue | None = None) -> None:
+        self.settings = settings
+        self._queue = queue
+        self._own_queue = False  # made here (closed at shutdown), or the caller's
+        self._intake: Intake | None = None
+        self.waits = Waits(settings, settings.api_wait_threads)
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mrc_api_requests_total", "Requests", ["route", "method", "status"], registry=self.registry
+        )
+        self.seconds = Histogram("mrc_api_request_seconds", "Request time", ["route"], registry=self.registry)
+        self.registry.register(redis_target.FailoverCollector())
+
+    @property
+    def queue(self) -> Queue:
+        if self._queue is None:
+            self._queue = Queue(self.settings)
+            self._own_queue = True
+        return self._queue
+
+    @property
+    def intake(self) -> Intake:
+        if self._intake is None:
+            self._intake = Intake(self.settings, self.queue.images)
+        return self._intake
+
+    def close(self) -> None:
+        self.waits.close()
+        if self._queue is not None and self._own_queue:
+            self._queue.close()
+
+    def count(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, method=method, status=str(status)).inc()
+        self.seconds.labels(route=route).observe(seconds)

@@ -1,0 +1,2 @@
+"""What operators look at: the lanes, workers, cache and usage gathered from Redis (`queues`, for
+`mrc queues`)."""

@@ -1,0 +1,263 @@
+"""`Queue`: what sends checked jobs to Redis and reads them back, for every producer surface.
+
+Sending is once per job id: a claim on the id (atomic in Redis) before the publish, the publish named
+by the id (pushed once whoever retries it: shared/pushes.py), the claim confirmed after it. A
+resubmission of a published job is the same job (producer/queue/resubmission.py); a different job
+under a used id is refused. Backpressure holds backlog jobs while the lane is at its depth limit.
+Reading back: a job's status from its record, its result from S3 (the truth), and a wait for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from celery import Celery
+
+from producer.queue import resubmission
+from shared import logs, names
+from shared.celery_app import make_celery, send_job
+from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable
+from shared.jobs import Job
+from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
+from shared.settings import Settings
+from shared.stores import ImageSource, ResultStore, open_stores
+
+_CLAIM_TRIES = 3
+
+
+class Queue:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        images: ImageSource | None = None,
+        results: ResultStore | None = None,
+        records: JobRecords | None = None,
+        celery: Celery | None = None,
+    ) -> None:
+        self.settings = settings
+        if images is None or results is None:
+            images, results = open_stores(settings)
+        self.images: ImageSource = images
+        self.results: ResultStore = results
+        self.records: JobRecords = records or RedisJobRecords(
+            connect(settings, settings.connect_timeout_s, retries=3)
+        )
+        self.celery = celery or make_celery(settings)
+        self.log = logs.get_logger()
+
+    def close(self) -> None:
+        """Let go of the S3, Redis and broker connections this client opened."""
+        for part in (self.images, self.results, self.records):
+            connection = getattr(part, "connection", None) or getattr(part, "_redis", None)
+            if connection is not None:
+                connection.close()
+        self.celery.close()
+
+    def lane_depth(self, lane: str) -> int:
+        return self.records.list_lengths(names.queue_keys(lane))
+
+    def wait_for_room(self, lane: str, block: bool = True, timeout: float | None = None) -> None:
+        """Backpressure on the backlog lane: wait while it is at its depth limit, or raise QueueFull."""
+        if lane != "backlog":
+            return  # interactive tickets are never held back by the backlog
+        limit = self.settings.backlog_max_depth
+        deadline = None if timeout is None else time.monotonic() + timeout
+        logged = False
+        while (depth := self.lane_depth(lane)) >= limit:
+            if not block or (deadline is not None and time.monotonic() >= deadline):
+                raise QueueFull(depth, limit)
+            if not logged:
+                self.log.info("MRC_BACKPRESSURE", lane=lane, depth=depth, limit=limit)
+                logged = True
+            time.sleep(0.5)
+
+    def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
+        """Send the job unless its id was already submitted; True when this call enqueued it.
+
+        The same job under a used id is a duplicate (False) once the other submission is published and
+        its message is in Redis (pushed again where it is not: producer/queue/resubmission.py); a
+        different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
+        included) undoes the claim. The message is sent only while the claim is still this call's:
+        a claim that expired during the look for an earlier result is taken again, never sent on."""
+        self.wait_for_room(job.lane, block, timeout)
+        for _ in range(_CLAIM_TRIES):
+            token = self._claim(job)
+            if token is None:  # the same job, once its message is known to be there (or pushed again)
+                return resubmission.answer(job, self.records, self.settings, self._send, self.log)
+            sent = self._send_claimed(job, token)
+            if sent is not None:
+                return sent
+            self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
+        raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
+
+    def _claim(self, job: Job) -> str | None:
+        """This submission's claim token, or None when the id is taken by a published submission.
+        Another producer's claim not yet published is waited out (it publishes, or frees the id when
+        it fails or expires): answering 'same job' for it could report a job that is never sent."""
+        deadline = time.monotonic() + CLAIM_TTL_S + 5
+        while True:
+            token = self.records.claim(job.job_id, job.lane, job.fingerprint())
+            if token is not None:
+                return token
+            record = self.records.get(job.job_id)
+            if record and record.get("published") != "0":
+                return None
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable(f"job {job.job_id}: another submission of it neither ends nor expires")
+            time.sleep(0.05)
+
+    def _send_claimed(self, job: Job, token: str) -> bool | None:
+        """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost
+        before the send (nothing sent)."""
+        try:
+            checked, existing = self._earlier_result(job.job_id)
+            if existing is not None:
+                self.records.release(job.job_id, token)
+                return self._duplicate(job, existing.get("job_fingerprint"))
+            if not self.records.renew(job.job_id, token):  # the look outlasted the claim's lease
+                return None
+            self._send(job)
+        except NotReplicated as exc:  # queued on the master: the claim stands, so a retry is the same job
+            self._confirm_sent(job, token, checked)
+            exc.job_id = job.job_id
+            self.log.warning(
+                "MRC_NOT_REPLICATED",
+                job_id=job.job_id,
+                lane=job.lane,
+                replicas=exc.acknowledged,
+                wanted=exc.wanted,
+            )
+            raise
+        except Exception as exc:  # a reply lost with its connection: did the push land?
+            landed = self._landed(job)
+            if landed is False:  # nothing enqueued: the answer (exit 5 / 503) is true
+                self.records.release(job.job_id, token)
+                raise
+            if landed is None:  # unknown: the claim lapses by itself (30 s); a resubmission is safe
+                raise self._unconfirmed(job, exc) from exc
+            self.log.warning("MRC_PUSH_REPLY_LOST", job_id=job.job_id, lane=job.lane, error=repr(exc)[:200])
+            if self.settings.redis_wait_replicas:  # landed, replication not confirmed
+                error = NotReplicated(
+                    0, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
+                )
+                self._confirm_sent(job, token, checked)
+                error.job_id = job.job_id
+                raise error from exc
+        except BaseException:
+            self.records.release(job.job_id, token)
+            raise
+        self._confirm_sent(job, token, checked)
+        self.log.info(
+            "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
+        )
+        return True
+
+    def _confirm_sent(self, job: Job, token: str, checked: bool) -> None:
+        """The claim becomes the job's record, after the push. Nothing here may say "not enqueued":
+        the message is queued. A record that is gone (flushed, a failover lost it) or that Redis could
+        not write now is logged; the worker runs the job once anyway (it looks for a result when the
+        record says nothing) and writes the record again, and a resubmission finds the push's marker
+        (nothing is pushed twice)."""
+        try:
+            confirmed = self.records.confirm(job.job_id, token, checked)
+        except Exception as exc:
+            self.log.warning(
+                "MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane, sent=True, error=repr(exc)[:200]
+            )
+            return
+        if not confirmed:
+            self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane, sent=True)
+
+    def _earlier_result(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """A result stored under this id before (its record expired; results do not). With S3 out of
+        reach, or slower than a third of the claim's lease (retries included), the job is still sent,
+        unchecked, and its record tells the worker to look before it runs: the work done inside the
+        claim stays well below its lease."""
+        found: list[tuple[bool, dict[str, Any] | None]] = []
+        look = threading.Thread(target=lambda: found.append(self._look(job_id)), daemon=True)
+        look.start()
+        look.join(CLAIM_TTL_S / 3)
+        return found[0] if found else (False, None)
+
+    def _look(self, job_id: str) -> tuple[bool, dict[str, Any] | None]:
+        try:  # a HEAD first: the answer is almost always "none"
+            return True, self.results.get_result(job_id) if self.results.has_result(job_id) else None
+        except StoreUnavailable:
+            return False, None
+
+    def _send(self, job: Job, push_id: str | None = None) -> None:
+        """A submission's publish is named by its job id (a resubmission pushes nothing twice);
+        a deliberate resend (`mrc dlq requeue`) passes its own `push_id`."""
+        send_job(self.celery, job.to_message(), job.lane, push_id=push_id or names.job_push_id(job.job_id))
+
+    def _landed(self, job: Job) -> bool | None:
+        """After a failed publish: whether its push landed (the marker the push writes with it), or
+        None when Redis cannot be asked either."""
+        try:
+            return self.records.pushed(names.job_push_id(job.job_id))
+        except Exception:
+            return None
+
+    def _unconfirmed(self, job: Job, exc: Exception) -> PushUnconfirmed:
+        self.log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="push unconfirmed")
+        error = PushUnconfirmed(repr(exc))
+        error.job_id = job.job_id
+        return error
+
+    def _duplicate(self, job: Job, fingerprint: str | None) -> bool:
+        resubmission.same_job(job, fingerprint)
+        self.log.info("MRC_DUPLICATE", job_id=job.job_id, lane=job.lane)
+        return False
+
+    # ---- read back ----
+    def result(self, job_id: str) -> dict[str, Any] | None:
+        return self.results.get_result(job_id)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        record = self.records.get(job_id)
+        state = record.get("state")
+        uri = self.results.result_uri(job_id)
+        if state is None:
+            result = self.result(job_id)
+            state = str(result["status"]) if result else "unknown"
+        status: dict[str, Any] = {
+            "job_id": job_id,
+            "state": state,
+            "result_uri": uri if state in TERMINAL else None,
+        }
+        # Beyond the contract's three keys: what a person looking at a job wants next.
+        for key, name in (
+            ("lane", "lane"), ("attempts", "attempts"), ("submitted_at", "submitted_at"),
+            ("started_at", "started_at"), ("updated_at", "updated_at"), ("worker", "worker"),
+            ("retry_reason", "last_retry_reason"), ("error_code", "error_code"), ("run_id", "run_id"),
+            ("cancelled", "cancelled"),
+        ):  # fmt: skip
+            if record.get(key):
+                status[name] = int(record[key]) if key == "attempts" else record[key]
+        return status
+
+    def wait(self, job_id: str, timeout: float) -> dict[str, Any]:
+        """Block until the job has a result; raise TimeoutError after `timeout` seconds.
+
+        The result object is the truth and the record a hint: S3 is read whenever the record says the
+        job ended (or has no record), and at least once a second whatever it says, so a result whose
+        record update was lost is still found. A job that ended without a stored result (S3 refused
+        it to the end) is reported from its record as failed, instead of a wait that times out."""
+        deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + 1.0  # the record is read first: S3 only if it says "ended"
+        while True:
+            record = self.records.get(job_id)
+            state = record.get("state")
+            if state in TERMINAL or state is None or time.monotonic() >= next_look:
+                next_look = time.monotonic() + 1.0
+                result = self.result(job_id)
+                if result is not None:
+                    return result
+                if state == "failed" and record.get("error_code"):
+                    return unstored_result(job_id, record)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
+            time.sleep(self.settings.wait_poll_s)

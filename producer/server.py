@@ -1,0 +1,150 @@
+"""`mrc-api`: the HTTP intake for upstream systems (FastAPI; producer side, no torch), assembled here
+from its rooms: mrc's own routes (producer/http/jobs.py: /v1/jobs, /v1/events, probes, metrics) and
+the OpenAI-compatible ones (producer/openai/routes.py), behind one front door (producer/http/front.py:
+keys, rate limits, body limits per route, faults as JSON, counting) and the layer that gives the
+OpenAI routes OpenAI's error shape (producer/openai/errors.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from producer.http.forms import error, invalid_job
+from producer.http.front import Front, Limits
+from producer.http.guard import Keys, RateLimiter
+from producer.http.jobs import JobRoutes
+from producer.http.state import ApiState
+from producer.openai.errors import OpenAIErrors
+from producer.openai.routes import OpenAIRoutes
+from producer.queue.sender import Queue
+from shared import logs, reach
+from shared.errors import MrcError, ServiceUnreachable, StoreUnavailable
+from shared.records import connect
+from shared.settings import Settings
+from shared.usage import UsageCollector
+
+SMALL_BODY_BYTES = 64 * 1024  # a batch create, a cancel, any other POST: a few KiB of JSON at most
+# The framework's own refusals (no such route, a method the route has not, a multipart body the parser
+# refuses: no boundary, too many fields, a field over 1 MiB) in the contract's error shape.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "invalid_job", 415: "invalid_job"}
+
+
+def job_json_bytes(settings: Settings) -> int:
+    """The largest JSON job body: its prompt and response_format at their limits, every character
+    written as a 6-byte \\u escape, and 64 KiB for the rest (ids, an s3:// URI, a deadline)."""
+    return 6 * (settings.max_prompt_chars + settings.max_response_format_bytes) + SMALL_BODY_BYTES
+
+
+def limits(settings: Settings) -> Limits:
+    """Each route's body limit, by what it carries. MRC_API_MAX_BODY_BYTES, when set, caps them all
+    (the file upload has its own, MRC_OPENAI_FILE_MAX_BYTES)."""
+
+    def capped(limit: int) -> int:
+        return min(limit, settings.api_max_body_bytes) if settings.api_max_body_bytes else limit
+
+    # A chat request carries its image as base64 (4 characters per 3 bytes); a file is a batch's input.
+    chat = (settings.max_image_bytes + 2) // 3 * 4 + (1 << 20)
+    paths = (
+        ("/v1/chat/", "", capped(chat)),
+        ("/v1/files", "", settings.openai_file_max_bytes + (1 << 20)),
+        ("/v1/jobs", "multipart/form-data", capped(settings.max_image_bytes + (1 << 20))),
+        ("/v1/jobs", "", capped(job_json_bytes(settings))),
+    )
+    return Limits(capped(SMALL_BODY_BYTES), settings.api_max_bodies, settings.api_drain_bytes, paths=paths)
+
+
+async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+    errors: list[Any] = list(exc.errors()) if isinstance(exc, RequestValidationError) else []
+    return invalid_job(errors, "request")
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+    detail = getattr(exc, "detail", None) or "refused"
+    headers = getattr(exc, "headers", None)
+    return error(status, _HTTP_CODES.get(status, "invalid_job" if status < 500 else "internal_error"),
+                 str(detail)[:300], headers)  # fmt: skip
+
+
+def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
+    """The app; `queue` (a `Queue`, or a `producer.client.Client`) where the caller brings its own."""
+    state = ApiState(settings, queue)
+    openai = OpenAIRoutes(state)
+    # The usage totals' own connection, no retries: a scrape while Redis is away answers at once (up 0).
+    usage_redis = connect(settings, settings.connect_timeout_s, retries=0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        openai.start()
+        yield
+        openai.stop()
+        state.close()
+        usage_redis.close()
+
+    app = FastAPI(title="mrc intake", version="1", description=__doc__, lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    JobRoutes(state).mount(app)
+    openai.mount(app)
+    state.registry.register(UsageCollector(usage_redis))
+    keys = Keys(settings.api_keys)
+    limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
+    app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=state.count)
+    app.add_middleware(OpenAIErrors)  # outermost: errors on the OpenAI routes leave in OpenAI's shape
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """The app for uvicorn's worker processes (`--factory`): each spawned process reads its settings
+    and sets up its own logging here (a spawned process starts with none of its parent's)."""
+    settings = Settings()
+    logs.configure(settings.log_level, fmt=settings.log_format)
+    return create_app(settings)
+
+
+def main() -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from shared.settings import describe_error
+
+    try:
+        settings = Settings()
+        app = create_app(settings)
+    except (ValidationError, ValueError) as exc:
+        message = describe_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        print(f"mrc-api: bad settings: {message}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, fmt=settings.log_format)
+    log = logs.get_logger()
+    if not Keys(settings.api_keys).enabled:
+        log.warning("MRC_API_NO_AUTH", message="MRC_API_KEYS is empty: every caller may submit")
+    try:
+        reach.check(settings)
+    except (ServiceUnreachable, StoreUnavailable, MrcError) as exc:
+        print(f"mrc-api: {exc.message}", file=sys.stderr)
+        return 5
+    log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
+    options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
+    if settings.api_workers > 1:  # worker processes import the app themselves
+        uvicorn.run(
+            "producer.server:app_from_env",
+            factory=True,
+            workers=settings.api_workers,
+            access_log=False,
+            **options,
+        )
+    else:
+        uvicorn.run(app, access_log=False, **options)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
