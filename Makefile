@@ -46,6 +46,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shared producer workers
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(PY) tests/bench/bench_cpu_contention.py
