@@ -50,6 +50,12 @@ class Cluster:
         seconds and its batches last as long as the test needs on a machine of any speed."""
         return self.worker(MRC_MODEL="echo", MRC_ECHO_TOKEN_MS=str(token_ms), **env)
 
+    def echo_worker(self, token_ms: int = 2, **env: str) -> services.Worker:
+        """A worker on the echo model (no model: it reads image headers, loads no torch and starts in
+        ~2 s), for tests of the broker and the worker's bookkeeping: the pipeline, the engine, the
+        transport and the stores are the real ones, only the model is not."""
+        return self.paced_worker(token_ms, **env)
+
     def worker(self, **env: str) -> services.Worker:
         log = self.workdir / f"worker-{len(self.workers)}.log"
         w = services.start_worker({**self.env, **env}, log)

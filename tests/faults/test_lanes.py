@@ -42,7 +42,7 @@ def test_backlog_depth_limit_blocks_or_refuses_but_never_interactive(cluster: Cl
     thread = threading.Thread(target=blocked_submit, daemon=True)
     thread.start()
     assert not blocked_done.wait(2), "a backlog submission above the limit must wait"
-    cluster.worker()  # drains: room appears, the blocked submission goes through
+    cluster.echo_worker()  # drains: room appears, the blocked submission goes through
     assert blocked_done.wait(60)
     results = cluster.wait_all([*backlog[:5], backlog[6], *interactive], 90)
     assert {r["status"] for r in results.values()} == {"succeeded"}
