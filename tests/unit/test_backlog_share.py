@@ -237,3 +237,27 @@ def test_closed_loop_ticket_clients_stop_neither_the_backlog_nor_tickets(clients
     assert backlog >= 40, f"{backlog} backlog jobs done beside {clients} clients"
     assert tickets >= clients * 3000 // 40, f"{tickets} tickets done by {clients} clients"
     assert engine.backlog_stalled < 100
+
+
+def test_a_group_never_pauses_a_row_admitted_in_the_same_plan() -> None:
+    """A backlog row put ahead on the backlog's turn, then a waiting group with a ticket that pauses
+    what is in memory: the row admitted in this plan was paused too, though it held no slot yet, and
+    the engine's thread died on it (KeyError of its row id: a failover test's worker, whose re-taken
+    delivery came back as suspects beside a running backlog). It now stays waiting, unadmitted."""
+    limits = _limits(16, 2, True, share=0.25)
+    waiting = [_c("b-new"), scheduler.Candidate("s", "interactive", "g")]
+    plan = scheduler.plan(waiting, [_c("b-old")], limits)
+    assert not set(plan.admit) & set(plan.pause), plan
+    assert set(plan.pause) <= {"b-old"}, plan
+    assert plan.admit == ["s"], plan
+    assert plan.pause == ["b-old"], plan
+    engine = Engine(ECHO.step_model(), limits, lambda row: None)
+    engine.submit(_row("old", "backlog", 60))
+    engine.step()
+    engine.submit(_row("new", "backlog", 60))
+    suspect = _row("suspect", "interactive", 5)
+    suspect.group = "g"
+    engine.submit(suspect)
+    engine.step()  # raised KeyError('new')
+    assert set(engine.running) == {"suspect"}
+    assert {r.row_id for r in engine.waiting} == {"old", "new"}

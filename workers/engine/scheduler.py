@@ -243,13 +243,18 @@ def _enter_group(
     group: str, waiting: Seq[Candidate], kept: list[Candidate], result: Plan, limits: Limits, pause: bool
 ) -> None:
     """A waiting group runs once nothing else is in memory; one with a ticket pauses the backlog rows in
-    memory (held ones too) once no other ticket runs, unless one of them may not be paused again."""
+    memory (held ones too) once no other ticket runs, unless one of them may not be paused again.
+    Rows this plan admitted before it (the backlog's turn) are not paused but left waiting: they hold
+    no slot yet, and the group runs beside nothing."""
     if (
         pause
         and _tickets([c for c in waiting if c.group == group])
         and all(_pausable(c, limits) for c in kept)
     ):
-        result.pause += [c.row_id for c in reversed(kept)]
+        fresh = set(result.admit)
+        result.admit = []
+        result.turn = []
+        result.pause += [c.row_id for c in reversed(kept) if c.row_id not in fresh]
         kept.clear()
     if kept:
         result.drain = True
