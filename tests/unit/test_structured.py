@@ -172,13 +172,16 @@ def test_constrained_answers_validate_and_free_rows_beside_them_are_unchanged(
     done = _run(backend, _rows(backend, jobs + free), arrivals[: len(jobs) + len(free)])
     for index, (item, fmt) in enumerate(jobs):
         row = done[str(index)]
+        assert row.tokens == _alone(backend, item, fmt).tokens, "a constrained row differs from its run alone"
+        if isinstance(row.error, AnswerIncomplete):  # a drawn schema's longest answers exceed 512 tokens
+            assert len(row.tokens) == item.max_new_tokens, row.error
+            continue
         output = _answer(backend, row, fmt)  # read_output validates with jsonschema
         if fmt["type"] == "json_schema":
             jsonschema.validate(output, fmt["schema"])
             assert json.loads(backend.detokenize(row.tokens)) == output
         else:
             assert output in fmt["choices"]
-        assert row.tokens == _alone(backend, item, fmt).tokens, "a constrained row differs from its run alone"
     for offset, (item, _none) in enumerate(free):
         assert done[str(len(jobs) + offset)].tokens == _alone(backend, item, None).tokens
 
