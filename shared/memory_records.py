@@ -122,13 +122,13 @@ class MemoryJobRecords:
                 if record.get("usage_counted") == "1":
                     return False
                 fields = dict(
-                    zip(usage_book.RECORD_FIELDS, (args[1], args[2], args[3], args[5]), strict=True)
+                    zip(usage_book.RECORD_FIELDS, (args[1], args[2], args[3], args[5], args[6]), strict=True)
                 )
                 record.update({"usage_counted": "1", **{k: str(v) for k, v in fields.items()}})
             key = str(args[0])
             counts = self.usage.setdefault(key, {})
             for kind, value in zip(("prompt_tokens", "image_tokens", "completion_tokens", "total_tokens",
-                                    "cache_hits"), args[1:], strict=True):  # fmt: skip
+                                    "cache_hits"), args[1:6], strict=True):  # fmt: skip
                 counts[kind] = counts.get(kind, 0) + int(value)
             counts["jobs"] = counts.get("jobs", 0) + 1
             return True

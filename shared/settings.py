@@ -132,10 +132,16 @@ class Settings(BaseSettings):
     # (docs/benchmarks.md); on a GPU a decode step is bound by reading the weights, so extra rows are
     # expected to cost little (not measured: no GPU yet). auto: on for the CPU, off for CUDA.
     engine_hold_backlog: Literal["auto", "on", "off"] = "auto"
-    # Most prefill positions of backlog rows the engine admits at one step (one row always may): what a
-    # ticket arriving mid-step may wait for: one 1 MP photo's prefill (~1,300 positions) at a time on
-    # the CPU; on an H200 an estimated ~40 ms of Fuyu-8B prefill (arithmetic, not measured).
-    engine_prefill_tokens: int = Field(default=2048, ge=1)
+    # Most prefill positions the engine computes at one step, all lanes: a longer prefill runs in chunks
+    # (each attending to the positions already in its slot) with decode steps between them, so a ticket
+    # that arrives waits for at most one step's chunk, not a 12 MP photo's whole prefill. Also the most
+    # backlog prefill positions admitted at one step (one row always may). Default measured
+    # (docs/benchmarks.md).
+    engine_prefill_tokens: int = Field(default=512, ge=16)
+    # A job whose leading positions (the same photo from the same key, and the prompt's start) are in
+    # the cache already (a running row's, or a finished row's slot not needed since) reuses them
+    # instead of computing them again (workers/engine/prefix_index.py). off: every prefill is whole.
+    engine_prefix_cache: Literal["on", "off"] = "on"
     # The backlog's guaranteed share of the engine's slots and steps while tickets are in (workers/engine/
     # scheduler.py): up to that share of the slots its rows join running tickets and go before waiting
     # ones, and once admitted so are not paused for tickets; at that share of the steps (when it does

@@ -22,15 +22,16 @@ from shared.scrape import ScrapeCache
 
 NO_KEY = "none"  # the label of jobs submitted without an API key (mrc submit, mrc backlog, open API)
 KINDS = ("prompt_tokens", "image_tokens", "completion_tokens", "total_tokens")
-RECORD_FIELDS = ("usage_prompt", "usage_image", "usage_completion", "usage_cached")
+RECORD_FIELDS = ("usage_prompt", "usage_image", "usage_completion", "usage_cached", "usage_cached_tokens")
 
 # KEYS[1] the job's record, KEYS[2] the totals hash. ARGV: key label, prompt, image, completion,
-# total tokens, cache hit (0/1). Returns 1 when counted now, 0 when this job was counted before.
+# total tokens, cache hit (0/1), prompt positions reused from the engine's prefix cache.
+# Returns 1 when counted now, 0 when this job was counted before.
 COUNT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HSETNX', KEYS[1], 'usage_counted', '1') == 0 then return 0 end
   redis.call('HSET', KEYS[1], 'usage_prompt', ARGV[2], 'usage_image', ARGV[3],
-             'usage_completion', ARGV[4], 'usage_cached', ARGV[6])
+             'usage_completion', ARGV[4], 'usage_cached', ARGV[6], 'usage_cached_tokens', ARGV[7])
 end
 local key = ARGV[1]
 redis.call('HINCRBY', KEYS[2], key .. '|jobs', 1)
@@ -52,6 +53,7 @@ def count_args(api_key: str | None, usage: dict[str, int], cache_hit: bool) -> l
         completion,
         prompt + completion,
         1 if cache_hit else 0,
+        int(usage.get("cached_tokens", 0)),
     ]
 
 
@@ -68,7 +70,7 @@ def totals(client: redis.Redis) -> dict[str, dict[str, int]]:
 
 def add_records(sums: dict[str, int], records: list[list[str | None]]) -> None:
     """Add job records' usage fields (RECORD_FIELDS, as HMGET returns them) to per-run sums."""
-    for prompt, image, completion, cached in records:
+    for prompt, image, completion, cached, reused in records:
         if prompt is None:
             continue  # not finished, or finished before usage was kept
         p, c = int(prompt), int(completion or 0)
@@ -76,8 +78,9 @@ def add_records(sums: dict[str, int], records: list[list[str | None]]) -> None:
         sums["image_tokens"] = sums.get("image_tokens", 0) + int(image or 0)
         sums["completion_tokens"] = sums.get("completion_tokens", 0) + c
         sums["total_tokens"] = sums.get("total_tokens", 0) + p + c
-        if cached == "1":
-            sums["cached_prompt_tokens"] = sums.get("cached_prompt_tokens", 0) + p
+        # A reused answer's prompt is all cached; else what the engine's prefix cache held of it.
+        cached_tokens = p if cached == "1" else int(reused or 0)
+        sums["cached_prompt_tokens"] = sums.get("cached_prompt_tokens", 0) + cached_tokens
 
 
 def empty_sums() -> dict[str, int]:

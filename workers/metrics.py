@@ -173,6 +173,29 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.prefill_computed = Counter(
+            "mrc_engine_prefill_positions_total",
+            "Prompt positions prefilled (computed, in chunks)",
+            registry=r,
+        )
+        self.prefix_lookups = Counter(
+            "mrc_engine_prefix_lookups_total", "Rows admitted that could reuse a cached prefix", registry=r
+        )
+        self.prefix_hits = Counter(
+            "mrc_engine_prefix_hits_total",
+            "Of those, rows that reused one (hit ratio: hits / lookups)",
+            registry=r,
+        )
+        self.prefix_reused = Counter(
+            "mrc_engine_prefix_positions_reused_total",
+            "Prompt positions reused from the cache, not computed",
+            registry=r,
+        )
+        self.prefix_cached = Gauge(
+            "mrc_engine_prefix_cached_positions",
+            "Cache positions held by finished rows' prefixes (freed when a row needs the slot)",
+            registry=r,
+        )
         self.admission_wait = Histogram(
             "mrc_engine_admission_wait_seconds",
             "Handed to the engine -> admitted to the running batch, by lane",

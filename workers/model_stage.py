@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from shared import encoding, logs
+from shared import encoding, logs, tenants
 from shared.errors import AnswerIncomplete, InternalError, InvalidJob, ModelError, MrcError, WorkerUnusable
 from shared.response_format import read_output
 from shared.settings import Settings
@@ -73,6 +73,7 @@ class ModelStage:
             reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
             backlog_prefill_tokens=settings.engine_prefill_tokens,
             backlog_share=settings.engine_backlog_share,
+            prefill_tokens=settings.engine_prefill_tokens,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
         )
@@ -265,7 +266,7 @@ class ModelStage:
         return Row(
             self.engine.row_id(slot.job.job_id), job.inputs, job.positions, slot.job.max_new_tokens,
             self.backend.eos_id, lane=slot.job.lane, group=slot.group,
-            deadline=self.admission.deadline_s(slot.job), constraint=constraint,
+            deadline=self.admission.deadline_s(slot.job), constraint=constraint, identity=_identity(slot),
         )  # fmt: skip
 
     def _take_row(self, slot: Slot, row: Row) -> None:
@@ -278,6 +279,7 @@ class ModelStage:
             slot.timings["inference"] = (row.finished_at - row.admitted_at) * 1000
         slot.output_tokens = len(row.tokens)
         slot.prompt_positions = row.prompt_tokens
+        slot.cached_positions = row.cached_tokens
         if row.error is not None:
             slot.error = row.error
             if isinstance(row.error, AnswerIncomplete):
@@ -313,3 +315,13 @@ class ModelStage:
             streak = self._failure_streak
         if model_errors and streak >= self.settings.model_failure_streak:
             raise WorkerUnusable(f"the model failed {streak} jobs in a row; last: {model_errors[-1].message}")
+
+
+def _identity(slot: Slot) -> tuple[str, str, int, int] | None:
+    """What decides the job's prefix besides its token ids: the key that sent it (one tenant never
+    learns by a faster answer that another asked about the same photo), the image's bytes, the size
+    they were fitted to. None: no image to share a prefix with."""
+    if slot.encoded is None or not slot.encoded.sha256 or slot.decoded_size is None or slot.job is None:
+        return None
+    size = slot.decoded_size
+    return tenants.owner_of(slot.job.job_id) or "", slot.encoded.sha256, size.width, size.height

@@ -100,6 +100,7 @@ def usage(slot: Slot, backend: ModelBackend) -> Usage:
     return Usage(
         prompt_tokens=positions,
         image_tokens=min(positions, _image_tokens(slot, backend)),
+        cached_tokens=positions if slot.cache_hit else min(positions, slot.cached_positions),
         completion_tokens=completion,
         total_tokens=positions + completion,
     )

@@ -46,6 +46,7 @@ class Slot:
     # Cache positions its prefill filled (image + prompt + the model's control tokens): the engine row's
     # prompt_tokens, or the cached answer's; None when the model never took it (its usage reports 0).
     prompt_positions: int | None = None
+    cached_positions: int = 0  # of those, positions reused from the engine's prefix cache, not computed
     timings: dict[str, float] = field(default_factory=lambda: {"preprocess": 0.0, "inference": 0.0})
     finishing: bool = False
     suspect: bool = False  # its last delivery died with it in hand: it runs apart, in a group

@@ -169,6 +169,7 @@ def _add_usage(sums: dict[str, int], result: dict[str, Any]) -> None:
         str(used.get("image_tokens", 0)),
         str(used.get("completion_tokens", 0)),
         "1" if result.get("cache_hit") else "0",
+        str(used.get("cached_tokens", 0)),
     ]
     usage_book.add_records(sums, [list(row)])
 

@@ -38,7 +38,8 @@ def chat_completion(result: dict[str, Any], finish_reason: str) -> dict[str, Any
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {
-                "cached_tokens": prompt if result.get("cache_hit") else 0,  # a reused answer: all of it
+                # A reused answer: all of it; else what the engine's prefix cache held (same photo, key).
+                "cached_tokens": prompt if result.get("cache_hit") else int(usage.get("cached_tokens", 0)),
                 "image_tokens": int(usage.get("image_tokens", 0)),
             },
         },

@@ -151,6 +151,7 @@ def test_a_chat_completion_answers_a_photo_with_usage_once_per_idempotency_key(
         "image_tokens": image_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "cached_tokens": usage.model_dump()["prompt_tokens_details"]["cached_tokens"],
     }
     again = sdk.chat.completions.create(  # what the SDK's retry of it sends: the same key
         model=model,
@@ -174,6 +175,27 @@ def test_a_chat_completion_answers_a_photo_with_usage_once_per_idempotency_key(
     assert mine["image_tokens"] >= image_tokens
     metrics = sdk._client.get(f"{base_url}/metrics").text  # the API's /metrics (no key needed)
     assert f'mrc_usage_tokens_total{{api_key="{KEY_ID}",kind="prompt"}}' in metrics
+
+
+def test_a_second_question_about_a_photo_reuses_its_positions_and_another_key_does_not(
+    sdk: openai.OpenAI, model: str, base_url: str
+) -> None:
+    """The worker computes a photo's positions once for all its questions from one key (issue 38):
+    the second question reports them as cached, in the answer and in the result; the same photo from
+    another key computes them again."""
+    url = data_url(imagegen.photo(300, 200, seed=43))  # 7 rows of 10 patches: 77 image positions
+
+    def cached(client: openai.OpenAI, question: str) -> tuple[int, int]:
+        done = client.chat.completions.create(model=model, messages=ask(question, url), max_tokens=2)
+        assert done.usage is not None
+        return done.usage.model_dump()["prompt_tokens_details"]["cached_tokens"], done.usage.prompt_tokens
+
+    first, prompt = cached(sdk, "What colour is the parcel?")
+    second, _ = cached(sdk, "Is the label torn?")
+    assert first == 0
+    assert 64 <= second < prompt, (second, prompt)  # the image's whole blocks, never the question's end
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=RATED_KEY, max_retries=0) as other:
+        assert cached(other, "Is the label torn?")[0] == 0
 
 
 def test_a_json_schema_answer_validates(sdk: openai.OpenAI, model: str) -> None:

@@ -113,6 +113,77 @@ def test_every_row_equals_the_same_job_alone(
         assert row.finish_reason == ("length" if len(row.tokens) == new else "stop")
 
 
+photo_job = st.tuples(
+    st.integers(0, len(SIZES) - 1), st.integers(0, 2), st.integers(0, len(PROMPTS) - 1), st.integers(1, 8),
+    st.integers(0, 8), st.sampled_from(["interactive", "backlog"]),
+)  # fmt: skip
+
+
+def _photo(size: int, photo: int, prompt: int, new: int) -> GenerationInput:
+    """Photo `photo` of a size, asked question `prompt`: the questions of one photo share its prefix."""
+    height, width = SIZES[size]
+    fill = 30 + 40 * size + 11 * photo
+    image = torch.full((3, height, width), fill, dtype=torch.uint8)
+    image[:, : height // 3] = 255 - fill
+    return GenerationInput(image, PROMPTS[prompt], new)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(
+    st.lists(photo_job, min_size=1, max_size=6), st.integers(1, 4), st.sampled_from([1 << 30, 16, 23, 100]),
+    st.booleans(), st.sampled_from(DECODES),
+)  # fmt: skip
+def test_with_prefix_hits_chunks_and_evictions_every_row_equals_the_same_job_alone(
+    backend: FuyuBackend, spec: list[Any], rows: int, chunk: int, hold: bool, decode: str
+) -> None:
+    """Questions about the same photos in any order: a row whose photo (and prompt start) is in a slot
+    reuses those positions (from a running row, or a finished row's slot until a row needs it), the
+    rest is prefilled in chunks of any size between decode steps; the tokens never change."""
+    reference = cache(lambda *key: tuple(_alone(backend, _photo(*key))))
+    done: dict[str, Sequence] = {}
+    runner = backend.step_model(rows)
+    runner.decode_mode = decode
+    limits = scheduler.Limits(rows, 0, hold_backlog=hold, prefill_tokens=chunk, backlog_share=0.25)
+    engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
+    arrivals = sorted(range(len(spec)), key=lambda i: spec[i][4])
+    while arrivals or not engine.idle:
+        while arrivals and spec[arrivals[0]][4] <= engine.steps:
+            index = arrivals.pop(0)
+            size, photo, prompt, new, _arrival, lane = spec[index]
+            row = _sequence(backend, str(index), _photo(size, photo, prompt, new), lane)
+            row.identity = ("key", size, photo)
+            engine.submit(row)
+        engine.step()
+        assert engine.steps < 2000, "the engine does not finish"
+    for index, (size, photo, prompt, new, _arrival, _lane) in enumerate(spec):
+        row = done[str(index)]
+        assert row.tokens == list(reference(size, photo, prompt, new)), f"row {index} of {spec}"
+        assert row.cached_tokens < row.prompt_tokens
+    assert runner.table.used == 0
+
+
+def test_a_photos_second_question_reuses_its_prefix_and_another_keys_does_not(backend: FuyuBackend) -> None:
+    """The same photo asked twice, one after the other: the second reuses the image's positions from
+    the first's retained slot (whole blocks, all but the question); from another key, nothing."""
+    runner = backend.step_model(2)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(2, 0), lambda row: done.__setitem__(row.row_id, row))
+    asks = [("a", "alice", 0), ("b", "alice", 1), ("c", "bob", 2)]
+    for row_id, key, prompt in asks:
+        row = _sequence(backend, row_id, _photo(3, 0, prompt, 3), "interactive")
+        row.identity = (key, "photo")
+        engine.submit(row)
+        while not engine.idle:
+            engine.step()
+    image = backend.image_tokens(*SIZES[3])  # the prompts differ from their first token on
+    assert done["a"].cached_tokens == 0
+    assert done["b"].cached_tokens >= image - 15, (done["b"].cached_tokens, image)
+    assert done["b"].cached_tokens % 16 == 0
+    assert done["c"].cached_tokens == 0, "another key's photo reused"
+    for row_id, _key, prompt in asks:
+        assert done[row_id].tokens == _alone(backend, _photo(3, 0, prompt, 3))
+
+
 def test_a_row_joins_mid_flight_and_leaves_at_its_own_length(backend: FuyuBackend) -> None:
     """A long row runs; a short one joins at step 3 and leaves before it; a third joins after."""
     long, short, late = _item(3, 1, 12), _item(0, 0, 3), _item(1, 2, 5)
@@ -159,15 +230,25 @@ class _Faulty:
         self.inner = backend.step_model(8)
         self.prefill_fault, self.decode_fault = prefill_fault, decode_fault
         self.decodes: list[list[str]] = []
+        self.inputs: dict[str, Any] = {}
 
     def new_batch(self) -> Any:
         return self.inner.new_batch()
 
-    def prefill(self, inputs: list[Any], masks: Any = None) -> Any:
-        for one in inputs:
-            if self.prefill_fault is not None and (error := self.prefill_fault(one)) is not None:
-                raise error
-        return self.inner.prefill(inputs, masks)
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
+        self.inputs[row_id] = inputs
+        return self.inner.begin(row_id, inputs, length, identity)
+
+    def extend(self, row_id: str, stop: int, masks: Any = None) -> int | None:
+        if self.prefill_fault is not None and (error := self.prefill_fault(self.inputs[row_id])) is not None:
+            raise error
+        return self.inner.extend(row_id, stop, masks)
+
+    def abandon(self, row_id: str, keep: bool = False) -> None:
+        self.inner.abandon(row_id, keep)
+
+    def catch_up(self, row_id: str) -> int:
+        return int(self.inner.catch_up(row_id))
 
     def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
         self.decodes.append(list(batch.row_ids))

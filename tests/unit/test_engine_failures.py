@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support.engine_runs import drive
+from tests.support.step_proxy import StepProxy
 from workers.backends.base import GenerationInput
 from workers.backends.echo import EchoBackend, EchoRows
 from workers.engine import engine as engine_module
@@ -90,13 +91,13 @@ class _FlakyBatch(EchoRows):
         if _FlakyBatch.calls in _FlakyBatch.fail_at:
             raise OOM
 
-    def add(self, row_ids: list[str], cache: Any, length: int) -> None:
+    def join(self, row_id: str) -> None:
         self._maybe()
-        super().add(row_ids, cache, length)
+        super().join(row_id)
 
-    def drop(self, row_ids: set[str]) -> None:
+    def drop(self, row_ids: set[str], keep: bool = False) -> None:
         self._maybe()
-        super().drop(row_ids)
+        super().drop(row_ids, keep)
 
 
 @pytest.mark.parametrize("fail_at", [{2}, {3}, {4, 5}, {6}])
@@ -104,7 +105,7 @@ def test_out_of_memory_in_the_batchs_bookkeeping_is_settled_like_a_failed_step(f
     """A join held 3x the merged cache and a drop 3.1x: out of memory there reached the engine thread
     and every job in hand came back a suspect. Now every row is recomputed and succeeds."""
     steps = ECHO.step_model()
-    steps.new_batch = _FlakyBatch  # type: ignore[method-assign]
+    steps.new_batch = lambda: _FlakyBatch(steps._prefilled)  # type: ignore[method-assign]
     _FlakyBatch.calls, _FlakyBatch.fail_at = 0, fail_at
     engine, done = _engine(scheduler.Limits(max_rows=4, reserved_interactive=0), steps)
     rows = [(_row(f"r{i}", new=4 + 3 * i), i) for i in range(4)]
@@ -114,17 +115,11 @@ def test_out_of_memory_in_the_batchs_bookkeeping_is_settled_like_a_failed_step(f
         assert done[row.row_id].tokens == _alone_tokens(_row(row.row_id, new=row.max_new_tokens))
 
 
-class _OomOnce:
+class _OomOnce(StepProxy):
     """The echo step model, out of memory once, on the first decode step of three rows or more."""
 
     def __init__(self) -> None:
         self.inner, self.failed = ECHO.step_model(), False
-
-    def new_batch(self) -> Any:
-        return self.inner.new_batch()
-
-    def prefill(self, inputs: list[Any], masks: Any = None) -> Any:
-        return self.inner.prefill(inputs, masks)
 
     def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
         if len(batch) >= 3 and not self.failed:

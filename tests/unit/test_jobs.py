@@ -91,6 +91,7 @@ def test_result_serialises_with_the_contract_field_names() -> None:
         "image_tokens": 0,
         "completion_tokens": 0,
         "total_tokens": 0,
+        "cached_tokens": 0,
     }
     assert result["schema"] == "mrc.result/1"
     assert list(result["timings_ms"]) == ["queued", "preprocess", "inference", "first_token", "total"]

@@ -15,6 +15,7 @@ from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
+from tests.support.step_proxy import StepProxy
 from workers import inference, stages
 from workers.backends.base import GenerationInput
 from workers.backends.echo import EchoBackend
@@ -79,17 +80,11 @@ def test_a_stage_that_runs_out_of_memory_is_retryable_not_an_internal_error() ->
     assert error.retryable
 
 
-class _FailsInCompany:
+class _FailsInCompany(StepProxy):
     """The echo step model whose decode steps of two rows or more fail with `error`."""
 
     def __init__(self, error: BaseException) -> None:
         self.inner, self.error, self.decodes = EchoBackend().step_model(), error, []
-
-    def new_batch(self) -> Any:
-        return self.inner.new_batch()
-
-    def prefill(self, inputs: list[Any], masks: Any = None) -> Any:
-        return self.inner.prefill(inputs, masks)
 
     def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
         self.decodes.append(len(batch))

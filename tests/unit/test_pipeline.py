@@ -359,10 +359,12 @@ def test_every_result_carries_its_usage_counted_once_per_key(store: MemoryStore)
     jobs = [_job("u1", api_key=key), _job("u-missing", image="s3://mrc/inputs/nope.jpg", api_key=key)]
     assert pipeline.run(jobs) == ["succeeded", "failed"]
     assert pipeline.run([_job("u2", api_key=key), _job("u1", api_key=key)]) == ["succeeded", "skipped"]
-    answered = {"prompt_tokens": 9, "image_tokens": 8, "completion_tokens": 2, "total_tokens": 11}
+    answered = {
+        "prompt_tokens": 9, "image_tokens": 8, "completion_tokens": 2, "total_tokens": 11, "cached_tokens": 0,
+    }  # fmt: skip
     assert store.get_result("u1")["usage"] == answered  # "64x48: refund?": two tokens
     assert store.get_result("u2")["cache_hit"] is True
-    assert store.get_result("u2")["usage"] == answered
+    assert store.get_result("u2")["usage"] == {**answered, "cached_tokens": 9}  # a reused answer: all of it
     assert store.get_result("u-missing")["usage"] == dict.fromkeys(answered, 0)
     totals = records.usage[key]
     assert (totals["jobs"], totals["prompt_tokens"], totals["completion_tokens"]) == (3, 18, 4)

@@ -16,6 +16,7 @@ from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
+from tests.support.step_proxy import StepProxy
 from workers.admission import suspect_groups
 from workers.backends.base import GenerationInput
 from workers.backends.echo import EchoBackend
@@ -114,17 +115,11 @@ def test_suspects_are_split_by_the_group_they_last_ran_in() -> None:
 
 
 # ------------------------------------------------------------------ a failed decode step, in process
-class _Poisoned:
+class _Poisoned(StepProxy):
     """The echo step model; a decode step with the poison row in it fails, alone too."""
 
     def __init__(self) -> None:
         self.inner, self.decodes = EchoBackend().step_model(), []
-
-    def new_batch(self) -> Any:
-        return self.inner.new_batch()
-
-    def prefill(self, inputs: list[Any], masks: Any = None) -> Any:
-        return self.inner.prefill(inputs, masks)
 
     def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
         self.decodes.append(list(batch.row_ids))

@@ -22,7 +22,8 @@ EOS, PAD = 0, 1  # PAD: a paced model's filler, so each answer takes its whole m
 class EchoRows:
     """The running batch of the echo model: each row's script (its answer's tokens) and position."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefilled: dict[str, tuple[list[int], GenerationInput]] | None = None) -> None:
+        self._prefilled = prefilled if prefilled is not None else {}  # the steps' rows whose prefill is whole
         self.row_ids: list[str] = []
         self.scripts: dict[str, tuple[list[int], GenerationInput]] = {}
         self.positions: dict[str, int] = {}
@@ -40,10 +41,9 @@ class EchoRows:
     def held(self) -> int:
         return sum(self.positions.values())
 
-    def add(self, row_ids: list[str], cache: Any, length: int) -> None:
-        for row_id, script in zip(row_ids, cache, strict=True):
-            self.row_ids.append(row_id)
-            self.scripts[row_id], self.positions[row_id] = script, 1
+    def join(self, row_id: str) -> None:
+        self.row_ids.append(row_id)
+        self.scripts[row_id], self.positions[row_id] = self._prefilled.pop(row_id), 1
 
     def absorb(self, other: EchoRows) -> None:
         self.row_ids += other.row_ids
@@ -51,14 +51,14 @@ class EchoRows:
         self.positions.update(other.positions)
 
     def take(self, row_ids: set[str]) -> EchoRows:
-        taken = EchoRows()
+        taken = EchoRows(self._prefilled)
         taken.row_ids = [r for r in self.row_ids if r in row_ids]
         taken.scripts = {r: self.scripts[r] for r in taken.row_ids}
         taken.positions = {r: self.positions[r] for r in taken.row_ids}
         self.drop(row_ids)
         return taken
 
-    def drop(self, row_ids: set[str]) -> None:
+    def drop(self, row_ids: set[str], keep: bool = False) -> None:
         self.row_ids = [r for r in self.row_ids if r not in row_ids]
         for row_id in row_ids:
             self.scripts.pop(row_id, None)
@@ -70,20 +70,39 @@ class EchoSteps:
 
     def __init__(self, backend: EchoBackend) -> None:
         self.backend = backend
+        self._pending: dict[str, tuple[GenerationInput, int]] = {}  # row -> its input and prompt length
+        self._prefilled: dict[str, tuple[list[int], GenerationInput]] = {}
 
     def new_batch(self) -> EchoRows:
-        return EchoRows()
+        return EchoRows(self._prefilled)
 
-    def prefill(self, inputs: list[Any], masks: Any = None) -> tuple[list[int], Any, int]:
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
+        """A slot for the row (the echo model has no cache: nothing is ever reused)."""
+        self._pending[row_id] = (inputs, length)
+        return 0
+
+    def catch_up(self, row_id: str) -> int:
+        return 0
+
+    def extend(self, row_id: str, stop: int, masks: Any = None) -> int | None:
+        """One chunk; the whole prompt's call is where the echo model prefills (and fails, and paces)."""
+        item, length = self._pending[row_id]
+        if stop < length:
+            return None
         _no_grammar(masks)
-        items: list[GenerationInput] = inputs
-        self.backend.prefills.extend(item.prompt for item in items)
-        self.backend.prefill_groups.append(len(items))
-        self._maybe_fail(items)
+        self.backend.prefills.append(item.prompt)
+        self.backend.prefill_groups.append(1)
+        self._maybe_fail([item])
         if self.backend.token_s:
             time.sleep(self.backend.token_s)
-        scripts = [self.backend.script(item) for item in items]
-        return [script[0] for script in scripts], [(s, i) for s, i in zip(scripts, items, strict=True)], 1
+        del self._pending[row_id]
+        script = self.backend.script(item)
+        self._prefilled[row_id] = (script, item)
+        return script[0]
+
+    def abandon(self, row_id: str, keep: bool = False) -> None:
+        self._pending.pop(row_id, None)
+        self._prefilled.pop(row_id, None)
 
     def decode(self, batch: EchoRows, last_tokens: list[int], masks: Any = None) -> list[int]:
         _no_grammar(masks)

@@ -227,14 +227,14 @@ class FuyuBackend:
 
         mode: Any = self.decode_mode()
         positions = positions or self.slot_positions()
+        reuse = self.settings.engine_prefix_cache == "on"
         if self.device != "cpu":
-            return Runner(self.model, slots, positions, None, mode)
+            return Runner(self.model, slots, positions, None, mode, reuse)
         from workers import cpu_threads
 
         requested = self.settings.cpu_threads
-        return Runner(
-            self.model, slots, positions, lambda count, kind: cpu_threads.apply(requested, count, kind), mode
-        )
+        threads = lambda count, kind: cpu_threads.apply(requested, count, kind)  # noqa: E731
+        return Runner(self.model, slots, positions, threads, mode, reuse)
 
     def capture(self, runner: Any) -> int:
         """Record the runner's fixed steps as CUDA graphs; 0 where that does not apply or fails."""

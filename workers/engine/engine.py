@@ -1,10 +1,12 @@
-"""The loop: admit waiting jobs (prefill, join the batch) -> one decode step for every running row ->
-retire rows that finished, handing each back at once.
+"""The loop: admit waiting jobs (a slot each, and what the cache holds of their prefix) -> prefill
+chunks within the step's budget of positions (rows whose prompt is whole join the batch) -> one decode
+step for every running row -> retire rows that finished, handing each back at once and leaving their
+slot to the prefix cache.
 
 Failures are settled here, per row, so one job never fails for its neighbours:
-- a prefill that fails is that job's alone (it ran alone, or with rows of its length; those are then
-  prefilled one at a time): its error, except out of memory while other rows run, which sends it
-  back to waiting and admits nothing more until a row leaves;
+- a prefill chunk that fails is that job's alone (a chunk is one row's): its error, except out of
+  memory while other rows are in memory, which sends it back to waiting and admits nothing more until
+  a row leaves;
 - a decode step that fails may have written part of the step into the cache, so every running row
   goes back to waiting and is recomputed from its prompt (greedy: on the CPU in fp32 the same tokens
   again; on a GPU a batch of another shape may round differently). Out of memory also lowers the
@@ -22,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.errors import Expired, InvalidJob, MrcError, OutOfMemory
 from workers import inference
-from workers.engine import masks, scheduler
+from workers.engine import rows as rows_of
+from workers.engine import scheduler
 from workers.engine.sequence import Sequence
 from workers.engine.step import RowBatch, StepModel
 
@@ -39,7 +42,11 @@ CEILING_STEPS = 256
 
 @dataclass
 class StepReport:
-    prefilled: int = 0
+    prefilled: int = 0  # rows whose prefill became whole (they joined the decode steps)
+    computed: int = 0  # prefill positions computed (chunks)
+    lookups: int = 0  # rows admitted that could reuse a cached prefix
+    hits: int = 0  # of those, rows that did
+    reused: int = 0  # positions they reused, not computed
     decoded_rows: int = 0
     finished: int = 0  # rows handed back (succeeded, failed, expired)
     paused: int = 0  # rows paused for a ticket
@@ -50,7 +57,7 @@ class StepReport:
     @property
     def moved(self) -> bool:
         """Whether a row got anywhere: what liveness counts as progress."""
-        return bool(self.prefilled or self.decoded_rows or self.finished)
+        return bool(self.prefilled or self.computed or self.decoded_rows or self.finished)
 
 
 class Engine:
@@ -68,6 +75,8 @@ class Engine:
         # Backlog rows sitting out decode steps while tickets run (scheduler.hold), cache kept.
         self.held: dict[str, Sequence] = {}
         self.held_batch: RowBatch = runner.new_batch()
+        # Rows with a slot whose prefill is under way (in chunks), in admission order.
+        self.prefilling: dict[str, Sequence] = {}
         self.steps = 0
         self.row_ceiling: int | None = None  # rows in memory, lowered by out-of-memory for CEILING_STEPS
         self._ceiling_at = 0
@@ -83,17 +92,20 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.held
+        return not self.waiting and not self.running and not self.held and not self.prefilling
 
     @property
     def in_memory(self) -> int:
-        """Rows holding a slot: running and held."""
-        return len(self.running) + len(self.held)
+        """Rows holding a slot: running, held and prefilling."""
+        return len(self.running) + len(self.held) + len(self.prefilling)
+
+    def _memory_rows(self) -> list[Sequence]:
+        return [*self.running.values(), *self.held.values(), *self.prefilling.values()]
 
     @property
     def positions_held(self) -> int:
         """Cache positions the rows in memory really hold."""
-        return self.batch.held + self.held_batch.held
+        return self.batch.held + self.held_batch.held + sum(r.computed for r in self.prefilling.values())
 
     def step(self) -> StepReport:
         report = self._report = StepReport()
@@ -103,12 +115,14 @@ class Engine:
             self.row_ceiling = None
         due = self.share.due
         admitted, drain = self._admit(due)
+        admitted = list({id(r): r for r in [*admitted, *self._chunks(due)]}.values())
         rows: list[Sequence] = []
         if self._safely(lambda: self._hold_or_release(due)) and self.running:
             rows = [self.running[row_id] for row_id in self.batch.row_ids]
             report.held = len(self.held)
             try:
-                nexts = self.runner.decode(self.batch, [row.tokens[-1] for row in rows], _masks_of(rows))
+                last = [row.tokens[-1] for row in rows]
+                nexts = self.runner.decode(self.batch, last, rows_of.masks_of(rows))
             except Exception as exc:
                 self._decode_failed(exc)
             else:
@@ -128,12 +142,12 @@ class Engine:
     def _settle_share(self, admitted: list[Sequence], decoded: list[Sequence], drain: bool) -> None:
         """Count the step towards the backlog's share, and how long the backlog has not moved."""
         step = scheduler.Step(
-            _candidates(admitted), _candidates(decoded), _candidates(self.waiting),
-            _candidates([*self.running.values(), *self.held.values()]), drain,
+            rows_of.candidates(admitted), rows_of.candidates(decoded), rows_of.candidates(self.waiting),
+            rows_of.candidates(self._memory_rows()), drain,
         )  # fmt: skip
         self.share.settle(step, self.limits)
-        moved = _has_backlog([*step.admitted, *step.decoded])
-        work = moved or _has_backlog([*step.waiting, *step.in_memory])
+        moved = rows_of.has_backlog([*step.admitted, *step.decoded])
+        work = moved or rows_of.has_backlog([*step.waiting, *step.in_memory])
         self.backlog_stalled = self.backlog_stalled + 1 if work and not moved else 0
 
     # ---------------------------------------------------------------- admission
@@ -169,9 +183,9 @@ class Engine:
     def _admit(self, due: bool) -> tuple[list[Sequence], bool]:
         """Admit what the policy says; the rows admitted (prefilled or not) and whether it waits for a
         group's drain."""
-        in_memory = {**self.running, **self.held}
+        in_memory = {**self.running, **self.held, **self.prefilling}
         plan = scheduler.plan(
-            _candidates(self.waiting), _candidates(in_memory.values()), self._limits(), due=due
+            rows_of.candidates(self.waiting), rows_of.candidates(in_memory.values()), self._limits(), due=due
         )
         if plan.pause:
             if not self._back_to_waiting([in_memory[row_id] for row_id in plan.pause]):
@@ -182,49 +196,97 @@ class Engine:
         for row in admitted:
             self.waiting.remove(row)
             row.turn = row.row_id in plan.turn
-        groups = _equal_lengths(admitted)
-        for index, group in enumerate(groups):
-            if not self._prefill(group):
-                self.waiting[:0] = [row for rest in groups[index + 1 :] for row in rest]
+        for index, row in enumerate(admitted):
+            if not self._begin(row):
+                self.waiting[:0] = admitted[index + 1 :]
                 break
         return admitted, plan.drain
 
-    def _prefill(self, rows: list[Sequence]) -> bool:
-        """Prefill rows of one input length together (unpadded) and join them to the batch; False when
-        admission must stop for this step (the rows not prefilled are back in waiting)."""
+    def _begin(self, row: Sequence) -> bool:
+        """The row takes a slot, and what the cache holds of its prefix; its prefill follows in chunks.
+        False when admission must stop for this step (the row is back in waiting)."""
         now = self.clock()
-        for row in rows:
-            row.admitted_at = now
-            row.first_admitted_at = row.first_admitted_at or now
+        row.admitted_at = now
+        row.first_admitted_at = row.first_admitted_at or now
         try:
-            tokens, cache, length = self.runner.prefill([row.inputs for row in rows], _masks_of(rows))
+            reused = self.runner.begin(row.row_id, row.inputs, row.prompt_tokens, row.identity)
         except Exception as exc:
-            error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
-            if len(rows) > 1:  # one at a time: a row that breaks the model or does not fit, by itself
-                for index, row in enumerate(rows):
-                    if not self._prefill([row]):
-                        self.waiting[:0] = rows[index + 1 :]
-                        return False
-                return True
-            if isinstance(error, OutOfMemory) and (self.running or self.held):
-                self._requeue(rows, restart=False)  # it may fit alone, or once a neighbour has left
-                self._lower_ceiling(self.in_memory)
-                return False
-            self._fail(rows[0], error)
-            return True
-        if not self._safely(lambda: self.batch.add([row.row_id for row in rows], cache, length)):
-            self._requeue(rows, restart=False)  # its prefill is lost with the rest; nothing generated yet
+            if not isinstance(inference.classify(exc), OutOfMemory):  # WorkerUnusable goes through
+                raise  # taking a slot runs no model: any other failure is the engine's own
+            self.runner.abandon(row.row_id)
+            self._requeue([row], restart=False)
+            self._lower_ceiling(max(1, self.in_memory))
             return False
-        self._report.prefilled += len(rows)
-        first = self.clock()
-        ended = []
-        for row, token in zip(rows, tokens, strict=True):
-            row.first_token_at = first
-            self.running[row.row_id] = row
-            if row.accept(token):  # ended at its first token: it leaves before any decode step
-                row.finished_at = first
-                ended.append(row.row_id)
-        self._retire(set(ended))
+        row.computed = row.cached_tokens = reused
+        self.prefilling[row.row_id] = row
+        report = self._report
+        report.lookups += row.identity is not None
+        report.hits += reused > 0
+        report.reused += reused
+        return True
+
+    def _chunks(self, due: bool) -> list[Sequence]:
+        """Prefill chunks within the step's budget of positions (scheduler.chunks: tickets first); a
+        row whose prompt is whole joins the decode steps with its first token. The rows that moved."""
+        order = scheduler.chunk_order(rows_of.candidates(self.prefilling.values()), self._holding(due))
+        left = max(1, self.limits.prefill_tokens)  # the first row always moves
+        moved = []
+        for row_id in order:
+            row = self.prefilling.get(row_id)
+            if row is None or left <= 0:  # sent back meanwhile (a retirement ran out of memory)
+                break
+            self._caught_up(row)
+            stop = min(row.prompt_tokens, row.computed + left)
+            left -= stop - row.computed
+            masks_of = rows_of.masks_of([row]) if stop == row.prompt_tokens else None
+            try:
+                token = self.runner.extend(row_id, stop, masks_of)
+            except Exception as exc:
+                if not self._chunk_failed(row, exc):
+                    break
+                continue
+            self._report.computed += stop - row.computed
+            row.computed = stop
+            moved.append(row)
+            if token is not None and not self._joined(row, token):
+                break  # out of memory joining it: every row in memory went back to waiting
+        return moved
+
+    def _caught_up(self, row: Sequence) -> None:
+        """What other rows wrote of its prefix since it began: copied, not computed."""
+        gained = self.runner.catch_up(row.row_id)
+        if gained:
+            self._report.hits += row.cached_tokens == 0
+            self._report.reused += gained
+            row.computed += gained
+            row.cached_tokens += gained
+
+    def _joined(self, row: Sequence, token: int) -> bool:
+        """A row whose prefill is whole: into the decode steps, its first token taken. False when the
+        join ran out of memory (settled like a failed step: every row in memory back to waiting)."""
+        if not self._safely(lambda: self.batch.join(row.row_id)):
+            return False
+        del self.prefilling[row.row_id]
+        self._report.prefilled += 1
+        row.first_token_at = self.clock()
+        self.running[row.row_id] = row
+        if row.accept(token):  # ended at its first token: it leaves before any decode step
+            row.finished_at = row.first_token_at
+            self._retire({row.row_id})
+        return True
+
+    def _chunk_failed(self, row: Sequence, exc: Exception) -> bool:
+        """A chunk that failed is its row's alone (a chunk is one row's): its error, except out of
+        memory while other rows are in memory, which sends it back to waiting and stops this step's
+        chunks (False). Its slot is freed: what the chunk wrote is not known to be sound."""
+        error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
+        del self.prefilling[row.row_id]
+        self.runner.abandon(row.row_id)
+        if isinstance(error, OutOfMemory) and self.in_memory:
+            self._requeue([row])  # it may fit alone, or once a neighbour has left
+            self._lower_ceiling(self.in_memory)
+            return False
+        self._fail(row, error)
         return True
 
     # ---------------------------------------------------------------- failures
@@ -242,13 +304,16 @@ class Engine:
         return True
 
     def _memory_failed(self) -> None:
-        rows = [*self.running.values(), *self.held.values()]
+        rows = self._memory_rows()
         if rows:
             self._lower_ceiling(len(rows) - 1)  # the youngest's share freed
+        for row_id in self.prefilling:
+            self.runner.abandon(row_id)
         self.running.clear()
         self.held.clear()
+        self.prefilling.clear()
         self._drop_all()
-        self.held_batch = _emptied(self.held_batch, self.runner)
+        self.held_batch = rows_of.emptied(self.held_batch, self.runner)
         self._requeue(rows)
         self._report.restarted += len(rows)
 
@@ -261,9 +326,9 @@ class Engine:
             return
         self._report.restarted += len(rows)
         if isinstance(error, OutOfMemory):
-            self._lower_ceiling(len(rows) - 1 + len(self.held))  # the youngest's share freed
+            self._lower_ceiling(self.in_memory - 1)  # the youngest's share freed
         else:  # halves that run apart: the one that fails again is split again, down to one row
-            for half in halves(rows):
+            for half in rows_of.halves(rows):
                 group = f"split-{next(self._groups)}"
                 for row in half:
                     row.group = group
@@ -275,18 +340,21 @@ class Engine:
         ran out of memory (then every row in memory went back instead)."""
         ids = {row.row_id for row in rows}
 
-        def drop() -> None:
+        def drop() -> None:  # their prompts' positions stay with the prefix cache: a pause loses less
             if ids >= set(self.running):
-                self._drop_all()
+                self._drop_all(keep=True)
             else:
-                self.batch.drop(ids & set(self.running))
-            self.held_batch.drop(ids & set(self.held))
+                self.batch.drop(ids & set(self.running), keep=True)
+            self.held_batch.drop(ids & set(self.held), keep=True)
+            for row_id in ids & set(self.prefilling):
+                self.runner.abandon(row_id, keep=True)
 
         if not self._safely(drop):
             return False
         for row in rows:
             self.running.pop(row.row_id, None)
             self.held.pop(row.row_id, None)
+            self.prefilling.pop(row.row_id, None)
             row.pauses += 1
         self._requeue(rows)
         return True
@@ -302,7 +370,7 @@ class Engine:
     def _hold_or_release(self, due: bool) -> None:
         """Backlog rows out of the decode step while tickets decode (scheduler.hold), back after and
         at the backlog's due steps. After admission: only the tickets that will decode count."""
-        if scheduler.hold(_candidates(self.running.values()), _candidates(self.waiting), self.limits, due):
+        if self._holding(due):
             backlog = {row_id for row_id, row in self.running.items() if row.lane != scheduler.INTERACTIVE}
             if backlog:
                 self.held_batch.absorb(self.batch.take(backlog))
@@ -313,10 +381,14 @@ class Engine:
             self.held.clear()
             self.held_batch = self.runner.new_batch()
 
-    def _drop_all(self) -> None:
-        """Every running row out of the batch, its slot free (nothing is copied)."""
+    def _holding(self, due: bool) -> bool:
+        running, waiting = rows_of.candidates(self.running.values()), rows_of.candidates(self.waiting)
+        return scheduler.hold(running, waiting, self.limits, due)
+
+    def _drop_all(self, keep: bool = False) -> None:
+        """Every running row out of the batch, its slot free or left to the prefix cache (`keep`)."""
         self.running.clear()
-        self.batch = _emptied(self.batch, self.runner)
+        self.batch = rows_of.emptied(self.batch, self.runner, keep)
 
     def _fail(self, row: Sequence, error: MrcError) -> None:
         row.error, row.finished_at = error, self.clock()
@@ -330,51 +402,7 @@ class Engine:
         for row in finished:  # their answers are whole: handed back whatever the batch does next
             self._report.finished += 1
             self.on_finished(row)
-        if not self._safely(lambda: self.batch.drop(done)):
+        if not self._safely(lambda: self.batch.drop(done, keep=True)):
             return
-        if not self.running and not self.held:
+        if not self.in_memory:
             self.row_ceiling = None  # an empty cache: try the full capacity again
-
-
-def _emptied(batch: RowBatch, runner: StepModel) -> RowBatch:
-    """The batch with every row dropped (their slots free); a fresh one if dropping fails (a batch
-    whose bookkeeping itself ran out of memory: the slot cache's never does, it is plain Python)."""
-    try:
-        batch.drop(set(batch.row_ids))
-    except Exception:
-        return runner.new_batch()
-    return batch
-
-
-def _masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
-    """The rows' grammar mask, built when the model call asks for it; None: every row is free."""
-    constraints = [row.constraint for row in rows]
-    if all(c is None for c in constraints):
-        return None
-    return lambda: masks.for_rows(constraints)
-
-
-def _candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
-    """The rows as the pure policy sees them."""
-    return [scheduler.Candidate(r.row_id, r.lane, r.group, r.prompt_tokens, r.pauses, r.turn) for r in rows]
-
-
-def _has_backlog(rows: Iterable[scheduler.Candidate]) -> bool:
-    return any(c.lane != scheduler.INTERACTIVE for c in rows)
-
-
-def halves(rows: list[Sequence]) -> list[list[Sequence]]:
-    """Two groups of (nearly) equal size, tickets first (so the tickets' half runs first); one row
-    stays one."""
-    ordered = sorted(rows, key=lambda r: r.lane != scheduler.INTERACTIVE)
-    middle = (len(ordered) + 1) // 2
-    return [part for part in (ordered[:middle], ordered[middle:]) if part]
-
-
-def _equal_lengths(rows: list[Sequence]) -> list[list[Sequence]]:
-    """Rows grouped by input length (in first-admitted order) for unpadded prefills together (a plan
-    never mixes a group with other rows; a prefill that fails is retried a row at a time)."""
-    groups: dict[object, list[Sequence]] = {}
-    for row in rows:
-        groups.setdefault((row.group, row.prompt_tokens), []).append(row)
-    return list(groups.values())

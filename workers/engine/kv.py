@@ -39,6 +39,8 @@ class SlotCache:
         self.rows: torch.Tensor | None = None
         self.write: torch.Tensor | None = None
         self.view: tuple[int, int] | None = None
+        # A prefill chunk instead (set by the runner): (slot, first position) of one row's positions.
+        self.chunk: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -47,9 +49,15 @@ class SlotCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
     ) -> Any:
-        """Write one position per batch row ([rows, heads, 1, head_dim]) in place; return what
-        attention reads."""
+        """Write one position per batch row ([rows, heads, 1, head_dim]) in place, or a chunk's
+        positions of one row ([1, heads, n, head_dim]); return what attention reads."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.chunk is not None:
+            slot, start = self.chunk
+            stop = start + key_states.shape[2]
+            keys[slot, :, start:stop] = key_states[0]
+            values[slot, :, start:stop] = value_states[0]
+            return keys[slot : slot + 1, :, :stop], values[slot : slot + 1, :, :stop]
         keys[self.rows, :, self.write] = key_states[:, :, -1]
         values[self.rows, :, self.write] = value_states[:, :, -1]
         if self.view is None:
@@ -67,11 +75,12 @@ class SlotCache:
             self.keys[index][slot, :, :length].copy_(new_keys)
             self.values[index][slot, :, :length].copy_(new_values)
 
-    def move(self, old: int, new: int, length: int) -> None:
-        """A row's positions from one slot to another (compaction: workers/engine/slot_table.py)."""
+    def move(self, old: int, new: int, length: int, start: int = 0) -> None:
+        """A row's positions start..length from one slot to another (compaction: workers/engine/
+        slot_table.py; a prefix hit on another row: workers/engine/prefix_index.py)."""
         for keys, values in zip(self.keys, self.values, strict=True):
-            keys[new, :, :length].copy_(keys[old, :, :length])
-            values[new, :, :length].copy_(values[old, :, :length])
+            keys[new, :, start:length].copy_(keys[old, :, start:length])
+            values[new, :, start:length].copy_(values[old, :, start:length])
 
 
 class SlotBatch:
@@ -102,11 +111,19 @@ class SlotBatch:
             raise
         self.row_ids += row_ids
 
-    def drop(self, row_ids: set[str]) -> None:
-        """Rows that left: their slots are free at once, and nothing moves."""
+    def drop(self, row_ids: set[str], keep: bool = False) -> None:
+        """Rows that left: their slots are free at once, and nothing moves. `keep`: their prompts'
+        positions are sound (they finished, or were paused), so their slots go to the prefix cache."""
         for row_id in [r for r in self.row_ids if r in row_ids]:
-            self.table.release(row_id)
+            if keep:
+                self.table.retain(row_id)
+            else:
+                self.table.release(row_id)
         self.row_ids = [r for r in self.row_ids if r not in row_ids]
+
+    def join(self, row_id: str) -> None:
+        """A row whose prefill is whole (in its slot already) joins the decode steps."""
+        self.row_ids.append(row_id)
 
     def take(self, row_ids: set[str]) -> SlotBatch:
         """These rows, slots and all, into a batch of their own (held rows)."""

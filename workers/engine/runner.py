@@ -13,7 +13,7 @@ weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Literal
 
 import torch
@@ -23,6 +23,7 @@ from workers.engine import row_attention
 from workers.engine.fixed_step import FixedStep, buckets, rows_bucket, width_bucket
 from workers.engine.kv import SlotBatch, SlotCache
 from workers.engine.masks import MaskFn
+from workers.engine.prefix_index import chain
 from workers.engine.sequence import DEAD_END
 from workers.engine.slot_table import SlotTable
 
@@ -35,9 +36,15 @@ Threads = Callable[[int, str], object] | None
 
 class Runner:
     def __init__(
-        self, model: Any, slots: int, positions: int, threads: Threads = None, decode: DecodeMode = "rows"
+        self,
+        model: Any,
+        slots: int,
+        positions: int,
+        threads: Threads = None,
+        decode: DecodeMode = "rows",
+        reuse: bool = True,
     ) -> None:
-        self.model, self.threads, self.decode_mode = model, threads, decode
+        self.model, self.threads, self.decode_mode, self.reuse = model, threads, decode, reuse
         self.language = model.model.language_model
         text = self.language.config
         heads = int(text.num_attention_heads)
@@ -49,6 +56,9 @@ class Runner:
         )  # fmt: skip
         self._steps: dict[tuple[int, int], FixedStep] = {}
         self.captured = 0  # fixed steps recorded as CUDA graphs
+        # Rows whose prefill is under way: their input embeddings (image patches in place, made once)
+        # and their prefix's block hashes.
+        self._pending: dict[str, tuple[torch.Tensor, list[bytes]]] = {}
 
     def new_batch(self) -> SlotBatch:
         return SlotBatch(self.table, self.cache)
@@ -64,6 +74,114 @@ class Runner:
             self.threads(int(joined["input_ids"].numel()), "prefill")
         out = _freeing_on_oom(lambda: self.model(**joined, use_cache=True, logits_to_keep=1))
         return _pick(out.logits[:, -1], masks), out.cache, length
+
+    @torch.inference_mode()
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Hashable | None = None) -> int:
+        """A row about to prefill takes a slot. Its leading positions that a slot already holds (the
+        same image and prompt start, workers/engine/prefix_index.py) are taken over from a retained
+        slot or copied from a running row's, and never computed: returns how many (at least one
+        position is always left to compute, for the row's first token)."""
+        ids = inputs["input_ids"][0].tolist()
+        if len(ids) != length:
+            raise ValueError(f"row {row_id}: {len(ids)} input positions, {length} expected")
+        hashes = chain(identity, ids) if identity is not None and self.reuse else []
+        table = self.table
+        hit = table.index.match(hashes) if hashes else None
+        reused = min(hit.positions, length - 1) if hit is not None else 0
+        if hit is not None and reused > 0 and table.retained(hit.holder):
+            table.take_over(row_id, hit.holder, reused)
+        elif hit is not None and reused > 0:
+            source = table.slot(hit.holder)  # before assign: a full table evicts only retained slots
+            self.cache.move(source, table.assign(row_id, reused), reused)
+        else:
+            reused = 0
+            table.assign(row_id, 0)
+        table.index.add(row_id, hashes[: reused // table.index.block])
+        self._pending[row_id] = (self._embeddings(inputs), hashes)
+        return reused
+
+    @torch.inference_mode()
+    def catch_up(self, row_id: str) -> int:
+        """Positions of the row's prefix that another row wrote since it began (questions about one
+        photo admitted together: the first to prefill writes it for all), copied into its slot: how
+        many it gained. A hit never depends on the order rows arrive in."""
+        table = self.table
+        hashes = self._pending[row_id][1]
+        hit = table.index.match(hashes) if hashes else None
+        if hit is None or hit.holder == row_id:
+            return 0
+        have, total = table.length(row_id), int(self._pending[row_id][0].shape[1])
+        reused = min(hit.positions, total - 1)
+        if reused <= have:
+            return 0
+        self.cache.move(table.slot(hit.holder), table.slot(row_id), reused, start=have)
+        table.set_length(row_id, reused)
+        table.index.add(row_id, hashes[: reused // table.index.block])
+        return reused - have
+
+    @torch.inference_mode()
+    def extend(self, row_id: str, stop: int, masks: MaskFn | None = None) -> int | None:
+        """Prefill the row's positions from what its slot holds up to `stop`, in place, attending to
+        every position before: one chunk. The row's first generated token when `stop` ends its prompt,
+        else None."""
+        embeddings, hashes = self._pending[row_id]
+        table, cache = self.table, self.cache
+        slot, start = table.slot(row_id), table.length(row_id)
+        length = int(embeddings.shape[1])
+        if not start < stop <= length:
+            raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
+        if self.threads is not None:
+            self.threads(stop - start, "prefill")
+        device = embeddings.device
+        columns = torch.arange(stop, device=device)
+        rows = torch.arange(start, stop, device=device)
+        lowest = torch.finfo(embeddings.dtype).min
+        mask = torch.where(columns.unsqueeze(0) <= rows.unsqueeze(1), 0.0, lowest).to(embeddings.dtype)
+        cache.chunk = (slot, start)
+        try:
+            hidden = _freeing_on_oom(
+                lambda: (
+                    self.language(
+                        inputs_embeds=embeddings[:, start:stop],
+                        attention_mask=mask.view(1, 1, stop - start, stop),
+                        position_ids=rows.unsqueeze(0),
+                        cache=cache,
+                        use_cache=True,
+                    ).last_hidden_state
+                )
+            )
+        finally:
+            cache.chunk = None
+        table.set_length(row_id, stop)
+        table.index.add(row_id, hashes[: stop // table.index.block])
+        if stop < length:
+            return None
+        del self._pending[row_id]
+        return _pick(self.model.lm_head(hidden[:, -1]), masks)[0]
+
+    def abandon(self, row_id: str, keep: bool = False) -> None:
+        """A row that leaves before its prefill is whole (paused, failed): its slot freed, or left to
+        the prefix cache with the blocks it wrote (`keep`)."""
+        self._pending.pop(row_id, None)
+        if row_id in self.table:
+            if keep:
+                self.table.retain(row_id)
+            else:
+                self.table.release(row_id)
+
+    def _embeddings(self, inputs: Any) -> torch.Tensor:
+        """The row's input embeddings, image patches in place: what Fuyu's own forward does before its
+        language model, made once per row and sliced by each chunk."""
+        fuyu = self.model.model
+        ids = inputs["input_ids"]
+        embeddings: torch.Tensor = self.language.get_input_embeddings()(ids)
+        pixels = inputs.get("pixel_values")
+        if pixels is not None:
+            patches = fuyu.get_image_features(pixels, return_dict=True).last_hidden_state
+            patches = patches.to(embeddings.device, embeddings.dtype)
+            placeholders = fuyu.get_placeholder_mask(ids, inputs_embeds=embeddings, image_features=patches)
+            embeddings = embeddings.masked_scatter(placeholders, patches)
+        return embeddings
 
     @torch.inference_mode()
     def decode(self, batch: SlotBatch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:

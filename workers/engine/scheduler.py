@@ -60,6 +60,9 @@ class Limits:
     backlog_prefill_tokens: int = 1 << 30
     # Share of the steps, while tickets are in, that belong to the backlog (0: none, strict priority).
     backlog_share: float = 0.0
+    # Most prefill positions computed at one step, all lanes (`chunks`): a long prefill is cut in
+    # chunks, so a ticket that arrives waits for at most one step's worth.
+    prefill_tokens: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,16 @@ def took_turn(step: Step, limits: Limits) -> bool:
     held_back = limits.hold_backlog and not waits and _backlog(step.decoded) and _tickets(step.decoded)
     over_share = waits and sum(c.lane != INTERACTIVE for c in step.in_memory) > backlog_slots(limits)
     return _backlog(step.admitted) or held_back or over_share
+
+
+def chunk_order(rows: Seq[Candidate], hold_backlog: bool = False) -> list[str]:
+    """Which prefilling rows get the step's prefill budget, in order: tickets first, each lane in
+    admission order; backlog rows none while `hold_backlog` (tickets decode, as held rows sit out)."""
+    return [
+        c.row_id
+        for c in sorted(rows, key=lambda c: c.lane != INTERACTIVE)
+        if not (hold_backlog and c.lane != INTERACTIVE)
+    ]
 
 
 def hold(running: Seq[Candidate], waiting: Seq[Candidate], limits: Limits, due: bool = False) -> bool:

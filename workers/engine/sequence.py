@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +31,11 @@ class Sequence:
     deadline: float | None = None  # wall-clock seconds; past it at admission, the row expires
     exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
     constraint: RowConstraint | None = None  # its grammar (structured answers); None: free text
+    # What decides its prefix's positions besides the token ids (workers/engine/prefix_index.py): the
+    # image's sha256, the size it was fitted to, the key that sent it. None: it never shares a prefix.
+    identity: Hashable | None = None
+    computed: int = 0  # prompt positions in its slot so far (reused or prefilled)
+    cached_tokens: int = 0  # of its prompt, positions reused from the cache at its last admission
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded
     finish_reason: FinishReason | None = None
     error: MrcError | None = None  # why it failed, when it did
@@ -83,6 +89,7 @@ class Sequence:
         """Back to waiting, to be recomputed from its prompt: greedy decoding makes the same tokens
         again, so a pause costs compute, never a different answer."""
         self.tokens.clear()
+        self.computed = self.cached_tokens = 0
         self.finish_reason = None
         self.admitted_at = self.first_token_at = None
         self.masked_steps = 0

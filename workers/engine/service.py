@@ -139,14 +139,24 @@ class EngineService:
             future.set_exception(fatal)
         self._futures.clear()
 
+    def _account_prefill(self, report: StepReport) -> None:
+        metrics = self.metrics
+        metrics.prefill_computed.inc(report.computed)
+        metrics.prefix_lookups.inc(report.lookups)
+        metrics.prefix_hits.inc(report.hits)
+        metrics.prefix_reused.inc(report.reused)
+        table = getattr(self.engine.runner, "table", None)
+        metrics.prefix_cached.set(table.cached if table is not None else 0)
+
     def _account(self, report: StepReport, seconds: float) -> None:
         engine, metrics = self.engine, self.metrics
-        ran = report.prefilled or report.decoded_rows or report.restarted
+        ran = report.computed or report.decoded_rows or report.restarted
         if ran:
             metrics.steps.inc()
             metrics.model_busy.inc(seconds)
         if report.discarded:
             metrics.discarded.inc(report.discarded)
+        self._account_prefill(report)
         if report.decoded_rows:
             batch = engine.batch
             metrics.model_batch_jobs.observe(report.decoded_rows)

@@ -5,12 +5,19 @@ The cache is allocated once, as `slots` slots of `positions` positions each (eve
 values). A row takes the lowest free slot when it joins, so the rows in use stay packed at the low end
 of the table (the decode step of fixed shapes runs over a prefix of the slots, workers/engine/runner.py)
 and a row that leaves frees its slot without moving anything.
+
+A row that leaves may instead leave its slot to the prefix cache (`retain`): its leading positions
+stay, for a later row with the same prefix to copy or take over (workers/engine/prefix_index.py), until
+a row needs the slot: then the least recently used retained slot is freed. Retained slots are no row's:
+they count in neither `used` nor `held`, and a fixed-shape step never covers one for its own sake.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+from workers.engine.prefix_index import PrefixIndex
 
 
 class NoFreeSlot(RuntimeError):
@@ -24,27 +31,66 @@ class SlotTable:
     _free: list[int] = field(default_factory=list)
     _slot: dict[str, int] = field(default_factory=dict)  # row id -> its slot
     _length: dict[str, int] = field(default_factory=dict)  # row id -> positions it holds
+    index: PrefixIndex = field(default_factory=PrefixIndex)  # the prefixes the slots hold
+    _retained: set[str] = field(default_factory=set)  # slots left to the prefix cache, by former row id
 
     def __post_init__(self) -> None:
         self._free = list(range(self.slots))
         heapq.heapify(self._free)
 
     def assign(self, row_id: str, length: int) -> int:
-        """The lowest free slot, now holding `length` positions of this row."""
+        """The lowest free slot (the least recently used retained one freed when none is), now holding
+        `length` positions of this row."""
         if row_id in self._slot:
             raise ValueError(f"row {row_id} already holds slot {self._slot[row_id]}")
         if length > self.positions:
             raise ValueError(f"row {row_id} needs {length} positions; a slot holds {self.positions}")
         if not self._free:
-            raise NoFreeSlot(f"all {self.slots} slots are taken")
+            evicted = self.index.evict()
+            if evicted is None:
+                raise NoFreeSlot(f"all {self.slots} slots are taken")
+            self.release(evicted)
         slot = heapq.heappop(self._free)
         self._slot[row_id], self._length[row_id] = slot, length
         return slot
 
+    def take_over(self, row_id: str, holder: str, length: int) -> int:
+        """A retained slot becomes this row's, its first `length` positions kept (a prefix hit that
+        copies nothing)."""
+        if holder not in self._retained:
+            raise ValueError(f"{holder} is not a retained slot")
+        self.index.remove(holder)
+        self._retained.discard(holder)
+        slot = self._slot.pop(holder)
+        del self._length[holder]
+        self._slot[row_id], self._length[row_id] = slot, min(length, self.positions)
+        return slot
+
     def release(self, row_id: str) -> None:
+        """The row's slot is free (and its prefix forgotten)."""
+        self.index.remove(row_id)
+        self._retained.discard(row_id)
         slot = self._slot.pop(row_id)
         del self._length[row_id]
         heapq.heappush(self._free, slot)
+
+    def retain(self, row_id: str) -> None:
+        """A row that leaves: its slot stays with the prefix cache when the index knows its prefix,
+        else it is freed."""
+        if row_id not in self.index:
+            self.release(row_id)
+            return
+        self._retained.add(row_id)
+        self.index.retain(row_id)
+
+    def retained(self, row_id: str) -> bool:
+        return row_id in self._retained
+
+    def set_length(self, row_id: str, length: int) -> None:
+        """Positions the row holds now (a prefill chunk wrote up to there)."""
+        if length > self.positions:
+            raise ValueError(f"row {row_id} needs {length} positions; a slot holds {self.positions}")
+        self._length[row_id] = length
 
     def compact(self) -> list[tuple[int, int, int]]:
         """Move the rows in the highest slots down into the lowest free ones until the rows in use are
@@ -53,7 +99,7 @@ class SlotTable:
         would make every step cover (and read the padding of) every slot below it."""
         moves = []
         while self._free and self._free[0] < self.top:
-            row_id = max(self._slot, key=self._slot.__getitem__)
+            row_id = max(self._live(), key=self._slot.__getitem__)
             old, new = self._slot[row_id], heapq.heappop(self._free)
             self._slot[row_id] = new
             heapq.heappush(self._free, old)
@@ -76,20 +122,30 @@ class SlotTable:
     def __contains__(self, row_id: object) -> bool:
         return row_id in self._slot
 
+    def _live(self) -> list[str]:
+        return [row_id for row_id in self._slot if row_id not in self._retained]
+
     @property
     def used(self) -> int:
-        return len(self._slot)
+        """Slots rows hold (retained ones are not a row's)."""
+        return len(self._slot) - len(self._retained)
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Slots a row may take: free ones and retained ones (evicted on demand)."""
+        return len(self._free) + len(self._retained)
 
     @property
     def held(self) -> int:
         """Positions the rows hold in all (what memory really holds of them)."""
-        return sum(self._length.values())
+        return sum(self._length[row_id] for row_id in self._live())
+
+    @property
+    def cached(self) -> int:
+        """Positions the retained slots hold for the prefix cache."""
+        return sum(self._length[row_id] for row_id in self._retained)
 
     @property
     def top(self) -> int:
-        """One past the highest slot in use: the prefix of the table a fixed-shape step must cover."""
-        return max(self._slot.values(), default=-1) + 1
+        """One past the highest slot a row holds: the prefix of the table a fixed-shape step must cover."""
+        return max((self._slot[row_id] for row_id in self._live()), default=-1) + 1

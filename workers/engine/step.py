@@ -1,10 +1,12 @@
-"""The seam between the engine and a model: what a model's step does (`StepModel`: prefill new rows,
-decode one step for every running row) and the running rows it keeps (`RowBatch`). Plain Python: the
-engine and its scheduler hold to these without loading torch; workers/engine/runner.py serves
-transformers' Fuyu through them, workers/backends/echo.py a model without weights."""
+"""The seam between the engine and a model: what a model's step does (`StepModel`: give a row a slot
+and its cached prefix, prefill it in chunks, decode one step for every running row) and the running
+rows it keeps (`RowBatch`). Plain Python: the engine and its scheduler hold to these without loading
+torch; workers/engine/runner.py serves transformers' Fuyu through them, workers/backends/echo.py a
+model without weights."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 from workers.engine.masks import MaskFn
@@ -23,9 +25,9 @@ class RowBatch(Protocol):
     @property
     def held(self) -> int: ...
 
-    def add(self, row_ids: list[str], cache: Any, length: int) -> None: ...
+    def join(self, row_id: str) -> None: ...
 
-    def drop(self, row_ids: set[str]) -> None: ...
+    def drop(self, row_ids: set[str], keep: bool = False) -> None: ...
 
     def absorb(self, other: Any) -> None: ...
 
@@ -35,6 +37,17 @@ class RowBatch(Protocol):
 class StepModel(Protocol):
     def new_batch(self) -> RowBatch: ...
 
-    def prefill(self, inputs: list[Any], masks: MaskFn | None = None) -> tuple[list[int], Any, int]: ...
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Hashable | None = None) -> int:
+        """Take a slot for a row about to prefill (`length` positions); the leading positions reused
+        from the cache."""
+
+    def catch_up(self, row_id: str) -> int:
+        """Positions of the row's prefix other rows wrote since it began, now in its slot too."""
+
+    def extend(self, row_id: str, stop: int, masks: MaskFn | None = None) -> int | None:
+        """Prefill the row up to `stop` (one chunk); its first token once its prompt is whole."""
+
+    def abandon(self, row_id: str, keep: bool = False) -> None:
+        """A row that leaves during its prefill."""
 
     def decode(self, batch: Any, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]: ...
