@@ -8,6 +8,7 @@ Real redis-server, moto S3 server, worker processes, tiny Fuyu (NF4, CPU).
   system     mrc-worker: deliveries on the threads pool, decode pool, device preprocessing, the
              iteration-level engine (MRC_MODEL_BATCH_MAX_JOBS = --batch rows), S3 results
   unbatched  mrc-worker with MRC_MODEL_BATCH_MAX_JOBS=1 (one row at a time) and deliveries of 2
+  noreuse    mrc-worker with MRC_ENGINE_PREFIX_CACHE=off (every prefill whole: no photo reused)
   naive      one Celery task per job, PIL + FuyuProcessor, generate at batch 1, result to S3
 The trickle row sends jobs one by one below capacity and reports latency (p50, p99) for system and
 naive. For each system run it prints where the worker's time went (stages, time between deliveries).
@@ -145,12 +146,16 @@ def system(
             if wl.trickle_per_s:
                 time.sleep(1 / wl.trickle_per_s)
         latencies, texts = [], []
+        reused = prompt = 0
         for job in built:
             result = client.wait(job.job_id, 900)
             assert result["status"] == "succeeded", result
             assert not result.get("cache_hit"), "a cached answer is not a measurement"
             latencies.append(parse_rfc3339(result["finished_at"]).timestamp() - sent[job.job_id])
             texts.append(result["text"])
+            usage = result.get("usage") or {}
+            reused += int(usage.get("cached_tokens", 0))
+            prompt += int(usage.get("prompt_tokens", 0))
         wall = time.perf_counter() - began
         ready = worker.find("MRC_ENGINE_READY")
         return {
@@ -158,6 +163,7 @@ def system(
             "latencies": latencies,
             "texts": texts,
             "breakdown": _breakdown(worker, wall),
+            "reused": f"{reused} ({reused / max(1, prompt):.0%})",
             "engine": " ".join(f"{k}={v}" for k, v in ready[0].items() if k in ENGINE_KEYS)
             if ready
             else "static batches",
@@ -186,6 +192,7 @@ def run_row(
             _pct(measured["latencies"], 0.99),
         )
         row["breakdown"], row["engine"] = measured["breakdown"], measured["engine"]
+        row["reused"] = measured["reused"]
         print(f"  [{wl.name}] system: {measured['breakdown']}; {measured['engine']}", flush=True)
     if "before" in parts and BEFORE.get("tree"):  # the same system from another tree (--before)
         measured = system(wl, paths, jobs, work, {**env, "PYTHONPATH": BEFORE["tree"]}, batch, "bef")
@@ -194,6 +201,10 @@ def run_row(
             _pct(measured["latencies"], 0.5),
             _pct(measured["latencies"], 0.99),
         )
+    if "noreuse" in parts:
+        off = system(wl, paths, jobs, work, {**env, "MRC_ENGINE_PREFIX_CACHE": "off"}, batch, "off")
+        row["noreuse"] = off["rate"]
+        print(f"  [{wl.name}] noreuse: {off['breakdown']}", flush=True)
     if "unbatched" in parts and not wl.trickle_per_s:
         row["unbatched"] = system(wl, paths, jobs, work, env, 1, "one")["rate"]
     if "naive" in parts:
@@ -239,6 +250,15 @@ def report(rows: list[dict[str, Any]]) -> None:
         print(f"| {r['workload']} | {f('system')} | {f('before')} | {f('naive')} | {f('unbatched')} | "
               f"{f('bare')} | {f('bare+dec')} | {ratio} | {before} | {vs_bare} | {lat_sys} | {lat_before} | "
               f"{lat_naive} |")  # fmt: skip
+    reuse = [r for r in rows if "noreuse" in r and "system" in r]
+    if reuse:
+        print("\n| workload | system jobs/s | prefix reuse off | system / reuse off | system / naive | "
+              "positions reused (share of prompt positions) |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for r in reuse:
+            naive = f"{r['system'] / r['naive']:.2f}" if "naive" in r else "-"
+            print(f"| {r['workload']} | {r['system']:.2f} | {r['noreuse']:.2f} | "
+                  f"{r['system'] / r['noreuse']:.2f} | {naive} | {r.get('reused', '-')} |")  # fmt: skip
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,14 @@ MIXED_SIZES = (
     ("photo", 4032, 3024),
 )
 PHOTOS_1MP = (("photo", 1024, 768), ("photo", 1024, 1024), ("photo", 768, 1024), ("photo", 1280, 720))
+# Four sizes from 0.3 to 2 MP, and what a nightly backlog asks of every photo (the parcels questions).
+PHOTOS_03_2MP = (("photo", 640, 480), ("photo", 1024, 768), ("photo", 1280, 960), ("photo", 1600, 1200))
+QUESTIONS = (
+    "What colour is the parcel?",
+    "Is the parcel damaged?",
+    "What is written on the label?",
+    "Summarise the parcel's state for the claims team.",
+)
 
 
 @dataclass(frozen=True)
@@ -34,9 +43,21 @@ class Workload:
     max_new: tuple[int, ...]  # cycled
     trickle_per_s: float = 0.0  # 0: every job at once; else one job every 1/rate seconds
     distinct_images: int = 8  # images made per workload (making 12 MP JPEGs takes seconds each)
+    # > 0: every photo is asked that many of the prompts (each a different one), the jobs shuffled
+    # (a seeded order: a hit must not depend on a photo's questions arriving together).
+    per_photo: int = 0
+
+    @property
+    def image_count(self) -> int:
+        return self.distinct_images if self.per_photo else min(self.distinct_images, len(self.images) * 4)
 
     def job(self, i: int) -> tuple[int, str, int]:
         """(image index, prompt, max_new_tokens) of job i."""
+        if self.per_photo:
+            pairs = [(n, q) for n in range(self.distinct_images) for q in range(self.per_photo)]
+            random.Random(38).shuffle(pairs)
+            n, q = pairs[i % len(pairs)]
+            return n, self.prompts[(n + q) % len(self.prompts)], self.max_new[0]
         return (
             i % min(self.distinct_images, len(self.images) * 4),
             self.prompts[(i // len(self.images)) % len(self.prompts)],
@@ -45,7 +66,7 @@ class Workload:
 
     def make_images(self, work: Path) -> list[Path]:
         paths = []
-        for n in range(min(self.distinct_images, len(self.images) * 4)):
+        for n in range(self.image_count):
             kind, width, height = self.images[n % len(self.images)]
             ext = "png" if kind == "screenshot" else "jpg"
             if kind == "parcel":  # a photo of the parcel world (scripts/parcels.py), any size of it
@@ -86,6 +107,11 @@ WORKLOADS: dict[str, Workload] = {
         ),
         # Jobs one by one, below capacity: what an interactive ticket waits (p50, p99), not jobs/s.
         Workload("trickle", PHOTOS_1MP, (PROMPT,), (64,), trickle_per_s=2.0),
+        # A nightly backlog's several questions per photo: 12 photos of four sizes (0.3-2 MP), four
+        # questions each, shuffled, 16 new tokens. Prefill dominates, and most of it is the photo.
+        Workload("photo-questions", PHOTOS_03_2MP, QUESTIONS, (16,), distinct_images=12, per_photo=4),
+        # The same jobs' shapes with every question about a different photo: what a miss costs.
+        Workload("photo-questions-miss", PHOTOS_03_2MP, QUESTIONS, (16,), distinct_images=48, per_photo=1),
     )
 }
 
