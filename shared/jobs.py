@@ -221,8 +221,9 @@ class Usage(BaseModel):
 
     prompt_tokens: int = 0
     image_tokens: int = 0  # the image's share of prompt_tokens
-    # Of prompt_tokens, positions the engine reused from an earlier job's identical prefix (the same
-    # photo from the same key, and the prompt's start), not computed; all of them for a reused answer.
+    # Of prompt_tokens, positions the engine reused from an identical prefix in memory (an earlier job's:
+    # the same photo from the same key, and the prompt's start; or its own paused run's), not computed;
+    # all of them for a reused answer.
     cached_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0

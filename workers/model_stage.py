@@ -319,8 +319,9 @@ class ModelStage:
 
 def _identity(slot: Slot) -> tuple[str, str, int, int] | None:
     """What decides the job's prefix besides its token ids: the key that sent it (one tenant never
-    learns by a faster answer that another asked about the same photo), the image's bytes, the size
-    they were fitted to. None: no image to share a prefix with."""
+    learns by a faster answer that another asked about the same photo), the image's bytes and the size
+    they decoded to (what they are fitted to then depends on the worker's settings alone). None: no
+    image to share a prefix with."""
     if slot.encoded is None or not slot.encoded.sha256 or slot.decoded_size is None or slot.job is None:
         return None
     size = slot.decoded_size

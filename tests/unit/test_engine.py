@@ -184,6 +184,27 @@ def test_a_photos_second_question_reuses_its_prefix_and_another_keys_does_not(ba
         assert done[row_id].tokens == _alone(backend, _photo(3, 0, prompt, 3))
 
 
+def test_a_paused_row_admitted_again_finds_its_own_prefix_and_keeps_the_table_whole(
+    backend: FuyuBackend,
+) -> None:
+    """A row paused mid-prefill leaves its slot to the cache; admitted again under the same row id it
+    collided with that slot (ValueError, the engine's end) or took a slot over twice (one lost). Now
+    the slot passes to a cache entry of its own, which the row takes over when it comes back."""
+    runner = backend.step_model(3)
+    item = _photo(3, 0, 1, 3)
+    inputs = backend.prepare([item]).inputs
+    length = int(inputs["input_ids"].shape[1])
+    assert runner.begin("a", inputs, length, ("key", "photo")) == 0
+    assert runner.extend("a", length) is not None  # a runs: its prefix is in slot 0
+    assert runner.begin("b", inputs, length, ("key", "photo")) >= length - 16  # copied from a
+    runner.abandon("b", keep=True)  # paused
+    assert runner.begin("b", inputs, length, ("key", "photo")) >= length - 16  # back, no collision
+    token = runner.extend("b", length)
+    assert token == _alone(backend, item)[0]
+    assert runner.table.used == 2
+    assert runner.table.used + runner.table.free == 3
+
+
 def test_a_row_joins_mid_flight_and_leaves_at_its_own_length(backend: FuyuBackend) -> None:
     """A long row runs; a short one joins at step 3 and leaves before it; a third joins after."""
     long, short, late = _item(3, 1, 12), _item(0, 0, 3), _item(1, 2, 5)

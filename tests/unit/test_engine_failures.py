@@ -289,3 +289,29 @@ def test_a_row_that_could_outgrow_its_slot_fails_alone_and_its_neighbours_run() 
     assert error.code == "invalid_job"
     assert "a slot of this worker holds 64" in error.message
     assert runner.table.used == 0
+
+
+class _BeginFails(StepProxy):
+    """The echo step model whose `begin` (a row's embeddings: the image through the model) fails."""
+
+    def __init__(self, error: BaseException, when: Any) -> None:
+        super().__init__(ECHO.step_model())
+        self.error, self.when = error, when
+
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
+        if self.when(row_id):
+            raise self.error
+        return super().begin(row_id, inputs, length, identity)
+
+
+@pytest.mark.parametrize("error", [OOM, ValueError("shapes do not match")], ids=["oom", "model"])
+def test_a_row_whose_admission_fails_alone_fails_by_itself_and_the_engine_goes_on(error: Exception) -> None:
+    """Taking a slot runs the model (the image's patches): out of memory with nothing beside it put
+    the row back for ever (the worker never idle), and any other error ended the engine with every
+    row in hand. Now it is that row's failure alone, as a prefill's is."""
+    steps = _BeginFails(error, lambda row_id: row_id == "bad")
+    engine, done = _engine(scheduler.Limits(max_rows=2, reserved_interactive=0), steps)
+    _drive(engine, [(_row("bad", new=4), 0), (_row("good", new=4), 0)])
+    assert type(done["bad"].error).__name__ == ("OutOfMemory" if error is OOM else "ModelError")
+    assert done["good"].error is None
+    assert engine.idle

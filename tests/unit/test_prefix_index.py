@@ -58,7 +58,7 @@ def test_a_full_table_frees_the_least_recently_used_retained_slot_and_never_a_ro
     table.assign("a", 0)
     table.index.add("a", chain("a", IMAGE))
     table.set_length("a", 3 * BLOCK)
-    table.retain("a")
+    assert table.retain("a") is not None
     assert (table.used, table.free, table.held, table.cached) == (0, 2, 0, 3 * BLOCK)
     table.assign("b", 5)
     table.assign("c", 5)  # the retained slot is freed for it
@@ -73,17 +73,40 @@ def test_taking_over_a_retained_slot_keeps_its_positions_and_frees_nothing() -> 
     slot = table.assign("a", 0)
     table.index.add("a", chain("a", IMAGE))
     table.set_length("a", 60)
-    table.retain("a")
-    assert table.take_over("b", "a", 3 * BLOCK) == slot
+    entry = table.retain("a")
+    assert entry is not None
+    assert table.take_over("b", entry, 3 * BLOCK) == slot
     assert (table.length("b"), table.used, table.cached) == (3 * BLOCK, 1, 0)
     with pytest.raises(ValueError, match="not a retained slot"):
         table.take_over("c", "b", 1)
 
 
+def test_a_paused_row_comes_back_under_its_own_id_beside_its_retained_slot() -> None:
+    """A paused row's slot passed to the cache under the row's own id, so the row, admitted again,
+    collided with it: a ValueError that ended the engine, or a slot taken over twice and lost."""
+    table = SlotTable(3, positions=100)
+    table.assign("b", 0)
+    table.index.add("b", chain("p", IMAGE))
+    table.set_length("b", 3 * BLOCK)
+    entry = table.retain("b")  # paused: its prompt's blocks kept
+    assert entry is not None
+    assert entry != "b"
+    assert "b" not in table
+    table.assign("b", 0)  # admitted again: a slot of its own, the cached one still there
+    hit = table.index.match(chain("p", IMAGE))
+    assert hit is not None
+    assert hit.holder == entry
+    with pytest.raises(ValueError, match="already holds"):
+        table.take_over("b", entry, 3 * BLOCK)
+    table.release("b")
+    assert table.take_over("b", entry, 3 * BLOCK) in range(3)
+    assert (table.used, table.free, table.cached) == (1, 2, 0)
+
+
 def test_a_row_with_no_prefix_known_leaves_its_slot_free() -> None:
     table = SlotTable(1, positions=10)
     table.assign("a", 4)
-    table.retain("a")  # nothing of it in the index: nothing to keep
+    assert table.retain("a") is None  # nothing of it in the index: nothing to keep
     assert (table.free, table.cached, "a" in table) == (1, 0, False)
 
 

@@ -210,13 +210,15 @@ class Engine:
         row.first_admitted_at = row.first_admitted_at or now
         try:
             reused = self.runner.begin(row.row_id, row.inputs, row.prompt_tokens, row.identity)
-        except Exception as exc:
-            if not isinstance(inference.classify(exc), OutOfMemory):  # WorkerUnusable goes through
-                raise  # taking a slot runs no model: any other failure is the engine's own
+        except Exception as exc:  # its embeddings run the model (the image's patches): its own failure
+            error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
             self.runner.abandon(row.row_id)
-            self._requeue([row], restart=False)
-            self._lower_ceiling(max(1, self.in_memory))
-            return False
+            if isinstance(error, OutOfMemory) and self.in_memory:
+                self._requeue([row], restart=False)  # it may fit alone, or once a neighbour has left
+                self._lower_ceiling(self.in_memory)
+                return False
+            self._fail(row, error)
+            return True
         row.computed = row.cached_tokens = reused
         self.prefilling[row.row_id] = row
         report = self._report

@@ -67,6 +67,12 @@ class PrefixIndex:
                 del self._holders[digest]
         self._retained.pop(holder, None)
 
+    def rename(self, old: str, new: str) -> None:
+        """The same blocks, held under another name (a slot passing from a row to the cache)."""
+        hashes = self._chains.get(old, [])
+        self.remove(old)
+        self.add(new, hashes)
+
     def retain(self, holder: str) -> None:
         """A finished row's slot stays with the cache: evictable, least recently used first."""
         if holder in self._chains:

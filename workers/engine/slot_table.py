@@ -15,6 +15,7 @@ they count in neither `used` nor `held`, and a fixed-shape step never covers one
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from workers.engine.prefix_index import PrefixIndex
@@ -32,7 +33,8 @@ class SlotTable:
     _slot: dict[str, int] = field(default_factory=dict)  # row id -> its slot
     _length: dict[str, int] = field(default_factory=dict)  # row id -> positions it holds
     index: PrefixIndex = field(default_factory=PrefixIndex)  # the prefixes the slots hold
-    _retained: set[str] = field(default_factory=set)  # slots left to the prefix cache, by former row id
+    _retained: set[str] = field(default_factory=set)  # slots left to the prefix cache, by entry id
+    _entries: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self._free = list(range(self.slots))
@@ -59,6 +61,8 @@ class SlotTable:
         copies nothing)."""
         if holder not in self._retained:
             raise ValueError(f"{holder} is not a retained slot")
+        if row_id in self._slot:
+            raise ValueError(f"row {row_id} already holds slot {self._slot[row_id]}")
         self.index.remove(holder)
         self._retained.discard(holder)
         slot = self._slot.pop(holder)
@@ -74,14 +78,19 @@ class SlotTable:
         del self._length[row_id]
         heapq.heappush(self._free, slot)
 
-    def retain(self, row_id: str) -> None:
+    def retain(self, row_id: str) -> str | None:
         """A row that leaves: its slot stays with the prefix cache when the index knows its prefix,
-        else it is freed."""
+        else it is freed. The slot passes to an entry of its own (its id returned): the row may come
+        back (a paused row, admitted again) and take a slot under its own id."""
         if row_id not in self.index:
             self.release(row_id)
-            return
-        self._retained.add(row_id)
-        self.index.retain(row_id)
+            return None
+        entry = f"retained:{next(self._entries)}"
+        self._slot[entry], self._length[entry] = self._slot.pop(row_id), self._length.pop(row_id)
+        self.index.rename(row_id, entry)
+        self._retained.add(entry)
+        self.index.retain(entry)
+        return entry
 
     def retained(self, row_id: str) -> bool:
         return row_id in self._retained
