@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from workers.engine import scheduler
 
 LANES = st.sampled_from(["interactive", "backlog"])
-GROUPS = st.sampled_from([None, None, None, "g1", "g2"])
+GROUPS = st.sampled_from([None, None, "g1", "g2"])
 
 
 @st.composite
@@ -34,12 +34,12 @@ def _limits(draw: st.DrawFn) -> scheduler.Limits:
     rows = draw(st.integers(1, 8))
     return scheduler.Limits(
         rows, draw(st.integers(0, rows)), draw(st.booleans()), draw(st.sampled_from([1 << 30, 500, 2000])),
-        draw(st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0])),
+        draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
     )  # fmt: skip
 
 
-@settings(max_examples=3000, deadline=None)
-@given(_candidates("w", 8), _candidates("m", 8), _limits(), st.booleans())
+@settings(max_examples=1500, deadline=None)
+@given(_candidates("w", 5), _candidates("m", 5), _limits(), st.booleans())
 def test_a_plan_admits_only_waiting_rows_pauses_only_rows_in_memory_and_keeps_groups_apart(
     waiting: list[scheduler.Candidate],
     in_memory: list[scheduler.Candidate],
