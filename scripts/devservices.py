@@ -166,8 +166,12 @@ class Worker:
         return stop(self.proc, sig, timeout=60)
 
 
-def base_env(redis_url: str, s3_url: str, bucket: str, home: Path) -> dict[str, str]:
+def base_env(redis_url: str, s3_url: str, bucket: str, home: Path, cpu_threads: int = 0) -> dict[str, str]:
+    """A process's environment on these services. `cpu_threads`: MRC_CPU_THREADS, when set (tests: 1);
+    0 leaves the choice per call to the worker, as an operator runs it (benchmarks, the demo)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MRC_")}
+    if cpu_threads:
+        env["MRC_CPU_THREADS"] = str(cpu_threads)
     env.update(
         {
             "MRC_REDIS_URL": redis_url,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,13 @@ from scripts import devservices as services
 
 # The tiny Fuyu is built once per checkout and reused: building it is deterministic (seeded).
 MODEL_HOME = services.ROOT / ".cache" / "mrc"
+# One OpenMP thread per model call (MRC_CPU_THREADS) in every worker the tests start: the session runs
+# several torch processes at once on two cores (xdist's workers, the workers they start), where a call
+# on every core spins against its neighbours (~7x slower beside two busy processes: workers/
+# cpu_threads.py, docs/benchmarks.md); one thread is each process's fair share. No test is about the
+# count; benchmarks and the demo keep the choice per call.
+TEST_CPU_THREADS = 1
+os.environ.setdefault("MRC_CPU_THREADS", str(TEST_CPU_THREADS))  # the engines tests run in-process
 
 
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "faults": "faults", "gpu": "gpu"}
@@ -47,4 +55,4 @@ def s3_service(workdir: Path) -> Iterator[services.Service]:
 @pytest.fixture(scope="session")
 def env(redis_service: services.Service, s3_service: services.Service) -> dict[str, str]:
     bucket = f"mrc-test-{uuid.uuid4().hex[:8]}"
-    return services.base_env(redis_service.url, s3_service.url, bucket, MODEL_HOME)
+    return services.base_env(redis_service.url, s3_service.url, bucket, MODEL_HOME, TEST_CPU_THREADS)

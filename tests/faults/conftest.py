@@ -13,7 +13,7 @@ import pytest
 from producer.client import Client
 from scripts import devservices as services
 from shared.jobs import Job
-from tests.conftest import MODEL_HOME
+from tests.conftest import MODEL_HOME, TEST_CPU_THREADS
 from tests.support import imagegen
 from tests.support.proxy import Proxy
 
@@ -26,7 +26,7 @@ class Cluster:
         self.proxy = Proxy(self.s3.port, services.free_port())
         self.proxy.start()
         self.env = services.base_env(
-            self.redis.url, f"http://127.0.0.1:{self.proxy.port}", "mrc-faults", MODEL_HOME
+            self.redis.url, f"http://127.0.0.1:{self.proxy.port}", "mrc-faults", MODEL_HOME, TEST_CPU_THREADS
         )
         self.env.update(
             {
@@ -34,10 +34,13 @@ class Cluster:
                 # Batch-size calibration costs ~4 s per worker start and no fault test is about it
                 # (tests/unit/test_batch_sizes.py and the session worker's /readyz are).
                 "MRC_BATCH_CALIBRATE": "false",
-                "MRC_VISIBILITY_TIMEOUT_S": "10",
+                # A killed worker's jobs come back after this (the killer test waits it out three
+                # times); a live one's never do: it renews them every 1.25 s (a quarter of it), and
+                # test_a_batch_longer_than_the_visibility_timeout holds a delivery past 2 s.
+                "MRC_VISIBILITY_TIMEOUT_S": "5",
                 "MRC_RESTORE_INTERVAL_S": "1",
                 "MRC_RETRY_BASE_S": "0.5",
-                "MRC_RETRY_MAX_S": "4",
+                "MRC_RETRY_MAX_S": "3",  # below the visibility timeout / 1.5, as settings require
                 "MRC_MAX_ATTEMPTS": "10",
             }
         )

@@ -29,7 +29,7 @@ from scripts import sentinel_cluster
 from scripts.devservices import wait_for
 from shared import names
 from shared.errors import NotReplicated
-from tests.conftest import MODEL_HOME
+from tests.conftest import MODEL_HOME, TEST_CPU_THREADS
 from tests.support import imagegen
 from tests.support.failover import BACKLOG_LINES, FLOWING, Outcome, Run
 
@@ -168,7 +168,9 @@ def test_a_push_a_partitioned_primary_took_is_pushed_again_when_resubmitted(
     s3 = services.start_s3(tmp_path / "s3")
     try:
         env = {
-            **services.base_env("redis://127.0.0.1:1/0", s3.url, "mrc-failover", MODEL_HOME),
+            **services.base_env(
+                "redis://127.0.0.1:1/0", s3.url, "mrc-failover", MODEL_HOME, TEST_CPU_THREADS
+            ),
             **cluster.env(),
         }
         env.update(

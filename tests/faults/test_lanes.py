@@ -79,7 +79,7 @@ def test_backlog_never_fills_the_worker_and_a_ticket_overtakes_its_running_rows(
     image = cluster.image()
     backlog = [
         j.model_copy(update={"lane": "backlog"})
-        for j in cluster.jobs(120, image, prefix="long", max_new_tokens=64)
+        for j in cluster.jobs(80, image, prefix="long", max_new_tokens=64)
     ]
     worker = cluster.paced_worker(40, MRC_BATCH_MAX_JOBS="8", MRC_WORKER_DELIVERIES="3")
     cluster.send(backlog)

@@ -20,7 +20,7 @@ from producer.client import Client
 from scripts import devservices as services
 from shared import names
 from shared.stores import open_run_files
-from tests.conftest import MODEL_HOME
+from tests.conftest import MODEL_HOME, TEST_CPU_THREADS
 from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ def own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, s
     """Redis and S3 of this test's own, with no worker: what is queued stays queued."""
     redis = services.start_redis(tmp_path / "redis")
     s3 = services.start_s3(tmp_path / "s3")
-    env = services.base_env(redis.url, s3.url, "mrc-backlog", MODEL_HOME)
+    env = services.base_env(redis.url, s3.url, "mrc-backlog", MODEL_HOME, TEST_CPU_THREADS)
     env["MRC_BACKLOG_MAX_DEPTH"] = "100000"
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, env[name])

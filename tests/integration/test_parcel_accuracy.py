@@ -20,7 +20,9 @@ from tests.support.parcel_accuracy import Run
 
 pytestmark = pytest.mark.integration
 
-IMAGES = 100
+# 80 photos (400 jobs a worker): a 0.97 threshold below still leaves room for two misses; 100 photos
+# cost make test ~12 s more, and the answers are deterministic (seeded photos, greedy decoding).
+IMAGES = 80
 SEED = 950_000_000
 # Photos of every aspect the world allows, no wider than this: a job's cost grows with its patches
 # (640 px: 173 positions on average against 290 for the whole world). The whole range is measured by

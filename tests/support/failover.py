@@ -24,7 +24,7 @@ from scripts import devservices as services
 from scripts import sentinel_cluster
 from shared import logs, names
 from shared.stores import open_run_files
-from tests.conftest import MODEL_HOME
+from tests.conftest import MODEL_HOME, TEST_CPU_THREADS
 from tests.support import imagegen
 
 BACKLOG_LINES = 16
@@ -94,7 +94,9 @@ class Run:
         # (on a busy 2-core machine a new master that misses one beat gets failed over again).
         self.cluster = sentinel_cluster.start(workdir / "redis", down_after_ms=2000)
         self.s3 = services.start_s3(workdir / "s3")
-        self.env = services.base_env("redis://127.0.0.1:1/0", self.s3.url, "mrc-failover", MODEL_HOME)
+        self.env = services.base_env(
+            "redis://127.0.0.1:1/0", self.s3.url, "mrc-failover", MODEL_HOME, TEST_CPU_THREADS
+        )
         self.env.update(self.cluster.env())
         self.env.update(
             {
