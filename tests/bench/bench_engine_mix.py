@@ -9,13 +9,19 @@ weights would otherwise stop at random). The cache is sized as the worker sizes 
 the longest job allowed per slot, as many slots as the free memory holds (measured after the largest
 prefill), at most the row limit.
 
-Each run (`--runs`, e.g. `graphs:16,eager:16,graphs:32,rows:16` = decode mode : row limit; graphs and
-eager are MRC_ENGINE_DECODE=fixed with MRC_ENGINE_CUDA_GRAPHS=auto / off, rows is
-MRC_ENGINE_DECODE=rows) reports: generated tokens/s; decode-step time by running rows (host clock) and
-the GPU's span of the same steps (CUDA events); in a profiled window of steps, the time the GPU's
-kernels ran against the steps' wall time (the rest is the host's: building inputs, the slot table,
-picking tokens, launch gaps); joins and leaves per step; ticket first-token latency p50 / p99
-(from submission, inputs already prepared); the capture time of the CUDA graphs. Written to --json
+Jobs about one image share its prefix (the image's positions, and the prompt's first tokens): the
+engine's prefix cache reuses them, as the worker's does for one photo's several questions, and long
+prefills run in chunks of MRC_ENGINE_PREFILL_TOKENS (512) positions a step, as in the worker.
+
+Each run (`--runs`, e.g. `graphs:16,eager:16,graphs:32,rows:16,graphs:16:noreuse` = decode mode : row
+limit [: noreuse, the prefix cache off (MRC_ENGINE_PREFIX_CACHE=off) | : nochunk, one prefill per row];
+graphs and eager are MRC_ENGINE_DECODE=fixed with MRC_ENGINE_CUDA_GRAPHS=auto / off, rows is
+MRC_ENGINE_DECODE=rows) reports: generated tokens/s; prefix hits and positions reused against
+positions computed, and the steps that computed a chunk beside a decode; decode-step time by running
+rows (host clock) and the GPU's span of the same steps (CUDA events); in a profiled window of steps,
+the time the GPU's kernels ran against the steps' wall time (the rest is the host's: building inputs,
+the slot table, picking tokens, launch gaps); joins and leaves per step; ticket first-token latency
+p50 / p99 (from submission, inputs already prepared); the capture time of the CUDA graphs. Written to --json
 after each run; a run past `--run-s` seconds stops where it is (marked `cut_short`).
 
     python tests/bench/bench_engine_mix.py [--quantization bf16] [--runs graphs:16,eager:16] [--json F]
@@ -54,6 +60,7 @@ PROMPT_TOKENS = (8, 64, 200)
 BACKLOG_NEW = (16, 32, 64, 128)
 TICKET_NEW = 32
 SET_UP_S = 15  # a run's own set-up, roughly: the largest prefill, the cache, the graphs' capture
+PREFILL_TOKENS = 512  # MRC_ENGINE_PREFILL_TOKENS's default
 
 
 def percentile(values: list[float], share: float) -> float | None:
@@ -74,11 +81,13 @@ class Mix:
         images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for w, h in sizes]
         scale = 8 if smoke else 1  # the smoke run's tokens, shrunk
 
-        def job(index: int, new: int) -> tuple[Any, int, int]:
+        def job(index: int, new: int) -> tuple[Any, int, int, Any]:
             prompt = tuple(int(t) for t in words[: max(1, PROMPT_TOKENS[index % 3] // scale)])
-            item = GenerationInput(images[index % len(images)], "", new, prompt_ids=prompt, exact_steps=True)
+            image = index % len(images)
+            item = GenerationInput(images[image], "", new, prompt_ids=prompt, exact_steps=True)
             inputs, positions = backend.row_inputs(item)
-            return inputs, positions, new
+            # What the worker's identity says of a photo (workers/model_stage.py): its bytes and size.
+            return inputs, positions, new, ("mix-image", image, *sizes[image])
 
         self.backlog = [job(i, max(2, rng.choice(BACKLOG_NEW) // scale)) for i in range(backlog)]
         self.tickets = [job(i + 1, max(2, TICKET_NEW // scale)) for i in range(tickets)]
@@ -95,6 +104,8 @@ def engine_limits(backend: Any, rows: int) -> tuple[scheduler.Limits, int, dict[
         max_rows=slots,
         reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
         backlog_prefill_tokens=settings.engine_prefill_tokens,
+        backlog_share=settings.engine_backlog_share,
+        prefill_tokens=settings.engine_prefill_tokens,
         hold_backlog=backend.device == "cpu",  # MRC_ENGINE_HOLD_BACKLOG=auto
     )
     return limits, positions, {"slots_memory_holds": fit, "measured_from": measured, "slots": slots}
@@ -108,6 +119,10 @@ class Step:
     joins: int  # rows prefilled (each made its first token)
     leaves: int  # rows finished
     profiled: bool
+    computed: int = 0  # prefill positions computed (chunks)
+    reused: int = 0  # prefix positions reused from the cache, not computed
+    lookups: int = 0  # rows admitted that could reuse a prefix
+    hits: int = 0  # of those, rows that did
 
 
 class StepTimer:
@@ -131,8 +146,11 @@ class StepTimer:
             gpu = start.elapsed_time(end)
         wall = (time.perf_counter() - began) * 1000
         self.rows.append(
-            Step(report.decoded_rows, wall, gpu, report.prefilled, report.finished, self.profiling)
-        )
+            Step(
+                report.decoded_rows, wall, gpu, report.prefilled, report.finished, self.profiling,
+                report.computed, report.reused, report.lookups, report.hits,
+            )
+        )  # fmt: skip
         return report
 
     def by_rows(self) -> dict[str, dict[str, Any]]:
@@ -186,11 +204,13 @@ def kernel_window(engine: Engine, timer: StepTimer, steps: int) -> dict[str, Any
 
 
 def run(backend: Any, mix: Mix, spec: str, args: argparse.Namespace) -> dict[str, Any]:
-    decode, rows = spec.split(":")
+    decode, rows, *options = spec.split(":")
     backend.settings = backend.settings.model_copy(
         update={
             "engine_decode": "rows" if decode == "rows" else "fixed",
             "engine_cuda_graphs": "off" if decode == "eager" else "auto",
+            "engine_prefix_cache": "off" if "noreuse" in options else "on",
+            "engine_prefill_tokens": 1 << 20 if "nochunk" in options else PREFILL_TOKENS,
         }
     )
     random_fuyu.free(backend.device)
@@ -209,23 +229,32 @@ def run(backend: Any, mix: Mix, spec: str, args: argparse.Namespace) -> dict[str
     }
     done: list[Sequence] = []
     engine = Engine(runner, limits, done.append)
-    for index, (inputs, positions_, new) in enumerate(mix.backlog[:2]):  # warm: first kernels, handles
+    for index, (inputs, positions_, new, _) in enumerate(mix.backlog[:2]):  # warm: first kernels, handles
         engine.submit(Sequence(f"warm-{index}", inputs, positions_, new, backend.eos_id, exact_steps=True))
     while not engine.idle:
         engine.step()
     done.clear()
-    for index, (inputs, positions_, new) in enumerate(mix.backlog):
+    for index, (inputs, positions_, new, identity) in enumerate(mix.backlog):
         engine.submit(
-            Sequence(f"b{index}", inputs, positions_, new, backend.eos_id, lane="backlog", exact_steps=True)
-        )
+            Sequence(f"b{index}", inputs, positions_, new, backend.eos_id, lane="backlog", exact_steps=True,
+                     identity=identity)
+        )  # fmt: skip
     timer, tickets = StepTimer(backend.device), list(mix.tickets)
     window: dict[str, Any] | None = None
     began = time.perf_counter()
     cut_short = False
     while not engine.idle or tickets:
         if tickets and engine.steps % args.ticket_every == 0:
-            inputs, positions_, new = tickets.pop(0)
-            ticket = Sequence(f"t{len(tickets)}", inputs, positions_, new, backend.eos_id, exact_steps=True)
+            inputs, positions_, new, identity = tickets.pop(0)
+            ticket = Sequence(
+                f"t{len(tickets)}",
+                inputs,
+                positions_,
+                new,
+                backend.eos_id,
+                exact_steps=True,
+                identity=identity,
+            )
             ticket.submitted_at = time.time()
             engine.submit(ticket)
         if window is None and len(timer.rows) >= args.profile_after:
@@ -257,6 +286,14 @@ def run(backend: Any, mix: Mix, spec: str, args: argparse.Namespace) -> dict[str
             if decode_steps
             else 0,
             "step_ms_by_rows": timer.by_rows(),
+            "prefix": {
+                "lookups": sum(s.lookups for s in steps),
+                "hits": sum(s.hits for s in steps),
+                "positions_reused": sum(s.reused for s in steps),
+                "positions_computed": sum(s.computed for s in steps),
+            },
+            # steps that computed a prefill chunk and decoded running rows too (chunks between decodes)
+            "steps_with_chunk_and_decode": sum(1 for s in steps if s.computed and s.rows),
             "kernel_window": window,
             "tickets": {
                 "count": len(firsts),
@@ -274,7 +311,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", default="bf16", choices=["bf16", "nf4"])
     parser.add_argument(
-        "--runs", default="graphs:16,eager:16,graphs:32", help="also rows:16 (the CPU's path)"
+        "--runs",
+        default="graphs:16,eager:16,graphs:32,graphs:16:noreuse",
+        help="also rows:16 (the CPU's path), graphs:16:nochunk",
     )
     parser.add_argument("--backlog", type=int, default=96)
     parser.add_argument("--tickets", type=int, default=12)
@@ -287,7 +326,7 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        args.runs, args.backlog, args.tickets, args.ticket_every = "rows:4,eager:4", 10, 3, 4
+        args.runs, args.backlog, args.tickets, args.ticket_every = "rows:4,eager:4,rows:4:noreuse", 10, 3, 4
     elif not torch.cuda.is_available():
         raise SystemExit("bench_engine_mix.py needs CUDA (or --smoke, on the CPU)")
     figures: dict[str, Any] = {"device": device, "quantization": args.quantization, "runs": []}
