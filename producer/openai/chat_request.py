@@ -3,16 +3,18 @@ ignored, decided field by field (docs/contract.md lists the same table). Used by
 `POST /v1/chat/completions` and by every line of a batch file, so both refuse the same things with
 the same answer.
 
-Accepted: `model`, one `user` message whose content is one `text` part and one `image_url` part
-(`data:` URL, base64, or `s3://` in a bucket the workers may read), `max_tokens` /
-`max_completion_tokens`, `response_format` (`text`, `json_schema`, `json_object`), `metadata`
-(`ticket_id` -> the job's ticket id, `job_id` -> its job id; other keys are kept nowhere).
+Accepted: `model`, `messages` (system and developer instructions, earlier user and assistant turns,
+the user's question last, one `image_url` part among them: `data:` URL, base64, or `s3://` in a
+bucket the workers may read; folded into one prompt by producer/openai/chat_messages.py),
+`max_tokens` / `max_completion_tokens`, `response_format` (`text`, `json_schema`, `json_object`),
+`metadata` (`ticket_id` -> the job's ticket id, `job_id` -> its job id; other keys are kept nowhere).
 Accepted where they change nothing for a greedy decoder: `temperature` 0, `top_p` 1, `n` 1, `stream`
-false, penalties 0, `logprobs` false, empty `stop` / `tools` / `logit_bias`, and identifiers (`user`,
-`seed`, `store`, ...). Anything else is refused by name: 400 with `param` naming it. What mrc's own job
-checks refuse (prompt limits, an image source, a schema the decoder cannot enforce) is 400 too, with
-mrc's own code (`invalid_job`, `image_source_forbidden`, ...), where `POST /v1/jobs` answers 422: the
-SDKs raise BadRequestError for every request OpenAI refuses.
+false (with `stream_options`, which then says nothing), penalties 0, `logprobs` false, empty `stop` /
+`tools` / `logit_bias`, and identifiers (`user`, `seed`, `store`, ...). Anything else is refused by
+name: 400 with `param` naming it. What mrc's own job checks refuse (prompt limits, an image source, a
+schema the decoder cannot enforce) is 400 too, with mrc's own code (`invalid_job`,
+`image_source_forbidden`, ...), where `POST /v1/jobs` answers 422: the SDKs raise BadRequestError
+for every request OpenAI refuses.
 """
 
 from __future__ import annotations
@@ -27,16 +29,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from producer.openai import chat_messages
 from producer.openai.errors import OpenAIError
-from producer.openai.protocol import (
-    ChatRequest,
-    ImagePart,
-    ImageURL,
-    JsonObjectFormat,
-    Message,
-    TextFormat,
-    TextPart,
-)
+from producer.openai.protocol import ChatRequest, JsonObjectFormat, TextFormat
 from shared import names
 from shared import response_format as response_formats
 from shared.jobs import limit_problem
@@ -70,7 +65,14 @@ _NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v == "none", "functions are not supported"),
     "modalities": (lambda v: v == ["text"], 'mrc answers in text only: modalities must be ["text"]'),
     "service_tier": (lambda v: v in ("auto", "default"), "service_tier must be auto or default"),
-    "stream_options": (lambda v: False, "stream_options needs streaming, which is not offered"),
+    # What a stream would carry: nothing to do for an answer that comes whole (frameworks send it on
+    # every request); only OpenAI's own keys.
+    "stream_options": (
+        lambda v: (
+            set(v) <= {"include_usage", "include_obfuscation"} and all(type(x) is bool for x in v.values())
+        ),
+        "stream_options holds include_usage and include_obfuscation (true or false) only",
+    ),
     "audio": (lambda v: False, "audio output is not supported"),
     "prediction": (lambda v: False, "predicted outputs are not supported"),
     "reasoning_effort": (lambda v: False, "reasoning_effort is not supported"),
@@ -138,15 +140,6 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
     """The request checked and read; OpenAIError (400) naming the field otherwise."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
-    messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) != 1:
-        raise OpenAIError(
-            400,
-            f"mrc takes exactly one user message (a text part and an image_url "
-            f"part); got {len(messages)} messages",
-            "messages",
-            "unsupported_value",
-        )
     try:
         request = ChatRequest.model_validate(body)
     except ValidationError as exc:
@@ -155,7 +148,8 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
         value = getattr(request, field)
         if value is not None and not allowed(value):
             raise OpenAIError(400, f"Unsupported value for {field}: {why}", field, "unsupported_value")
-    prompt, prompt_param, image, image_param = _content(request.messages[0])
+    folded = chat_messages.fold(request.messages)
+    prompt, prompt_param, image_param = folded.prompt, folded.prompt_param, folded.image_param
     max_new = _max_tokens(request, settings)
     fmt = _response_format(request)
     ticket_id, job_id = _metadata(request.metadata, batch)
@@ -166,36 +160,8 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
             where = "response_format.json_schema.schema"
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
-    uri, data = _image(image.url, settings, image_param)
+    uri, data = _image(folded.image.url, settings, image_param)
     return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)
-
-
-def _content(message: Message) -> tuple[str, str, ImageURL, str]:
-    if message.role != "user":
-        raise OpenAIError(
-            400,
-            f"mrc takes one user message; got a {message.role!r} message",
-            "messages[0].role",
-            "unsupported_value",
-        )
-    parts = message.content if isinstance(message.content, list) else []
-    texts = [(i, p) for i, p in enumerate(parts) if isinstance(p, TextPart)]
-    images = [(i, p) for i, p in enumerate(parts) if isinstance(p, ImagePart)]
-    if len(texts) != 1 or len(images) != 1:
-        raise OpenAIError(
-            400,
-            "the user message's content must be a list of one text part and one "
-            f"image_url part; got {len(texts)} text and {len(images)} image_url",
-            "messages[0].content",
-            "unsupported_value",
-        )
-    (t, text), (i, image) = texts[0], images[0]
-    return (
-        text.text,
-        f"messages[0].content[{t}].text",
-        image.image_url,
-        f"messages[0].content[{i}].image_url.url",
-    )
 
 
 def _max_tokens(request: ChatRequest, settings: Settings) -> int | None:

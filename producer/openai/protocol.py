@@ -32,7 +32,7 @@ Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class Message(_Strict):
-    role: str = Field(description="user (mrc takes one user message)")
+    role: str = Field(description="system, developer, user or assistant (producer/openai/chat_messages.py)")
     content: str | list[Part] | None = None
     name: str | None = None
 

@@ -198,6 +198,42 @@ def test_a_second_question_about_a_photo_reuses_its_positions_and_another_key_do
         assert cached(other, "Is the label torn?")[0] == 0
 
 
+def test_system_messages_and_history_are_the_documented_prompt(sdk: openai.OpenAI, model: str) -> None:
+    """A system message, a two-turn history with the photo in the first turn: the model sees the text
+    docs/contract.md gives (instructions, history lines, the question), so the same text sent as one
+    user message gets the same greedy answer and the same prompt_tokens."""
+    url = data_url(imagegen.photo(120, 90, seed=47))
+    conversation = [
+        {"role": "system", "content": "You inspect parcels for a courier's complaints desk."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "What colour is the parcel?"}]},
+        {"role": "assistant", "content": "Brown."},
+        {"role": "user", "content": "Is it damaged?"},
+    ]  # fmt: skip
+    folded = (
+        "You inspect parcels for a courier's complaints desk.\n\n"
+        "User: What colour is the parcel?\nAssistant: Brown.\n\nIs it damaged?"
+    )
+    said = sdk.chat.completions.create(model=model, messages=conversation, max_tokens=5)  # type: ignore[arg-type]
+    alone = sdk.chat.completions.create(model=model, messages=ask(folded, url), max_tokens=5)
+    question = sdk.chat.completions.create(model=model, messages=ask("Is it damaged?", url), max_tokens=5)
+    assert said.usage is not None
+    assert alone.usage is not None
+    assert question.usage is not None
+    assert said.choices[0].message.content == alone.choices[0].message.content
+    assert said.usage.prompt_tokens == alone.usage.prompt_tokens > question.usage.prompt_tokens + 10
+    with pytest.raises(openai.BadRequestError) as refused:  # two photos in one conversation
+        sdk.chat.completions.create(
+            model=model,
+            messages=[*conversation[:3], *ask("And this one?", url)],
+            max_tokens=5,
+        )
+    assert (refused.value.code, refused.value.param) == (
+        "too_many_images",
+        "messages[3].content[1].image_url.url",
+    )
+
+
 def test_a_json_schema_answer_validates(sdk: openai.OpenAI, model: str) -> None:
     done = sdk.chat.completions.create(
         model=model,

@@ -46,6 +46,16 @@ def test_a_plain_request_reads_into_one_job() -> None:
         {"temperature": 0, "top_p": 1, "n": 1, "stream": False, "presence_penalty": 0, "logprobs": False},
         {"stop": [], "tools": [], "tool_choice": "none", "seed": 7, "user": "u-1", "store": True},
         {"response_format": {"type": "text"}, "service_tier": "auto", "modalities": ["text"]},
+        # what frameworks send on every request (LangChain, LiteLLM): floats, and stream_options
+        {
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "parallel_tool_calls": False,
+            "logprobs": False,
+            "stream_options": {"include_usage": True},
+        },
     ],
 )
 def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: dict[str, Any]) -> None:
@@ -60,7 +70,8 @@ def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: d
         ({"n": 3}, 400, "n", "unsupported_value"),
         ({"stop": ["\n"]}, 400, "stop", "unsupported_value"),
         ({"logprobs": True}, 400, "logprobs", "unsupported_value"),
-        ({"stream_options": {"include_usage": True}}, 400, "stream_options", "unsupported_value"),
+        ({"stream_options": {"include_usage": 1}}, 400, "stream_options", "unsupported_value"),
+        ({"stream_options": {"chunk_size": 4}}, 400, "stream_options", "unsupported_value"),
         ({"reasoning_effort": "low"}, 400, "reasoning_effort", "unsupported_value"),
         ({"guided_json": {}}, 400, "guided_json", "unknown_parameter"),
         ({"max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
@@ -72,11 +83,14 @@ def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: d
          "response_format.json_schema.schema", "missing_required_parameter"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}}, 400,
          "response_format.json_schema.schema", "invalid_job"),
-        ({"messages": []}, 400, "messages", "unsupported_value"),
+        ({"messages": []}, 400, "messages", "invalid_value"),
         ({"messages": [{"role": "system", "content": "Be brief."}]}, 400, "messages[0].role",
-         "unsupported_value"),
-        ({"messages": [{"role": "user", "content": "No image?"}]}, 400, "messages[0].content",
-         "unsupported_value"),
+         "unsupported_value"),  # the last message must be the user's
+        ({"messages": [{"role": "user", "content": "No image?"}]}, 400, "messages", "image_required"),
+        ({"messages": [{"role": "tool", "content": "42"}, {"role": "user", "content": "Hm?"}]}, 400,
+         "messages[0].role", "unsupported_value"),
+        ({"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": "Hm?"}]}, 400,
+         "messages[0].content", "invalid_value"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
          "messages[0].content[0]", "invalid_value"),
         ({"model": None}, 400, "model", "invalid_value"),
@@ -151,3 +165,80 @@ def test_every_error_body_leaves_in_openai_shape() -> None:
 )
 def test_a_batch_file_counts_its_non_blank_lines(text: bytes, requests: int) -> None:
     assert count_requests(io.BytesIO(text)) == (len(text), requests)
+
+
+def _image_part(url: str = IMAGE) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_a_conversation_is_folded_into_one_prompt_as_the_contract_says() -> None:
+    """Instructions, then history (one line a turn), then the question, blank lines between; the
+    photo from wherever it stands; one user message alone is its text exactly."""
+    messages = [
+        {"role": "system", "content": "You inspect parcels for a courier."},
+        {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+        {"role": "user", "content": [_image_part(), {"type": "text", "text": "What colour is it?"}]},
+        {"role": "assistant", "content": "Brown."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Is it"}, {"type": "text", "text": "damaged?"}],
+        },
+    ]
+    chat = parse_chat(_request(messages=messages), SETTINGS)
+    assert chat.prompt == (
+        "You inspect parcels for a courier.\nAnswer in one word.\n\n"
+        "User: What colour is it?\nAssistant: Brown.\n\n"
+        "Is it\ndamaged?"
+    )
+    assert chat.image_param == "messages[2].content[0].image_url.url"
+    assert (chat.data or b"").startswith(b"\x89PNG")
+    alone = parse_chat(_request(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Refund?"}, _image_part()]}]), SETTINGS)  # fmt: skip
+    assert alone.prompt == "Refund?"
+    described = [{"role": "system", "content": "Describe the parcel."},
+                 {"role": "user", "content": [_image_part()]}]  # fmt: skip
+    system = parse_chat(_request(messages=described), SETTINGS)
+    assert system.prompt == "Describe the parcel."
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "code"),
+    [
+        ([{"role": "user", "content": [_image_part(), _image_part(), {"type": "text", "text": "Same?"}]}],
+         "messages[0].content[1].image_url.url", "too_many_images"),
+        ([{"role": "user", "content": [_image_part(), {"type": "text", "text": "This one"}]},
+          {"role": "assistant", "content": "Brown."},
+          {"role": "user", "content": [_image_part(), {"type": "text", "text": "and this?"}]}],
+         "messages[2].content[0].image_url.url", "too_many_images"),
+        ([{"role": "system", "content": [_image_part()]}, {"role": "user", "content": "Hm?"}],
+         "messages[0].content[0].image_url.url", "unsupported_value"),
+        ([{"role": "user", "content": [_image_part(), {"type": "text", "text": "Refund?"}]},
+          {"role": "assistant", "content": "Yes, because"}],
+         "messages[1].role", "unsupported_value"),
+    ],
+)  # fmt: skip
+def test_a_conversation_mrc_cannot_answer_is_refused_by_name(
+    messages: list[dict[str, Any]], param: str, code: str
+) -> None:
+    assert _refusal(_request(messages=messages)) == (400, param, code)
+
+
+def test_instructions_and_history_meet_the_prompt_checks_as_the_question_does() -> None:
+    """They are the prompt: a NUL is refused wherever it stands, and the length limit counts them
+    (control-token text is defused in all of it by the intake, producer/intake/intake.py)."""
+    for role in ("system", "assistant"):
+        messages = [
+            {"role": role, "content": "ok \x00"},
+            {"role": "user", "content": [_image_part(), {"type": "text", "text": "Refund?"}]},
+        ]
+        status, param, code = _refusal(_request(messages=messages))
+        assert (status, param, code) == (400, "messages", "invalid_job"), role
+    long = Settings(s3_bucket="mrc-photos", max_prompt_chars=40)
+    messages = [
+        {"role": "system", "content": "x" * 30},
+        {"role": "user", "content": [_image_part(), {"type": "text", "text": "y" * 20}]},
+    ]
+    with pytest.raises(OpenAIError) as caught:
+        parse_chat(_request(messages=messages), long)
+    assert (caught.value.param, caught.value.code) == ("messages", "invalid_job")
+    assert "52 characters" in caught.value.message

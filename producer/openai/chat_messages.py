@@ -1,0 +1,134 @@
+"""A conversation as clients send it, folded into the one prompt an mrc job carries.
+
+The model has no chat template (Fuyu reads an image, then text, then answers), so a conversation
+becomes plain text, the same way every time:
+
+- the `system` and `developer` messages' text, in order, one per line: the instructions block;
+- every `user` and `assistant` message before the last, in order, one line each: `User: TEXT` or
+  `Assistant: TEXT` (a user message with no text, only the photo, adds no line): the history block;
+- the last message, which must be the user's: its text, as it is;
+
+the blocks that are not empty, joined by one blank line ("\\n\\n"). A message's text parts are joined by
+one newline; where its image part stands changes nothing. A request of one user message is therefore
+its text exactly, as before conversations were accepted (the same answer, the same cache key).
+
+One image per request: the first `image_url` part of any user message (a follow-up about the photo
+sent in an earlier turn keeps it); a second image is refused by name, and so is a conversation with
+none (the worker's models answer about a photo: text-only jobs are not offered). What the model sees is
+this prompt: `usage.prompt_tokens` counts it, instructions and history included, and mrc's prompt
+checks (limits, control tokens) apply to all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from producer.openai.errors import OpenAIError
+from producer.openai.protocol import ImagePart, ImageURL, Message, TextPart
+
+INSTRUCTIONS = ("system", "developer")
+TURNS = {"user": "User", "assistant": "Assistant"}
+
+
+@dataclass(frozen=True)
+class Folded:
+    prompt: str
+    prompt_param: str  # where the prompt's text was, for errors about it
+    image: ImageURL
+    image_param: str  # where the image was
+
+
+def fold(messages: list[Message]) -> Folded:
+    """The conversation's prompt and its one image; OpenAIError (400) naming the message otherwise."""
+    if not messages:
+        raise OpenAIError(400, "messages must hold at least the user's question", "messages", "invalid_value")
+    last = len(messages) - 1
+    if messages[last].role != "user":
+        raise OpenAIError(
+            400,
+            f"the last message must be the user's question; got a {messages[last].role!r} message",
+            f"messages[{last}].role",
+            "unsupported_value",
+        )
+    instructions: list[str] = []
+    history: list[str] = []
+    image: tuple[ImageURL, str] | None = None
+    for index, message in enumerate(messages):
+        text, found = _read(message, index)
+        if found is not None:
+            if image is not None:
+                raise OpenAIError(
+                    400,
+                    f"one image per request: {image[1]} is the photo this conversation is about; "
+                    f"{found[1]} is a second (send each photo in its own request)",
+                    found[1],
+                    "too_many_images",
+                )
+            image = found
+        if message.role in INSTRUCTIONS:
+            instructions.append(text)
+        elif index < last and text:
+            history.append(f"{TURNS[message.role]}: {text}")
+    if image is None:
+        raise OpenAIError(
+            400,
+            "no image: mrc answers questions about a photo; put one image_url part in a user message",
+            "messages",
+            "image_required",
+        )
+    question, question_param = _read(messages[last], last)[0], _text_param(messages[last], last)
+    blocks = ["\n".join(t for t in instructions if t), "\n".join(history), question]
+    prompt = "\n\n".join(block for block in blocks if block)
+    param = question_param if len(messages) == 1 else "messages"
+    return Folded(prompt, param, image[0], image[1])
+
+
+def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | None]:
+    """A message's text (its text parts, one per line) and its image part, if any (user messages only)."""
+    where = f"messages[{index}]"
+    if message.role not in (*INSTRUCTIONS, *TURNS):
+        raise OpenAIError(
+            400,
+            f"{message.role!r} messages are not taken (tools and functions are not offered): system, "
+            "developer, user and assistant are",
+            f"{where}.role",
+            "unsupported_value",
+        )
+    if message.content is None:
+        raise OpenAIError(
+            400,
+            f"a {message.role} message needs content (tool calls are not offered)",
+            f"{where}.content",
+            "invalid_value",
+        )
+    if isinstance(message.content, str):
+        return message.content, None
+    texts, image = [], None
+    for part_index, part in enumerate(message.content):
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif isinstance(part, ImagePart):
+            param = f"{where}.content[{part_index}].image_url.url"
+            if message.role != "user":
+                raise OpenAIError(
+                    400, f"images come in user messages, not {message.role} ones", param, "unsupported_value"
+                )
+            if image is not None:
+                raise OpenAIError(
+                    400,
+                    f"one image per request: {image[1]} is the photo this conversation is about; "
+                    f"{param} is a second (send each photo in its own request)",
+                    param,
+                    "too_many_images",
+                )
+            image = (part.image_url, param)
+    return "\n".join(texts), image
+
+
+def _text_param(message: Message, index: int) -> str:
+    """Where the question's text is: its one text part when it has one, else the message's content."""
+    if isinstance(message.content, list):
+        texts = [i for i, p in enumerate(message.content) if isinstance(p, TextPart)]
+        if len(texts) == 1:
+            return f"messages[{index}].content[{texts[0]}].text"
+    return f"messages[{index}].content"
