@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     # separated `WHO=s3://bucket/[prefix]`, WHO a key's sha256 (or its first 12 hex) or `*` for every
     # key. Empty: a key names only what it uploaded.
     api_key_sources: str = ""
+    # Hosts whose http(s) image URLs mrc-api fetches (chat `image_url` parts; producer/intake/fetch.py):
+    # comma-separated names, `*.example.com` for the names below it. Empty: no URL is fetched.
+    image_url_hosts: str = ""
+    # Fetch from private, loopback and link-local addresses too (a lab's own image server). Off: such an
+    # address is refused whatever the allowed name resolves to.
+    image_url_private: bool = False
+    image_url_timeout_s: float = Field(default=10.0, gt=0, le=120)  # one fetch, redirects included
     api_max_body_bytes: int = Field(default=0, ge=0)  # 0: MRC_MAX_IMAGE_BYTES + 1 MiB for the form
     api_rate_per_s: float = Field(default=50.0, ge=0)  # per key (or per client address without keys); 0: off
     api_rate_burst: int = Field(default=100, ge=1)
@@ -323,6 +330,10 @@ class Settings(BaseSettings):
     @property
     def readable_buckets(self) -> frozenset[str]:
         return frozenset([self.s3_bucket, *self.allowed_buckets])
+
+    @property
+    def image_url_host_patterns(self) -> tuple[str, ...]:
+        return tuple(h.strip().lower().rstrip(".") for h in self.image_url_hosts.split(",") if h.strip())
 
     @property
     def image_sources(self) -> dict[str, str]:

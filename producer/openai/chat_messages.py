@@ -4,13 +4,15 @@ The model has no chat template (Fuyu reads an image, then text, then answers), s
 becomes plain text, the same way every time:
 
 - the `system` and `developer` messages' text, in order, one per line: the instructions block;
-- every `user` and `assistant` message before the last, in order, one line each: `User: TEXT` or
-  `Assistant: TEXT` (a user message with no text, only the photo, adds no line): the history block;
+- every `user` and `assistant` message before the last, in order, one entry each: `User: TEXT` or
+  `Assistant: TEXT`, TEXT as sent (its newlines kept; a message with no text, only the photo, adds
+  none): the history block;
 - the last message, which must be the user's: its text, as it is;
 
-the blocks that are not empty, joined by one blank line ("\\n\\n"). A message's text parts are joined by
-one newline; where its image part stands changes nothing. A request of one user message is therefore
-its text exactly, as before conversations were accepted (the same answer, the same cache key).
+the blocks that are not empty, joined by one blank line ("\\n\\n"). A message's text parts are joined
+by one newline, blank parts left out; where its image part stands changes nothing. A request of one
+user message is therefore its text exactly, as before conversations were accepted (the same answer,
+the same cache key).
 
 One image per request: the first `image_url` part of any user message (a follow-up about the photo
 sent in an earlier turn keeps it); a second image is refused by name, and so is a conversation with
@@ -46,7 +48,7 @@ def fold(messages: list[Message]) -> Folded:
     if messages[last].role != "user":
         raise OpenAIError(
             400,
-            f"the last message must be the user's question; got a {messages[last].role!r} message",
+            f"the last message must be the user's question; the last is {messages[last].role!r}",
             f"messages[{last}].role",
             "unsupported_value",
         )
@@ -65,9 +67,11 @@ def fold(messages: list[Message]) -> Folded:
                     "too_many_images",
                 )
             image = found
+        if not text.strip():
+            continue  # a message with no text (only the photo, or blanks) adds no line
         if message.role in INSTRUCTIONS:
             instructions.append(text)
-        elif index < last and text:
+        elif index < last:
             history.append(f"{TURNS[message.role]}: {text}")
     if image is None:
         raise OpenAIError(
@@ -77,7 +81,7 @@ def fold(messages: list[Message]) -> Folded:
             "image_required",
         )
     question, question_param = _read(messages[last], last)[0], _text_param(messages[last], last)
-    blocks = ["\n".join(t for t in instructions if t), "\n".join(history), question]
+    blocks = ["\n".join(instructions), "\n".join(history), question if question.strip() else ""]
     prompt = "\n\n".join(block for block in blocks if block)
     param = question_param if len(messages) == 1 else "messages"
     return Folded(prompt, param, image[0], image[1])
@@ -97,7 +101,7 @@ def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | Non
     if message.content is None:
         raise OpenAIError(
             400,
-            f"a {message.role} message needs content (tool calls are not offered)",
+            f"{message.role!r} messages need content here (tool calls are not offered)",
             f"{where}.content",
             "invalid_value",
         )
@@ -106,12 +110,16 @@ def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | Non
     texts, image = [], None
     for part_index, part in enumerate(message.content):
         if isinstance(part, TextPart):
-            texts.append(part.text)
+            if part.text.strip():  # an empty part adds nothing, not an empty line
+                texts.append(part.text)
         elif isinstance(part, ImagePart):
             param = f"{where}.content[{part_index}].image_url.url"
             if message.role != "user":
                 raise OpenAIError(
-                    400, f"images come in user messages, not {message.role} ones", param, "unsupported_value"
+                    400,
+                    f"images come in user messages, not {message.role!r} ones",
+                    param,
+                    "unsupported_value",
                 )
             if image is not None:
                 raise OpenAIError(

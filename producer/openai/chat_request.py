@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from producer.intake import fetch
 from producer.openai import chat_messages
 from producer.openai.errors import OpenAIError
 from producer.openai.protocol import ChatRequest, JsonObjectFormat, TextFormat
@@ -160,7 +161,7 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
             where = "response_format.json_schema.schema"
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
-    uri, data = _image(folded.image.url, settings, image_param)
+    uri, data = _image(folded.image.url, settings, image_param, batch)
     return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)
 
 
@@ -235,8 +236,8 @@ def check_metadata(metadata: dict[str, str]) -> None:
             )
 
 
-def _image(url: str, settings: Settings, param: str) -> tuple[str | None, bytes | None]:
-    """(s3 URI, None) or (None, the bytes of a data: URL)."""
+def _image(url: str, settings: Settings, param: str, batch: bool = False) -> tuple[str | None, bytes | None]:
+    """(s3 URI, None) or (None, the bytes of a data: URL or of an http(s) URL from an allowed host)."""
     found = _DATA_URL.match(url)
     if found:
         encoded = url[found.end() :]
@@ -271,14 +272,34 @@ def _image(url: str, settings: Settings, param: str) -> tuple[str | None, bytes 
                 "image_source_forbidden",
             )
         return url, None
+    if url.lower().startswith(("http://", "https://")) and settings.image_url_hosts:
+        return None, _fetched(url, settings, param, batch)
     kind = "a URL" if _URL.match(url) else "not a URL"
     raise OpenAIError(
         400,
-        f"image_source_forbidden: mrc fetches no URLs ({kind}); send the image as a "
-        "data: URL (base64) or an s3:// URI in the configured bucket",
+        f"image_source_forbidden: mrc fetches no URLs ({kind}) unless MRC_IMAGE_URL_HOSTS names "
+        "their host; send the image as a data: URL (base64) or an s3:// URI in the configured bucket",
         param,
         "image_source_forbidden",
     )
+
+
+def _fetched(url: str, settings: Settings, param: str, batch: bool) -> bytes:
+    """An http(s) image fetched by the API from a host the operator allowed (producer/intake/fetch.py):
+    for a chat request only. A batch line's fetch would hold its batch's enqueue, every line's bytes
+    in memory at once: refused, the line naming why."""
+    if batch:
+        raise OpenAIError(
+            400,
+            "image_source_forbidden: batch lines take data: URLs and s3:// URIs; an http(s) image URL is "
+            "fetched for a chat request only (fetch it first, or upload it to the bucket)",
+            param,
+            "image_source_forbidden",
+        )
+    try:
+        return fetch.fetch(url, settings)
+    except fetch.FetchRefused as refused:
+        raise OpenAIError(400, refused.detail, param, refused.reason) from None
 
 
 def read_json(raw: bytes | bytearray) -> object:

@@ -234,6 +234,69 @@ def test_system_messages_and_history_are_the_documented_prompt(sdk: openai.OpenA
     )
 
 
+def test_an_image_url_on_an_allowed_host_is_fetched_by_the_api_and_kept_as_the_keys_upload(
+    oai_env: dict[str, str], model: str, client: Client
+) -> None:
+    """MRC_IMAGE_URL_HOSTS: the API fetches the photo (a real HTTP server here, on loopback, which
+    MRC_IMAGE_URL_PRIVATE allows), stores it as the key's upload, and the answer is the one the same
+    bytes get as a data: URL; a host not allowed, and a redirect to one, are refused by name."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    photo = imagegen.photo(120, 80, seed=48)
+
+    class Photos(BaseHTTPRequestHandler):
+        def log_message(self, *_: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/parcel.jpg")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(photo)))
+            self.end_headers()
+            self.wfile.write(photo)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Photos)
+    Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    settings = {"MRC_IMAGE_URL_HOSTS": "localhost", "MRC_IMAGE_URL_PRIVATE": "true"}
+    try:
+        with (
+            serve({**oai_env, **settings}) as url,
+            openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as sdk,
+        ):
+            fetched = sdk.chat.completions.create(
+                model=model,
+                messages=ask("Is it damaged?", f"http://localhost:{port}/parcel.jpg"),
+                max_tokens=4,
+            )
+            sent = sdk.chat.completions.create(
+                model=model, messages=ask("Is it damaged?", data_url(photo)), max_tokens=4
+            )
+            assert fetched.choices[0].message.content == sent.choices[0].message.content
+            stored = client.result(tenants.job_id(KEY_ID, fetched.id))
+            assert stored is not None
+            assert f"/inputs/{KEY_ID}/" in stored["image"]["uri"]  # the key's own upload
+            for where, code in (
+                (f"http://127.0.0.1:{port}/parcel.jpg", "image_url_host_not_allowed"),
+                (f"http://localhost:{port}/away", "image_url_host_not_allowed"),
+            ):
+                with pytest.raises(openai.BadRequestError) as refused:
+                    sdk.chat.completions.create(model=model, messages=ask("Hm?", where), max_tokens=4)
+                assert (refused.value.code, refused.value.param) == (
+                    code,
+                    "messages[0].content[1].image_url.url",
+                )
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_json_schema_answer_validates(sdk: openai.OpenAI, model: str) -> None:
     done = sdk.chat.completions.create(
         model=model,

@@ -199,6 +199,12 @@ def test_a_conversation_is_folded_into_one_prompt_as_the_contract_says() -> None
                  {"role": "user", "content": [_image_part()]}]  # fmt: skip
     system = parse_chat(_request(messages=described), SETTINGS)
     assert system.prompt == "Describe the parcel."
+    blanks = [
+        {"role": "system", "content": [{"type": "text", "text": ""}, {"type": "text", "text": " "}]},
+        {"role": "user", "content": [{"type": "text", "text": ""}, _image_part()]},
+        {"role": "user", "content": [{"type": "text", "text": "Q"}, {"type": "text", "text": ""}]},
+    ]
+    assert parse_chat(_request(messages=blanks), SETTINGS).prompt == "Q"  # blank parts add nothing
 
 
 @pytest.mark.parametrize(
@@ -242,3 +248,16 @@ def test_instructions_and_history_meet_the_prompt_checks_as_the_question_does() 
         parse_chat(_request(messages=messages), long)
     assert (caught.value.param, caught.value.code) == ("messages", "invalid_job")
     assert "52 characters" in caught.value.message
+
+
+def test_a_batch_line_names_no_url_to_fetch() -> None:
+    """Fetching is for chat requests: a batch line's URL would hold the whole batch's enqueue."""
+    allowed = Settings(s3_bucket="mrc-photos", image_url_hosts="photos.example.com")
+    body = _request(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Refund?"}, _image_part("https://photos.example.com/a.jpg")]}])  # fmt: skip
+    with pytest.raises(OpenAIError) as refused:
+        parse_chat(body, allowed, batch=True)
+    assert (refused.value.param, refused.value.code) == (
+        "messages[0].content[1].image_url.url",
+        "image_source_forbidden",
+    )

@@ -1,0 +1,205 @@
+"""Images by URL (producer/intake/fetch.py) against a real HTTP server on loopback, started here: what
+is fetched, and each refusal by its name (a host not allowed, a redirect out of the allowed hosts, a
+name that resolves to loopback, a body past the limit, a server that stalls or trickles)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from producer.intake import fetch
+from producer.intake.fetch import FetchRefused
+from shared.settings import Settings
+
+IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *_: Any) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        port = self.server.server_address[1]
+        route = {
+            "/parcel.png": lambda: self._send(IMAGE),
+            "/to-parcel": lambda: self._redirect(f"http://localhost:{port}/parcel.png"),
+            "/to-ip": lambda: self._redirect(f"http://127.0.0.1:{port}/parcel.png"),
+            "/loop": lambda: self._redirect("/loop"),
+            "/big": lambda: self._send(IMAGE * 10),
+            "/big-unsized": lambda: self._send(IMAGE * 10, sized=False),
+            "/stall": lambda: time.sleep(3),
+            "/trickle": self._trickle,
+            "/missing": lambda: self.send_error(404),
+            "/%C3%A4.png": lambda: self._send(IMAGE),  # a non-ASCII path, as sent: percent-encoded
+            "/slow-headers": lambda: self._raw(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nabcd", 0.1),
+            "/slow-chunk": lambda: self._raw(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"0" * 60 + b"1\r\nx\r\n0\r\n\r\n",
+                0.05,
+            ),
+            "/signed-length": lambda: self._raw(
+                b"HTTP/1.1 200 OK\r\nContent-Length: +99999\r\n\r\n" + IMAGE, 0
+            ),
+        }.get(self.path)
+        if route is None:
+            self.send_error(404)
+            return
+        route()
+
+    def _send(self, body: bytes, sized: bool = True) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        if sized:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _raw(self, data: bytes, pause: float) -> None:
+        """Bytes as they are, one at a time `pause` apart (a server that trickles what it sends)."""
+        if not pause:
+            self.wfile.write(data)
+            return
+        for byte in data:
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+            time.sleep(pause)
+
+    def _redirect(self, where: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", where)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _trickle(self) -> None:  # every read gets a byte before its timeout; the whole never comes
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(IMAGE)))
+        self.end_headers()
+        for byte in IMAGE[:40]:
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield int(server.server_address[1])
+    server.shutdown()
+    server.server_close()
+
+
+def _settings(**fields: Any) -> Settings:
+    values = {"image_url_hosts": "localhost", "image_url_private": True, "max_image_bytes": 5000,
+              "image_url_timeout_s": 1.5, **fields}  # fmt: skip
+    return Settings(**values)
+
+
+def _refusal(url: str, settings: Settings) -> str:
+    with pytest.raises(FetchRefused) as refused:
+        fetch.fetch(url, settings)
+    return refused.value.reason
+
+
+def test_an_allowed_host_is_fetched_through_its_redirects(port: int) -> None:
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", _settings()) == IMAGE
+    assert fetch.fetch(f"http://localhost:{port}/to-parcel", _settings()) == IMAGE
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "reason"),
+    [
+        ("/parcel.png", {"image_url_hosts": "photos.example.com"}, "image_url_host_not_allowed"),
+        ("/to-ip", {}, "image_url_host_not_allowed"),  # a redirect out of the allowed hosts
+        ("/parcel.png", {"image_url_private": False}, "image_url_fetch_failed"),  # localhost: loopback
+        ("/loop", {}, "image_url_fetch_failed"),
+        ("/missing", {}, "image_url_fetch_failed"),
+        ("/big", {}, "image_too_large"),
+        ("/big-unsized", {}, "image_too_large"),
+        ("/stall", {}, "image_url_fetch_failed"),
+        ("/trickle", {}, "image_url_fetch_failed"),  # cut at the deadline, not at each read
+        ("/slow-headers", {}, "image_url_fetch_failed"),  # the deadline covers the headers too
+        ("/slow-chunk", {}, "image_url_fetch_failed"),  # and the chunks' framing
+        ("/signed-length", {}, "image_url_fetch_failed"),  # a length that is not a plain number
+    ],
+)
+def test_each_refusal_says_why(port: int, path: str, fields: dict[str, Any], reason: str) -> None:
+    began = time.monotonic()
+    assert _refusal(f"http://localhost:{port}{path}", _settings(**fields)) == reason
+    assert time.monotonic() - began < 1.5 + 1.0  # MRC_IMAGE_URL_TIMEOUT_S, whatever the server does
+
+
+def test_the_loopback_refusal_names_the_address_it_resolved(port: int) -> None:
+    with pytest.raises(FetchRefused) as refused:
+        fetch.fetch(f"http://localhost:{port}/parcel.png", _settings(image_url_private=False))
+    assert "127.0.0.1" in refused.value.detail or "::1" in refused.value.detail
+
+
+@pytest.mark.parametrize(
+    ("address", "allowed"),
+    [
+        ("8.8.8.8", True),
+        ("2606:4700:4700::1111", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("192.168.0.9", False),
+        ("172.16.5.5", False),
+        ("169.254.169.254", False),  # cloud metadata
+        ("100.64.0.1", False),  # carrier-grade NAT
+        ("::1", False),
+        ("fe80::1", False),
+        ("fd00::1", False),
+        ("::ffff:127.0.0.1", False),  # IPv4-mapped loopback
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+    ],
+)
+def test_only_public_addresses_unless_private_ones_are_allowed(address: str, allowed: bool) -> None:
+    assert (fetch.address_problem(address, private=False) is None) == allowed
+    unfit = address in ("0.0.0.0", "224.0.0.1")
+    assert (fetch.address_problem(address, private=True) is None) == (not unfit)
+
+
+def test_host_patterns_match_names_not_substrings() -> None:
+    patterns = ("photos.example.com", "*.cdn.example.net")
+    assert fetch.host_allowed("photos.example.com", patterns)
+    assert fetch.host_allowed("PHOTOS.example.com.", patterns)
+    assert fetch.host_allowed("a.cdn.example.net", patterns)
+    assert not fetch.host_allowed("cdn.example.net", patterns)
+    assert not fetch.host_allowed("evilcdn.example.net", patterns)
+    assert not fetch.host_allowed("photos.example.com.evil.org", patterns)
+    assert not fetch.host_allowed("example.com", patterns)
+    assert (
+        Settings(image_url_hosts=" Photos.Example.com , *.cdn.example.net ").image_url_host_patterns
+        == patterns
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://[::1/x", "http://[x]/", "http://a\uff03@localhost/", "http://localhost:0/parcel.png",
+     "http://localhost:99999/", "ftp://localhost/x", "http:///x", "http://\u20ac.localhost/"],
+)  # fmt: skip
+def test_any_url_is_a_refusal_never_another_error(url: str) -> None:
+    with pytest.raises(FetchRefused):
+        fetch.fetch(url, _settings(image_url_hosts="localhost,*.localhost"))
+
+
+def test_a_non_ascii_path_is_sent_percent_encoded(port: int) -> None:
+    assert fetch.fetch(f"http://localhost:{port}/\u00e4.png", _settings()) == IMAGE
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["64:ff9b::a00:1", "64:ff9b::7f00:1", "64:ff9b:1::a00:1", "2002:a9fe:a9fe::1", "::7f00:1", "fec0::1"],
+)
+def test_ipv6_that_reaches_a_private_ipv4_is_private(address: str) -> None:
+    """NAT64, 6to4, IPv4-compatible: the address reached is the IPv4 one; site-local is never public."""
+    assert fetch.address_problem(address, private=False) is not None
+    assert fetch.address_problem("64:ff9b::808:808", private=False) is None  # NAT64 to 8.8.8.8
