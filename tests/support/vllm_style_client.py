@@ -1,7 +1,8 @@
 """A client written for vLLM's OpenAI-compatible server, in the style of vLLM's own examples
 (examples/online_serving: the key "EMPTY", the API base on localhost:8000, a base64 image for a local
-file, guided JSON through `response_format`). tests/integration/test_openai.py runs it against mrc
-with only the three assignments below changed: the key, the API base and the model.
+file, guided JSON through `response_format`, a system prompt and an earlier turn).
+tests/integration/test_openai.py runs it against mrc with only the three assignments below changed:
+the key, the API base and the model.
 
 Usage: python vllm_style_client.py IMAGE_PATH
 """
@@ -76,6 +77,28 @@ def run_structured_output(image_path: str) -> None:
     print("Structured output:", json.loads(completion.choices[0].message.content))
 
 
+def run_conversation(image_path: str) -> None:
+    """A system prompt and an earlier turn, as vLLM's openai_chat_completion_client example sends them."""
+    image_base64 = encode_base64_content_from_file(image_path)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{image_base64}"}},
+                {"type": "text", "text": "What colour is this parcel?"},
+            ],
+        },
+        {"role": "assistant", "content": "It is brown."},
+        {"role": "user", "content": "Is it damaged?"},
+    ]
+    chat_completion = client.chat.completions.create(
+        messages=messages, model=model, max_tokens=16, temperature=0
+    )
+    print("Conversation output:", chat_completion.choices[0].message.content)
+
+
 if __name__ == "__main__":
     run_single_image(sys.argv[1])
     run_structured_output(sys.argv[1])
+    run_conversation(sys.argv[1])
