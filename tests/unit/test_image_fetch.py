@@ -4,10 +4,12 @@ name that resolves to loopback, a body past the limit, a server that stalls or t
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from producer.intake import fetch
 from producer.intake.fetch import FetchRefused
 from shared.settings import Settings
+from tests.support import tls
 
 IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
@@ -203,3 +206,26 @@ def test_ipv6_that_reaches_a_private_ipv4_is_private(address: str) -> None:
     """NAT64, 6to4, IPv4-compatible: the address reached is the IPv4 one; site-local is never public."""
     assert fetch.address_problem(address, private=False) is not None
     assert fetch.address_problem("64:ff9b::808:808", private=False) is None  # NAT64 to 8.8.8.8
+
+
+def test_https_is_verified_against_the_name_on_the_pinned_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket goes to the checked address; the certificate is still checked against the name:
+    refused while its authority is not trusted, fetched once it is (SSL_CERT_FILE, as OpenSSL reads it)."""
+    certs = tls.make(tmp_path / "tls")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.cert, certs.key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://localhost:{server.server_address[1]}/parcel.png"
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-bundle.pem"))
+        assert _refusal(url, _settings()) == "image_url_fetch_failed"
+        monkeypatch.setenv("SSL_CERT_FILE", str(certs.ca))
+        assert fetch.fetch(url, _settings()) == IMAGE
+    finally:
+        server.shutdown()
+        server.server_close()
