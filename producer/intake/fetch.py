@@ -30,6 +30,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator
 from urllib.parse import quote, urljoin, urlsplit
 
 from shared.errors import UsageError
@@ -37,6 +38,10 @@ from shared.settings import Settings
 
 MAX_REDIRECTS = 3
 CONNECT_S = 3.0
+# Fetches at once in one mrc-api process (each may hold MRC_MAX_IMAGE_BYTES), and of those, at most
+# PER_KEY for one key: a key whose URLs hang holds its own slots, never the body slots every request
+# needs nor every fetch slot. A fetch past either is refused at once (`FetchBusy`, 429).
+SLOTS, PER_KEY = 16, 4
 _CHUNK = 64 * 1024
 _REDIRECTS = (301, 302, 303, 307, 308)
 _LENGTH = re.compile(r"[0-9]{1,15}", re.ASCII)
@@ -57,6 +62,43 @@ class FetchRefused(UsageError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason, self.detail = reason, message
+
+
+class FetchBusy(FetchRefused):
+    """Too many fetches at once (this key's, or the process's): nothing was fetched; try again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("too_many_fetches", message)
+
+
+class _Slots:
+    """Counted fetches, by key and in all (threads of one process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_key: dict[str, int] = {}
+        self._all = 0
+
+    @contextlib.contextmanager
+    def take(self, owner: str) -> Iterator[None]:
+        with self._lock:
+            if self._by_key.get(owner, 0) >= PER_KEY:
+                raise FetchBusy(f"this key has {PER_KEY} image URLs being fetched already; retry shortly")
+            if self._all >= SLOTS:
+                raise FetchBusy(f"{SLOTS} image URLs are being fetched already; retry shortly")
+            self._by_key[owner] = self._by_key.get(owner, 0) + 1
+            self._all += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._all -= 1
+                self._by_key[owner] -= 1
+                if not self._by_key[owner]:
+                    del self._by_key[owner]
+
+
+slots = _Slots()
 
 
 def host_allowed(host: str, patterns: tuple[str, ...]) -> bool:
@@ -97,10 +139,11 @@ def _reached(
     return ip
 
 
-def fetch(url: str, settings: Settings) -> bytes:
-    """The image at `url`, or FetchRefused (and nothing else)."""
+def fetch(url: str, settings: Settings, owner: str = "") -> bytes:
+    """The image at `url`, fetched for `owner` (a key's id), or FetchRefused (and nothing else)."""
     try:
-        return _fetch(url, settings)
+        with slots.take(owner):
+            return _fetch(url, settings)
     except FetchRefused:
         raise
     except Exception as exc:  # a URL or an answer no rule above foresaw: refused, never a 500
@@ -168,6 +211,10 @@ def _get(url: str, settings: Settings, deadline: float) -> tuple[int, str | None
         if watchdog.fired:  # what was read may be cut anywhere (a header, the body): nothing of it
             raise FetchRefused("image_url_fetch_failed", "MRC_IMAGE_URL_TIMEOUT_S ran out")
         return status, location if status in _REDIRECTS else None, body
+    except FetchRefused:
+        if watchdog.fired:  # a body cut by the deadline: the deadline is why
+            raise FetchRefused("image_url_fetch_failed", "MRC_IMAGE_URL_TIMEOUT_S ran out") from None
+        raise
     except (OSError, http.client.HTTPException, ValueError) as exc:
         if watchdog.fired:
             raise FetchRefused("image_url_fetch_failed", "MRC_IMAGE_URL_TIMEOUT_S ran out") from None

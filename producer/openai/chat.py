@@ -50,6 +50,9 @@ if now == false or now == ARGV[1] then
 end
 return now
 """
+# A chat body this small holds no image of its own (text, an s3:// URI or an image URL): it gives its
+# body slot (MRC_API_MAX_BODIES, the bound on request bodies in memory) back before it is read into a job.
+_SMALL_BODY = 256 * 1024
 _IMAGE_CODES = ("image_source_forbidden:", "unsupported_image_format:", "image_too_large:")
 
 
@@ -77,6 +80,8 @@ class Chat:
         async for piece in request.stream():  # not request.body(): nothing keeps it past the enqueue
             raw += piece
         key = request.headers.get("idempotency-key")
+        if len(raw) <= _SMALL_BODY:  # text and URLs: an image URL's fetch holds no body slot of others'
+            request.scope["state"]["done_with_body"]()
         named, job = await run_in_threadpool(self._take, raw, key, caller)
         del raw
         request.scope["state"]["done_with_body"]()  # the wait holds neither the body nor the image
@@ -136,7 +141,7 @@ class Chat:
     def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[bool, Job]:
         """The request read, checked and enqueued (off the event loop): (whether a retry of it lands on
         the same job, its job)."""
-        chat = parse_chat(read_json(raw), self.settings)
+        chat = parse_chat(read_json(raw), self.settings, owner=caller.owner)
         self.models.check(chat.model)
         job_id = chat.job_id or idempotent_job_id(caller, key)
         if job_id is None and self.settings.openai_retry_window_s > 0:

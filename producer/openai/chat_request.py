@@ -137,7 +137,7 @@ def _invalid(exc: ValidationError, where: str = "") -> OpenAIError:
     )
 
 
-def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> ChatJob:
+def parse_chat(body: object, settings: Settings, *, batch: bool = False, owner: str = "") -> ChatJob:
     """The request checked and read; OpenAIError (400) naming the field otherwise."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
@@ -161,7 +161,7 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False) -> Chat
             where = "response_format.json_schema.schema"
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
-    uri, data = _image(folded.image.url, settings, image_param, batch)
+    uri, data = _image(folded.image.url, settings, image_param, batch, owner)
     return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)
 
 
@@ -236,7 +236,9 @@ def check_metadata(metadata: dict[str, str]) -> None:
             )
 
 
-def _image(url: str, settings: Settings, param: str, batch: bool = False) -> tuple[str | None, bytes | None]:
+def _image(
+    url: str, settings: Settings, param: str, batch: bool = False, owner: str = ""
+) -> tuple[str | None, bytes | None]:
     """(s3 URI, None) or (None, the bytes of a data: URL or of an http(s) URL from an allowed host)."""
     found = _DATA_URL.match(url)
     if found:
@@ -273,7 +275,7 @@ def _image(url: str, settings: Settings, param: str, batch: bool = False) -> tup
             )
         return url, None
     if url.lower().startswith(("http://", "https://")) and settings.image_url_hosts:
-        return None, _fetched(url, settings, param, batch)
+        return None, _fetched(url, settings, param, batch, owner)
     kind = "a URL" if _URL.match(url) else "not a URL"
     raise OpenAIError(
         400,
@@ -284,7 +286,7 @@ def _image(url: str, settings: Settings, param: str, batch: bool = False) -> tup
     )
 
 
-def _fetched(url: str, settings: Settings, param: str, batch: bool) -> bytes:
+def _fetched(url: str, settings: Settings, param: str, batch: bool, owner: str) -> bytes:
     """An http(s) image fetched by the API from a host the operator allowed (producer/intake/fetch.py):
     for a chat request only. A batch line's fetch would hold its batch's enqueue, every line's bytes
     in memory at once: refused, the line naming why."""
@@ -297,7 +299,9 @@ def _fetched(url: str, settings: Settings, param: str, batch: bool) -> bytes:
             "image_source_forbidden",
         )
     try:
-        return fetch.fetch(url, settings)
+        return fetch.fetch(url, settings, owner)
+    except fetch.FetchBusy as busy:  # nothing fetched, nothing queued: a retry is safe
+        raise OpenAIError(429, busy.detail, param, busy.reason, headers={"Retry-After": "2"}) from None
     except fetch.FetchRefused as refused:
         raise OpenAIError(400, refused.detail, param, refused.reason) from None
 

@@ -229,3 +229,32 @@ def test_https_is_verified_against_the_name_on_the_pinned_connection(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_key_whose_urls_hang_holds_its_own_fetch_slots_only(port: int) -> None:
+    """PER_KEY hanging fetches of one key: its next is refused at once (429 on the route), another
+    key's fetch goes through (review: one key's slow URLs held every key's request slots)."""
+    settings = _settings(image_url_timeout_s=2.0)
+    errors: list[str] = []
+
+    def hang() -> None:
+        try:
+            fetch.fetch(f"http://localhost:{port}/stall", settings, "slow-key")
+        except FetchRefused as refused:
+            errors.append(refused.reason)
+
+    hanging = [threading.Thread(target=hang) for _ in range(fetch.PER_KEY)]
+    for thread in hanging:
+        thread.start()
+    deadline = time.monotonic() + 2
+    while sum(fetch.slots._by_key.values()) < fetch.PER_KEY and time.monotonic() < deadline:
+        time.sleep(0.01)
+    began = time.monotonic()
+    with pytest.raises(fetch.FetchBusy):
+        fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "slow-key")
+    assert time.monotonic() - began < 0.5  # refused at once, not after a wait
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "other-key") == IMAGE
+    for thread in hanging:
+        thread.join()
+    assert errors == ["image_url_fetch_failed"] * fetch.PER_KEY
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "slow-key") == IMAGE  # slots back
