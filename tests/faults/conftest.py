@@ -125,7 +125,7 @@ class Cluster:
     def close(self) -> None:
         for w in self.workers:
             w.stop(9)
-        self.proxy.stop()
+        self.proxy.close()
         self.s3.stop()
         self.redis.stop()
 

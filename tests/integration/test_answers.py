@@ -42,7 +42,7 @@ def cut_redis(workdir: Path) -> Iterator[tuple[services.Service, Proxy]]:
     proxy = Proxy(redis.port, services.free_port())
     proxy.start()
     yield redis, proxy
-    proxy.stop()
+    proxy.close()
     redis.stop()
 
 

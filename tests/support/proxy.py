@@ -16,6 +16,7 @@ class Proxy:
         self._lock = threading.Lock()
         self._hanging = False
         self._held: list[socket.socket] = []
+        self._reserved: socket.socket | None = None  # the port, held while stopped
 
     def hang(self) -> None:
         """Accept connections and never answer (a wedged endpoint): requests wait for their timeout."""
@@ -30,6 +31,9 @@ class Proxy:
         _close(held)
 
     def start(self) -> None:
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", self.port))
@@ -47,6 +51,31 @@ class Proxy:
                 server.shutdown(socket.SHUT_RDWR)
             server.close()
         self._cut()
+        self._reserve()
+
+    def close(self) -> None:
+        """Stopped for good: the port let go too."""
+        self.stop()
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
+
+    def _reserve(self) -> None:
+        """Keep the port bound, not listening, while stopped: a connection is still refused, as by a
+        dead endpoint, and no other test's server is handed the port meanwhile (one was: a moto server
+        of another test answered this proxy's S3 requests with 404, and its worker took it for a
+        broken store)."""
+        reserved = socket.socket()
+        try:
+            reserved.bind(("127.0.0.1", self.port))
+        except OSError:  # the stopped listener's connections linger in TIME_WAIT
+            reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                reserved.bind(("127.0.0.1", self.port))
+            except OSError:
+                reserved.close()
+                return
+        self._reserved = reserved
 
     def _cut(self) -> None:
         with self._lock:
