@@ -99,6 +99,9 @@ class Job(BaseModel):
     # totals per key; None from `mrc submit`, `mrc backlog` and an API without keys. Never part of
     # the fingerprint (the same job from two callers is the same job).
     api_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{12}$")
+    # Its text is published as it is decoded (a streamed chat request; workers/streaming.py). How the
+    # answer is delivered, not what it is: never part of the fingerprint.
+    stream: bool = False
 
     @field_validator("job_id")
     @classmethod
@@ -138,7 +141,9 @@ class Job(BaseModel):
         return value
 
     def to_message(self) -> dict[str, Any]:
-        message = self.model_dump(by_alias=True, exclude={"response_format", "api_key"})
+        message = self.model_dump(by_alias=True, exclude={"response_format", "api_key", "stream"})
+        if self.stream:  # absent otherwise: messages of other jobs stay as they were
+            message["stream"] = True
         if self.api_key is not None:  # absent otherwise, as response_format: old messages unchanged
             message["api_key"] = self.api_key
         if self.response_format is not None:  # absent otherwise: messages of free jobs stay as they were

@@ -94,6 +94,12 @@ def worker_pattern() -> str:
     return f"{REDIS_PREFIX}worker:*"
 
 
+def stream_key(job_id: str) -> str:
+    """Redis stream of a streamed job's text as it is decoded (`stream: true`; workers/streaming.py):
+    bounded in length and life, read by the mrc-api request that streams it."""
+    return f"{REDIS_PREFIX}stream:{job_id}"
+
+
 def events_key(owner: str | None = None) -> str:
     """Redis stream of completion events, one per finished job (capped; `mrc events`); with an owner,
     that API key's own stream of its jobs' events (`GET /v1/events`, shared/tenants.py)."""

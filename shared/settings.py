@@ -99,6 +99,11 @@ class Settings(BaseSettings):
     # an Idempotency-Key (an SDK's retry after a 5xx or a lost answer), is the same job: it waits for
     # the first one's answer instead of queueing a second.
     openai_retry_window_s: float = Field(default=900.0, ge=0, le=86_400)
+    # Streamed answers (`stream: true`): a worker publishes each streaming row's new text at most this
+    # often (all its streaming rows in one Redis round trip), into a Redis stream per job that lives
+    # this long after its last write.
+    stream_interval_s: float = Field(default=0.05, ge=0.005, le=5)
+    stream_ttl_s: int = Field(default=600, ge=10, le=86_400)
     # Largest file POST /v1/files takes (OpenAI's own limit for batch input: 200 MB); at most 5 GiB,
     # what one S3 copy takes.
     openai_file_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=5 * 1024**3)

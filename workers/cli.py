@@ -111,6 +111,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     from workers.liveness import Liveness
     from workers.metrics import Metrics
     from workers.pipeline import assemble
+    from workers.streaming import RedisSink
 
     metrics = Metrics()
     state = health.HealthState()
@@ -153,6 +154,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     pipeline = assemble(
         backend, images_from, results, records, settings,
         metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, worker=hostname,
+        streams=RedisSink(connect(settings, settings.connect_timeout_s, retries=1), settings.stream_ttl_s),
     )  # fmt: skip
     liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since), pipeline.live)
     fatal_client = connect(settings, settings.connect_timeout_s, retries=1)

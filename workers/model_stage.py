@@ -30,6 +30,7 @@ from workers.engine.service import EngineService
 from workers.metrics import Metrics
 from workers.row_grammars import Ask, RowGrammars
 from workers.slots import Slot
+from workers.streaming import TextStreams
 
 
 @dataclass(eq=False)
@@ -52,6 +53,7 @@ class ModelStage:
         admission: Admission,
         pool: Any,  # workers/lane_pools.py LanePools: submit(slot, work, *args) -> Future
         finish: Callable[[list[Slot]], None],
+        streams: TextStreams | None = None,
     ) -> None:
         self.backend, self.settings, self.metrics, self.admission = backend, settings, metrics, admission
         self._pool, self._finish = pool, finish
@@ -81,7 +83,8 @@ class ModelStage:
         self.cache_bytes = int(getattr(getattr(runner, "cache", None), "nbytes", 0))
         self.decode = str(getattr(runner, "decode_mode", "rows"))
         self.captured = backend.capture(runner)
-        self.engine = EngineService(runner, self.limits, metrics, self._progress).start()
+        self.streams = streams
+        self.engine = EngineService(runner, self.limits, metrics, self._progress, streams=streams).start()
         metrics.kv_capacity.set(slots * self.positions)
         logs.get_logger().info(
             "MRC_ENGINE_READY", slots=slots, slot_positions=self.positions, cache_bytes=self.cache_bytes,
@@ -132,6 +135,8 @@ class ModelStage:
 
     def close(self) -> None:
         self.engine.stop()
+        if self.streams is not None:
+            self.streams.stop()
 
     def _progress(self, busy_s: float) -> None:
         self.engine_at = time.monotonic()
@@ -267,6 +272,7 @@ class ModelStage:
             self.engine.row_id(slot.job.job_id), job.inputs, job.positions, slot.job.max_new_tokens,
             self.backend.eos_id, lane=slot.job.lane, group=slot.group,
             deadline=self.admission.deadline_s(slot.job), constraint=constraint, identity=_identity(slot),
+            stream_to=slot.job.job_id if slot.job.stream else None,
         )  # fmt: skip
 
     def _take_row(self, slot: Slot, row: Row) -> None:

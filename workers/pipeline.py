@@ -42,6 +42,7 @@ from workers.lane_pools import LanePools
 from workers.metrics import Metrics
 from workers.model_stage import ModelStage
 from workers.slots import Message, Outcome, Slot
+from workers.streaming import Sink, TextStreams
 
 Stage = Callable[[list[Slot]], None]
 T = TypeVar("T")
@@ -64,6 +65,7 @@ class Pipeline:
         settings: Settings,
         metrics: Metrics,
         cache: ResultCache | None = None,
+        streams: TextStreams | None = None,
     ) -> None:
         self.backend = backend
         self.images_from = images_from
@@ -78,7 +80,9 @@ class Pipeline:
         self._lock = threading.Lock()
         self.jobs_seen = 0
         self._groups = itertools.count()  # engine group names for suspects, unique in the process
-        self.model = ModelStage(backend, settings, metrics, admission, self._pool, self._finish_async)
+        self.model = ModelStage(
+            backend, settings, metrics, admission, self._pool, self._finish_async, streams
+        )
         self.in_hand = InHand(lambda: self.model.engine_at)  # for /healthz (workers/liveness.py)
 
     @property
@@ -225,6 +229,7 @@ def assemble(
     sleep: Callable[[float], None] = time.sleep,
     cache: ResultCache | None = None,
     worker: str = "",
+    streams: Sink | None = None,
 ) -> Pipeline:
     """A pipeline wired from the seams: the worker's composition root, and the tests'."""
     metrics = metrics or Metrics()
@@ -232,4 +237,9 @@ def assemble(
     log = logs.get_logger()
     finisher = Finisher(backend, results, records, settings, metrics, log, requeue, sleep, cache)
     admission = Admission(records, results, settings, metrics, log, worker)
-    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache)
+    publisher = None
+    if streams is not None:  # streamed answers' text, published from a thread of its own
+        publisher = TextStreams(
+            streams, backend.detokenize, settings.stream_interval_s, backend.cleans_spaces, backend.settled
+        ).start()
+    return Pipeline(backend, images_from, admission, finisher, settings, metrics, cache, publisher)

@@ -76,6 +76,16 @@ class Waits:
             {"id": str(event_id), **fields} for _s, entries in reply or [] for event_id, fields in entries
         ]
 
+    def _read_stream(self, key: str, after: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        reply: Any = self._redis.xread({key: after}, count=1000, block=block_ms)
+        return [(str(entry_id), fields) for _s, entries in reply or [] for entry_id, fields in entries]
+
+    async def stream(self, key: str, after: str, wait_s: float) -> list[tuple[str, dict[str, str]]]:
+        """A streamed job's entries after `after` (producer/openai/chat_stream.py), waiting up to
+        `wait_s` (one slice: callers ask for less than SLICE_S) for the first."""
+        block_ms = max(1, int(min(SLICE_S, wait_s) * 1000))
+        return await self._run(partial(self._read_stream, key, after, block_ms))
+
     async def events(
         self, after: str, wait_s: float, count: int = 1000, owner: str | None = None
     ) -> list[dict[str, str]]:

@@ -63,6 +63,7 @@ class Intake:
             "deadline": sub.deadline,
             "response_format": fmt,
             "api_key": sub.api_key,
+            "stream": sub.stream,
         }
         try:
             return Job.from_message(fields)

@@ -27,3 +27,4 @@ class Submission:
     # The mrc-api key's id (Job.api_key): the job lives in that key's namespace (its id, its upload;
     # shared/tenants.py) and its usage counts to it. None: `mrc submit`, Python callers, no keys.
     api_key: str | None = None
+    stream: bool = False  # publish the text as it is decoded (a streamed chat request)

@@ -24,12 +24,13 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer.http.front import caller_of
 from producer.http.guard import Caller
 from producer.http.state import ApiState
 from producer.intake.request import Submission
+from producer.openai import chat_stream
 from producer.openai.chat_request import ChatJob, parse_chat, read_json
 from producer.openai.completion import completion
 from producer.openai.errors import OpenAIError, from_usage_error
@@ -71,6 +72,7 @@ class Chat:
     def __init__(self, state: ApiState, models: Models, redis: Callable[[], Any]) -> None:
         self.state, self.models, self._redis = state, models, redis
         self.settings: Settings = state.settings
+        self.stream = chat_stream.ChatStream(state)
 
     async def create(self, request: Request) -> Response:
         caller = caller_of(request.scope)
@@ -82,13 +84,15 @@ class Chat:
         key = request.headers.get("idempotency-key")
         if len(raw) <= _SMALL_BODY:  # text and URLs: an image URL's fetch holds no body slot of others'
             request.scope["state"]["done_with_body"]()
-        named, job = await run_in_threadpool(self._take, raw, key, caller)
+        named, job, chat = await run_in_threadpool(self._take, raw, key, caller)
         del raw
         request.scope["state"]["done_with_body"]()  # the wait holds neither the body nor the image
         # From here on the job is queued: whatever happens, the answer names it (never a 503, which
         # says nothing was enqueued).
         job_id = tenants.client_id(caller.namespace, job.job_id)
         headers = {"x-mrc-job-id": job_id}
+        if chat.stream:  # keep-alive comments reset a client's read timeout: the whole wait is ours
+            return self._streamed(job, job_id, chat, headers)
         wait = self._wait_s(request.headers.get("x-stainless-read-timeout"))
         found = await self._answer(job.job_id, wait)
         if found is not None:
@@ -138,15 +142,26 @@ class Chat:
             # again until the wait is over.
             await asyncio.sleep(min(_RETRY_LOOK_S, left))
 
-    def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[bool, Job]:
+    def _streamed(self, job: Job, shown_id: str, chat: ChatJob, headers: dict[str, str]) -> Response:
+        streamed = chat_stream.streamed_job(
+            job.job_id, shown_id, chat.model, job.submitted_at, chat.include_usage,
+            self.settings.openai_wait_s,
+        )  # fmt: skip
+        return StreamingResponse(
+            self.stream.events(streamed),
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[bool, Job, ChatJob]:
         """The request read, checked and enqueued (off the event loop): (whether a retry of it lands on
-        the same job, its job)."""
+        the same job, its job, the request read)."""
         chat = parse_chat(read_json(raw), self.settings, owner=caller.owner)
         self.models.check(chat.model)
         job_id = chat.job_id or idempotent_job_id(caller, key)
         if job_id is None and self.settings.openai_retry_window_s > 0:
             job_id = self._retry_job_id(caller, raw)
-        return job_id is not None, self._enqueue(chat, job_id, caller)
+        return job_id is not None, self._enqueue(chat, job_id, caller), chat
 
     def _retry_job_id(self, caller: Caller, raw: bytearray) -> str:
         """The job this exact request (same key, same bytes) names within MRC_OPENAI_RETRY_WINDOW_S:
@@ -175,6 +190,7 @@ class Chat:
             ticket_id=chat.ticket_id,
             response_format=chat.response_format,
             api_key=caller.key_id,
+            stream=chat.stream,
         )
         try:
             job = self.state.intake.job(sub, chat.data, from_network=True)

@@ -7,14 +7,14 @@ Accepted: `model`, `messages` (system and developer instructions, earlier user a
 the user's question last, one `image_url` part among them: `data:` URL, base64, or `s3://` in a
 bucket the workers may read; folded into one prompt by producer/openai/chat_messages.py),
 `max_tokens` / `max_completion_tokens`, `response_format` (`text`, `json_schema`, `json_object`),
-`metadata` (`ticket_id` -> the job's ticket id, `job_id` -> its job id; other keys are kept nowhere).
-Accepted where they change nothing for a greedy decoder: `temperature` 0, `top_p` 1, `n` 1, `stream`
-false (with `stream_options`, which then says nothing), penalties 0, `logprobs` false, empty `stop` /
-`tools` / `logit_bias`, and identifiers (`user`, `seed`, `store`, ...). Anything else is refused by
-name: 400 with `param` naming it. What mrc's own job checks refuse (prompt limits, an image source, a
-schema the decoder cannot enforce) is 400 too, with mrc's own code (`invalid_job`,
-`image_source_forbidden`, ...), where `POST /v1/jobs` answers 422: the SDKs raise BadRequestError
-for every request OpenAI refuses.
+`metadata` (`ticket_id` -> the job's ticket id, `job_id` -> its job id; other keys are kept nowhere),
+`stream` (server-sent events, with `stream_options.include_usage`; not on a batch line).
+Accepted where they change nothing for a greedy decoder: `temperature` 0, `top_p` 1, `n` 1,
+penalties 0, `logprobs` false, empty `stop` / `tools` / `logit_bias`, and identifiers (`user`,
+`seed`, `store`, ...). Anything else is refused by name: 400 with `param` naming it. What mrc's own
+job checks refuse (prompt limits, an image source, a schema the decoder cannot enforce) is 400 too,
+with mrc's own code (`invalid_job`, `image_source_forbidden`, ...), where `POST /v1/jobs` answers
+422: the SDKs raise BadRequestError for every request OpenAI refuses.
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ _NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (lambda v: v == 0, "mrc decodes greedily: temperature must be 0 or absent"),
     "top_p": (lambda v: v == 1, "mrc decodes greedily: top_p must be 1 or absent"),
     "n": (lambda v: v == 1, "one answer per request: n must be 1 or absent"),
-    "stream": (
-        lambda v: v is False,
-        "streaming is not offered: stream must be false or absent (the "
-        "answer comes whole; for many requests use the Batch API)",
-    ),
     "presence_penalty": (lambda v: v == 0, "penalties are not applied: presence_penalty must be 0"),
     "frequency_penalty": (lambda v: v == 0, "penalties are not applied: frequency_penalty must be 0"),
     "logprobs": (lambda v: v is False, "log probabilities are not returned: logprobs must be false"),
@@ -66,8 +61,8 @@ _NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v == "none", "functions are not supported"),
     "modalities": (lambda v: v == ["text"], 'mrc answers in text only: modalities must be ["text"]'),
     "service_tier": (lambda v: v in ("auto", "default"), "service_tier must be auto or default"),
-    # What a stream would carry: nothing to do for an answer that comes whole (frameworks send it on
-    # every request); only OpenAI's own keys.
+    # What a stream carries (include_usage: a last chunk with the usage); nothing to do for an answer
+    # that comes whole (frameworks send it on every request). Only OpenAI's own keys.
     "stream_options": (
         lambda v: (
             set(v) <= {"include_usage", "include_obfuscation"} and all(type(x) is bool for x in v.values())
@@ -98,6 +93,8 @@ class ChatJob:
     ticket_id: str | None
     job_id: str | None  # metadata.job_id
     image_param: str  # where the image was, for errors about it
+    stream: bool = False  # server-sent events as the text is decoded (producer/openai/chat_stream.py)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def param_of(loc: tuple[Any, ...]) -> str:
@@ -149,6 +146,13 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False, owner: 
         value = getattr(request, field)
         if value is not None and not allowed(value):
             raise OpenAIError(400, f"Unsupported value for {field}: {why}", field, "unsupported_value")
+    if batch and request.stream:
+        raise OpenAIError(
+            400,
+            "Unsupported value for stream: a batch line's answer is written whole to the output file",
+            "stream",
+            "unsupported_value",
+        )
     folded = chat_messages.fold(request.messages)
     prompt, prompt_param, image_param = folded.prompt, folded.prompt_param, folded.image_param
     max_new = _max_tokens(request, settings)
@@ -162,7 +166,11 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False, owner: 
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
     uri, data = _image(folded.image.url, settings, image_param, batch, owner)
-    return ChatJob(request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param)
+    stream, options = bool(request.stream), request.stream_options or {}
+    return ChatJob(
+        request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param,
+        stream=stream, include_usage=stream and bool(options.get("include_usage")),
+    )  # fmt: skip
 
 
 def _max_tokens(request: ChatRequest, settings: Settings) -> int | None:

@@ -652,6 +652,7 @@ def test_a_script_written_for_vllm_runs_with_base_url_key_and_model_changed(
     assert "Chat completion output:" in ran.stdout
     assert "Structured output:" in ran.stdout
     assert "Conversation output:" in ran.stdout
+    assert "Streamed output: " in ran.stdout
 
 
 def test_every_model_name_a_request_may_give_is_listed_and_retrievable(

@@ -1,6 +1,6 @@
 """A client written for vLLM's OpenAI-compatible server, in the style of vLLM's own examples
 (examples/online_serving: the key "EMPTY", the API base on localhost:8000, a base64 image for a local
-file, guided JSON through `response_format`, a system prompt and an earlier turn).
+file, guided JSON through `response_format`, a system prompt and an earlier turn, a streamed answer).
 tests/integration/test_openai.py runs it against mrc with only the three assignments below changed:
 the key, the API base and the model.
 
@@ -98,7 +98,33 @@ def run_conversation(image_path: str) -> None:
     print("Conversation output:", chat_completion.choices[0].message.content)
 
 
+def run_streaming(image_path: str) -> None:
+    """A system prompt and stream=True, as vLLM's multimodal chat example streams its answer."""
+    image_base64 = encode_base64_content_from_file(image_path)
+    chat_completion = client.chat.completions.create(
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What's in this image?"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{image_base64}"}},
+                ],
+            },
+        ],
+        model=model,
+        max_completion_tokens=32,
+        stream=True,
+    )
+    print("Streamed output: ", end="")
+    for chunk in chat_completion:
+        if chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print()
+
+
 if __name__ == "__main__":
     run_single_image(sys.argv[1])
     run_structured_output(sys.argv[1])
     run_conversation(sys.argv[1])
+    run_streaming(sys.argv[1])

@@ -482,3 +482,41 @@ def test_a_lowered_memory_ceiling_keeps_every_other_limit() -> None:
     engine = Engine(EchoBackend().step_model(), limits, lambda _row: None)
     engine.row_ceiling = 3  # as after an out-of-memory step
     assert engine._limits() == scheduler.Limits(3, 2, hold_backlog=True, backlog_prefill_tokens=2048)
+
+
+def test_streaming_rows_publish_their_answers_once_each_through_a_pause(backend: FuyuBackend) -> None:
+    """The engine's thread offers each streaming row's tokens after every step; the publisher writes
+    text a row's answer begins with, once, even when a ticket pauses the row and it starts again."""
+    import time
+    from concurrent.futures import wait
+
+    from workers.engine.service import EngineService
+    from workers.metrics import Metrics
+    from workers.streaming import MemorySink, TextStreams
+
+    sink = MemorySink()
+    streams = TextStreams(sink, backend.detokenize, 0.001, backend.cleans_spaces, backend.settled).start()
+    limits = scheduler.Limits(max_rows=2, reserved_interactive=0)
+    service = EngineService(backend.step_model(2), limits, Metrics(), streams=streams).start()
+    rows = [_sequence(backend, f"b{i}", _item(i + 1, i, 10), "backlog") for i in range(2)]
+    for row in rows:
+        row.stream_to = f"job-{row.row_id}"
+    futures = service.submit_many(rows)
+    deadline = time.monotonic() + 60
+    while not any(e.job_id == "job-b1" for e in sink.entries) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ticket = service.submit(_sequence(backend, "t", _item(0, 2, 4), "interactive"))
+    wait([*futures, ticket], timeout=120)
+    service.stop()
+    streams.stop()
+    for future, item in zip(futures, [_item(1, 0, 10), _item(2, 1, 10)], strict=True):
+        row = future.result()
+        assert row.tokens == _alone(backend, item)
+        entries = [e for e in sink.entries if e.job_id == row.stream_to]
+        at = 0
+        for entry in entries:
+            assert entry.at == at
+            at += len(entry.text)
+        assert "".join(e.text for e in entries) == backend.detokenize(row.tokens)
+        assert entries[-1].end
+    assert not any(e.job_id.startswith("job-t") for e in sink.entries)  # it asked for no stream

@@ -62,10 +62,22 @@ def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: d
     assert parse_chat(_request(**fields), SETTINGS).response_format is None
 
 
+def test_a_streamed_request_asks_for_its_usage_chunk_only_when_it_streams() -> None:
+    options = {"stream_options": {"include_usage": True}}
+    streamed = parse_chat(_request(stream=True, **options), SETTINGS)
+    assert (streamed.stream, streamed.include_usage) == (True, True)
+    assert parse_chat(_request(stream=True), SETTINGS).include_usage is False
+    plain = parse_chat(_request(**options), SETTINGS)
+    assert (plain.stream, plain.include_usage) == (False, False)
+    with pytest.raises(OpenAIError) as line:  # a batch line's answer goes whole into the output file
+        parse_chat(_request(stream=True), SETTINGS, batch=True)
+    assert (line.value.status, line.value.param, line.value.code) == (400, "stream", "unsupported_value")
+
+
 @pytest.mark.parametrize(
     ("fields", "status", "param", "code"),
     [
-        ({"stream": True}, 400, "stream", "unsupported_value"),
+        ({"stream": "yes"}, 400, "stream", "invalid_value"),
         ({"temperature": 0.2}, 400, "temperature", "unsupported_value"),
         ({"n": 3}, 400, "n", "unsupported_value"),
         ({"stop": ["\n"]}, 400, "stop", "unsupported_value"),

@@ -76,6 +76,9 @@ class ModelBackend(Protocol):
 
     # --- the iteration-level engine (workers/engine/) ---
     eos_id: int
+    # Whether decoding more tokens can change text already decoded beyond a partial character (a
+    # tokenizer that cleans up spaces: " ," -> ","): a streamed answer then holds its last word back.
+    cleans_spaces: bool
     # Structured answers: the grammar compiler for this model's vocabulary (workers/grammar.py), or
     # None where the backend has no vocabulary to constrain (a job with a response_format fails there).
     grammars: Any
@@ -94,6 +97,10 @@ class ModelBackend(Protocol):
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of generated tokens (end-of-text excluded)."""
+
+    def settled(self, tokens: list[int]) -> int:
+        """How many of a row's first tokens decode to text that later tokens cannot change (a streamed
+        answer publishes that much): all but a trailing run of byte-fallback tokens."""
 
     def kv_capacity(self, positions: int) -> tuple[int, str]:
         """Slots of `positions` the free memory holds now, and how that was measured."""

@@ -162,6 +162,7 @@ class EchoBackend:
         self.prefills: list[str] = []  # the prompt of each row the engine prefilled, in order
         self.prefill_groups: list[int] = []  # rows per prefill call (equal-length rows go together)
         self.eos_id = EOS
+        self.cleans_spaces = False  # words joined by spaces: a longer answer only adds words
         self.grammars = None  # no vocabulary to constrain: jobs with a response_format are refused
         self._vocab: dict[str, int] = {}
         self._words: list[str] = ["", ""]
@@ -181,6 +182,9 @@ class EchoBackend:
             self._vocab[word] = len(self._words)
             self._words.append(word)
         return self._vocab[word]
+
+    def settled(self, tokens: list[int]) -> int:
+        return len(tokens)  # whole words only
 
     def detokenize(self, tokens: list[int]) -> str:
         return " ".join(self._words[t] for t in tokens if t not in (EOS, PAD))

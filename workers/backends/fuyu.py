@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from workers.backends import fuyu_preprocess as preprocess
 from workers.backends.base import GenerationInput, GenerationOutput, Prepared, PromptPlan
 
 BEGINNING_OF_ANSWER = "<0x04>"  # appended by id, as FuyuProcessor does, never as text
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # a byte-fallback token (sentencepiece's spelling)
 
 # Weights cannot be downloaded here, and a production worker must never fetch at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,6 +47,9 @@ class FuyuBackend:
         self.attention_kernel_padded = "not_measured"
         self.revision = "unloaded"
         self.grammars: Any = None
+        self.cleans_spaces = True  # until the tokenizer says: the safe answer for a stream
+        self.byte_tokens: frozenset[int] = frozenset()  # byte-fallback pieces, <0x00> .. <0xFF>
+        self.vocab_size = 0
 
     def _path(self) -> str:
         if self.source == "tiny":
@@ -79,6 +84,14 @@ class FuyuBackend:
         self.revision = fuyu_loading.revision_of(self.model.config, path)
         tokenizer = self.processor.tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
+        self.cleans_spaces = bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))
+        vocab = tokenizer.get_vocab()
+        # What a byte-fallback run of the decoder reads through: byte pieces, and ids that write nothing
+        # (special tokens, skipped; the ids of the padded embedding past the vocabulary).
+        self.byte_tokens = frozenset(
+            [*(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece)), *tokenizer.all_special_ids]
+        )
+        self.vocab_size = len(vocab)
         self.token_ids = preprocess.TokenIds(
             image=int(tokenizer.convert_tokens_to_ids("|SPEAKER|")),
             newline=int(tokenizer.convert_tokens_to_ids("|NEWLINE|")),
@@ -258,6 +271,12 @@ class FuyuBackend:
 
     def detokenize(self, tokens: list[int]) -> str:
         return str(self.processor.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def settled(self, tokens: list[int]) -> int:
+        end = len(tokens)
+        while end and (tokens[end - 1] in self.byte_tokens or tokens[end - 1] >= self.vocab_size):
+            end -= 1
+        return end
 
     def kv_capacity(self, positions: int) -> tuple[int, str]:
         """Slots of `positions` that fit in the memory free now (after loading and warm-up, and, on

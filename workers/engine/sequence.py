@@ -34,6 +34,7 @@ class Sequence:
     # What decides its prefix's positions besides the token ids (workers/engine/prefix_index.py): the
     # image's sha256, the size it was fitted to, the key that sent it. None: it never shares a prefix.
     identity: Hashable | None = None
+    stream_to: str | None = None  # the job whose stream gets its text as it is decoded (workers/streaming.py)
     computed: int = 0  # prompt positions in its slot so far (reused or prefilled)
     cached_tokens: int = 0  # of its prompt, positions reused from the cache at its last admission
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded

@@ -21,6 +21,7 @@ from workers.engine.engine import Engine, StepReport
 from workers.engine.sequence import Sequence
 from workers.engine.step import StepModel
 from workers.metrics import Metrics
+from workers.streaming import TextStreams
 
 _IDLE_WAIT_S = 1.0
 # A step that moved no row (every waiting row held back by the policy) is not run again before this
@@ -36,12 +37,16 @@ class EngineService:
         metrics: Metrics,
         on_progress: Callable[[float], None] = lambda busy_s: None,
         clock: Callable[[], float] = time.time,
+        streams: TextStreams | None = None,
     ) -> None:
         self.engine = Engine(runner, limits, self._finished, clock)
         self.metrics, self.on_progress, self.clock = metrics, on_progress, clock
         self.log = logs.get_logger()
         self._inbox: list[tuple[Sequence, Future[Sequence]]] = []
         self._futures: dict[str, Future[Sequence]] = {}
+        self.streams = streams
+        # Rows whose text is published as it is decoded, and how many tokens each had when last offered.
+        self._streaming: dict[str, tuple[Sequence, int]] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self.fatal: BaseException | None = None
@@ -93,6 +98,7 @@ class EngineService:
                 return
             moved = report.moved
             self._account(report, time.perf_counter() - began)
+            self._offer_text()
 
     def _take(self, moved: bool = True) -> bool:
         """Wait for work; move what arrived into the engine. False once stopping and idle. After a
@@ -107,11 +113,27 @@ class EngineService:
             inbox, self._inbox = self._inbox, []
         for row, future in inbox:
             self._futures[row.row_id] = future
+            if row.stream_to is not None and self.streams is not None:
+                self._streaming[row.row_id] = (row, 0)
             self.engine.submit(row)
         return True
 
+    def _offer_text(self) -> None:
+        """Each streaming row's tokens, when they changed this step (a copy: the publisher's thread
+        decodes and writes them; this thread never waits for Redis)."""
+        if self.streams is None:
+            return
+        for row_id, (row, offered) in list(self._streaming.items()):
+            if len(row.tokens) != offered:
+                assert row.stream_to is not None
+                self.streams.offer(row.stream_to, row.tokens)
+                self._streaming[row_id] = (row, len(row.tokens))
+
     def _finished(self, row: Sequence) -> None:
         future = self._futures.pop(row.row_id, None)
+        if self._streaming.pop(row.row_id, None) is not None and self.streams is not None:
+            assert row.stream_to is not None
+            self.streams.offer(row.stream_to, row.tokens, ended=True)
         # A finished row is never recomputed: its inputs (the image's patches, on the device) go now,
         # not when the last row of its delivery is handed back.
         row.inputs = None
@@ -138,6 +160,7 @@ class EngineService:
         for future in self._futures.values():
             future.set_exception(fatal)
         self._futures.clear()
+        self._streaming.clear()
 
     def _account_prefill(self, report: StepReport) -> None:
         metrics = self.metrics

@@ -1,0 +1,188 @@
+"""A streamed chat answer (`stream: true`): server-sent events in OpenAI's chunk shape, relayed from
+the job's Redis stream (written by the worker as the text is decoded, workers/streaming.py).
+
+The request is checked and enqueued exactly as a plain one (producer/openai/chat.py): anything that
+goes wrong up to the push is the usual JSON error, before the first byte. Then the events: a first
+chunk with the role, content deltas as the worker publishes them, and once the job's result is
+stored, the rest of its text (whatever the stream missed: a trimmed stream, a Redis failover, a
+stream that was never written, for a job that ended before its row ran), a last chunk with the
+finish reason, a usage chunk when `stream_options.include_usage` asks, and `data: [DONE]`. The
+joined deltas are the result's text: the stream only ever carries a prefix of it.
+
+A job that fails, or a wait that runs out (MRC_OPENAI_WAIT_S), ends the stream with an error event in
+OpenAI's shape (`data: {"error": {...}}`, naming the job) and no `[DONE]`. A client that goes away
+cancels nothing: the job runs on and its result is stored as for any job (`GET /v1/jobs/ID/result`).
+SSE comments keep a quiet connection alive while the job waits in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer.http.state import ApiState
+from producer.openai.completion import completion, epoch
+from producer.openai.errors import OpenAIError
+from shared import logs, names
+from shared.records import TERMINAL
+
+RECORD_EVERY_S = 0.25  # the job's record is looked at this often (its end, when no stream says it)
+BLOCK_S = 0.25  # one XREAD waits at most this long
+OUTAGE_PAUSE_S = 0.5  # after a failed read (Redis away), the next one waits this long
+KEEPALIVE_S = 10.0
+
+
+@dataclass
+class StreamedJob:
+    job_id: str  # as stored (a key's namespace included)
+    shown_id: str  # as the client names it
+    model: str
+    created: int
+    include_usage: bool
+    wait_s: float
+
+
+@dataclass
+class _Relay:
+    text: str = ""  # what was sent so far
+    after: str = "0"  # the last stream entry read
+    ended: bool = False  # the worker said the row ended: look for the result now
+    outage: bool = False
+    result: dict[str, Any] | None = field(default=None)
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+class ChatStream:
+    def __init__(self, state: ApiState) -> None:
+        self.state = state
+
+    def chunk(self, job: StreamedJob, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": job.shown_id,
+            "object": "chat.completion.chunk",
+            "created": job.created,
+            "model": job.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if job.include_usage:
+            out["usage"] = None
+        return out
+
+    async def events(self, job: StreamedJob) -> AsyncIterator[bytes]:
+        relay = _Relay()
+        log = logs.get_logger()
+        try:
+            yield sse(self.chunk(job, {"role": "assistant", "content": ""}))
+            async for piece in self._relay(job, relay):
+                yield piece
+        except (asyncio.CancelledError, GeneratorExit):
+            if relay.result is None:
+                log.info("MRC_STREAM_LEFT", job_id=job.job_id, chars_sent=len(relay.text))
+            raise
+
+    async def _relay(self, job: StreamedJob, relay: _Relay) -> AsyncIterator[bytes]:
+        deadline = time.monotonic() + job.wait_s
+        next_record, quiet_since = 0.0, time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                yield sse(self._timeout(job).body())
+                return
+            delta = await self._read(job, relay, min(BLOCK_S, deadline - now))
+            if delta:
+                relay.text += delta
+                quiet_since = time.monotonic()
+                yield sse(self.chunk(job, {"content": delta}))
+            if relay.ended or time.monotonic() >= next_record:
+                next_record = time.monotonic() + RECORD_EVERY_S
+                relay.ended = False
+                found = await self._result(job.job_id)
+                if found is not None:
+                    relay.result = found
+                    for piece in self._ending(job, relay.text, found):
+                        yield piece
+                    return
+            if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield b": keep-alive\n\n"
+
+    async def _read(self, job: StreamedJob, relay: _Relay, block_s: float) -> str:
+        """New text from the job's stream (what lies past what was sent), waiting up to `block_s`."""
+        try:
+            entries = await self.state.waits.stream(names.stream_key(job.job_id), relay.after, block_s)
+        except Exception as exc:  # the job is queued: an outage is waited out, to the deadline
+            if not relay.outage:
+                relay.outage = True
+                logs.get_logger().warning(
+                    "MRC_STREAM_READ_INTERRUPTED", job_id=job.job_id, error=repr(exc)[:200]
+                )
+            await asyncio.sleep(min(OUTAGE_PAUSE_S, block_s))
+            return ""
+        relay.outage = False
+        sent, out = len(relay.text), ""
+        for entry_id, fields in entries:
+            relay.after = entry_id
+            at, text = int(fields.get("at", 0)), str(fields.get("t", ""))
+            if at <= sent + len(out) < at + len(text):  # entries again from 0 (a redelivery): the new part
+                out += text[sent + len(out) - at :]
+            if fields.get("end"):
+                relay.ended = True
+        return out
+
+    async def _result(self, job_id: str) -> dict[str, Any] | None:
+        """The job's result once it ended (the failed result its record describes, where none was
+        stored); None while it runs, or while Redis or S3 cannot say."""
+        try:
+            record = await self.state.waits.record(job_id)
+            if record and record.get("state") not in TERMINAL:
+                return None
+            found = await self.state.waits.result(job_id, 0, self.state.queue.result)
+        except Exception:  # looked at again at the next turn
+            return None
+        return found if isinstance(found, dict) else None
+
+    def _ending(self, job: StreamedJob, sent: str, result: dict[str, Any]) -> list[bytes]:
+        status, body = completion({**result, "job_id": job.shown_id})
+        if status != 200:
+            return [sse(body)]
+        text = str(body["choices"][0]["message"]["content"])
+        out: list[bytes] = []
+        if text.startswith(sent):
+            if len(text) > len(sent):
+                out.append(sse(self.chunk(job, {"content": text[len(sent) :]})))
+        else:  # never by design (the worker publishes prefixes): said, not hidden
+            logs.get_logger().error("MRC_STREAM_DIVERGED", job_id=job.job_id, chars_sent=len(sent))
+        last = self.chunk(job, {}, str(body["choices"][0]["finish_reason"]))
+        last["system_fingerprint"] = body.get("system_fingerprint")
+        out.append(sse(last))
+        if job.include_usage:
+            usage = {**self.chunk(job, {}), "choices": [], "usage": body["usage"]}
+            usage["system_fingerprint"] = body.get("system_fingerprint")
+            out.append(sse(usage))
+        out.append(sse("[DONE]"))
+        return out
+
+    def _timeout(self, job: StreamedJob) -> OpenAIError:
+        return OpenAIError(
+            504,
+            f"no answer within {job.wait_s:g} s; job {job.shown_id} goes on: "
+            f"GET /v1/jobs/{job.shown_id}/result has it once it ends",
+            None,
+            "answer_timeout",
+            extra={"job_id": job.shown_id},
+        )
+
+
+def streamed_job(
+    job_id: str, shown_id: str, model: str, submitted_at: str, include_usage: bool, wait_s: float
+) -> StreamedJob:
+    return StreamedJob(job_id, shown_id, model, epoch(submitted_at), include_usage, wait_s)
