@@ -2,9 +2,10 @@
 
 The engine's thread only hands over a copy of a streaming row's tokens after each step (`offer`, a
 dict write under a lock: it never waits for Redis). This module's own thread wakes at most every
-MRC_STREAM_INTERVAL_S, decodes each offered row's tokens to text, and writes what is new of every
-streaming row in one Redis round trip: one XADD per row with new text (and an EXPIRE the first time),
-so Redis commands per streamed token fall as rows and steps grow, never one per row per step.
+MRC_STREAM_INTERVAL_S (at once for a row's first text and its end), decodes each offered row's
+tokens to text, and writes what is new of every streaming row in one Redis round trip: one XADD per
+row with new text (and an EXPIRE the first time), so Redis commands per streamed token fall as rows
+and steps grow, never one per row per step.
 
 An entry is `at` (where its text starts in the answer) and `t` (the text); the row's end adds `end`.
 A row paused or restarted makes the same greedy tokens again: nothing is published twice, since only
@@ -122,6 +123,7 @@ class TextStreams:
         self._published: dict[str, _Published] = {}
         self._cond = threading.Condition()
         self._stopping = False
+        self._urgent = False  # a first text or an end is waiting: flush without waiting the interval
         self._failing = False
         self.flushes = 0
         self._thread = threading.Thread(target=self._loop, name="mrc-streams", daemon=True)
@@ -144,12 +146,17 @@ class TextStreams:
             if row is not None and row.ended:
                 return  # a later row of the same job (a second delivery) writes its own end
             self._offered[job_id] = _Row(list(tokens), ended)
+            # A row's first text and its end go out at once (a ticket's first words, the client's
+            # answer); what comes between waits for the interval, gathered.
+            if ended or job_id not in self._published:
+                self._urgent = True
             self._cond.notify()
 
     def flush(self) -> None:
         """Publish what was offered since the last flush (the thread's loop; tests call it directly)."""
         with self._cond:
             offered, self._offered = self._offered, {}
+            self._urgent = False
         if not offered:
             return
         entries, fresh = self._entries(offered)
@@ -200,8 +207,9 @@ class TextStreams:
             self.flush()
             if stopping:
                 return
-            # Coalesce: the rows' next tokens gather for one interval (an offer does not cut it short).
+            # Coalesce: the rows' next tokens gather for one interval (only a first text or an end
+            # cuts it short).
             deadline = time.monotonic() + self.interval_s
             with self._cond:
-                while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                while not self._stopping and not self._urgent and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(left)

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from producer.backlog import manifest
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -61,6 +60,8 @@ def _rate(text: str) -> float:
 
 def check(args: argparse.Namespace) -> None:
     """Usage errors, before Redis or S3 are reached."""
+    from producer.backlog import manifest  # here, not at the top: every other `mrc` command starts faster
+
     target = args.target
     if target and target[0] in SUBCOMMANDS:
         if len(target) != 2:
@@ -79,6 +80,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    from producer.backlog import manifest
     from producer.backlog.progress import Display
     from producer.backlog.run import Backlog
     from producer.queue.sender import Queue
@@ -113,6 +115,8 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
     """A way to read the manifest's (line number, raw line) stream from the start (twice with
     --strict), and its name for the run's record: a file, stdin (spooled to `spool`), a bucket
     listing, or, with --resume, the source the run recorded."""
+    from producer.backlog import manifest
+
     source = args.target[0] if args.target else args.from_s3
     prompt = args.prompt
     if args.resume:
@@ -149,12 +153,16 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
 
 
 def _from(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    from producer.backlog import manifest
+
     spool.seek(0)
     return manifest.read_lines(spool)
 
 
 def _strict(lines: Iterator[tuple[int, bytes]], run_id: str, settings: Settings) -> None:
     """Check every line first; any invalid one is a usage error (nothing enqueued)."""
+    from producer.backlog import manifest
+
     bad = 0
     for number, raw in lines:
         item = manifest.parse(number, raw, run_id, settings)

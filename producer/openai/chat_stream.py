@@ -31,6 +31,9 @@ from shared import logs, names
 from shared.records import TERMINAL
 
 RECORD_EVERY_S = 0.25  # the job's record is looked at this often (its end, when no stream says it)
+# Once the worker said the row ended, its result is being written: looked for this often, for at most
+# ENDED_LOOK_S (a row that ended in a retryable failure runs again later: back to RECORD_EVERY_S).
+ENDED_EVERY_S, ENDED_LOOK_S = 0.02, 2.0
 BLOCK_S = 0.25  # one XREAD waits at most this long
 OUTAGE_PAUSE_S = 0.5  # after a failed read (Redis away), the next one waits this long
 KEEPALIVE_S = 10.0
@@ -50,7 +53,7 @@ class StreamedJob:
 class _Relay:
     text: str = ""  # what was sent so far
     after: str = "0"  # the last stream entry read
-    ended: bool = False  # the worker said the row ended: look for the result now
+    ended_at: float | None = None  # when the worker said the row ended: its result is coming
     outage: bool = False
     result: dict[str, Any] | None = field(default=None)
 
@@ -97,14 +100,17 @@ class ChatStream:
             if now >= deadline:
                 yield sse(self._timeout(job).body())
                 return
-            delta = await self._read(job, relay, min(BLOCK_S, deadline - now))
+            ended = relay.ended_at
+            fast = ended is not None and now - ended < ENDED_LOOK_S
+            delta = await self._read(job, relay, min(ENDED_EVERY_S if fast else BLOCK_S, deadline - now))
+            if relay.ended_at != ended:  # the worker said the row ended: its result is coming
+                next_record, fast = 0.0, True
             if delta:
                 relay.text += delta
                 quiet_since = time.monotonic()
                 yield sse(self.chunk(job, {"content": delta}))
-            if relay.ended or time.monotonic() >= next_record:
-                next_record = time.monotonic() + RECORD_EVERY_S
-                relay.ended = False
+            if time.monotonic() >= next_record:
+                next_record = time.monotonic() + (ENDED_EVERY_S if fast else RECORD_EVERY_S)
                 found = await self._result(job.job_id)
                 if found is not None:
                     relay.result = found
@@ -135,7 +141,7 @@ class ChatStream:
             if at <= sent + len(out) < at + len(text):  # entries again from 0 (a redelivery): the new part
                 out += text[sent + len(out) - at :]
             if fields.get("end"):
-                relay.ended = True
+                relay.ended_at = time.monotonic()
         return out
 
     async def _result(self, job_id: str) -> dict[str, Any] | None:

@@ -316,7 +316,7 @@ def test_errors_come_in_openai_shape_and_as_the_sdk_classes(
 ) -> None:
     url = data_url(imagegen.photo(64, 64, seed=43))
     cases: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None, str]] = [
-        ({"stream": True}, openai.BadRequestError, "stream", "unsupported_value"),
+        ({"top_p": 0.5}, openai.BadRequestError, "top_p", "unsupported_value"),
         ({"temperature": 0.7}, openai.BadRequestError, "temperature", "unsupported_value"),
         ({"n": 2}, openai.BadRequestError, "n", "unsupported_value"),
         (
