@@ -102,6 +102,9 @@ class Job(BaseModel):
     # Its text is published as it is decoded (a streamed chat request; workers/streaming.py). How the
     # answer is delivered, not what it is: never part of the fingerprint.
     stream: bool = False
+    # False: a prompt past MRC_MAX_PROMPT_TOKENS fails prompt_too_long even where the worker truncates
+    # prompts (a folded conversation: its cut end would be the question itself).
+    truncate: bool = True
 
     @field_validator("job_id")
     @classmethod
@@ -141,9 +144,11 @@ class Job(BaseModel):
         return value
 
     def to_message(self) -> dict[str, Any]:
-        message = self.model_dump(by_alias=True, exclude={"response_format", "api_key", "stream"})
+        message = self.model_dump(by_alias=True, exclude={"response_format", "api_key", "stream", "truncate"})
         if self.stream:  # absent otherwise: messages of other jobs stay as they were
             message["stream"] = True
+        if not self.truncate:
+            message["truncate"] = False
         if self.api_key is not None:  # absent otherwise, as response_format: old messages unchanged
             message["api_key"] = self.api_key
         if self.response_format is not None:  # absent otherwise: messages of free jobs stay as they were

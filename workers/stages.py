@@ -47,7 +47,9 @@ def parse(body: object, settings: Settings) -> Job:
 
 
 def plan_prompt(job: Job, backend: ModelBackend, settings: Settings) -> PromptPlan:
-    return backend.plan_prompt(job.prompt, settings.max_prompt_tokens, settings.truncate_prompts)
+    return backend.plan_prompt(
+        job.prompt, settings.max_prompt_tokens, settings.truncate_prompts and job.truncate
+    )
 
 
 def fetch_image(job: Job, source: ImageSource, settings: Settings) -> images.EncodedImage:

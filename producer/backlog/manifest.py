@@ -2,7 +2,8 @@
 
 A line: `{"custom_id": ..., "image": "s3://bucket/key" or a local path, "prompt": ...,
 "max_new_tokens": optional int, "ticket_id": optional str, "response_format": optional
-{"type": "json_schema", "schema": {...}} or {"type": "choice", "choices": [...]}}`. A line that
+{"type": "json_schema", "schema": {...}} or {"type": "choice", "choices": [...]}, "truncate": optional
+bool (false: a prompt past MRC_MAX_PROMPT_TOKENS fails prompt_too_long instead of being cut)}`. A line that
 breaks a rule becomes an `Invalid` with its line number and the reason; it never stops the lines
 after it.
 
@@ -31,7 +32,7 @@ from shared.settings import Settings
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
 RUN_ID_RULE = "1-64 of [A-Za-z0-9_-], starting with a letter or digit"
-_FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id", "response_format"}
+_FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id", "response_format", "truncate"}
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_LINE_BYTES = 64 * 1024
 T = TypeVar("T")
@@ -50,6 +51,7 @@ class Line:
     ticket_id: str | None
     response_format: JsonSchemaFormat | ChoiceFormat | None = None
     api_key: str | None = None  # who asked, for the usage totals (a batch through mrc-api)
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,21 @@ def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | In
         response_format=response_formats.parse(
             data.get("response_format"), settings.max_response_format_bytes
         ),
+        truncate=data.get("truncate", True),
     )
+
+
+def _optional_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with the optional fields' types, if anything."""
+    new = data.get("max_new_tokens")
+    if new is not None and (isinstance(new, bool) or not isinstance(new, int)):
+        return "max_new_tokens must be an integer"
+    ticket = data.get("ticket_id")
+    if ticket is not None and (not isinstance(ticket, str) or len(ticket) > 256):
+        return "ticket_id must be a string of at most 256 characters"
+    if not isinstance(data.get("truncate", True), bool):
+        return "truncate must be true or false"
+    return None
 
 
 def _problem(data: dict[str, Any], settings: Settings) -> str | None:
@@ -133,11 +149,9 @@ def _problem(data: dict[str, Any], settings: Settings) -> str | None:
     if not 1 <= len(data["custom_id"]) <= 512:
         return "custom_id must be 1-512 characters"
     new = data.get("max_new_tokens")
-    if new is not None and (isinstance(new, bool) or not isinstance(new, int)):
-        return "max_new_tokens must be an integer"
-    ticket = data.get("ticket_id")
-    if ticket is not None and (not isinstance(ticket, str) or len(ticket) > 256):
-        return "ticket_id must be a string of at most 256 characters"
+    problem = _optional_problem(data)
+    if problem:
+        return problem
     try:
         fmt = response_formats.parse(data.get("response_format"), settings.max_response_format_bytes)
     except ValueError as exc:

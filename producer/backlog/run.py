@@ -249,6 +249,7 @@ class Backlog(RunReader):
             ticket_id=line.ticket_id,
             response_format=line.response_format,
             api_key=line.api_key,
+            truncate=line.truncate,
         )
         return self.intake.job(sub)
 

@@ -64,6 +64,7 @@ class Intake:
             "response_format": fmt,
             "api_key": sub.api_key,
             "stream": sub.stream,
+            "truncate": sub.truncate,
         }
         try:
             return Job.from_message(fields)

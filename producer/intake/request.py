@@ -28,3 +28,4 @@ class Submission:
     # shared/tenants.py) and its usage counts to it. None: `mrc submit`, Python callers, no keys.
     api_key: str | None = None
     stream: bool = False  # publish the text as it is decoded (a streamed chat request)
+    truncate: bool = True  # False: never cut at MRC_MAX_PROMPT_TOKENS (prompt_too_long instead)

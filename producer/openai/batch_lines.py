@@ -234,4 +234,6 @@ def _manifest_line(custom_id: str, chat: ChatJob, uri: str | None) -> dict[str, 
         line["ticket_id"] = chat.ticket_id
     if chat.response_format is not None:
         line["response_format"] = chat.response_format
+    if not chat.truncate:
+        line["truncate"] = False
     return line

@@ -191,6 +191,7 @@ class Chat:
             response_format=chat.response_format,
             api_key=caller.key_id,
             stream=chat.stream,
+            truncate=chat.truncate,
         )
         try:
             job = self.state.intake.job(sub, chat.data, from_network=True)

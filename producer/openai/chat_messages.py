@@ -38,6 +38,7 @@ class Folded:
     prompt_param: str  # where the prompt's text was, for errors about it
     image: ImageURL
     image_param: str  # where the image was
+    conversation: bool = False  # instructions or earlier turns beside the question: never cut
 
 
 def fold(messages: list[Message]) -> Folded:
@@ -84,7 +85,7 @@ def fold(messages: list[Message]) -> Folded:
     blocks = ["\n".join(instructions), "\n".join(history), question if question.strip() else ""]
     prompt = "\n\n".join(block for block in blocks if block)
     param = question_param if len(messages) == 1 else "messages"
-    return Folded(prompt, param, image[0], image[1])
+    return Folded(prompt, param, image[0], image[1], bool(instructions or history))
 
 
 def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | None]:

@@ -95,6 +95,9 @@ class ChatJob:
     image_param: str  # where the image was, for errors about it
     stream: bool = False  # server-sent events as the text is decoded (producer/openai/chat_stream.py)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    # A conversation (instructions or history) is never cut at MRC_MAX_PROMPT_TOKENS: its cut end would be
+    # the question. Too long: prompt_too_long (400), as OpenAI refuses a conversation past its context.
+    truncate: bool = True
 
 
 def param_of(loc: tuple[Any, ...]) -> str:
@@ -170,6 +173,7 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False, owner: 
     return ChatJob(
         request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param,
         stream=stream, include_usage=stream and bool(options.get("include_usage")),
+        truncate=not folded.conversation,
     )  # fmt: skip
 
 

@@ -62,6 +62,13 @@ def test_settings_that_change_nothing_for_a_greedy_answer_are_accepted(fields: d
     assert parse_chat(_request(**fields), SETTINGS).response_format is None
 
 
+def test_a_conversation_is_never_cut_and_a_lone_question_follows_the_setting() -> None:
+    assert parse_chat(_request(), SETTINGS).truncate is True
+    content = _request()["messages"][0]["content"]
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    assert parse_chat(_request(messages=talk), SETTINGS).truncate is False
+
+
 def test_a_streamed_request_asks_for_its_usage_chunk_only_when_it_streams() -> None:
     options = {"stream_options": {"include_usage": True}}
     streamed = parse_chat(_request(stream=True, **options), SETTINGS)

@@ -125,6 +125,9 @@ def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
         [_job("long2", prompt="one two three four")]
     )
     assert store.get_result("long2")["error"]["code"] == "prompt_too_long"
+    # A job that asks not to be cut (a folded conversation) fails where the worker would truncate.
+    _pipeline(store, max_prompt_tokens=3).run([_job("long3", prompt="one two three four", truncate=False)])
+    assert store.get_result("long3")["error"]["code"] == "prompt_too_long"
 
 
 def test_over_limit_max_new_tokens_is_invalid(store: MemoryStore) -> None:
