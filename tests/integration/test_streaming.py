@@ -204,3 +204,28 @@ def test_keep_alive_comments_and_the_events_are_plain_sse(base_url: str, model: 
     first = json.loads(data[0])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert json.loads(data[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_structured_answer_streams_its_json_text(sdk: openai.OpenAI, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"refund": {"type": "boolean"}, "reason": {"type": "string", "maxLength": 12}},
+        "required": ["refund", "reason"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "claim", "schema": schema}}
+    messages = ask("Refund or not, and why?", seed=66)
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=40,
+            response_format=fmt,
+            stream=True,  # type: ignore[arg-type]
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    answer = json.loads(text)
+    assert set(answer) == {"refund", "reason"}
+    plain = sdk.chat.completions.create(model=model, messages=messages, max_tokens=40, response_format=fmt)  # type: ignore[arg-type]
+    assert plain.choices[0].message.content == text
