@@ -144,7 +144,7 @@ class Chat:
 
     def _streamed(self, job: Job, shown_id: str, chat: ChatJob, headers: dict[str, str]) -> Response:
         streamed = chat_stream.streamed_job(
-            job.job_id, shown_id, chat.model, job.submitted_at, chat.include_usage,
+            job.job_id, shown_id, self.models.answering(chat.model), job.submitted_at, chat.include_usage,
             self.settings.openai_wait_s,
         )  # fmt: skip
         return StreamingResponse(

@@ -56,6 +56,18 @@ class _Relay:
     ended_at: float | None = None  # when the worker said the row ended: its result is coming
     outage: bool = False
     result: dict[str, Any] | None = field(default=None)
+    next_look: float = 0.0  # when the result is looked for next
+    reading: asyncio.Task[Any] | None = None  # the read of the stream under way
+    looking: asyncio.Task[Any] | None = None  # the look at the result under way
+
+
+def _taken(relay: _Relay, which: str) -> Any:
+    """A finished task's value (and the task forgotten, so the next one starts); None while it runs."""
+    task = getattr(relay, which)
+    if task is None or not task.done():
+        return None
+    setattr(relay, which, None)
+    return task.result()
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -93,33 +105,52 @@ class ChatStream:
             raise
 
     async def _relay(self, job: StreamedJob, relay: _Relay) -> AsyncIterator[bytes]:
+        """The loop: a read of the stream and a look at the result run as tasks, at most one of each
+        at a time, and are waited for no longer than the deadline and the next keep-alive allow; a
+        Redis that hangs (a read blocks up to the connection's socket timeout) holds neither back."""
         deadline = time.monotonic() + job.wait_s
-        next_record, quiet_since = 0.0, time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                yield sse(self._timeout(job).body())
-                return
-            ended = relay.ended_at
-            fast = ended is not None and now - ended < ENDED_LOOK_S
-            delta = await self._read(job, relay, min(ENDED_EVERY_S if fast else BLOCK_S, deadline - now))
-            if relay.ended_at != ended:  # the worker said the row ended: its result is coming
-                next_record, fast = 0.0, True
-            if delta:
-                relay.text += delta
-                quiet_since = time.monotonic()
-                yield sse(self.chunk(job, {"content": delta}))
-            if time.monotonic() >= next_record:
-                next_record = time.monotonic() + (ENDED_EVERY_S if fast else RECORD_EVERY_S)
-                found = await self._result(job.job_id)
-                if found is not None:
+        quiet_since = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    yield sse(self._timeout(job).body())
+                    return
+                if now - quiet_since >= KEEPALIVE_S:
+                    quiet_since = now
+                    yield b": keep-alive\n\n"
+                ended = relay.ended_at
+                pending = self._start(job, relay, now, deadline)
+                budget = min(deadline - now, KEEPALIVE_S - (now - quiet_since))
+                await asyncio.wait(pending, timeout=max(0.001, budget), return_when=asyncio.FIRST_COMPLETED)
+                delta = _taken(relay, "reading")
+                if relay.ended_at != ended:  # the worker said the row ended: its result is coming
+                    relay.next_look = 0.0
+                if delta:
+                    relay.text += delta
+                    quiet_since = time.monotonic()
+                    yield sse(self.chunk(job, {"content": delta}))
+                found = _taken(relay, "looking")
+                if found:
                     relay.result = found
                     for piece in self._ending(job, relay.text, found):
                         yield piece
                     return
-            if time.monotonic() - quiet_since >= KEEPALIVE_S:
-                quiet_since = time.monotonic()
-                yield b": keep-alive\n\n"
+        finally:
+            for task in (relay.reading, relay.looking):
+                if task is not None:
+                    task.cancel()
+
+    def _start(self, job: StreamedJob, relay: _Relay, now: float, deadline: float) -> set[asyncio.Task[Any]]:
+        """A read of the stream and a look at the result, unless one of each is under way already."""
+        fast = relay.ended_at is not None and now - relay.ended_at < ENDED_LOOK_S
+        if relay.reading is None:
+            block = min(ENDED_EVERY_S if fast else BLOCK_S, deadline - now)
+            relay.reading = asyncio.ensure_future(self._read(job, relay, block))
+        if relay.looking is None and now >= relay.next_look:
+            relay.next_look = now + (ENDED_EVERY_S if fast else RECORD_EVERY_S)
+            relay.looking = asyncio.ensure_future(self._result(job.job_id))
+        return {task for task in (relay.reading, relay.looking) if task is not None}
 
     async def _read(self, job: StreamedJob, relay: _Relay, block_s: float) -> str:
         """New text from the job's stream (what lies past what was sent), waiting up to `block_s`."""

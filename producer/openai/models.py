@@ -84,6 +84,12 @@ class Models:
         wait in the queue while no worker is up)."""
         return frozenset(entry["id"] for entry in self.listed())
 
+    def answering(self, model: str) -> str:
+        """The name the answer will carry (a plain answer's `model`, from its result): `model` when a
+        worker serves it by that name, else, for MRC_MODEL standing for the one model served, that one."""
+        served = [entry["id"] for entry in self.served()]
+        return served[0] if model not in served and len(served) == 1 else model
+
     def check(self, model: str) -> None:
         if model not in self.known():
             raise OpenAIError(

@@ -89,6 +89,7 @@ def test_the_streamed_chunks_join_into_the_plain_answer_with_its_usage(
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].id != plain.id  # another request (stream differs): another job
+    assert {c.model for c in chunks} == {plain.model}  # the served model's name, as the plain answer
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
     finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
