@@ -6,7 +6,7 @@ import json
 import secrets
 import threading
 
-from shared import pushes
+from shared import ops_counts, pushes
 from shared import usage as usage_book
 from shared.jobs import State
 
@@ -114,7 +114,14 @@ class MemoryJobRecords:
             record.pop("usage_counted", None)
             record.pop("suspect_group", None)
 
-    def count_usage(self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool) -> bool:
+    def count_usage(
+        self,
+        job_id: str,
+        api_key: str | None,
+        usage: dict[str, int],
+        cache_hit: bool,
+        done: ops_counts.Finished | None = None,  # the ops page's counts live in Redis only
+    ) -> bool:
         args = usage_book.count_args(api_key, usage, cache_hit)
         with self._lock:
             record = self.records.get(job_id)

@@ -94,6 +94,29 @@ def worker_pattern() -> str:
     return f"{REDIS_PREFIX}worker:*"
 
 
+def runs_recent_key() -> str:
+    """Redis sorted set of backlog runs and batches by creation time (the ops page's list; the last
+    1,000 kept)."""
+    return f"{REDIS_PREFIX}runs:recent"
+
+
+def workers_seen_key() -> str:
+    """Redis sorted set: each worker's heartbeat key by the time of its last beat (the ops page reads
+    the live ones without scanning the keyspace)."""
+    return f"{REDIS_PREFIX}workers:seen"
+
+
+def ops_minute_key(minute: int) -> str:
+    """Redis hash of one minute's ops counts (shared/ops_counts.py): jobs out, failures by code,
+    latency buckets, the lanes' depth; `minute` = epoch seconds // 60."""
+    return f"{REDIS_PREFIX}ops:minute:{minute}"
+
+
+def ops_day_key(day: str) -> str:
+    """Redis hash of one UTC day's tokens per API key (`YYYY-MM-DD`; shared/ops_counts.py)."""
+    return f"{REDIS_PREFIX}ops:day:{day}"
+
+
 def stream_key(job_id: str) -> str:
     """Redis stream of a streamed job's text as it is decoded (`stream: true`; workers/streaming.py):
     bounded in length and life, read by the mrc-api request that streams it."""

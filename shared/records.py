@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from typing import Any, Protocol
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import encoding, names, pushes, redis_target, tenants
+from shared import encoding, names, ops_counts, pushes, redis_target, tenants
 from shared import usage as usage_book
 from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
@@ -108,7 +109,12 @@ class JobRecords(Protocol):
     def suspect_group(self, job_ids: list[str], size: int) -> None: ...
     def reset_attempts(self, job_id: str, push_id: str) -> None: ...
     def count_usage(
-        self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool
+        self,
+        job_id: str,
+        api_key: str | None,
+        usage: dict[str, int],
+        cache_hit: bool,
+        done: ops_counts.Finished | None = None,
     ) -> bool: ...
     def list_lengths(self, keys: list[str]) -> int: ...
     def dead_letter(self, entry: dict[str, object]) -> None: ...
@@ -252,11 +258,19 @@ class RedisJobRecords:
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
-    def count_usage(self, job_id: str, api_key: str | None, usage: dict[str, int], cache_hit: bool) -> bool:
-        """Add a finished job's usage to its key's totals and keep it in its record, once per job
-        (shared/usage.py); True when counted now."""
-        keys = [names.job_key(job_id), names.usage_totals_key()]
-        return bool(self._count_usage(keys=keys, args=usage_book.count_args(api_key, usage, cache_hit)))
+    def count_usage(
+        self,
+        job_id: str,
+        api_key: str | None,
+        usage: dict[str, int],
+        cache_hit: bool,
+        done: ops_counts.Finished | None = None,
+    ) -> bool:
+        """Add a finished job's usage to its key's totals and keep it in its record, and `done` to the
+        ops counts, once per job (shared/usage.py); True when counted now."""
+        keys = [names.job_key(job_id), names.usage_totals_key(), *ops_counts.script_keys(time.time())]
+        args = [*usage_book.count_args(api_key, usage, cache_hit), *ops_counts.script_args(done)]
+        return bool(self._count_usage(keys=keys, args=args))
 
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]:
         """The records of a delivery's jobs in one round trip; a backlog job's record also says

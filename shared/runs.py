@@ -7,6 +7,7 @@ moment leaves each job either recorded and queued, or neither. That is what lets
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,6 +114,8 @@ class RunRecords:
             pipe.hsetnx(key, "manifest", manifest)
             pipe.hsetnx(key, "state", "enqueuing")
             pipe.expire(key, RUN_TTL_S)
+            pipe.zadd(names.runs_recent_key(), {run_id: time.time()}, nx=True)  # the ops page's list
+            pipe.zremrangebyrank(names.runs_recent_key(), 0, -1001)
             pipe.execute()
         return self.get(run_id)
 

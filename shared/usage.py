@@ -24,8 +24,11 @@ NO_KEY = "none"  # the label of jobs submitted without an API key (mrc submit, m
 KINDS = ("prompt_tokens", "image_tokens", "completion_tokens", "total_tokens")
 RECORD_FIELDS = ("usage_prompt", "usage_image", "usage_completion", "usage_cached", "usage_cached_tokens")
 
-# KEYS[1] the job's record, KEYS[2] the totals hash. ARGV: key label, prompt, image, completion,
-# total tokens, cache hit (0/1), prompt positions reused from the engine's prefix cache.
+# KEYS[1] the job's record, KEYS[2] the totals hash, KEYS[3] this minute's ops hash, KEYS[4] today's
+# (shared/ops_counts.py). ARGV: key label, prompt, image, completion, total tokens, cache hit (0/1),
+# prompt positions reused from the engine's prefix cache; then the ops counts: lane ('' for none),
+# status, error code, latency bucket, the two hashes' lifetimes, the run records' key prefix (a backlog
+# job's run counts it finished; the one key not declared: mrc's Redis is never a cluster).
 # Returns 1 when counted now, 0 when this job was counted before.
 COUNT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -40,6 +43,19 @@ redis.call('HINCRBY', KEYS[2], key .. '|image_tokens', ARGV[3])
 redis.call('HINCRBY', KEYS[2], key .. '|completion_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[2], key .. '|total_tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[2], key .. '|cache_hits', ARGV[6])
+if ARGV[8] ~= '' then
+  redis.call('HINCRBY', KEYS[3], 'out|' .. ARGV[8] .. '|' .. ARGV[9], 1)
+  if ARGV[10] ~= '' then redis.call('HINCRBY', KEYS[3], 'code|' .. ARGV[10], 1) end
+  if ARGV[11] ~= '' then redis.call('HINCRBY', KEYS[3], 'lat|' .. ARGV[8] .. '|' .. ARGV[11], 1) end
+  redis.call('EXPIRE', KEYS[3], ARGV[12])
+  redis.call('HINCRBY', KEYS[4], key .. '|jobs', 1)
+  redis.call('HINCRBY', KEYS[4], key .. '|prompt_tokens', ARGV[2])
+  redis.call('HINCRBY', KEYS[4], key .. '|image_tokens', ARGV[3])
+  redis.call('HINCRBY', KEYS[4], key .. '|completion_tokens', ARGV[4])
+  redis.call('EXPIRE', KEYS[4], ARGV[13])
+  local run = redis.call('HGET', KEYS[1], 'run_id')
+  if run and run ~= '' then redis.call('HINCRBY', ARGV[14] .. run, 'finished_' .. ARGV[9], 1) end
+end
 return 1
 """
 

@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     """Load, warm up and consume until stopped; the exit code."""
     from celery.signals import worker_ready
 
-    from shared import transport, unacked
+    from shared import ops_counts, transport, unacked
     from shared.celery_app import make_celery
     from shared.lane_metrics import LaneCollector
     from shared.records import RedisJobRecords, connect
@@ -211,7 +211,12 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
             **pipeline.live(),
             "buffered": tasks.buffered(app),
             "batch_in_progress_s": round(pipeline.batch_for_s or 0.0, 1) or None,
+            "ready": state.readiness() is not None,
+            "not_ready_reason": None if state.readiness() is not None else state.reason,
+            "stuck_after_s": settings.stuck_after_s,
+            **_gpu_memory(backend.device),
         },
+        every_minute=lambda: ops_counts.sample_depth(depth_client),
     )
     heartbeat.start()
     worker.start()
@@ -222,6 +227,18 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     code = int(worker.exitcode or 0)
     log.info("MRC_WORKER_STOPPED", exit_code=code)
     return code
+
+
+def _gpu_memory(device: str) -> dict[str, int]:
+    """The GPU memory torch holds and the device's total, for the ops page (nothing on a CPU)."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    return {
+        "gpu_memory_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+        "gpu_memory_total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
+    }
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shared import ops_counts
 from shared.errors import Abandoned, InternalError, StoreUnavailable
-from shared.jobs import JobResult, now_rfc3339
+from shared.jobs import JobResult, now_rfc3339, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.stores import ResultStore
@@ -120,6 +121,9 @@ class Finisher:
                 slot.job.api_key if slot.job else None,
                 result.usage.model_dump(),
                 result.cache_hit,
+                ops_counts.Finished(
+                    result.lane, result.status, result.error.code if result.error else "", _latency_s(result)
+                ),
             )
         except Exception as exc:
             self.log.warning("MRC_USAGE_COUNT_FAILED", job_id=result.job_id, error=repr(exc)[:200])
@@ -169,6 +173,14 @@ class Finisher:
                     return False
                 self.sleep(delay)
         return False
+
+
+def _latency_s(result: JobResult) -> float | None:
+    """Submission to result, for the ops page's latency buckets (None when a time is unreadable)."""
+    try:
+        return (parse_rfc3339(result.finished_at) - parse_rfc3339(result.submitted_at)).total_seconds()
+    except (TypeError, ValueError):
+        return None
 
 
 def _no_requeue(request_id: str, body: object, delay: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -18,8 +19,15 @@ TTL_S = 15
 
 
 class Heartbeat:
-    def __init__(self, client: redis.Redis, hostname: str, describe: Callable[[], dict[str, object]]) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        hostname: str,
+        describe: Callable[[], dict[str, object]],
+        every_minute: Callable[[], None] = lambda: None,
+    ) -> None:
         self._redis = client
+        self._every_minute, self._minute = every_minute, -1
         self._key = names.worker_key(hostname)
         self._describe = describe
         self._stop = threading.Event()
@@ -33,10 +41,16 @@ class Heartbeat:
         self._stop.set()
         with contextlib.suppress(redis.RedisError):  # else the entry expires by itself
             self._redis.delete(self._key)
+            self._redis.zrem(names.workers_seen_key(), self._key)  # gone, not dead, on the ops page
 
     def beat(self) -> None:
         state = {**self._describe(), "seen_at": now_rfc3339()}
         self._redis.set(self._key, json.dumps(state), ex=TTL_S)
+        self._redis.zadd(names.workers_seen_key(), {self._key: time.time()})
+        minute = int(time.time() // 60)
+        if minute != self._minute:  # the lanes' depth for the ops page, once a minute per worker
+            self._minute = minute
+            self._every_minute()
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):
