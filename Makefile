@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
 	@# promtool checks deploy/prometheus (tests/unit/test_deploy.py); the package's server is not wanted
 	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null && { $(SUDO) pkill -x prometheus || true; }; }
+	@# the ops page's test opens it in a real browser: Debian's headless chromium and its driver
+	@command -v chromedriver >/dev/null || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[worker,api,dev]'

@@ -20,6 +20,7 @@ from producer.http.forms import error, invalid_job
 from producer.http.front import Front, Limits
 from producer.http.guard import Keys, RateLimiter
 from producer.http.jobs import JobRoutes
+from producer.http.ops_routes import OpsRoutes
 from producer.http.state import ApiState
 from producer.openai.errors import OpenAIErrors
 from producer.openai.routes import OpenAIRoutes
@@ -77,6 +78,7 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     """The app; `queue` (a `Queue`, or a `producer.client.Client`) where the caller brings its own."""
     state = ApiState(settings, queue)
     openai = OpenAIRoutes(state)
+    ops = OpsRoutes(settings)
     # The usage totals' own connection, no retries: a scrape while Redis is away answers at once (up 0).
     usage_redis = connect(settings, settings.connect_timeout_s, retries=0)
 
@@ -85,6 +87,7 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
         openai.start()
         yield
         openai.stop()
+        ops.close()
         state.close()
         usage_redis.close()
 
@@ -93,6 +96,7 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     JobRoutes(state).mount(app)
     openai.mount(app)
+    ops.mount(app)
     state.registry.register(UsageCollector(usage_redis))
     keys = Keys(settings.api_keys)
     limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)

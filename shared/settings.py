@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     # this long after its last write.
     stream_interval_s: float = Field(default=0.05, ge=0.005, le=5)
     stream_ttl_s: int = Field(default=600, ge=10, le=86_400)
+    ops_refresh_s: float = Field(
+        default=5.0, ge=0.5, le=300
+    )  # the ops page (GET /ops) reloads its data this often
     # Largest file POST /v1/files takes (OpenAI's own limit for batch input: 200 MB); at most 5 GiB,
     # what one S3 copy takes.
     openai_file_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=5 * 1024**3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -122,14 +123,23 @@ class Front:
             await _reply(send, self._fault(exc, scope))
 
     def _gate(self, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        """401 / 429 from the headers alone; the caller is kept for the route (lanes, read scope)."""
+        """401 / 429 from the headers alone; the caller is kept for the route (lanes, read scope). The
+        ops page (/ops...) also takes its key from its cookie, and a caller without a key gets the
+        page's own answer (a form asking for one), not JSON."""
         path = str(scope.get("path", ""))
-        if not path.startswith("/v1/") or path.startswith(_OPEN_PATHS):
+        ops = path == "/ops" or path.startswith("/ops/")
+        if not ops and (not path.startswith("/v1/") or path.startswith(_OPEN_PATHS)):
             return None
         headers = dict(scope.get("headers") or [])
         client = scope.get("client")
         address = client[0] if client else "unknown"
-        caller = self.keys.caller(headers.get(b"authorization", b"").decode("latin-1") or None, address)
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        if authorization is None and ops:
+            authorization = ops_cookie(headers.get(b"cookie", b"").decode("latin-1"))
+        caller = self.keys.caller(authorization, address)
+        if caller is None and ops:
+            scope.setdefault("state", {})["caller"] = None
+            return None
         if caller is None:
             return json_body(401, "unauthorized", "missing or unknown API key (Authorization: Bearer KEY)")
         wait = self.limiter.retry_after(caller.name)
@@ -205,6 +215,18 @@ class Front:
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
         self.log.exception("MRC_API_ERROR", path=path, error=repr(exc)[:300])
         return json_body(500, "internal_error", "the server failed on this request (logged)")
+
+
+OPS_COOKIE = "mrc_ops_key"
+
+
+def ops_cookie(header: str) -> str | None:
+    """`Authorization` as the ops page's cookie holds it (the key the operator typed in, /ops/login)."""
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == OPS_COOKIE and value:
+            return f"Bearer {urllib.parse.unquote(value)}"
+    return None
 
 
 def caller_of(scope: Scope) -> Caller:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shared import names
 
-SCOPES = ("all-tenants",)  # beside the lanes in an MRC_API_KEYS entry
+SCOPES = ("all-tenants", "ops")  # beside the lanes in an MRC_API_KEYS entry
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class Caller:
     lanes: frozenset[str]
     key_id: str | None = None  # the key's hash prefix (12 hex); None when keys are off
     all_tenants: bool = False  # the `all-tenants` scope: reads every key's jobs (ops tools)
+    ops: bool = False  # the `ops` scope: the ops page and its state (counts, ids and codes only)
 
     @property
     def owner(self) -> str:
@@ -33,8 +34,8 @@ class Caller:
 
 
 class Keys:
-    """`MRC_API_KEYS`: comma-separated `SHA256HEX` or `SHA256HEX@scope+scope`, each scope a lane or
-    `all-tenants`. Keys are never stored: the presented key is hashed and looked up. Empty: no
+    """`MRC_API_KEYS`: comma-separated `SHA256HEX` or `SHA256HEX@scope+scope`, each scope a lane,
+    `all-tenants` or `ops`. Keys are never stored: the presented key is hashed and looked up. Empty: no
     authentication (mrc-api warns at start)."""
 
     def __init__(self, spec: str) -> None:
@@ -59,7 +60,7 @@ class Keys:
     def caller(self, authorization: str | None, address: str) -> Caller | None:
         """The caller for this Authorization header, or None (401)."""
         if not self.enabled:
-            return Caller(address, frozenset(names.LANES))
+            return Caller(address, frozenset(names.LANES), ops=True)
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None
@@ -68,7 +69,9 @@ class Keys:
         if found is None:
             return None
         lanes, scopes = found
-        return Caller(digest[:12], lanes, digest[:12], all_tenants="all-tenants" in scopes)
+        return Caller(
+            digest[:12], lanes, digest[:12], all_tenants="all-tenants" in scopes, ops="ops" in scopes
+        )
 
 
 _PRUNE_MIN = 1024

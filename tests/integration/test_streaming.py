@@ -21,7 +21,7 @@ from scripts import devservices as services
 from shared import names, tenants
 from shared.records import connect
 from tests.support import imagegen
-from tests.support.api_server import serve
+from tests.support.api_server import api_env, serve
 
 pytestmark = pytest.mark.integration
 
@@ -31,14 +31,8 @@ KEY_ID = hashlib.sha256(KEY.encode()).hexdigest()[:12]
 
 @pytest.fixture(scope="module")
 def stream_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
-            patch.setenv(name, env[name])
-        yield {
-            **env,
-            "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest(),
-            "MRC_API_RATE_PER_S": "0",
-        }
+    with api_env(env, MRC_API_KEYS=hashlib.sha256(KEY.encode()).hexdigest(), MRC_API_RATE_PER_S="0") as ready:
+        yield ready
 
 
 @pytest.fixture(scope="module")

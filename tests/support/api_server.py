@@ -15,6 +15,18 @@ from scripts import devservices as services
 
 
 @contextlib.contextmanager
+def api_env(env: dict[str, str], **settings: str) -> Iterator[dict[str, str]]:
+    """The session's environment with `settings` for an API in this process, the S3 credentials put in
+    this process's environment meanwhile (the in-process API and clients read them from there)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            patch.setenv(name, env[name])
+        yield {**env, **settings}
+
+
+@contextlib.contextmanager
 def serve(env: dict[str, str]) -> Iterator[str]:
     """The API's base URL (`http://127.0.0.1:PORT`) while it serves; stopped on exit."""
     app = create_app(services.settings_from_env(env))

@@ -1,0 +1,196 @@
+"""The ops page's state (`GET /ops/state`, rendered by producer/ops/page.py): lanes, workers, backlog
+runs and batches, the dead-letter list, errors, ticket latency and the day's usage, read from Redis
+alone (no Prometheus, no Grafana) at a bounded cost per refresh, whatever the fleet's history:
+
+- the lanes: shared/lane_metrics.py `lane_view` (an LLEN and an LINDEX per lane list, the in-flight
+  hash scanned by pages of 500);
+- the last 60 minutes' ops hashes (shared/ops_counts.py): one pipeline of 60 HGETALLs (jobs out per
+  minute, failures by code, latency buckets, the depth sampled by the workers);
+- the workers: the live ones from a sorted set of last beats, their heartbeats in one MGET;
+- the 20 latest runs and batches: one ZREVRANGE, their records in one pipeline;
+- the dead-letter list: LLEN and the 5 newest entries; today's usage: one HGETALL.
+
+Counts, ids and error codes only: no prompt, answer or image of any job is read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from shared import names, ops_counts
+from shared.lane_metrics import lane_view
+from shared.settings import Settings
+
+SPARK_MINUTES = 15
+ERROR_MINUTES = 60
+LATENCY_MINUTES = 5
+RUNS_SHOWN = 20
+DLQ_SHOWN = 5
+LIVE_S = 60  # a worker not seen for this long is gone from the list (its entry expires after 15 s)
+BEAT_LATE_S = 12  # a beat every 5 s: older than this, the worker is marked late
+
+
+def collect(client: Any, settings: Settings, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    minutes = ops_counts.read_minutes(client, ERROR_MINUTES, now)
+    return {
+        "generated_at": round(now, 3),
+        "lanes": _lanes(client, settings, minutes[-SPARK_MINUTES - 1 :]),
+        "workers": _workers(client, now),
+        "runs": _runs(client, now),
+        "dead_letter": _dead_letter(client),
+        "errors_last_hour": _errors(minutes),
+        "latency": _latency(minutes[-LATENCY_MINUTES:]),
+        "usage_today": _usage_today(client, now),
+    }
+
+
+def _lanes(client: Any, settings: Settings, minutes: list[dict[str, int]]) -> dict[str, Any]:
+    """Each lane now, and its jobs in and out per minute over the last SPARK_MINUTES (the current
+    minute last, partial). In = out + the change of depth (queued + held), sampled each minute."""
+    view = lane_view(client)
+    out: dict[str, Any] = {}
+    for lane in names.LANES:
+        done = [m.get(f"out|{lane}|succeeded", 0) + m.get(f"out|{lane}|failed", 0) for m in minutes]
+        queued = int(view[lane]["depth"])
+        # Each minute's first depth sample, and for the current minute's end, the depth now.
+        depth = [m.get(f"depth|{lane}") for m in minutes]
+        ends = [*depth[1:], queued + int(view[lane]["in_flight"])]
+        came = [
+            None if a is None or b is None else max(0, done[i] + b - a)
+            for i, (a, b) in enumerate(zip(depth, ends, strict=True))
+        ]
+        limit = settings.backlog_max_depth if lane == "backlog" else 0
+        out[lane] = {
+            "depth": queued,
+            "in_flight": int(view[lane]["in_flight"]),
+            "oldest_age_s": round(float(view[lane]["oldest_age_s"]), 1),
+            "depth_limit": limit or None,
+            "limit_used": round(queued / limit, 3) if limit else None,
+            "out_per_min": done[1:],
+            "in_per_min": came[1:],
+        }
+    return out
+
+
+def _workers(client: Any, now: float) -> list[dict[str, Any]]:
+    seen = names.workers_seen_key()
+    client.zremrangebyscore(seen, "-inf", now - LIVE_S)
+    keys = [str(k) for k in client.zrangebyscore(seen, now - LIVE_S, "+inf")]
+    beats = client.mget(keys) if keys else []
+    workers = []
+    for key, raw in zip(keys, beats, strict=True):
+        if not raw:  # its entry expired (15 s without a beat): dead, until the sorted set forgets it
+            workers.append({"hostname": key.removeprefix(names.worker_key("")), "dead": True})
+            continue
+        beat = dict(json.loads(raw))
+        age = now - _epoch(beat.get("seen_at"))
+        batch = beat.get("batch_in_progress_s") or 0
+        stuck = float(batch) > float(beat.get("stuck_after_s") or 1e9)
+        workers.append({**beat, "beat_age_s": round(age, 1), "late": age > BEAT_LATE_S, "stuck": stuck})
+    return sorted(workers, key=lambda w: str(w.get("hostname")))
+
+
+def _runs(client: Any, now: float) -> dict[str, Any]:
+    ids = [str(r) for r in client.zrevrange(names.runs_recent_key(), 0, RUNS_SHOWN - 1)]
+    with client.pipeline(transaction=False) as pipe:
+        for run_id in ids:
+            pipe.hgetall(names.run_record_key(run_id))
+        records = pipe.execute() if ids else []
+    running: list[dict[str, Any]] = []
+    finished: list[dict[str, Any]] = []
+    for run_id, record in zip(ids, records, strict=True):
+        if not record:
+            continue
+        row = _run_row(run_id, dict(record), now)
+        (running if row["active"] else finished).append(row)
+    return {"running": running, "finished": finished[:5]}
+
+
+def _run_row(run_id: str, record: dict[str, str], now: float) -> dict[str, Any]:
+    valid = int(record.get("valid", 0))
+    succeeded, failed = int(record.get("finished_succeeded", 0)), int(record.get("finished_failed", 0))
+    done = succeeded + failed
+    state = record.get("state", "")
+    remaining = max(0, valid - done)
+    elapsed = max(1.0, now - _epoch(record.get("created_at")))
+    rate = done / elapsed
+    if state == "enqueued" and not remaining:
+        state = "done"
+    return {
+        "run_id": run_id,
+        "kind": "batch" if record.get("manifest", "").startswith("openai:") else "backlog",
+        "state": state,
+        "jobs": valid,
+        "succeeded": succeeded,
+        "failed": failed,
+        "remaining": remaining,
+        "rate_per_s": round(rate, 2),
+        "eta_s": round(remaining / rate) if rate > 0 and remaining else None,
+        "active": state in ("enqueuing", "enqueued") and (remaining > 0 or state == "enqueuing"),
+    }
+
+
+def _dead_letter(client: Any) -> dict[str, Any]:
+    with client.pipeline(transaction=False) as pipe:
+        pipe.llen(names.dead_letter_key())
+        pipe.lrange(names.dead_letter_key(), 0, DLQ_SHOWN - 1)
+        count, raw = pipe.execute()
+    entries = []
+    for text in raw:
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            entries.append({"job_id": "?", "code": "unreadable"})
+            continue
+        # ids, codes and counts only: the entry's `job` (its prompt) and `message` stay out of the page
+        entries.append({k: entry.get(k) for k in ("job_id", "code", "attempts", "at")})
+    return {"count": int(count), "newest": entries, "command": "mrc dlq requeue"}
+
+
+def _errors(minutes: list[dict[str, int]]) -> dict[str, int]:
+    codes: dict[str, int] = {}
+    for minute in minutes:
+        for field, count in minute.items():
+            if field.startswith("code|"):
+                codes[field[5:]] = codes.get(field[5:], 0) + count
+    return dict(sorted(codes.items(), key=lambda kv: -kv[1]))
+
+
+def _latency(minutes: list[dict[str, int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for lane in names.LANES:
+        buckets: dict[str, int] = {}
+        for minute in minutes:
+            for field, count in minute.items():
+                if field.startswith(f"lat|{lane}|"):
+                    label = field.rsplit("|", 1)[1]
+                    buckets[label] = buckets.get(label, 0) + count
+        p50, p99 = ops_counts.quantile(buckets, 0.5), ops_counts.quantile(buckets, 0.99)
+        out[lane] = {"jobs": sum(buckets.values()), "p50_le_s": _finite(p50), "p99_le_s": _finite(p99)}
+    out["minutes"] = LATENCY_MINUTES
+    return out
+
+
+def _usage_today(client: Any, now: float) -> dict[str, dict[str, int]]:
+    raw = client.hgetall(names.ops_day_key(ops_counts.day_of(now)))
+    out: dict[str, dict[str, int]] = {}
+    for field, value in raw.items():
+        key, _, kind = str(field).rpartition("|")
+        out.setdefault(key, {})[kind] = int(value)
+    return dict(sorted(out.items()))
+
+
+def _finite(value: float | None) -> float | str | None:
+    return "inf" if value is not None and value == float("inf") else value
+
+
+def _epoch(stamp: object) -> float:
+    from shared.jobs import parse_rfc3339
+
+    try:
+        return parse_rfc3339(str(stamp)).timestamp()
+    except ValueError:
+        return 0.0

@@ -1,0 +1,85 @@
+"""The ops page's state (producer/ops/state.py): one refresh costs a bounded number of Redis commands,
+the same at 100 workers and 20 runs shown as with ten times the dead letters and runs behind them, and
+it carries counts, ids and codes, never a job's prompt."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer.ops import state
+from scripts import devservices as services
+from shared import names, ops_counts
+from shared.settings import Settings
+
+SECRET = "zebra-prompt-text"
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[redis.Redis]:
+    server = services.start_redis(tmp_path / "redis")  # its own server: INFO commandstats counts only us
+    connection = redis.Redis.from_url(server.url, decode_responses=True)
+    yield connection
+    connection.close()
+    server.stop()
+
+
+def _fleet(client: redis.Redis, workers: int, runs: int, dead: int, now: float) -> None:
+    for i in range(workers):
+        key = names.worker_key(f"w{i}")
+        beat = {"hostname": f"w{i}", "lanes": ["interactive"], "seen_at": "2026-12-02T10:00:00Z"}
+        client.set(key, json.dumps(beat), ex=60)
+        client.zadd(names.workers_seen_key(), {key: now})
+    for i in range(runs):
+        client.hset(names.run_record_key(f"run{i}"), mapping={"state": "enqueued", "valid": 10})
+        client.zadd(names.runs_recent_key(), {f"run{i}": now - i})
+    for i in range(dead):
+        entry = {"job_id": f"j{i}", "code": "out_of_memory", "attempts": 3, "job": {"prompt": SECRET}}
+        client.lpush(names.dead_letter_key(), json.dumps(entry))
+    for minute in range(60):
+        key = names.ops_minute_key(ops_counts.minute_of(now) - minute)
+        client.hset(
+            key,
+            mapping={"out|interactive|succeeded": 5, "code|image_decode_error": 1, "lat|interactive|0.5": 5},
+        )
+
+
+def _commands(client: redis.Redis) -> int:
+    return sum(int(v["calls"]) for v in client.info("commandstats").values())
+
+
+def _cost(client: redis.Redis, now: float) -> tuple[int, dict]:
+    before = _commands(client)
+    view = state.collect(client, Settings(), now)
+    return _commands(client) - before - 1, view  # the second INFO is not the refresh's
+
+
+def test_a_refresh_costs_a_bounded_number_of_commands_and_shows_no_prompt(client: redis.Redis) -> None:
+    now = time.time()
+    _fleet(client, workers=100, runs=20, dead=50, now=now)
+    cost, view = _cost(client, now)
+    print(f"one refresh at 100 workers and 20 runs: {cost} Redis commands")
+    assert cost <= 120
+    assert len(view["workers"]) == 100
+    assert len(view["runs"]["running"]) == 20
+    assert view["dead_letter"]["count"] == 50
+    assert view["errors_last_hour"] == {"image_decode_error": 60}
+    assert view["latency"]["interactive"]["p50_le_s"] == 0.5
+    assert SECRET not in json.dumps(view)
+    _fleet(client, workers=0, runs=200, dead=5000, now=now)  # more behind what is shown: same cost
+    assert _cost(client, now)[0] == cost
+
+
+def test_jobs_in_per_minute_are_jobs_out_plus_the_change_of_depth(client: redis.Redis) -> None:
+    now = 1_800_000_000.0
+    minute = ops_counts.minute_of(now)
+    client.hset(names.ops_minute_key(minute - 1), mapping={"depth|backlog": 10, "out|backlog|succeeded": 4})
+    client.hset(names.ops_minute_key(minute), mapping={"depth|backlog": 16})
+    lanes = state.collect(client, Settings(), now)["lanes"]
+    assert lanes["backlog"]["in_per_min"][-2] == 4 + 16 - 10
+    assert lanes["backlog"]["out_per_min"][-2] == 4
