@@ -250,6 +250,8 @@ class RedisJobRecords:
         its new message (what a resubmission checks its message by)."""
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
+            # its run's progress (the ops page) no longer counts it finished
+            pipe.eval(usage_book.UNCOUNT_RUN_SCRIPT, 1, key, names.run_record_key(""))
             fresh = {"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1", "push": push_id}
             pipe.hset(key, mapping=fresh)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
             pipe.hdel(

@@ -54,8 +54,22 @@ if ARGV[8] ~= '' then
   redis.call('HINCRBY', KEYS[4], key .. '|completion_tokens', ARGV[4])
   redis.call('EXPIRE', KEYS[4], ARGV[13])
   local run = redis.call('HGET', KEYS[1], 'run_id')
-  if run and run ~= '' then redis.call('HINCRBY', ARGV[14] .. run, 'finished_' .. ARGV[9], 1) end
+  if run and run ~= '' and not redis.call('HGET', KEYS[1], 'run_counted') then
+    redis.call('HINCRBY', ARGV[14] .. run, 'finished_' .. ARGV[9], 1)
+    redis.call('HSET', KEYS[1], 'run_counted', ARGV[9])
+  end
 end
+return 1
+"""
+
+
+# KEYS[1] a requeued job's record; ARGV[1] the run records' key prefix. Its run counted it finished
+# (COUNT_SCRIPT, `run_counted`): not any more, until it finishes again.
+UNCOUNT_RUN_SCRIPT = """
+local run = redis.call('HGET', KEYS[1], 'run_id')
+local was = redis.call('HGET', KEYS[1], 'run_counted')
+if run and was then redis.call('HINCRBY', ARGV[1] .. run, 'finished_' .. was, -1) end
+redis.call('HDEL', KEYS[1], 'run_counted')
 return 1
 """
 

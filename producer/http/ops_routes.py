@@ -6,17 +6,19 @@ else); a browser gives it once in the page's form and keeps it in an HttpOnly co
 
 from __future__ import annotations
 
+import asyncio
+import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from producer.http.front import OPS_COOKIE
 from producer.http.guard import Caller, Keys
 from producer.ops import page, state
-from shared.records import connect
+from shared import redis_target
 from shared.settings import Settings
 
 # The page loads nothing but itself and its script, both from here.
@@ -26,6 +28,11 @@ _HEADERS = {
     "x-content-type-options": "nosniff",
 }
 _FORM_MAX = 4096
+# The page's Redis reads: a short timeout and no retries (a Redis that hangs costs a refresh 2 s, then
+# a 503), and one collection at a time per process, shared by every page open meanwhile, on a thread
+# of its own: however many tabs are open, the ops page never holds the request threads other routes use.
+_REDIS_TIMEOUT_S = 2.0
+_FRESH_S = 0.5  # a collection this recent answers a refresh as it is
 
 
 class OpsRoutes:
@@ -33,15 +40,38 @@ class OpsRoutes:
         self.settings = settings
         self.keys = Keys(settings.api_keys)
         self._client: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrc-ops")
+        self._inflight: asyncio.Future[dict[str, Any]] | None = None
+        self._last: tuple[float, dict[str, Any]] | None = None
 
     def _redis(self) -> Any:
         if self._client is None:
-            self._client = connect(self.settings, self.settings.connect_timeout_s, retries=1)
+            self._client = redis_target.client(
+                self.settings, decode_responses=True, socket_timeout=_REDIS_TIMEOUT_S,
+                socket_connect_timeout=min(_REDIS_TIMEOUT_S, self.settings.connect_timeout_s), retry=None,
+            )  # fmt: skip
         return self._client
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
+
+    async def _view(self) -> dict[str, Any]:
+        """The state: a fresh collection's, shared by every request that arrives while it runs."""
+        if self._last is not None and time.monotonic() - self._last[0] < _FRESH_S:
+            return self._last[1]
+        if self._inflight is None:
+            loop = asyncio.get_running_loop()
+            self._inflight = loop.run_in_executor(self._pool, state.collect, self._redis(), self.settings)
+        inflight = self._inflight
+        try:
+            view = await asyncio.shield(inflight)
+        finally:
+            if self._inflight is inflight and inflight.done():
+                self._inflight = None
+        self._last = (time.monotonic(), view)
+        return view
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route("/ops", self.page, methods=["GET"], include_in_schema=False)
@@ -56,7 +86,7 @@ class OpsRoutes:
             return HTMLResponse(page.login(), status_code=401, headers=_HEADERS)
         if not caller.ops:
             return HTMLResponse(page.forbidden(), status_code=403, headers=_HEADERS)
-        view = await run_in_threadpool(state.collect, self._redis(), self.settings)
+        view = await self._view()
         body = page.main(view) if part == "main" else page.page(view, self.settings.ops_refresh_s)
         return HTMLResponse(body, headers=_HEADERS)
 
@@ -68,7 +98,7 @@ class OpsRoutes:
             )
         if not caller.ops:
             return JSONResponse({"error": {"code": "forbidden", "message": "this key has no ops scope"}}, 403)
-        view = await run_in_threadpool(state.collect, self._redis(), self.settings)
+        view = await self._view()
         return JSONResponse(view, headers={"cache-control": "no-store"})
 
     async def script(self) -> Response:

@@ -13,9 +13,15 @@ OPS_JS = """'use strict';
 (function () {
   const main = document.getElementById('ops-main');
   const every = Number(main.dataset.refreshS || 5) * 1000;
+  let busy = false;  // one request at a time: a slow server is not sent more
   async function refresh() {
+    if (busy) return;
+    busy = true;
+    const stop = new AbortController();
+    const timer = setTimeout(() => stop.abort(), Math.max(every, 10000));
     try {
-      const reply = await fetch('/ops?part=main', {credentials: 'same-origin', cache: 'no-store'});
+      const options = {credentials: 'same-origin', cache: 'no-store', signal: stop.signal};
+      const reply = await fetch('/ops?part=main', options);
       if (reply.ok) {
         main.innerHTML = await reply.text();
         document.getElementById('ops-status').textContent = 'updated ' + new Date().toLocaleTimeString();
@@ -24,6 +30,9 @@ OPS_JS = """'use strict';
       }
     } catch (err) {
       document.getElementById('ops-status').textContent = 'refresh failed: ' + err;
+    } finally {
+      clearTimeout(timer);
+      busy = false;
     }
   }
   setInterval(refresh, every);
@@ -162,6 +171,8 @@ def _worker_problem(w: dict[str, Any]) -> str:
     name = e(w.get("hostname"))
     if w.get("dead"):
         return f"worker {name} stopped beating: look at its log, restart it"
+    if w.get("unreadable"):
+        return f"worker {name}: its heartbeat is not a JSON object (an mrc-worker of another version?)"
     if w.get("stuck"):
         return f"worker {name} has held a batch for {e(w.get('batch_in_progress_s'))} s (its /healthz fails)"
     if w.get("late"):
@@ -207,6 +218,8 @@ def _lanes(lanes: dict[str, Any]) -> str:
 def _worker_state(w: dict[str, Any]) -> str:
     if w.get("dead"):
         return '<span class="bad">dead</span>'
+    if w.get("unreadable"):
+        return '<span class="bad">unreadable heartbeat</span>'
     if w.get("stuck"):
         return '<span class="bad">stuck</span>'
     if w.get("late"):
@@ -217,7 +230,7 @@ def _worker_state(w: dict[str, Any]) -> str:
 
 
 def _worker_row(w: dict[str, Any]) -> str:
-    if w.get("dead"):
+    if w.get("dead") or w.get("unreadable"):
         return _row([e(w.get("hostname")), *[""] * 7, _worker_state(w)], worker=w.get("hostname"))
     slots = int(w.get("engine_slots") or 0)
     running = int(w.get("engine_rows_running") or 0)
@@ -245,8 +258,9 @@ def _run_row(r: dict[str, Any]) -> str:
     bar = _bar([("done", r["succeeded"] / jobs), ("failed", r["failed"] / jobs)])
     progress = f'{bar} <span class="progress">{e(r["succeeded"] + r["failed"])}/{e(r["jobs"])}</span>'
     eta = "-" if r["eta_s"] is None else f"{e(r['eta_s'])} s"
+    rate = "-" if r["rate_per_s"] is None else f"{e(r['rate_per_s'])}/s"
     cells = [e(r["run_id"]), e(r["kind"]), e(r["state"]), progress, e(r["succeeded"]), e(r["failed"]),
-             e(r["remaining"]), f"{e(r['rate_per_s'])}/s", eta]  # fmt: skip
+             e(r["remaining"]), rate, eta]  # fmt: skip
     return _row(cells, run=r["run_id"])
 
 

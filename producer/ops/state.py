@@ -82,15 +82,46 @@ def _workers(client: Any, now: float) -> list[dict[str, Any]]:
     beats = client.mget(keys) if keys else []
     workers = []
     for key, raw in zip(keys, beats, strict=True):
+        name = key.removeprefix(names.worker_key(""))
         if not raw:  # its entry expired (15 s without a beat): dead, until the sorted set forgets it
-            workers.append({"hostname": key.removeprefix(names.worker_key("")), "dead": True})
+            workers.append({"hostname": name, "dead": True})
             continue
-        beat = dict(json.loads(raw))
+        beat = _beat(raw)
+        if beat is None:  # one unreadable heartbeat is shown as such, never a failed page
+            workers.append({"hostname": name, "unreadable": True})
+            continue
+        beat.setdefault("hostname", name)
         age = now - _epoch(beat.get("seen_at"))
-        batch = beat.get("batch_in_progress_s") or 0
-        stuck = float(batch) > float(beat.get("stuck_after_s") or 1e9)
+        stuck = _number(beat.get("batch_in_progress_s")) > (_number(beat.get("stuck_after_s")) or 1e9)
         workers.append({**beat, "beat_age_s": round(age, 1), "late": age > BEAT_LATE_S, "stuck": stuck})
     return sorted(workers, key=lambda w: str(w.get("hostname")))
+
+
+_BEAT_NUMBERS = ("engine_slots", "engine_rows_running", "engine_rows_held", "engine_rows_waiting",
+                 "gpu_memory_allocated_bytes", "gpu_memory_total_bytes")  # fmt: skip
+
+
+def _beat(raw: str) -> dict[str, Any] | None:
+    """A heartbeat as the page reads it (numbers as numbers, lanes as a list of names), or None."""
+    try:
+        beat = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(beat, dict):
+        return None
+    for field in _BEAT_NUMBERS:
+        if field in beat:
+            beat[field] = int(_number(beat[field]))
+    lanes = beat.get("lanes")
+    beat["lanes"] = [str(lane) for lane in lanes] if isinstance(lanes, list) else []
+    return beat
+
+
+def _number(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]  # whatever a heartbeat holds: 0 if not a number
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _runs(client: Any, now: float) -> dict[str, Any]:
@@ -127,7 +158,8 @@ def _run_row(run_id: str, record: dict[str, str], now: float) -> dict[str, Any]:
         "succeeded": succeeded,
         "failed": failed,
         "remaining": remaining,
-        "rate_per_s": round(rate, 2),
+        # the mean since it began: of a finished run, nothing (it would only fall as time passes)
+        "rate_per_s": round(rate, 2) if remaining else None,
         "eta_s": round(remaining / rate) if rate > 0 and remaining else None,
         "active": state in ("enqueuing", "enqueued") and (remaining > 0 or state == "enqueuing"),
     }
@@ -138,11 +170,13 @@ def _dead_letter(client: Any) -> dict[str, Any]:
         pipe.llen(names.dead_letter_key())
         pipe.lrange(names.dead_letter_key(), 0, DLQ_SHOWN - 1)
         count, raw = pipe.execute()
-    entries = []
+    entries: list[dict[str, Any]] = []
     for text in raw:
         try:
             entry = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
+            entry = None
+        if not isinstance(entry, dict):
             entries.append({"job_id": "?", "code": "unreadable"})
             continue
         # ids, codes and counts only: the entry's `job` (its prompt) and `message` stay out of the page

@@ -83,3 +83,44 @@ def test_jobs_in_per_minute_are_jobs_out_plus_the_change_of_depth(client: redis.
     lanes = state.collect(client, Settings(), now)["lanes"]
     assert lanes["backlog"]["in_per_min"][-2] == 4 + 16 - 10
     assert lanes["backlog"]["out_per_min"][-2] == 4
+
+
+def test_one_unreadable_record_is_shown_as_such_and_never_fails_the_page(client: redis.Redis) -> None:
+    from producer.ops import page
+
+    now = time.time()
+    for name, raw in {
+        "a": "{oops",
+        "b": "null",
+        "c": "[1]",
+        "d": '{"engine_slots": "four", "lanes": null}',
+    }.items():
+        client.set(names.worker_key(name), raw)
+        client.zadd(names.workers_seen_key(), {names.worker_key(name): now})
+    client.lpush(names.dead_letter_key(), "[1, 2]")
+    view = state.collect(client, Settings(), now)
+    shown = {w["hostname"]: w for w in view["workers"]}
+    assert all(shown[name].get("unreadable") for name in "abc")
+    assert shown["d"]["engine_slots"] == 0
+    assert shown["d"]["lanes"] == []
+    assert view["dead_letter"]["newest"] == [{"job_id": "?", "code": "unreadable"}]
+    html = page.page(view, 5)
+    assert "unreadable heartbeat" in html
+
+
+def test_a_requeued_dead_letter_leaves_its_runs_progress_until_it_finishes_again(client: redis.Redis) -> None:
+    from shared.records import RedisJobRecords
+
+    records = RedisJobRecords(client)
+    client.hset(names.job_key("r1.j1"), mapping={"state": "running", "run_id": "r1"})
+    failed = ops_counts.Finished("backlog", "failed", "out_of_memory", 2.0)
+    assert records.count_usage("r1.j1", None, {"prompt_tokens": 5}, False, failed)
+    run = names.run_record_key("r1")
+    assert client.hget(run, "finished_failed") == "1"
+    records.reset_attempts("r1.j1", "push-2")  # `mrc dlq requeue`: it is queued again
+    assert client.hget(run, "finished_failed") == "0"
+    succeeded = ops_counts.Finished("backlog", "succeeded", "", 1.0)
+    assert records.count_usage("r1.j1", None, {"prompt_tokens": 5}, False, succeeded)
+    assert (client.hget(run, "finished_succeeded"), client.hget(run, "finished_failed")) == ("1", "0")
+    assert not records.count_usage("r1.j1", None, {"prompt_tokens": 5}, False, succeeded)  # once
+    assert client.hget(run, "finished_succeeded") == "1"
