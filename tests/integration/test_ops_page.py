@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ def _digest(key: str) -> str:
 @pytest.fixture(scope="module")
 def ops_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
     keys = f"{_digest(OPS)}@ops,{_digest(TENANT)}@interactive+backlog"
-    with api_env(env, MRC_API_KEYS=keys, MRC_API_RATE_PER_S="0", MRC_OPS_REFRESH_S="1") as ready:
+    with api_env(env, MRC_API_KEYS=keys, MRC_API_RATE_PER_S="0", MRC_OPS_REFRESH_S="0.5") as ready:
         yield ready
 
 
@@ -141,17 +142,16 @@ def test_an_operator_sees_lanes_workers_the_run_moving_dead_letters_and_errors(
     hostname = worker.find("MRC_WORKER_READY")[0]["hostname"]
     row = _wait("the worker", lambda: browser.find_elements(By.CSS_SELECTOR, f'tr[data-worker="{hostname}"]'))
     assert "ready" in row[0].text
-    # A backlog run, watched as it goes (the page refreshes itself every second here).
+    # A backlog run, watched as it goes (the page refreshes itself twice a second here).
     photo = tmp_path / "parcel.jpg"
     photo.write_bytes(imagegen.photo(96, 64, seed=7))
     manifest = tmp_path / "run.jsonl"
     lines = [
-        {"custom_id": f"r{i}", "image": str(photo), "prompt": f"{SECRET} line {i}", "max_new_tokens": 24}
+        {"custom_id": f"r{i}", "image": str(photo), "prompt": f"{SECRET} line {i}", "max_new_tokens": 16}
         for i in range(40)
     ]
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     run_id = f"ops-{uuid.uuid4().hex[:6]}"
-    assert services.run_cli(ops_env, "backlog", str(manifest), "--run-id", run_id).returncode == 0
     seen: list[str] = []
 
     def progress() -> bool:
@@ -160,7 +160,15 @@ def test_an_operator_sees_lanes_workers_the_run_moving_dead_letters_and_errors(
             seen.append(cells[0].text)
         return bool(seen) and seen[-1] == "40/40"
 
-    _wait("the run's progress reach 40/40", progress, timeout=180)
+    # Watched from the moment it is sent: the page shows the run from its first line on.
+    sending = subprocess.Popen(
+        [str(services.BIN / "mrc"), "backlog", str(manifest), "--run-id", run_id], env=ops_env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait("the run's progress reach 40/40", progress, timeout=180)
+    finally:
+        assert sending.wait(60) == 0
     assert len(seen) >= 2, f"the bar never moved: {seen}"  # seen before its end, then at it
     # A ticket through the API, and a job that dead-letters.
     with httpx.Client(timeout=60) as http:
