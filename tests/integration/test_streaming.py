@@ -10,6 +10,7 @@ import hashlib
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -224,3 +225,32 @@ def test_a_structured_answer_streams_its_json_text(sdk: openai.OpenAI, model: st
     assert set(answer) == {"refund", "reason"}
     plain = sdk.chat.completions.create(model=model, messages=messages, max_tokens=40, response_format=fmt)  # type: ignore[arg-type]
     assert plain.choices[0].message.content == text
+
+
+def test_a_redis_that_hangs_mid_stream_still_ends_it_at_its_deadline_with_keep_alives(
+    stream_env: dict[str, str], model: str, tmp_path: Path
+) -> None:
+    """Review finding: a Redis that stops answering (SIGSTOP, not dead) held a stream 15 s past its
+    deadline in silence, each read waiting out a 10 s socket timeout. Now the reads run beside the
+    clock: the error event comes at the deadline (a job on a Redis no worker reads stays queued)."""
+    import signal
+
+    redis = services.start_redis(tmp_path / "redis")
+    env = {**stream_env, "MRC_REDIS_URL": redis.url, "MRC_OPENAI_WAIT_S": "3"}
+    body = {"model": model, "messages": ask("Refund?", seed=67), "stream": True}
+    try:
+        with serve(env) as url, httpx.Client(timeout=60) as http:
+            began = time.monotonic()
+            with http.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # the role chunk
+                redis.proc.send_signal(signal.SIGSTOP)
+                rest = [line for line in lines if line.startswith("data: ")]
+            took = time.monotonic() - began
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+        redis.stop()
+    assert json.loads(rest[-1][6:])["error"]["code"] == "answer_timeout"
+    assert took < 3 + 8, f"the stream ended {took:.1f} s after it began (deadline 3 s)"  # was ~20 s late

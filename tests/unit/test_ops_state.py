@@ -67,6 +67,15 @@ def test_a_refresh_costs_a_bounded_number_of_commands_and_shows_no_prompt(client
     assert cost <= 120
     assert len(view["workers"]) == 100
     assert len(view["runs"]["running"]) == 20
+    client.hset(names.run_record_key("run0"), mapping={"finished_succeeded": 10})  # run0 has ended
+    ended = state.collect(client, Settings(), now)["runs"]["finished"][0]
+    assert (ended["run_id"], ended["state"], ended["rate_per_s"], ended["eta_s"]) == (
+        "run0",
+        "done",
+        None,
+        None,
+    )
+    client.hdel(names.run_record_key("run0"), "finished_succeeded")
     assert view["dead_letter"]["count"] == 50
     assert view["errors_last_hour"] == {"image_decode_error": 60}
     assert view["latency"]["interactive"]["p50_le_s"] == 0.5
@@ -124,3 +133,26 @@ def test_a_requeued_dead_letter_leaves_its_runs_progress_until_it_finishes_again
     assert (client.hget(run, "finished_succeeded"), client.hget(run, "finished_failed")) == ("1", "0")
     assert not records.count_usage("r1.j1", None, {"prompt_tokens": 5}, False, succeeded)  # once
     assert client.hget(run, "finished_succeeded") == "1"
+
+
+def test_pages_open_at_once_share_one_collection(client: redis.Redis, tmp_path: Path) -> None:
+    """Review finding: every open page ran its own collection on the request threads, so a frozen Redis
+    and a dozen tabs starved other routes. Requests arriving together now share one collection."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.support.api_server import serve
+
+    url = client.connection_pool.connection_kwargs
+    env = {"MRC_REDIS_URL": f"redis://{url['host']}:{url['port']}/0", "MRC_S3_BUCKET": "mrc-ops-test"}
+    _fleet(client, workers=100, runs=20, dead=5, now=time.time())
+    with serve(env) as api, httpx.Client(timeout=30) as http:
+        assert http.get(f"{api}/ops/state").status_code == 200  # alone: one collection
+        time.sleep(0.6)  # past the half second a collection answers for
+        before = _commands(client)
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(lambda _i: http.get(f"{api}/ops/state").status_code, range(12)))
+        spent = _commands(client) - before - 1
+    assert codes == [200] * 12
+    assert spent <= 2 * 120, f"12 requests at once cost {spent} Redis commands"  # each alone: about 105
