@@ -59,7 +59,7 @@ def api(ops_env: dict[str, str], worker: services.Worker) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -73,7 +73,9 @@ def browser() -> Iterator[Any]:
     ):
         options.add_argument(flag)
     options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    # Chromium's own scratch files go to the test's folder, removed with it, not to /tmp.
+    scratch = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium"))}
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver"), env=scratch), options=options)
     try:
         yield driver
     finally:
