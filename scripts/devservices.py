@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -221,32 +222,48 @@ def settings_from_env(env: dict[str, str]) -> Any:
     return Settings(**{k[4:].lower(): v for k, v in env.items() if k.startswith("MRC_")})
 
 
-def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float = 180) -> Worker:
-    with log_path.open("ab") as log_file:
-        proc = subprocess.Popen(
-            [str(BIN / "mrc-worker"), *args],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    worker = Worker(proc, log_path, env)
-
-    def ready() -> bool:
-        text = log_path.read_text(errors="replace")
-        return "MRC_CONSUMING" in text
-
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[list[int]]:
+    """SIGINT recorded, not raised, for the block (on the main thread; no other thread gets it): the
+    caller raises it once what the block started is in hand."""
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
     try:
-        wait_for(ready, timeout, "mrc-worker", proc)
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float = 180) -> Worker:
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        # A Ctrl-C between the child's start and its name being bound would leave it running, in no
+        # one's list of things to stop (the demo's Ctrl-C test met it): held until then.
+        with _sigint_held() as interrupted, log_path.open("ab") as log_file:
+            proc = subprocess.Popen(
+                [str(BIN / "mrc-worker"), *args],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        if interrupted:
+            raise KeyboardInterrupt
+        wait_for(lambda: "MRC_CONSUMING" in log_path.read_text(errors="replace"), timeout, "mrc-worker", proc)
     except RuntimeError as exc:
+        assert proc is not None
         stop(proc, signal.SIGKILL)
         raise RuntimeError(
             f"{exc}\n--- worker log ---\n{log_path.read_text(errors='replace')[-4000:]}"
         ) from None
     except BaseException:  # Ctrl-C while it loads: it is in no one's list of things to stop yet
-        stop(proc, signal.SIGKILL)
+        if proc is not None:
+            stop(proc, signal.SIGKILL)
         raise
-    return worker
+    return Worker(proc, log_path, env)
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
