@@ -144,10 +144,19 @@ class Metrics:
             "mrc_engine_kv_tokens_used", "Cache positions the rows in memory (running, held) hold", registry=r
         )
         self.kv_capacity = Gauge(
-            "mrc_engine_kv_tokens_capacity", "Cache positions allocated: slots x positions each", registry=r
+            "mrc_engine_kv_tokens_capacity",
+            "Cache positions allocated (the pool the rows' slots share)",
+            registry=r,
         )
-        self.slots_used = Gauge("mrc_engine_slots_used", "Cache slots rows hold (running, held)", registry=r)
-        self.slots = Gauge("mrc_engine_slots", "Cache slots allocated (rows in memory at most)", registry=r)
+        self.kv_reserved = Gauge(
+            "mrc_engine_kv_tokens_reserved",
+            "Cache positions the rows' slots span (each row's need; what admission counts)",
+            registry=r,
+        )
+        self.slots_used = Gauge(
+            "mrc_engine_slots_used", "Rows holding a slot (running, held, prefilling)", registry=r
+        )
+        self.slots = Gauge("mrc_engine_slots", "Rows in memory at most", registry=r)
         self.positions_read = Counter(
             "mrc_engine_positions_read_total", "Cache positions decode steps read (attention)", registry=r
         )

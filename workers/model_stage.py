@@ -63,32 +63,37 @@ class ModelStage:
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across deliveries
         self.grammars = RowGrammars(backend, settings.grammar_compile_timeout_s, metrics)
         self.engine_at = time.monotonic()  # the engine's last step (monotonic), for /healthz
-        # The cache: slots of `positions` each (one row to its longest), as many as memory holds, at most
-        # the settings' (workers/engine/capacity.py); allocated once, here.
+        # The cache: a pool of positions, each row's slot its need (rows decode) or the longest job's
+        # (fixed decode), as large as memory holds within the settings (workers/engine/capacity.py);
+        # allocated once, here.
         self.positions = backend.slot_positions()
-        fit, self.kv_measured = backend.kv_capacity(self.positions)
-        slots = capacity.choose(
-            fit, settings.model_batch_max_jobs, settings.batch_token_budget, self.positions
+        fit, self.kv_measured = backend.kv_capacity()
+        decode = str(getattr(backend, "decode_mode", lambda: "rows")())
+        rows, self.pool = capacity.choose(
+            fit, settings.model_batch_max_jobs, settings.batch_token_budget, self.positions, decode == "fixed"
         )
+        reserved = min(settings.engine_reserved_rows, rows - 1)
         self.limits = scheduler.Limits(
-            max_rows=slots,
-            reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
+            max_rows=rows,
+            reserved_interactive=reserved,
             backlog_prefill_tokens=settings.engine_prefill_tokens,
             backlog_share=settings.engine_backlog_share,
             prefill_tokens=settings.engine_prefill_tokens,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
+            reserve_positions=capacity.reserve(reserved, self.pool, self.positions, decode == "fixed"),
         )
-        runner = backend.step_model(slots, self.positions)
+        runner = backend.step_model(rows, self.positions, self.pool)
         self.cache_bytes = int(getattr(getattr(runner, "cache", None), "nbytes", 0))
         self.decode = str(getattr(runner, "decode_mode", "rows"))
         self.captured = backend.capture(runner)
         self.streams = streams
         self.engine = EngineService(runner, self.limits, metrics, self._progress, streams=streams).start()
-        metrics.kv_capacity.set(slots * self.positions)
+        metrics.kv_capacity.set(self.pool)
         logs.get_logger().info(
-            "MRC_ENGINE_READY", slots=slots, slot_positions=self.positions, cache_bytes=self.cache_bytes,
-            slots_memory_holds=fit, measured_from=self.kv_measured, decode=self.decode,
+            "MRC_ENGINE_READY", slots=rows, slot_positions=self.positions, cache_bytes=self.cache_bytes,
+            cache_positions=self.pool, positions_memory_holds=fit, measured_from=self.kv_measured,
+            decode=self.decode,
             cuda_graphs=self.captured, reserved_interactive=self.limits.reserved_interactive,
             hold_backlog=self.limits.hold_backlog, backlog_share=self.limits.backlog_share,
         )  # fmt: skip
@@ -112,6 +117,7 @@ class ModelStage:
         return {
             "engine_slots": self.limits.max_rows,
             "engine_slot_positions": self.positions,
+            "engine_cache_positions": self.pool,
             "engine_cache_bytes": self.cache_bytes,
             "engine_kv_measured_from": self.kv_measured,
             "engine_decode": self.decode,

@@ -95,11 +95,12 @@ class Mix:
 
 def engine_limits(backend: Any, rows: int) -> tuple[scheduler.Limits, int, dict[str, Any]]:
     """The worker's sizing (workers/model_stage.py) with `rows` as MRC_MODEL_BATCH_MAX_JOBS and a token
-    budget that does not cap it."""
+    budget of that many longest rows (by need, the same pool holds more short ones)."""
     settings = backend.settings
     positions = backend.slot_positions()
-    fit, measured = backend.kv_capacity(positions)
-    slots = capacity.choose(fit, rows, rows * positions, positions)
+    fit, measured = backend.kv_capacity()
+    uniform = backend.decode_mode() == "fixed"
+    slots, pool = capacity.choose(fit, rows, rows * positions, positions, uniform)
     limits = scheduler.Limits(
         max_rows=slots,
         reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
@@ -108,7 +109,8 @@ def engine_limits(backend: Any, rows: int) -> tuple[scheduler.Limits, int, dict[
         prefill_tokens=settings.engine_prefill_tokens,
         hold_backlog=backend.device == "cpu",  # MRC_ENGINE_HOLD_BACKLOG=auto
     )
-    return limits, positions, {"slots_memory_holds": fit, "measured_from": measured, "slots": slots}
+    sizing = {"positions_memory_holds": fit, "measured_from": measured, "slots": slots, "pool": pool}
+    return limits, positions, sizing
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ def run(backend: Any, mix: Mix, spec: str, args: argparse.Namespace) -> dict[str
     )
     random_fuyu.free(backend.device)
     limits, positions, sizing = engine_limits(backend, int(rows))
-    runner = backend.step_model(limits.max_rows, positions)
+    runner = backend.step_model(limits.max_rows, positions, sizing["pool"])
     began = time.perf_counter()
     captured = backend.capture(runner)
     figures: dict[str, Any] = {

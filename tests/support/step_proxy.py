@@ -13,8 +13,8 @@ class StepProxy:
     def new_batch(self) -> Any:
         return self.inner.new_batch()
 
-    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
-        return int(self.inner.begin(row_id, inputs, length, identity))
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None, need: Any = None) -> int:
+        return int(self.inner.begin(row_id, inputs, length, identity, need))
 
     def catch_up(self, row_id: str) -> int:
         return int(self.inner.catch_up(row_id))

@@ -72,8 +72,7 @@ def _run(
 ) -> tuple[dict[str, Sequence], Engine]:
     """Submit each job at its arrival step; run until every row has finished."""
     done: dict[str, Sequence] = {}
-    runner = backend.step_model(limits.max_rows)
-    runner.decode_mode = decode
+    runner = backend.step_model(limits.max_rows, decode=decode)
     engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
     pending = sorted(range(len(jobs)), key=lambda i: jobs[i][1])
     while pending or not engine.idle:
@@ -141,8 +140,7 @@ def test_with_prefix_hits_chunks_and_evictions_every_row_equals_the_same_job_alo
     rest is prefilled in chunks of any size between decode steps; the tokens never change."""
     reference = cache(lambda *key: tuple(_alone(backend, _photo(*key))))
     done: dict[str, Sequence] = {}
-    runner = backend.step_model(rows)
-    runner.decode_mode = decode
+    runner = backend.step_model(rows, decode=decode)
     limits = scheduler.Limits(rows, 0, hold_backlog=hold, prefill_tokens=chunk, backlog_share=0.25)
     engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
     arrivals = sorted(range(len(spec)), key=lambda i: spec[i][4])
@@ -202,7 +200,8 @@ def test_a_paused_row_admitted_again_finds_its_own_prefix_and_keeps_the_table_wh
     token = runner.extend("b", length)
     assert token == _alone(backend, item)[0]
     assert runner.table.used == 2
-    assert runner.table.used + runner.table.free == 3
+    assert runner.table.reserved == runner.table.size("a") + runner.table.size("b")
+    assert runner.table.spare == runner.table.pool - runner.table.reserved  # nothing lost
 
 
 def test_a_row_joins_mid_flight_and_leaves_at_its_own_length(backend: FuyuBackend) -> None:
@@ -256,9 +255,9 @@ class _Faulty:
     def new_batch(self) -> Any:
         return self.inner.new_batch()
 
-    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None, need: Any = None) -> int:
         self.inputs[row_id] = inputs
-        return self.inner.begin(row_id, inputs, length, identity)
+        return self.inner.begin(row_id, inputs, length, identity, need)
 
     def extend(self, row_id: str, stop: int, masks: Any = None) -> int | None:
         if self.prefill_fault is not None and (error := self.prefill_fault(self.inputs[row_id])) is not None:
@@ -520,3 +519,24 @@ def test_streaming_rows_publish_their_answers_once_each_through_a_pause(backend:
         assert "".join(e.text for e in entries) == backend.detokenize(row.tokens)
         assert entries[-1].end
     assert not any(e.job_id.startswith("job-t") for e in sink.entries)  # it asked for no stream
+
+
+def test_a_pool_of_two_longest_slots_holds_a_dozen_small_rows_at_once(backend: FuyuBackend) -> None:
+    """Memory held by need: each row's slot is its prompt and its own new tokens, so the pool that
+    uniform slots would give two rows holds all twelve small ones at once, and every row still equals
+    the same job alone."""
+    positions = backend.slot_positions()
+    pool = 2 * -(-positions // 16) * 16
+    runner = backend.step_model(16, positions, pool, decode="rows")
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(16, 0), lambda row: done.__setitem__(row.row_id, row))
+    items = {f"r{i}": _item(i % 3, i % 3, 4 + i % 5) for i in range(12)}
+    for row_id, item in items.items():
+        engine.submit(_sequence(backend, row_id, item, "backlog"))
+    engine.step()
+    assert engine.in_memory == 12
+    assert runner.table.reserved == sum(runner.table.size(r) for r in items) <= pool
+    while not engine.idle:
+        engine.step()
+    for row_id, item in items.items():
+        assert done[row_id].tokens == _alone(backend, item)

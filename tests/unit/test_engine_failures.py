@@ -243,8 +243,7 @@ def test_the_padding_metric_counts_what_a_step_read_and_is_never_negative(decode
                  quantization="fp32", device="cpu")
     )  # fmt: skip
     backend.load()
-    runner = backend.step_model(4)
-    runner.decode_mode = decode
+    runner = backend.step_model(4, decode=decode)
     engine, _done = _engine(scheduler.Limits(max_rows=4, reserved_interactive=0), runner)
     for index, (height, width) in enumerate([(48, 64), (90, 120), (200, 150)]):
         item = GenerationInput(torch.full((3, height, width), 40 * index, dtype=torch.uint8), "Refund?", 6)
@@ -298,10 +297,10 @@ class _BeginFails(StepProxy):
         super().__init__(ECHO.step_model())
         self.error, self.when = error, when
 
-    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
+    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None, need: Any = None) -> int:
         if self.when(row_id):
             raise self.error
-        return super().begin(row_id, inputs, length, identity)
+        return super().begin(row_id, inputs, length, identity, need)
 
 
 @pytest.mark.parametrize("error", [OOM, ValueError("shapes do not match")], ids=["oom", "model"])

@@ -28,7 +28,7 @@ def running() -> tuple[Any, list[int], list[int], list[int]]:
     """A runner of 4 slots with two rows in slots 0 and 2 (slot 1 a hole left by a row that left)."""
     backend = FuyuBackend(Settings(model="tiny", home=HOME, quantization="fp32", device="cpu"))
     backend.load()
-    runner = backend.step_model(4, 512)
+    runner = backend.step_model(4, 512, decode="fixed")
     batch = runner.new_batch()
     tokens: list[int] = []
     for index, (height, width) in enumerate([(48, 64), (30, 30), (90, 120)]):
@@ -55,13 +55,14 @@ def test_the_step_compiles_as_one_graph_and_gives_the_eager_logits(running: Any)
     compiled = torch.compile(step.forward, fullgraph=True, dynamic=False, backend="aot_eager")
     assert torch.allclose(compiled(), eager, atol=1e-5)
     # The rows' own step through their own lengths (the CPU's path) picks the same tokens.
-    assert eager[slots].argmax(-1).tolist() == _rows_step(runner, slots, lengths, tokens)
+    starts = [slot * runner.cache.stride for slot in slots]
+    assert eager[slots].argmax(-1).tolist() == _rows_step(runner, starts, lengths, tokens)
 
 
 @torch.inference_mode()
 def test_a_slot_no_row_runs_in_writes_only_the_scratch_column(running: Any) -> None:
     runner, slots, lengths, tokens = running
-    keys = runner.cache.keys[0]
+    keys = runner.cache.grid(runner.cache.keys[0], 4, runner.cache.stride)  # [slots, heads, width, dim]
     hole_before = keys[1, :, : runner.cache.scratch].clone()
     spare_before = keys[3].clone()
     step = runner.step(4, 128)
@@ -74,10 +75,10 @@ def test_a_slot_no_row_runs_in_writes_only_the_scratch_column(running: Any) -> N
         assert keys[slot, :, length].abs().sum() > 0
 
 
-def _rows_step(runner: Any, slots: list[int], lengths: list[int], tokens: list[int]) -> list[int]:
+def _rows_step(runner: Any, starts: list[int], lengths: list[int], tokens: list[int]) -> list[int]:
     batch = runner.new_batch()
     batch.row_ids = [r for r in ("r0", "r2")]
-    logits = runner._decode_rows(batch, slots, lengths, tokens)
+    logits = runner._decode_rows(batch, starts, lengths, tokens)
     return [int(t) for t in logits.argmax(-1).tolist()]
 
 

@@ -146,7 +146,9 @@ class Watched(EchoBackend):
         self.inputs[item.prompt] = weakref.ref(inputs)
         return inputs, self.image_tokens(height, width) + len(item.prompt.split())
 
-    def step_model(self, slots: int = 2, positions: int | None = None) -> EchoSteps:
+    def step_model(
+        self, slots: int = 2, positions: int | None = None, pool: int | None = None, decode: str | None = None
+    ) -> EchoSteps:
         return WatchedSteps(self)
 
 

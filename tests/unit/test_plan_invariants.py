@@ -21,9 +21,10 @@ def _candidates(draw: st.DrawFn, prefix: str, most: int) -> list[scheduler.Candi
     found = []
     for i in range(count):
         lane, group, prompt = draw(LANES), draw(GROUPS), draw(st.integers(1, 3000))
+        need = prompt + draw(st.integers(1, 600))
         found.append(
             scheduler.Candidate(
-                f"{prefix}{i}", lane, group, prompt, draw(st.integers(0, 2)), draw(st.booleans())
+                f"{prefix}{i}", lane, group, prompt, draw(st.integers(0, 2)), draw(st.booleans()), need
             )
         )
     return found
@@ -32,9 +33,12 @@ def _candidates(draw: st.DrawFn, prefix: str, most: int) -> list[scheduler.Candi
 @st.composite
 def _limits(draw: st.DrawFn) -> scheduler.Limits:
     rows = draw(st.integers(1, 8))
+    # The pool: unbounded (rows bind), or by need in units of 16 (a few long rows, or many short ones).
+    positions = draw(st.sampled_from([1 << 62, 3616, 8000, 20000]))
     return scheduler.Limits(
         rows, draw(st.integers(0, rows)), draw(st.booleans()), draw(st.sampled_from([1 << 30, 500, 2000])),
-        draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
+        draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])), positions=positions, unit=16,
+        reserve_positions=draw(st.sampled_from([0, 1616])) if positions < 1 << 62 else 0,
     )  # fmt: skip
 
 
@@ -46,8 +50,11 @@ def test_a_plan_admits_only_waiting_rows_pauses_only_rows_in_memory_and_keeps_gr
     limits: scheduler.Limits,
     due: bool,
 ) -> None:
-    # What is in memory is what a real engine could hold: within the slots, a group beside nothing.
+    # What is in memory is what a real engine could hold: within the rows and the pool, a group beside
+    # nothing.
     in_memory = in_memory[: limits.max_rows]
+    while len(in_memory) > 1 and scheduler.span(in_memory, limits) > limits.positions:
+        in_memory.pop()
     groups = {c.group for c in in_memory}
     if len(groups) > 1 and groups != {None}:
         in_memory = [c for c in in_memory if c.group == next(g for g in groups if g is not None)]
@@ -61,6 +68,14 @@ def test_a_plan_admits_only_waiting_rows_pauses_only_rows_in_memory_and_keeps_gr
     after = [c for c in in_memory if c.row_id not in plan.pause]
     after += [c for c in waiting if c.row_id in plan.admit]
     assert len(after) <= max(1, limits.max_rows), plan
+    if len(after) > 1:  # one row always may run; more only within the pool
+        assert scheduler.span(after, limits) <= limits.positions, plan
+    fresh_backlog = [c for c in waiting if c.row_id in plan.admit and c.lane != "interactive"]
+    grouped = any(c.group is not None for c in after)  # a group runs beside nothing: no reserve to keep
+    if fresh_backlog and limits.reserve_positions and len(after) > 1 and not plan.turn and not grouped:
+        assert scheduler.span(after, limits) <= limits.positions - limits.reserve_positions or any(
+            c.lane == "interactive" for c in waiting if c.row_id in plan.admit
+        ), f"backlog rows took the tickets' reserve: {plan}"
     assert not any(c.lane == "interactive" for c in in_memory if c.row_id in plan.pause), "a ticket paused"
     after_groups = {c.group for c in after}
     if any(g is not None for g in after_groups):

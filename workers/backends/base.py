@@ -86,8 +86,11 @@ class ModelBackend(Protocol):
     def slot_positions(self) -> int:
         """The most cache positions one row can hold (a slot's size, workers/engine/kv.py)."""
 
-    def step_model(self, slots: int = 2, positions: int | None = None) -> Any:
-        """The engine's model calls with a cache of `slots` slots: a StepModel (workers/engine/runner.py)."""
+    def step_model(
+        self, slots: int = 2, positions: int | None = None, pool: int | None = None, decode: str | None = None
+    ) -> Any:
+        """The engine's model calls for `slots` rows at most, in a cache of `pool` positions (each row
+        holding its need) or of worst-case slots: a StepModel (workers/engine/runner.py)."""
 
     def capture(self, runner: Any) -> int:
         """Record the runner's fixed decode steps (CUDA graphs where that applies); how many."""
@@ -102,8 +105,8 @@ class ModelBackend(Protocol):
         """How many of a row's first tokens decode to text that later tokens cannot change (a streamed
         answer publishes that much): all but a trailing run of byte-fallback tokens."""
 
-    def kv_capacity(self, positions: int) -> tuple[int, str]:
-        """Slots of `positions` the free memory holds now, and how that was measured."""
+    def kv_capacity(self) -> tuple[int, str]:
+        """Cache positions the free memory holds now, and how that was measured."""
 
     def warm_up(self) -> str:
         """Run one tiny batch (lazy initialisation, kernels); returns the attention kernel that ran."""

@@ -76,7 +76,9 @@ class EchoSteps:
     def new_batch(self) -> EchoRows:
         return EchoRows(self._prefilled)
 
-    def begin(self, row_id: str, inputs: Any, length: int, identity: Any = None) -> int:
+    def begin(
+        self, row_id: str, inputs: Any, length: int, identity: Any = None, need: int | None = None
+    ) -> int:
         """A slot for the row (the echo model has no cache: nothing is ever reused)."""
         self._pending[row_id] = (inputs, length)
         return 0
@@ -194,7 +196,9 @@ class EchoBackend:
         settings give echo the slots they give a model (MRC_BATCH_TOKEN_BUDGET / positions)."""
         return fuyu_geometry.max_image_tokens() + 2 + ECHO_PROMPT_TOKENS + ECHO_NEW_TOKENS
 
-    def step_model(self, slots: int = 2, positions: int | None = None) -> EchoSteps:
+    def step_model(
+        self, slots: int = 2, positions: int | None = None, pool: int | None = None, decode: str | None = None
+    ) -> EchoSteps:
         return EchoSteps(self)
 
     def capture(self, runner: Any) -> int:
@@ -204,8 +208,8 @@ class EchoBackend:
         height, width = item.image.shape[-2:]
         return item, self.image_tokens(height, width) + len(item.prompt.split())
 
-    def kv_capacity(self, positions: int) -> tuple[int, str]:
-        return 1 << 20, "echo: no cache"
+    def kv_capacity(self) -> tuple[int, str]:
+        return 1 << 40, "echo: no cache"
 
     def load(self) -> None:
         return None

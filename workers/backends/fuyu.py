@@ -232,22 +232,26 @@ class FuyuBackend:
             return "fixed" if cuda and self.settings.attention != "flash_attention_2" else "rows"
         return mode
 
-    def step_model(self, slots: int = 2, positions: int | None = None) -> Any:
-        """The engine's model calls with a cache of `slots` slots (workers/engine/runner.py); on the
-        CPU, threads by call size; on CUDA, the fixed steps captured as CUDA graphs unless
-        MRC_ENGINE_CUDA_GRAPHS=off (a capture that fails is logged and the steps run eagerly)."""
+    def step_model(
+        self, slots: int = 2, positions: int | None = None, pool: int | None = None, decode: str | None = None
+    ) -> Any:
+        """The engine's model calls for `slots` rows at most, in a cache of `pool` positions (rows
+        decode: each row holds its need) or of `slots` worst-case slots (workers/engine/runner.py); on
+        the CPU, threads by call size; on CUDA, the fixed steps captured as CUDA graphs unless
+        MRC_ENGINE_CUDA_GRAPHS=off (a capture that fails is logged and the steps run eagerly).
+        `decode`: MRC_ENGINE_DECODE's choice unless said."""
         from workers.engine.runner import Runner
 
-        mode: Any = self.decode_mode()
+        mode: Any = decode or self.decode_mode()
         positions = positions or self.slot_positions()
         reuse = self.settings.engine_prefix_cache == "on"
         if self.device != "cpu":
-            return Runner(self.model, slots, positions, None, mode, reuse)
+            return Runner(self.model, slots, positions, None, mode, reuse, pool)
         from workers import cpu_threads
 
         requested = self.settings.cpu_threads
         threads = lambda count, kind: cpu_threads.apply(requested, count, kind)  # noqa: E731
-        return Runner(self.model, slots, positions, threads, mode, reuse)
+        return Runner(self.model, slots, positions, threads, mode, reuse, pool)
 
     def capture(self, runner: Any) -> int:
         """Record the runner's fixed steps as CUDA graphs; 0 where that does not apply or fails."""
@@ -278,16 +282,16 @@ class FuyuBackend:
             end -= 1
         return end
 
-    def kv_capacity(self, positions: int) -> tuple[int, str]:
-        """Slots of `positions` that fit in the memory free now (after loading and warm-up, and, on
-        CUDA, after the activations of the largest prefill allowed, measured by running one), and how
-        that was measured (workers/engine/capacity.py)."""
+    def kv_capacity(self) -> tuple[int, str]:
+        """Cache positions that fit in the memory free now (after loading and warm-up, and, on CUDA,
+        after the activations of the largest prefill allowed, measured by running one), and how that
+        was measured (workers/engine/capacity.py)."""
         from workers.engine import capacity
 
         dtype = self.model.get_input_embeddings().weight.dtype
         memory, how = capacity.memory_for_cache(self.device, self._largest_prefill())
         per_token = capacity.bytes_per_token(self.model.config, dtype)
-        return capacity.slots(memory, per_token, positions), f"{how}, {per_token} bytes per position"
+        return capacity.positions_held(memory, per_token), f"{how}, {per_token} bytes per position"
 
     def _largest_prefill(self) -> int:
         """Bytes the largest prefill allowed takes on CUDA beyond what is allocated now (0 on the CPU)."""

@@ -1,10 +1,13 @@
-"""How many slots the cache may have: measured from free memory at warm-up, capped by the settings.
+"""How large the cache's pool may be: measured from free memory at warm-up, capped by the settings.
 
-A slot holds one row to its longest (the largest image, the longest prompt and the most new tokens:
-the backend's `slot_positions`), so the cache is slots x positions x bytes per position, allocated
-once. On CUDA the memory left for it is what is free after the model, warm-up and the activations of
-the largest prefill allowed (measured by running one), less a margin; on the CPU, a share of the RAM
-available (the host also runs the decode threads, the page cache and its neighbours).
+The cache is one pool of positions (workers/engine/slot_table.py), allocated once: positions x bytes
+per position. Held by need (the `rows` decode), it is what memory holds, at most
+MRC_BATCH_TOKEN_BUDGET positions, and the rows in it at most MRC_MODEL_BATCH_MAX_JOBS; in the uniform
+grid (the `fixed` decode) it is slots of the longest row (the largest image, the longest prompt and
+the most new tokens: the backend's `slot_positions`). On CUDA the memory left for it is what is free
+after the model, warm-up and the activations of the largest prefill allowed (measured by running
+one), less a margin; on the CPU, a share of the RAM available (the host also runs the decode
+threads, the page cache and its neighbours).
 """
 
 from __future__ import annotations
@@ -53,12 +56,30 @@ def memory_for_cache(device: str, prefill_peak: int = 0) -> tuple[int, str]:
     return int(available * CPU_SHARE), f"{CPU_SHARE:.0%} of {available / 2**30:.1f} GiB available RAM"
 
 
-def slots(memory: int, per_token: int, positions: int) -> int:
-    """Slots of `positions` positions (and the scratch one) that `memory` bytes hold."""
-    return memory // (per_token * (positions + 1))
+def positions_held(memory: int, per_token: int) -> int:
+    """Cache positions that `memory` bytes hold."""
+    return memory // max(1, per_token)
 
 
-def choose(fit: int, wanted: int, token_budget: int, positions: int) -> int:
-    """The cache's slots: what memory holds, at most MRC_MODEL_BATCH_MAX_JOBS and the positions of
-    MRC_BATCH_TOKEN_BUDGET; at least one (a job that fits nowhere fails alone, out of memory)."""
-    return max(1, min(fit, wanted, token_budget // max(1, positions)))
+def choose(
+    fit: int, wanted: int, token_budget: int, positions: int, uniform: bool = False
+) -> tuple[int, int]:
+    """(rows at most, positions in the pool) for `fit` positions that memory holds. By need: the pool
+    is what memory holds, at most MRC_BATCH_TOKEN_BUDGET, at least one longest row (a job that fits
+    nowhere fails alone, out of memory); rows at most MRC_MODEL_BATCH_MAX_JOBS. Uniform: slots of the
+    longest row (and a scratch column), as many as both hold and MRC_MODEL_BATCH_MAX_JOBS allows."""
+    from workers.engine.slot_table import rounded
+
+    if uniform:
+        slots = max(1, min(fit // (positions + 1), wanted, token_budget // max(1, positions)))
+        return slots, slots * (positions + 1)
+    return wanted, max(rounded(positions), min(fit, token_budget))
+
+
+def reserve(tickets: int, pool: int, positions: int, uniform: bool = False) -> int:
+    """Positions of the pool backlog rows never take: room for `tickets` tickets at their longest, at
+    most what leaves one longest backlog row its room."""
+    from workers.engine.slot_table import rounded
+
+    longest = positions + 1 if uniform else rounded(positions)
+    return max(0, min(tickets * longest, pool - longest))

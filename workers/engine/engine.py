@@ -32,6 +32,7 @@ from workers import inference
 from workers.engine import rows as rows_of
 from workers.engine import scheduler
 from workers.engine.sequence import Sequence
+from workers.engine.slot_table import NoFreeSlot
 from workers.engine.step import RowBatch, StepModel
 
 Finished = Callable[[Sequence], None]
@@ -68,6 +69,9 @@ class Engine:
         on_finished: Finished,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        table = getattr(runner, "table", None)
+        if table is not None:  # admission counts the positions the runner's pool really has
+            limits = dataclasses.replace(limits, positions=min(limits.positions, table.pool), unit=table.unit)
         self.runner, self.limits, self.on_finished, self.clock = runner, limits, on_finished, clock
         self.waiting: list[Sequence] = []
         self.running: dict[str, Sequence] = {}  # in admission order
@@ -209,7 +213,11 @@ class Engine:
         row.admitted_at = now
         row.first_admitted_at = row.first_admitted_at or now
         try:
-            reused = self.runner.begin(row.row_id, row.inputs, row.prompt_tokens, row.identity)
+            reused = self.runner.begin(row.row_id, row.inputs, row.prompt_tokens, row.identity, row.need)
+        except NoFreeSlot:  # the pool has not the room admission counted on: it waits, as for memory
+            self.runner.abandon(row.row_id)
+            self._requeue([row], restart=False)
+            return False
         except Exception as exc:  # its embeddings run the model (the image's patches): its own failure
             error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
             self.runner.abandon(row.row_id)

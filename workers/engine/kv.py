@@ -1,16 +1,20 @@
-"""The KV cache as slots allocated once, and the running batch as rows in those slots.
+"""The KV cache as one pool of positions allocated once, and the running batch as rows in it.
 
-Per layer, keys and values are one tensor each, `[slots, heads, positions + 1, head_dim]`, allocated at
-start (workers/engine/capacity.py sizes it). A row that joins copies its prefill's keys and values into
-its slot, once; every decode step writes one position per row in place, at that row's own position; a
-row that leaves frees its slot and nothing moves. The last column is scratch: a fixed-shape step
-(workers/engine/runner.py) covers slots that no running row holds there, and writes their position to
-it. Which row holds which slot is workers/engine/slot_table.py's, plain Python.
+Per layer, keys and values are one tensor each, `[heads, pool, head_dim]`, allocated at start
+(workers/engine/capacity.py sizes it). Each row holds one contiguous run of the pool, its slot
+(workers/engine/slot_table.py says where, plain Python), so attention reads a row as a view
+`[:, start:start + length]`. A row prefills in place in its slot; every decode step writes one position
+per row in place, at that row's own position; a row that leaves frees its slot and nothing moves (a
+compaction, rare, copies the slots above a hole down).
+
+In the uniform layout (the fixed-shape step's) every slot is `positions + 1` long and the pool is a
+grid `[slots, positions + 1]`: `grid()` reads a prefix of it as `[slots, heads, width, head_dim]`
+without a copy, and a slot no running row holds writes to its own last column (scratch).
 
 `SlotCache` is what transformers' model calls `cache`: its `update()` writes the step's new keys and
 values where the runner's write plan says (`rows`, `write`) and returns what attention reads: the whole
-buffers (attention per row, over views of each row's own length) or a prefix view `[:S, :, :W]` (one
-call of fixed shape). No step allocates or copies the cache.
+pool (attention per row, over views of each row's own run) or the grid's prefix (one call of fixed
+shape). No step allocates or copies the cache.
 """
 
 from __future__ import annotations
@@ -28,23 +32,33 @@ class SlotCache:
     is_compileable = False  # transformers' own compile switches stay off: the runner compiles/captures
 
     def __init__(
-        self, layers: int, slots: int, heads: int, positions: int, head_dim: int, dtype: Any, device: Any
+        self, layers: int, pool: int, heads: int, head_dim: int, dtype: Any, device: Any, stride: int = 1
     ) -> None:
-        shape = (slots, heads, positions + 1, head_dim)
+        shape = (heads, pool, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.scratch = positions  # the write position of a slot no running row holds
-        # The write plan of the next call (set by the runner): the slot and position of each batch row,
-        # and the prefix attention reads (slots, width), or None for the whole buffers.
+        # Uniform layout: a slot's length (positions + 1); its last column is the scratch a fixed-shape
+        # step writes to for a slot no running row holds.
+        self.stride = stride
+        self.scratch = stride - 1
+        # The write plan of the next call (set by the runner): where each batch row writes, as a position
+        # in the pool (`rows` None), or as its slot in the grid (`rows`) and a position in the slot
+        # (`write`); the grid's prefix attention reads (slots, width), or None for the whole pool.
         self.rows: torch.Tensor | None = None
         self.write: torch.Tensor | None = None
         self.view: tuple[int, int] | None = None
-        # A prefill chunk instead (set by the runner): (slot, first position) of one row's positions.
+        # A prefill chunk instead (set by the runner): (slot's first position, chunk's first position).
         self.chunk: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def grid(self, tensor: torch.Tensor, slots: int, width: int) -> torch.Tensor:
+        """The uniform layout's first `slots` slots, `width` positions each: [slots, heads, width, dim]."""
+        heads, pool, dim = tensor.shape
+        grid = tensor.view(heads, pool // self.stride, self.stride, dim).permute(1, 0, 2, 3)
+        return grid[:slots, :, :width]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
@@ -53,34 +67,46 @@ class SlotCache:
         positions of one row ([1, heads, n, head_dim]); return what attention reads."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.chunk is not None:
-            slot, start = self.chunk
+            base, start = self.chunk
             stop = start + key_states.shape[2]
-            keys[slot, :, start:stop] = key_states[0]
-            values[slot, :, start:stop] = value_states[0]
-            return keys[slot : slot + 1, :, :stop], values[slot : slot + 1, :, :stop]
-        keys[self.rows, :, self.write] = key_states[:, :, -1]
-        values[self.rows, :, self.write] = value_states[:, :, -1]
+            keys[:, base + start : base + stop] = key_states[0]
+            values[:, base + start : base + stop] = value_states[0]
+            return keys[:, base : base + stop].unsqueeze(0), values[:, base : base + stop].unsqueeze(0)
+        assert self.write is not None
+        where = self.write if self.rows is None else self.rows * self.stride + self.write
+        keys[:, where] = key_states[:, :, -1].transpose(0, 1)
+        values[:, where] = value_states[:, :, -1].transpose(0, 1)
         if self.view is None:
             return keys, values
         slots, width = self.view
-        return keys[:slots, :, :width], values[:slots, :, :width]
+        return self.grid(keys, slots, width), self.grid(values, slots, width)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from the runner (position_ids), never from the cache
 
-    def put(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def put(self, start: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A joining row's prefill cache ([heads, length, head_dim] per layer) into its slot: its one copy."""
         for index, (new_keys, new_values) in enumerate(layers):
             length = new_keys.shape[1]
-            self.keys[index][slot, :, :length].copy_(new_keys)
-            self.values[index][slot, :, :length].copy_(new_values)
+            self.keys[index][:, start : start + length].copy_(new_keys)
+            self.values[index][:, start : start + length].copy_(new_values)
 
     def move(self, old: int, new: int, length: int, start: int = 0) -> None:
-        """A row's positions start..length from one slot to another (compaction: workers/engine/
-        slot_table.py; a prefix hit on another row: workers/engine/prefix_index.py)."""
-        for keys, values in zip(self.keys, self.values, strict=True):
-            keys[new, :, start:length].copy_(keys[old, :, start:length])
-            values[new, :, start:length].copy_(values[old, :, start:length])
+        """A slot's positions start..length to another slot (compaction: workers/engine/slot_table.py;
+        a prefix hit on another row: workers/engine/prefix_index.py). Runs may overlap (compaction
+        slides a slot down by less than its length): then through a copy."""
+        overlap = abs(new - old) < length - start
+        for tensors in (self.keys, self.values):
+            for tensor in tensors:
+                source = tensor[:, old + start : old + length]
+                tensor[:, new + start : new + length].copy_(source.clone() if overlap else source)
+
+    def read(self, start: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of a slot's first positions (a retained prefix carried past its own slot's release)."""
+        return [
+            (keys[:, start : start + length].clone(), values[:, start : start + length].clone())
+            for keys, values in zip(self.keys, self.values, strict=True)
+        ]
 
 
 class SlotBatch:
@@ -101,10 +127,10 @@ class SlotBatch:
         assigned: list[str] = []
         try:
             for index, row_id in enumerate(row_ids):
-                slot = self.table.assign(row_id, length)
+                start = self.table.assign(row_id, length)
                 assigned.append(row_id)
                 layers = [(layer.keys[index], layer.values[index]) for layer in cache.layers]
-                self.cache.put(slot, layers)
+                self.cache.put(start, layers)
         except BaseException:
             for row_id in assigned:  # all or nothing: the engine sends the rows back to waiting
                 self.table.release(row_id)

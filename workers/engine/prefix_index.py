@@ -91,13 +91,17 @@ class PrefixIndex:
                 return Hit(holder, (index + 1) * self.block)
         return None
 
-    def evict(self) -> str | None:
-        """The least recently used retained holder, removed from the index (its slot is to be freed)."""
-        if not self._retained:
-            return None
-        holder = next(iter(self._retained))
-        self.remove(holder)
+    def evict(self, keep: str | None = None) -> str | None:
+        """The least recently used retained holder (never `keep`), removed from the index (its slot is
+        to be freed)."""
+        holder = next((h for h in self._retained if h != keep), None)
+        if holder is not None:
+            self.remove(holder)
         return holder
+
+    def known(self, holder: str) -> int:
+        """Leading positions of the holder's slot the index knows (whole blocks)."""
+        return len(self._chains.get(holder, [])) * self.block
 
     def retained(self) -> list[str]:
         """Retained holders, least recently used first."""

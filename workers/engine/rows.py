@@ -30,7 +30,10 @@ def masks_of(rows: list[Sequence]) -> masks.MaskFn | None:
 
 def candidates(rows: Iterable[Sequence]) -> list[scheduler.Candidate]:
     """The rows as the pure policy sees them."""
-    return [scheduler.Candidate(r.row_id, r.lane, r.group, r.prompt_tokens, r.pauses, r.turn) for r in rows]
+    return [
+        scheduler.Candidate(r.row_id, r.lane, r.group, r.prompt_tokens, r.pauses, r.turn, r.need)
+        for r in rows
+    ]
 
 
 def has_backlog(rows: Iterable[scheduler.Candidate]) -> bool:

@@ -25,7 +25,7 @@ from workers.engine.kv import SlotBatch, SlotCache
 from workers.engine.masks import MaskFn
 from workers.engine.prefix_index import chain
 from workers.engine.sequence import DEAD_END
-from workers.engine.slot_table import SlotTable
+from workers.engine.slot_table import NoFreeSlot, SlotTable, pool_for
 
 DecodeMode = Literal["rows", "fixed"]
 
@@ -43,17 +43,25 @@ class Runner:
         threads: Threads = None,
         decode: DecodeMode = "rows",
         reuse: bool = True,
+        pool: int | None = None,
     ) -> None:
+        """`slots` rows at most of up to `positions` positions each. The `rows` decode holds each row's
+        need in a pool of `pool` positions (the memory of `slots` worst-case slots when not said);
+        the `fixed` one a grid of `slots` worst-case slots (its fixed shapes read it as a view)."""
         self.model, self.threads, self.decode_mode, self.reuse = model, threads, decode, reuse
         self.language = model.model.language_model
         text = self.language.config
         heads = int(text.num_attention_heads)
         embeddings = self.language.get_input_embeddings().weight
-        self.table = SlotTable(slots, positions)
+        if decode == "fixed":
+            self.table = SlotTable(slots, positions)
+        else:
+            self.table = SlotTable(slots, positions, capacity=pool or pool_for(slots, positions))
         self.cache = SlotCache(
-            int(text.num_hidden_layers), slots, heads, positions, int(text.hidden_size) // heads,
-            embeddings.dtype, embeddings.device,
+            int(text.num_hidden_layers), self.table.pool, heads, int(text.hidden_size) // heads,
+            embeddings.dtype, embeddings.device, stride=positions + 1 if self.table.uniform else 1,
         )  # fmt: skip
+        self.table.mover = self.cache.move
         self._steps: dict[tuple[int, int], FixedStep] = {}
         self.captured = 0  # fixed steps recorded as CUDA graphs
         # Rows whose prefill is under way: their input embeddings (image patches in place, made once)
@@ -76,29 +84,48 @@ class Runner:
         return _pick(out.logits[:, -1], masks), out.cache, length
 
     @torch.inference_mode()
-    def begin(self, row_id: str, inputs: Any, length: int, identity: Hashable | None = None) -> int:
-        """A row about to prefill takes a slot. Its leading positions that a slot already holds (the
-        same image and prompt start, workers/engine/prefix_index.py) are taken over from a retained
-        slot or copied from a running row's, and never computed: returns how many (at least one
+    def begin(
+        self, row_id: str, inputs: Any, length: int, identity: Hashable | None = None, need: int | None = None
+    ) -> int:
+        """A row about to prefill takes a slot with room for `need` positions (its prompt and its own
+        new tokens; the longest job's when not said). Its leading positions that a slot already holds
+        (the same image and prompt start, workers/engine/prefix_index.py) are taken over from a
+        retained slot or copied from another row's, and never computed: returns how many (at least one
         position is always left to compute, for the row's first token)."""
         ids = inputs["input_ids"][0].tolist()
         if len(ids) != length:
             raise ValueError(f"row {row_id}: {len(ids)} input positions, {length} expected")
+        need = max(length, need or self.table.positions)
         hashes = chain(identity, ids) if identity is not None and self.reuse else []
         table = self.table
         hit = table.index.match(hashes) if hashes else None
         reused = min(hit.positions, length - 1) if hit is not None else 0
-        if hit is not None and reused > 0 and table.retained(hit.holder):
-            table.take_over(row_id, hit.holder, reused)
-        elif hit is not None and reused > 0:
-            source = table.slot(hit.holder)  # before assign: a full table evicts only retained slots
-            self.cache.move(source, table.assign(row_id, reused), reused)
-        else:
+        if hit is None or reused <= 0:
             reused = 0
-            table.assign(row_id, 0)
+            table.assign(row_id, 0, need)
+        elif not table.retained(hit.holder) or table.take_over(row_id, hit.holder, reused, need) is None:
+            self._copy_hit(row_id, hit.holder, reused, need)
         table.index.add(row_id, hashes[: reused // table.index.block])
         self._pending[row_id] = (self._embeddings(inputs), hashes)
         return reused
+
+    def _copy_hit(self, row_id: str, holder: str, reused: int, need: int) -> None:
+        """A slot of the row's own, the holder's first `reused` positions copied into it. The holder is
+        never freed to make the room (compaction may move it: its start is read after), except a
+        retained one when nothing else makes room: its positions are carried over through a copy."""
+        table = self.table
+        try:
+            start = table.assign(row_id, reused, need, keep=holder)
+        except NoFreeSlot:
+            if not table.retained(holder):
+                raise
+            carried = self.cache.read(table.start(holder), reused)
+            table.release(holder)
+            self.cache.put(table.assign(row_id, reused, need), carried)
+            return
+        self.cache.move(table.start(holder), start, reused)
+        if table.retained(holder):
+            table.release(holder)  # the row holds the same positions now: one copy in memory is enough
 
     @torch.inference_mode()
     def catch_up(self, row_id: str) -> int:
@@ -114,7 +141,7 @@ class Runner:
         reused = min(hit.positions, total - 1)
         if reused <= have:
             return 0
-        self.cache.move(table.slot(hit.holder), table.slot(row_id), reused, start=have)
+        self.cache.move(table.start(hit.holder), table.start(row_id), reused, start=have)
         table.set_length(row_id, reused)
         table.index.add(row_id, hashes[: reused // table.index.block])
         return reused - have
@@ -126,7 +153,7 @@ class Runner:
         else None."""
         embeddings, hashes = self._pending[row_id]
         table, cache = self.table, self.cache
-        slot, start = table.slot(row_id), table.length(row_id)
+        base, start = table.start(row_id), table.length(row_id)
         length = int(embeddings.shape[1])
         if not start < stop <= length:
             raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
@@ -137,7 +164,7 @@ class Runner:
         rows = torch.arange(start, stop, device=device)
         lowest = torch.finfo(embeddings.dtype).min
         mask = torch.where(columns.unsqueeze(0) <= rows.unsqueeze(1), 0.0, lowest).to(embeddings.dtype)
-        cache.chunk = (slot, start)
+        cache.chunk = (base, start)
         try:
             hidden = _freeing_on_oom(
                 lambda: (
@@ -188,23 +215,23 @@ class Runner:
         """One step for every running row: feed each row's last token, return each row's next."""
         if self.decode_mode == "fixed":
             self._compact()
-        slots = [self.table.slot(row_id) for row_id in batch.row_ids]
+        starts = [self.table.start(row_id) for row_id in batch.row_ids]
         lengths = [self.table.length(row_id) for row_id in batch.row_ids]
         run = self._decode_fixed if self.decode_mode == "fixed" else self._decode_rows
-        logits = _freeing_on_oom(lambda: run(batch, slots, lengths, last_tokens))
+        logits = _freeing_on_oom(lambda: run(batch, starts, lengths, last_tokens))
         self.table.grow(batch.row_ids)  # the step wrote one position per row: now part of each row
         return _pick(logits, masks)
 
-    def _decode_rows(self, batch: SlotBatch, slots: list[int], lengths: list[int], tokens: list[int]) -> Any:
+    def _decode_rows(self, batch: SlotBatch, starts: list[int], lengths: list[int], tokens: list[int]) -> Any:
         read = sum(lengths) + len(lengths)
         if self.threads is not None:
             self.threads(read, "decode")
         device = self.cache.keys[0].device
         positions = torch.tensor(lengths, device=device)
         cache = self.cache
-        cache.rows, cache.write, cache.view = torch.tensor(slots, device=device), positions, None
+        cache.rows, cache.write, cache.view = None, torch.tensor(starts, device=device) + positions, None
         ids = torch.tensor(tokens, device=device).unsqueeze(1)
-        pairs = [(slot, length + 1) for slot, length in zip(slots, lengths, strict=True)]
+        pairs = [(start, length + 1) for start, length in zip(starts, lengths, strict=True)]
         with row_attention.per_row(self.language.config, pairs):
             hidden = self.language(
                 inputs_embeds=self.language.get_input_embeddings()(ids),
@@ -215,8 +242,11 @@ class Runner:
         batch.read, batch.padding = read, 0
         return self.model.lm_head(hidden[:, -1])
 
-    def _decode_fixed(self, batch: SlotBatch, slots: list[int], lengths: list[int], tokens: list[int]) -> Any:
+    def _decode_fixed(
+        self, batch: SlotBatch, starts: list[int], lengths: list[int], tokens: list[int]
+    ) -> Any:
         table = self.table
+        slots = [start // self.cache.stride for start in starts]  # the uniform grid's slots
         step = self.step(rows_bucket(table.top, table.slots), width_bucket(max(lengths) + 1, table.positions))
         if self.threads is not None:
             self.threads(step.slots * step.width, "decode")
@@ -231,8 +261,7 @@ class Runner:
         each moved row, instead of every later step covering the holes below a row in a high slot."""
         table = self.table
         if rows_bucket(table.top, table.slots) > rows_bucket(table.used, table.slots):
-            for old, new, length in table.compact():
-                self.cache.move(old, new, length)
+            table.compact()  # the table hands each move to the cache (SlotTable.mover)
 
     def step(self, slots: int, width: int) -> FixedStep:
         """The fixed step of this shape (made on first use; captured ones at warm-up)."""

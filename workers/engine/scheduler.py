@@ -3,11 +3,13 @@ rows sit out the step. Pure: no torch, no Redis, no clock.
 
 Rules, in order:
 - interactive rows before backlog rows, first come first served within a lane;
-- at most `max_rows` rows are in memory at once (running and held), one per slot of the cache
-  (workers/engine/kv.py: a slot holds any job to its longest, so a row once admitted never runs out
-  of room mid-answer), and `reserved_interactive` of those slots are never taken by backlog rows, so a
-  ticket that arrives while a long backlog batch runs is admitted at the next step instead of waiting
-  for a backlog row to finish (with nothing in memory, one backlog row always may run);
+- at most `max_rows` rows are in memory at once (running, held and prefilling), and their slots span
+  at most the cache's `positions` (workers/engine/slot_table.py: a row's slot holds its prompt and its
+  own new tokens, its *need*, rounded up to `unit`; in the uniform grid every slot is the longest
+  job's): a row once admitted never runs out of room mid-answer. `reserved_interactive` of the rows and
+  `reserve_positions` of the positions are never taken by backlog rows, so a ticket that arrives while
+  a long backlog batch runs is admitted at the next step instead of waiting for a backlog row to
+  finish (with nothing in memory, one backlog row always may run);
 - an interactive row that finds no free slot pauses the youngest backlog row (it goes back to waiting
   and is recomputed later): a ticket never waits for a backlog answer, except for the rows the
   backlog's share protects (below);
@@ -16,8 +18,9 @@ Rules, in order:
 - no backlog row is admitted while an interactive row runs (a prefill stalls every running row for its
   length), and on the CPU backlog rows are held (skip decode steps) while one does and no ticket waits
   for a slot, except at the backlog's own steps (below);
-- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE), of the slots and of the steps.
-  Slots (`backlog_slots`): up to its share, the backlog's rows join running tickets and go before
+- **the backlog's share** (`backlog_share`, MRC_ENGINE_BACKLOG_SHARE), of the rows and positions in
+  memory and of the steps. Memory (`backlog_slots` rows, and that share of the positions): up to its
+  share, the backlog's rows join running tickets and go before
   waiting ones at any step, and once admitted so (or paused `SHARE_PAUSES` times) are not paused for
   tickets and cost it nothing while tickets wait. Steps (deficit counting, `Share`): it earns that
   share of a step at every step it has work and spends a whole one at every step it moves; with a
@@ -52,7 +55,7 @@ FREE_STEPS = 16.0
 
 @dataclass(frozen=True)
 class Limits:
-    max_rows: int  # slots: rows in memory at once (lowered for a while after an out-of-memory step)
+    max_rows: int  # rows in memory at once (lowered for a while after an out-of-memory step)
     reserved_interactive: int = 1
     hold_backlog: bool = False  # backlog rows skip decode steps (cache kept) while tickets decode
     # Most prefill positions of backlog rows admitted at one step (one row always may): a ticket that
@@ -63,6 +66,11 @@ class Limits:
     # Most prefill positions computed at one step, all lanes (`chunks`): a long prefill is cut in
     # chunks, so a ticket that arrives waits for at most one step's worth.
     prefill_tokens: int = 1 << 30
+    # The cache's pool: positions the rows' slots may span at once, a slot being a row's need rounded
+    # up to `unit` (the uniform grid: unit = a whole slot, so positions / unit slots).
+    positions: int = 1 << 62
+    unit: int = 1
+    reserve_positions: int = 0  # of the positions, what backlog rows never take (room for tickets)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class Candidate:
     prompt_tokens: int = 0  # positions its prefill computes
     pauses: int = 0  # times it was paused for a ticket
     turn: bool = False  # a backlog row admitted on the backlog's turn (its share), beside or before tickets
+    need: int = 0  # positions its slot holds: its prompt and its own new tokens
 
 
 @dataclass
@@ -136,7 +145,10 @@ def took_turn(step: Step, limits: Limits) -> bool:
         return False
     waits = _tickets(step.waiting)
     held_back = limits.hold_backlog and not waits and _backlog(step.decoded) and _tickets(step.decoded)
-    over_share = waits and sum(c.lane != INTERACTIVE for c in step.in_memory) > backlog_slots(limits)
+    backlog = [c for c in step.in_memory if c.lane != INTERACTIVE]
+    over_share = waits and (
+        len(backlog) > backlog_slots(limits) or span(backlog, limits) > backlog_positions(limits)
+    )
     return _backlog(step.admitted) or held_back or over_share
 
 
@@ -191,14 +203,16 @@ def plan(
         # comes pauses it.
         # The backlog's turn, up to its share of the slots, may take any free slot (the reserve included:
         # with tickets in every other slot, it was never its turn).
-        reserved = len(kept) >= backlog_rows and candidate.row_id not in ahead
+        reserved = candidate.row_id not in ahead and (
+            len(kept) >= backlog_rows or not _fits(kept, limits, candidate, limits.reserve_positions)
+        )
         if not interactive and kept and (reserved or (_tickets(kept) and not _beside(candidate, ahead, due))):
             continue
         if not interactive and prefill and prefill + candidate.prompt_tokens > limits.backlog_prefill_tokens:
             continue
-        if not _fits(kept, limits) and interactive and pause:
-            _pause_for(kept, limits, result)
-        if not _fits(kept, limits):
+        if not _fits(kept, limits, candidate) and interactive and pause:
+            _pause_for(kept, limits, result, candidate)
+        if not _fits(kept, limits, candidate):
             continue
         result.admit.append(candidate.row_id)
         if candidate.row_id in ahead and tickets_in:
@@ -209,9 +223,24 @@ def plan(
 
 
 def backlog_slots(limits: Limits) -> int:
-    """The backlog's whole share of the slots (0 below one slot: there its share is of the time, paid
+    """The backlog's whole share of the rows (0 below one row: there its share is of the time, paid
     for in steps). The rows it holds within it keep their slots free of charge while tickets wait."""
     return int(limits.backlog_share * limits.max_rows)
+
+
+def backlog_positions(limits: Limits) -> int:
+    """The backlog's share of the cache's positions (its rows within it: within its share)."""
+    return int(limits.backlog_share * min(limits.positions, 1 << 40))
+
+
+def slot_span(candidate: Candidate, limits: Limits) -> int:
+    """Positions the candidate's slot spans: its need rounded up to the unit (the table's rule)."""
+    unit = max(1, limits.unit)
+    return max(unit, -(-candidate.need // unit) * unit)
+
+
+def span(rows: Seq[Candidate], limits: Limits) -> int:
+    return sum(slot_span(c, limits) for c in rows)
 
 
 def _protected_rows(limits: Limits) -> int:
@@ -229,7 +258,14 @@ def _order(
     tickets = [c for c in waiting if c.lane == INTERACTIVE]
     backlog = [c for c in waiting if c.lane != INTERACTIVE]
     share = _protected_rows(limits) if due else backlog_slots(limits)
-    ahead = backlog[: max(0, share - sum(c.lane != INTERACTIVE for c in kept))]
+    inside = [c for c in kept if c.lane != INTERACTIVE]
+    ahead: list[Candidate] = []
+    room = backlog_positions(limits) - span(inside, limits)
+    for candidate in backlog[: max(0, share - len(inside))]:
+        room -= slot_span(candidate, limits)
+        if room < 0 and not (due and not ahead and not inside):  # its due turn: one row at least
+            break
+        ahead.append(candidate)
     return [*ahead, *tickets, *backlog[len(ahead) :]], {c.row_id for c in ahead}
 
 
@@ -282,15 +318,19 @@ def _admit_members(
     from everything else (the prefill bound is for tickets beside the backlog; none runs beside it)."""
     members = [c for c in waiting if c.group == group]
     for candidate in sorted(members, key=lambda c: c.lane != INTERACTIVE):
-        if not _fits(kept, limits):
+        if not _fits(kept, limits, candidate):
             return
         result.admit.append(candidate.row_id)
         kept.append(candidate)
 
 
-def _fits(kept: list[Candidate], limits: Limits) -> bool:
-    """A free slot (every slot holds any job to its longest; one row always runs)."""
-    return not kept or len(kept) < limits.max_rows
+def _fits(kept: list[Candidate], limits: Limits, candidate: Candidate, keep_free: int = 0) -> bool:
+    """Room for the candidate: a row under `max_rows` and its slot's positions in the pool beside the
+    rows in memory, `keep_free` positions left over (one row always runs)."""
+    if not kept:
+        return True
+    room = limits.positions - keep_free - span(kept, limits)
+    return len(kept) < limits.max_rows and slot_span(candidate, limits) <= room
 
 
 def _beside(candidate: Candidate, ahead: set[str], due: bool) -> bool:
@@ -308,7 +348,7 @@ def _pausable(candidate: Candidate, limits: Limits) -> bool:
     return limits.backlog_share <= 0 or (candidate.pauses < SHARE_PAUSES and not candidate.turn)
 
 
-def _pause_for(kept: list[Candidate], limits: Limits, result: Plan) -> None:
+def _pause_for(kept: list[Candidate], limits: Limits, result: Plan, ticket: Candidate) -> None:
     """Pause the youngest backlog rows (never one admitted in this plan) until a ticket fits, or none
     if that would still not make room. A row paused too often already is kept while the backlog holds
     no more than its share of the slots (the oldest such rows): the backlog keeps what it is owed and
@@ -318,14 +358,14 @@ def _pause_for(kept: list[Candidate], limits: Limits, result: Plan) -> None:
     trial = list(kept)
     chosen: list[Candidate] = []
     for victim in candidates:
-        if _fits(trial, limits):
+        if _fits(trial, limits, ticket):
             break
         if not _pausable(victim, limits) and backlog <= _protected_rows(limits):
             continue
         trial.remove(victim)
         chosen.append(victim)
         backlog -= 1
-    if not _fits(trial, limits):
+    if not _fits(trial, limits, ticket):
         return
     for victim in chosen:
         kept.remove(victim)

@@ -53,6 +53,12 @@ class Sequence:
     turn: bool = False  # its last admission was on the backlog's turn (its share): tickets leave it be
 
     @property
+    def need(self) -> int:
+        """Positions its slot must hold: its prompt and every token it may feed back (the last token
+        it generates is never fed; one position to spare)."""
+        return self.prompt_tokens + self.max_new_tokens
+
+    @property
     def length(self) -> int:
         """Positions this row holds in the cache once its last token is fed."""
         return self.prompt_tokens + len(self.tokens)

@@ -170,6 +170,7 @@ class EngineService:
         metrics.prefix_reused.inc(report.reused)
         table = getattr(self.engine.runner, "table", None)
         metrics.prefix_cached.set(table.cached if table is not None else 0)
+        metrics.kv_reserved.set(table.reserved if table is not None else 0)
 
     def _account(self, report: StepReport, seconds: float) -> None:
         engine, metrics = self.engine, self.metrics

@@ -1,95 +1,211 @@
-"""Which row holds which slot of the cache, and how many positions it holds there. Pure Python: the
-tensors themselves live in workers/engine/kv.py.
+"""Where each row's positions live in the cache's pool, and how many it holds. Pure Python: the tensors
+themselves live in workers/engine/kv.py.
 
-The cache is allocated once, as `slots` slots of `positions` positions each (every layer's keys and
-values). A row takes the lowest free slot when it joins, so the rows in use stay packed at the low end
-of the table (the decode step of fixed shapes runs over a prefix of the slots, workers/engine/runner.py)
-and a row that leaves frees its slot without moving anything.
+The cache is one pool of positions per layer, allocated once. A row holds one contiguous run of it,
+its *slot* (`start`, `size`), so attention reads a row as a plain view and a decode step writes one
+position per row in place. A slot is sized when the row joins, one of two ways:
 
-A row that leaves may instead leave its slot to the prefix cache (`retain`): its leading positions
-stay, for a later row with the same prefix to copy or take over (workers/engine/prefix_index.py), until
-a row needs the slot: then the least recently used retained slot is freed. Retained slots are no row's:
-they count in neither `used` nor `held`, and a fixed-shape step never covers one for its own sake.
+- **by need** (`capacity` given; the CPU's rows decode): the row's prompt plus its own
+  `max_new_tokens`, rounded up to UNIT positions. A 640x480 photo with 64 new tokens holds ~450
+  positions, not the longest job's ~3,400: the same memory holds several times the rows.
+- **uniform** (no `capacity`; the fixed-shape step's layout): every slot is `positions + 1` (the
+  longest job, and a scratch column a fixed-shape step writes to for slots no row runs in), at a
+  multiple of that, so the pool is a `[slots, positions + 1]` grid a fixed-shape step reads as a
+  view.
+
+A row takes the lowest run that fits (first fit). When none does though enough positions are free,
+the slots above the first hole slide down (`compact`, each move handed to `mover` for the cache to
+copy); when not enough are free, retained slots are freed least recently used first. A slot never
+grows past its size, so a row admitted never runs out of room mid-answer.
+
+A row that leaves may leave its slot to the prefix cache (`retain`): its leading positions stay (by
+need, only the whole blocks the index knows: the rest is freed at once), for a later row with the
+same prefix to take over or copy (workers/engine/prefix_index.py). Retained slots are no row's: they
+count in neither `used` nor `held`, and are freed when a row needs the room.
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.engine.prefix_index import PrefixIndex
 
+UNIT = 16  # positions a slot held by need is rounded up to (the prefix index's block)
+
+# (from start, to start, positions): the cache copies a slot's first positions to a new place.
+Mover = Callable[[int, int, int], None]
+
+
+def rounded(need: int) -> int:
+    """A need rounded up to whole UNITs."""
+    return max(UNIT, -(-need // UNIT) * UNIT)
+
+
+def pool_for(rows: int, positions: int) -> int:
+    """The pool that holds `rows` rows of the longest job by need (the same memory as that many
+    uniform slots, give or take a unit)."""
+    return rows * rounded(positions)
+
 
 class NoFreeSlot(RuntimeError):
-    """Every slot is taken: admission let in more rows than the cache holds (a bug in the engine)."""
+    """No run of the pool holds the row even with every retained slot freed and the rest compacted:
+    admission let in more than the cache holds (the engine sends the row back to waiting)."""
 
 
 @dataclass
 class SlotTable:
-    slots: int
-    positions: int  # the most a row may hold in its slot
-    _free: list[int] = field(default_factory=list)
-    _slot: dict[str, int] = field(default_factory=dict)  # row id -> its slot
-    _length: dict[str, int] = field(default_factory=dict)  # row id -> positions it holds
+    slots: int  # uniform: the slots of the grid; by need: rows at most (informational)
+    positions: int  # the most a row may hold
+    capacity: int | None = None  # positions in the pool: slots by need; None: uniform slots
+    mover: Mover | None = None  # copies a slot's positions when compaction moves it
     index: PrefixIndex = field(default_factory=PrefixIndex)  # the prefixes the slots hold
+    _start: dict[str, int] = field(default_factory=dict)  # holder -> first position of its slot
+    _size: dict[str, int] = field(default_factory=dict)  # holder -> positions its slot spans
+    _length: dict[str, int] = field(default_factory=dict)  # holder -> positions it holds
+    _free: list[tuple[int, int]] = field(default_factory=list)  # (start, size) runs, sorted
     _retained: set[str] = field(default_factory=set)  # slots left to the prefix cache, by entry id
     _entries: itertools.count[int] = field(default_factory=itertools.count)
+    moved: int = 0  # positions compaction copied (the metrics report it)
 
     def __post_init__(self) -> None:
-        self._free = list(range(self.slots))
-        heapq.heapify(self._free)
+        self.uniform = self.capacity is None
+        if self.capacity is None:
+            self.capacity = self.slots * (self.positions + 1)
+        self.pool = self.capacity
+        if self.pool < self.extent(self.positions):
+            raise ValueError(f"a pool of {self.pool} positions holds no row of {self.positions}")
+        self._free = [(0, self.pool)]
 
-    def assign(self, row_id: str, length: int) -> int:
-        """The lowest free slot (the least recently used retained one freed when none is), now holding
-        `length` positions of this row."""
-        if row_id in self._slot:
-            raise ValueError(f"row {row_id} already holds slot {self._slot[row_id]}")
-        if length > self.positions:
-            raise ValueError(f"row {row_id} needs {length} positions; a slot holds {self.positions}")
-        if not self._free:
-            evicted = self.index.evict()
+    # ---------------------------------------------------------------- sizes
+    @property
+    def unit(self) -> int:
+        """What a slot's positions are rounded up to (the scheduler counts the same)."""
+        return self.positions + 1 if self.uniform else UNIT
+
+    def extent(self, need: int) -> int:
+        """The positions a slot for a row that may hold `need` spans."""
+        if self.uniform:
+            return self.positions + 1
+        return min(self.pool, rounded(need))
+
+    # ---------------------------------------------------------------- rows in and out
+    def assign(self, row_id: str, length: int, need: int | None = None, keep: str | None = None) -> int:
+        """A slot for this row, holding `length` positions now and room for `need` (the longest job
+        when not said); its first position. Retained slots are freed for it (never `keep`), and the
+        others compacted, when no run is free."""
+        if row_id in self._start:
+            raise ValueError(f"row {row_id} already holds a slot at {self._start[row_id]}")
+        need = self.positions if need is None else need
+        if max(length, need) > self.positions:
+            raise ValueError(
+                f"row {row_id} needs {max(length, need)} positions; a slot holds {self.positions}"
+            )
+        size = self.extent(need)
+        start = self._place(size, keep)
+        self._start[row_id], self._size[row_id], self._length[row_id] = start, size, length
+        return start
+
+    def _place(self, size: int, keep: str | None) -> int:
+        while True:
+            start = self._first_fit(size)
+            if start is not None:
+                return start
+            if sum(run for _, run in self._free) >= size:
+                self.compact()
+                continue
+            evicted = self.index.evict(keep)
             if evicted is None:
-                raise NoFreeSlot(f"all {self.slots} slots are taken")
+                raise NoFreeSlot(f"no {size} positions free in a pool of {self.pool}")
             self.release(evicted)
-        slot = heapq.heappop(self._free)
-        self._slot[row_id], self._length[row_id] = slot, length
-        return slot
 
-    def take_over(self, row_id: str, holder: str, length: int) -> int:
+    def _first_fit(self, size: int) -> int | None:
+        for index, (start, run) in enumerate(self._free):
+            if run >= size:
+                if run == size:
+                    del self._free[index]
+                else:
+                    self._free[index] = (start + size, run - size)
+                return start
+        return None
+
+    def grow_in_place(self, holder: str, need: int) -> bool:
+        """Whether the holder's slot could be widened to room for `need` from the free run just past
+        it (then it is)."""
+        size = self.extent(need)
+        start, have = self._start[holder], self._size[holder]
+        if size <= have:
+            return True
+        end = start + have
+        index = bisect.bisect_left(self._free, (end, 0))
+        if index == len(self._free) or self._free[index][0] != end or self._free[index][1] < size - have:
+            return False
+        run = self._free[index][1]
+        if run == size - have:
+            del self._free[index]
+        else:
+            self._free[index] = (end + size - have, run - (size - have))
+        self._size[holder] = size
+        return True
+
+    def take_over(self, row_id: str, holder: str, length: int, need: int | None = None) -> int | None:
         """A retained slot becomes this row's, its first `length` positions kept (a prefix hit that
-        copies nothing)."""
+        copies nothing), when it can hold the row's need where it lies; else None (nothing changed)."""
         if holder not in self._retained:
             raise ValueError(f"{holder} is not a retained slot")
-        if row_id in self._slot:
-            raise ValueError(f"row {row_id} already holds slot {self._slot[row_id]}")
+        if row_id in self._start:
+            raise ValueError(f"row {row_id} already holds a slot at {self._start[row_id]}")
+        if not self.grow_in_place(holder, self.positions if need is None else need):
+            return None
         self.index.remove(holder)
         self._retained.discard(holder)
-        slot = self._slot.pop(holder)
-        del self._length[holder]
-        self._slot[row_id], self._length[row_id] = slot, min(length, self.positions)
-        return slot
+        self._length.pop(holder)
+        self._start[row_id], self._size[row_id] = self._start.pop(holder), self._size.pop(holder)
+        self._length[row_id] = min(length, self._size[row_id])
+        return self._start[row_id]
 
     def release(self, row_id: str) -> None:
         """The row's slot is free (and its prefix forgotten)."""
         self.index.remove(row_id)
         self._retained.discard(row_id)
-        slot = self._slot.pop(row_id)
+        start, size = self._start.pop(row_id), self._size.pop(row_id)
         del self._length[row_id]
-        heapq.heappush(self._free, slot)
+        self._give_back(start, size)
+
+    def _give_back(self, start: int, size: int) -> None:
+        """A run back to the free list, merged with its neighbours."""
+        index = bisect.bisect_left(self._free, (start, 0))
+        if index < len(self._free) and self._free[index][0] == start + size:
+            size += self._free.pop(index)[1]
+        if index > 0 and sum(self._free[index - 1]) == start:
+            start, size = self._free[index - 1][0], self._free[index - 1][1] + size
+            self._free.pop(index - 1)
+            index -= 1
+        self._free.insert(index, (start, size))
 
     def retain(self, row_id: str) -> str | None:
         """A row that leaves: its slot stays with the prefix cache when the index knows its prefix,
-        else it is freed. The slot passes to an entry of its own (its id returned): the row may come
-        back (a paused row, admitted again) and take a slot under its own id."""
+        else it is freed. By need, only the blocks the index knows stay; the rest is freed now. The
+        slot passes to an entry of its own (its id returned): the row may come back (a paused row,
+        admitted again) and take a slot under its own id."""
         if row_id not in self.index:
             self.release(row_id)
             return None
         entry = f"retained:{next(self._entries)}"
-        self._slot[entry], self._length[entry] = self._slot.pop(row_id), self._length.pop(row_id)
+        for table in (self._start, self._size, self._length):
+            table[entry] = table.pop(row_id)
         self.index.rename(row_id, entry)
         self._retained.add(entry)
         self.index.retain(entry)
+        if not self.uniform:
+            kept = min(self._length[entry], self.index.known(entry))
+            size = self.extent(kept)
+            if size < self._size[entry]:
+                self._give_back(self._start[entry] + size, self._size[entry] - size)
+                self._size[entry] = size
+            self._length[entry] = kept
         return entry
 
     def retained(self, row_id: str) -> bool:
@@ -97,52 +213,71 @@ class SlotTable:
 
     def set_length(self, row_id: str, length: int) -> None:
         """Positions the row holds now (a prefill chunk wrote up to there)."""
-        if length > self.positions:
-            raise ValueError(f"row {row_id} needs {length} positions; a slot holds {self.positions}")
+        if length > self._size[row_id] - self.uniform:
+            raise ValueError(f"row {row_id} needs {length} positions; its slot holds {self._size[row_id]}")
         self._length[row_id] = length
-
-    def compact(self) -> list[tuple[int, int, int]]:
-        """Move the rows in the highest slots down into the lowest free ones until the rows in use are
-        a prefix of the table: (from slot, to slot, positions held) per move, for the cache to copy.
-        A fixed-shape step covers the table up to its highest row: one long row left in a high slot
-        would make every step cover (and read the padding of) every slot below it."""
-        moves = []
-        while self._free and self._free[0] < self.top:
-            row_id = max(self._live(), key=self._slot.__getitem__)
-            old, new = self._slot[row_id], heapq.heappop(self._free)
-            self._slot[row_id] = new
-            heapq.heappush(self._free, old)
-            moves.append((old, new, self._length[row_id]))
-        return moves
-
-    def slot(self, row_id: str) -> int:
-        return self._slot[row_id]
-
-    def length(self, row_id: str) -> int:
-        return self._length[row_id]
 
     def grow(self, row_ids: list[str]) -> None:
         """One more position for each of these rows (a decode step wrote it)."""
         for row_id in row_ids:
-            if self._length[row_id] >= self.positions:
-                raise ValueError(f"row {row_id} is at its slot's {self.positions} positions")
+            if self._length[row_id] >= self._size[row_id] - self.uniform:
+                raise ValueError(f"row {row_id} is at its slot's {self._size[row_id]} positions")
             self._length[row_id] += 1
 
+    def compact(self) -> list[tuple[int, int, int]]:
+        """Slide every slot above the first free run down to close the holes: (from, to, positions
+        held) per move, each handed to `mover` in order (each one's target is free by then). The
+        fixed-shape step covers the grid up to its highest row, and a row by need finds one run where
+        there were several holes."""
+        moves = []
+        cursor = 0
+        for holder in sorted(self._start, key=self._start.__getitem__):
+            start = self._start[holder]
+            if start != cursor:
+                moves.append((start, cursor, self._length[holder]))
+                if self.mover is not None:
+                    self.mover(start, cursor, self._length[holder])
+                self.moved += self._length[holder]
+                self._start[holder] = start = cursor
+            cursor = start + self._size[holder]
+        self._free = [(cursor, self.pool - cursor)] if cursor < self.pool else []
+        return moves
+
+    # ---------------------------------------------------------------- reading it
+    def start(self, row_id: str) -> int:
+        """The first position of the row's slot in the pool."""
+        return self._start[row_id]
+
+    def slot(self, row_id: str) -> int:
+        """Uniform: the row's slot in the grid."""
+        return self._start[row_id] // (self.positions + 1)
+
+    def length(self, row_id: str) -> int:
+        return self._length[row_id]
+
+    def size(self, row_id: str) -> int:
+        return self._size[row_id]
+
     def __contains__(self, row_id: object) -> bool:
-        return row_id in self._slot
+        return row_id in self._start
 
     def _live(self) -> list[str]:
-        return [row_id for row_id in self._slot if row_id not in self._retained]
+        return [row_id for row_id in self._start if row_id not in self._retained]
 
     @property
     def used(self) -> int:
-        """Slots rows hold (retained ones are not a row's)."""
-        return len(self._slot) - len(self._retained)
+        """Rows holding a slot (retained ones are not a row's)."""
+        return len(self._start) - len(self._retained)
 
     @property
-    def free(self) -> int:
-        """Slots a row may take: free ones and retained ones (evicted on demand)."""
-        return len(self._free) + len(self._retained)
+    def spare(self) -> int:
+        """Positions a row may take: free ones and retained ones (freed on demand)."""
+        return self.pool - sum(self._size[row_id] for row_id in self._live())
+
+    @property
+    def reserved(self) -> int:
+        """Positions the rows' slots span (what admission counts)."""
+        return self.pool - self.spare
 
     @property
     def held(self) -> int:
@@ -156,5 +291,6 @@ class SlotTable:
 
     @property
     def top(self) -> int:
-        """One past the highest slot a row holds: the prefix of the table a fixed-shape step must cover."""
-        return max((self._slot[row_id] for row_id in self._live()), default=-1) + 1
+        """Uniform: one past the highest slot a row holds (the prefix of the grid a fixed-shape step
+        covers)."""
+        return max((self.slot(row_id) for row_id in self._live()), default=-1) + 1

@@ -37,9 +37,11 @@ class RowBatch(Protocol):
 class StepModel(Protocol):
     def new_batch(self) -> RowBatch: ...
 
-    def begin(self, row_id: str, inputs: Any, length: int, identity: Hashable | None = None) -> int:
-        """Take a slot for a row about to prefill (`length` positions); the leading positions reused
-        from the cache."""
+    def begin(
+        self, row_id: str, inputs: Any, length: int, identity: Hashable | None = None, need: int | None = None
+    ) -> int:
+        """Take a slot with room for `need` positions for a row about to prefill (`length` positions);
+        the leading positions reused from the cache."""
 
     def catch_up(self, row_id: str) -> int:
         """Positions of the row's prefix other rows wrote since it began, now in its slot too."""
