@@ -60,15 +60,17 @@ def _workers(client: Any) -> list[dict[str, Any]]:
 
 
 def _engine(w: dict[str, Any]) -> str:
-    """The worker's engine: rows running / its cache's slots, backlog rows held beside tickets, rows
-    waiting, steps the backlog has not moved (a starving backlog shows here), positions per slot."""
+    """The worker's engine: rows running / most rows, backlog rows held beside tickets, rows waiting,
+    steps the backlog has not moved (a starving backlog shows here), the cache's positions (each row
+    holds its need there) and the longest row's."""
     if "engine_slots" not in w:
         return "engine -"
     return (
         f"engine rows {w.get('engine_rows_running', '-')}/{w['engine_slots']} running, "
         f"{w.get('engine_rows_held', '-')} held, {w.get('engine_rows_waiting', '-')} waiting, "
         f"backlog stalled {w.get('engine_backlog_stalled_steps', '-')} steps, "
-        f"slots of {w.get('engine_slot_positions', '-')} positions"
+        f"cache of {w.get('engine_cache_positions', '-')} positions, "
+        f"slots of {w.get('engine_slot_positions', '-')} positions at most"
     )
 
 

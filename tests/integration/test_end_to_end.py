@@ -207,7 +207,7 @@ def test_queues_view_lists_the_live_worker(env, worker: Worker, images_dir: Path
     text = run_cli(env, "queues").stdout
     assert f"worker {hostname}: lanes interactive,backlog" in text
     assert f"/{ready['slots']} running" in text
-    assert f"slots of {ready['slot_positions']} positions" in text
+    assert f"cache of {ready['cache_positions']} positions, slots of {ready['slot_positions']}" in text
 
 
 def test_health_endpoints(worker: Worker) -> None:
@@ -223,10 +223,12 @@ def test_health_endpoints(worker: Worker) -> None:
     assert ready["quantization"] == "nf4"
     assert ready["device"] == "cpu"
     assert ready["attention_backend"]
-    # The cache: slots measured from free memory at warm-up, capped by MRC_MODEL_BATCH_MAX_JOBS and
-    # MRC_BATCH_TOKEN_BUDGET; each holds the largest image, the longest prompt and the most new tokens.
+    # The cache: a pool of positions, what free memory holds at warm-up, at most MRC_BATCH_TOKEN_BUDGET;
+    # each row holds its own need there, up to MRC_MODEL_BATCH_MAX_JOBS rows. The longest row holds the
+    # largest image, the longest prompt and the most new tokens.
     assert ready["engine_slot_positions"] == 2340 + 2 + 512 + 512
-    assert ready["engine_slots"] == min(16, 65536 // ready["engine_slot_positions"])
+    assert ready["engine_slots"] == 16
+    assert ready["engine_cache_positions"] == 65536
     assert ready["engine_cache_bytes"] > 0
     assert "available RAM" in ready["engine_kv_measured_from"]
     assert ready["engine_decode"] == "rows"
@@ -264,7 +266,8 @@ def test_health_endpoints(worker: Worker) -> None:
     # jobs ran in earlier tests: the engine stepped, generated, and admits up to what /readyz says
     assert values["mrc_engine_steps_total"] > 0
     assert values["mrc_engine_generated_tokens_total"] >= values["mrc_engine_steps_total"]
-    assert values["mrc_engine_kv_tokens_capacity"] == ready["engine_slots"] * ready["engine_slot_positions"]
+    assert values["mrc_engine_kv_tokens_capacity"] == ready["engine_cache_positions"]
+    assert 0 <= values["mrc_engine_kv_tokens_reserved"] <= ready["engine_cache_positions"]
     assert values["mrc_engine_slots"] == ready["engine_slots"]
     assert values["mrc_engine_positions_read_total"] > 0
     assert values["mrc_engine_positions_padding_total"] == 0  # rows read their own positions only
