@@ -6,9 +6,9 @@ largest image, MRC_MAX_PROMPT_TOKENS and MRC_MAX_NEW_TOKENS_LIMIT), shown also i
 shape in bf16. For each mix the real engine (the tiny Fuyu, the worker's preprocessing and
 positions) is given more waiting jobs than the pool can hold, a row limit that never binds, and that
 pool; after one step the rows in memory are counted (admitted by positions; a row holds its slot
-from admission). The uniform grid (the fixed-shape step's layout, and every row's slot before) holds budget / longest rows
-whatever the mix. Then every row admitted runs to its end, so the count is of rows that really ran
-together, not of a plan.
+from admission). The uniform grid (the fixed-shape step's layout, and every row's slot before) holds
+budget / longest rows whatever the mix. Then every row admitted runs to its end, so the count is of
+rows that really ran together, not of a plan.
 
     python tests/bench/bench_memory.py [--slots 8]
 """
