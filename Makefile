@@ -60,6 +60,7 @@ bench: install
 	$(PY) tests/bench/bench_attention_paths.py
 	$(PY) tests/bench/bench_step_cost.py
 	$(PY) tests/bench/bench_memory.py
+	$(PY) tests/bench/bench_paged_attention.py
 	$(PY) tests/bench/bench_priority.py
 	$(PY) tests/bench/bench_broker.py
 	$(PY) tests/bench/bench_durability.py
