@@ -154,6 +154,10 @@ def parser() -> argparse.ArgumentParser:
         "--unchunked", action="store_true",
         help="also run with one prefill per row (MRC_ENGINE_PREFILL_TOKENS past any prompt), side by side",
     )  # fmt: skip
+    parser.add_argument(
+        "--also", action="append", default=[], metavar="KEY=VALUE",
+        help="also run with this worker setting, side by side (e.g. MRC_BACKLOG_THREAD_NICE=0)",
+    )  # fmt: skip
     return parser
 
 
@@ -199,6 +203,9 @@ def main() -> None:
         rows = [(label + ", prefill in chunks", env)] if args.unchunked else [(label, env)]
         if args.unchunked:  # one prefill per row: a budget no prompt reaches
             rows.append((label + ", one prefill per row", {**env, "MRC_ENGINE_PREFILL_TOKENS": str(1 << 20)}))
+        for setting in args.also:
+            key, _, value = setting.partition("=")
+            rows.append((f"{label}, {key}={value}", {**env, key: value}))
         for index, (row_label, row_env) in enumerate(rows):
             print_row(args, measure(args, row_env, paths, work, f"{name}{index}", backlog_paths), row_label)
     finally:
