@@ -72,7 +72,13 @@ def test_a_plan_admits_only_waiting_rows_pauses_only_rows_in_memory_and_keeps_gr
         assert scheduler.span(after, limits) <= limits.positions, plan
     fresh_backlog = [c for c in waiting if c.row_id in plan.admit and c.lane != "interactive"]
     grouped = any(c.group is not None for c in after)  # a group runs beside nothing: no reserve to keep
-    if fresh_backlog and limits.reserve_positions and len(after) > 1 and not plan.turn and not grouped:
+    # The backlog's rows within its share may take any room, the reserve included (as its share of the
+    # rows may take reserved rows); past its share, backlog rows leave the reserve alone.
+    backlog_after = [c for c in after if c.lane != "interactive"]
+    within_share = limits.backlog_share > 0 and len(backlog_after) <= max(
+        scheduler.backlog_slots(limits), 1 if due else 0
+    )
+    if fresh_backlog and limits.reserve_positions and len(after) > 1 and not grouped and not within_share:
         assert scheduler.span(after, limits) <= limits.positions - limits.reserve_positions or any(
             c.lane == "interactive" for c in waiting if c.row_id in plan.admit
         ), f"backlog rows took the tickets' reserve: {plan}"
