@@ -104,11 +104,17 @@ def _dead_letter_one(ops_env: dict[str, str]) -> str:
 
 
 def _sign_in(browser: Any, api: str, key: str) -> None:
+    """Sign in through the form, and wait until the page it leads to has replaced the form: a read
+    right after the click could meet the form still there (a fresh-clone run read '' for the 403)."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{api}/ops")
     browser.find_element(By.ID, "ops-key").send_keys(key)
-    browser.find_element(By.ID, "ops-login").click()
+    button = browser.find_element(By.ID, "ops-login")
+    button.click()
+    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(button))
 
 
 def _live(browser: Any, css: str, cell: int | None = None) -> str:
