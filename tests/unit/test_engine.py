@@ -153,6 +153,10 @@ def test_with_prefix_hits_chunks_and_evictions_every_row_equals_the_same_job_alo
             engine.submit(row)
         engine.step()
         assert engine.steps < 2000, "the engine does not finish"
+        for row in {**engine.running, **engine.held, **engine.prefilling}.values():
+            # the slot is the row's need, as admission counted it: a larger one (a retained slot taken
+            # over whole) is room admission does not know of, and a ticket it let in finds none
+            assert runner.table.size(row.row_id) == runner.table.extent(row.need), row.row_id
     for index, (size, photo, prompt, new, _arrival, _lane) in enumerate(spec):
         row = done[str(index)]
         assert row.tokens == list(reference(size, photo, prompt, new)), f"row {index} of {spec}"
@@ -540,3 +544,24 @@ def test_a_pool_of_two_longest_slots_holds_a_dozen_small_rows_at_once(backend: F
         engine.step()
     for row_id, item in items.items():
         assert done[row_id].tokens == _alone(backend, item)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_a_job_that_needs_exactly_a_slots_positions_runs(backend: FuyuBackend, decode: str) -> None:
+    """The engine refuses a job by its prompt and new tokens less the last (never fed); the slot table
+    sized the same job with that last token and refused it mid-admission, a model error."""
+    item = _item(1, 1, 5)
+    row = _sequence(backend, "exact", item, "interactive")
+    positions = row.prompt_tokens + item.max_new_tokens - 1
+    runner = backend.step_model(2, positions, 2 * -(-positions // 16) * 16, decode=decode)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(2, 0), lambda r: done.__setitem__(r.row_id, r))
+    engine.submit(row)
+    too_long = _sequence(backend, "long", _item(1, 1, 6), "interactive")
+    engine.submit(too_long)
+    while not engine.idle:
+        engine.step()
+    assert done["exact"].error is None, done["exact"].error
+    assert done["exact"].tokens == _alone(backend, item)
+    assert done["long"].error is not None
+    assert "cache positions" in str(done["long"].error)

@@ -159,3 +159,50 @@ def test_a_row_never_grows_past_its_slot_and_never_joins_twice() -> None:
         table.grow(["a"])
     assert "a" in table
     assert "b" not in table
+
+
+def _retained(table: SlotTable, row: str, known: int) -> str:
+    """A row of need 100 that held `known` positions, left to the prefix cache: the entry's id."""
+    table.assign(row, 0, 100)
+    table.index.add(row, chain(row, list(range(known))))
+    table.set_length(row, known)
+    entry = table.retain(row)
+    assert entry is not None
+    return entry
+
+
+def test_a_pool_smaller_than_the_longest_rows_slot_is_refused() -> None:
+    """A pool that cannot hold the longest row's slot would place such a row in a slot smaller than
+    its need (the extent was capped at the pool), and it ran out of room mid-answer."""
+    with pytest.raises(ValueError, match="holds no row of 120"):
+        SlotTable(2, positions=120, capacity=120)  # its slot is 128
+    assert SlotTable(2, positions=120, capacity=128).extent(120) == 128
+
+
+def test_a_retained_slot_larger_than_the_rows_need_is_cut_to_it_when_taken_over() -> None:
+    """A long question's retained prefix, taken over by a row that needs less: the row's slot is its
+    own need, the rest is free again (admission counts needs; it held the whole slot, and a ticket
+    admitted for the room found none, step after step)."""
+    table = SlotTable(4, positions=100, capacity=256)
+    entry = _retained(table, "a", 96)  # six whole blocks known
+    assert table.size(entry) == 96
+    assert table.take_over("b", entry, 32, 40) == 0
+    assert (table.size("b"), table.length("b"), table.reserved, table.spare) == (48, 32, 48, 208)
+    table.assign("t", 0, 100)  # a ticket that fits in what admission counted free
+    table.assign("u", 0, 90)
+    assert table.spare == 256 - 48 - 112 - 96
+
+
+def test_the_grid_is_compacted_only_when_that_closes_a_hole() -> None:
+    """A retained slot under a row is no hole: compaction would move nothing, every step."""
+    table = SlotTable(4, positions=10)
+    table.assign("a", 3, 8)
+    table.index.add("a", chain("a", list(range(16))))
+    table.assign("b", 3, 8)
+    assert table.retain("a") is not None
+    assert (table.top, table.packed_top) == (2, 2)
+    table.assign("c", 3, 8)
+    table.release("b")
+    assert (table.top, table.packed_top) == (3, 2)
+    table.compact()
+    assert (table.slot("c"), table.top, table.packed_top) == (1, 2, 2)

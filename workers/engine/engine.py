@@ -176,11 +176,10 @@ class Engine:
         table = getattr(self.runner, "table", None)
         if table is None:
             return
-        for row in [r for r in self.waiting if r.prompt_tokens + r.max_new_tokens - 1 > table.positions]:
+        for row in [r for r in self.waiting if r.need > table.positions]:
             self.waiting.remove(row)
-            need = row.prompt_tokens + row.max_new_tokens - 1
             self._fail(row, InvalidJob(
-                f"the job needs {need} cache positions ({row.prompt_tokens} of image and prompt, "
+                f"the job needs {row.need} cache positions ({row.prompt_tokens} of image and prompt, "
                 f"{row.max_new_tokens} new tokens); a slot of this worker holds {table.positions}"
             ))  # fmt: skip
 

@@ -258,9 +258,10 @@ class Runner:
 
     def _compact(self) -> None:
         """Rows moved down into free slots when that shrinks the step's bucket of slots: one copy of
-        each moved row, instead of every later step covering the holes below a row in a high slot."""
+        each moved row, instead of every later step covering the holes below a row in a high slot
+        (never when only retained slots lie below it: compaction would move nothing, every step)."""
         table = self.table
-        if rows_bucket(table.top, table.slots) > rows_bucket(table.used, table.slots):
+        if rows_bucket(table.top, table.slots) > rows_bucket(table.packed_top, table.slots):
             table.compact()  # the table hands each move to the cache (SlotTable.mover)
 
     def step(self, slots: int, width: int) -> FixedStep:

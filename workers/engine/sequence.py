@@ -54,9 +54,11 @@ class Sequence:
 
     @property
     def need(self) -> int:
-        """Positions its slot must hold: its prompt and every token it may feed back (the last token
-        it generates is never fed; one position to spare)."""
-        return self.prompt_tokens + self.max_new_tokens
+        """Positions its slot must hold: its prompt and every token it may feed back. The last token it
+        generates is never fed, so that is one less than its prompt and `max_new_tokens`: the same
+        count the engine refuses an oversized job by (a job that needed exactly a slot's positions
+        passed that check, then asked for one more and failed as a model error)."""
+        return self.prompt_tokens + max(0, self.max_new_tokens - 1)
 
     @property
     def length(self) -> int:

@@ -6,8 +6,9 @@ its *slot* (`start`, `size`), so attention reads a row as a plain view and a dec
 position per row in place. A slot is sized when the row joins, one of two ways:
 
 - **by need** (`capacity` given; the CPU's rows decode): the row's prompt plus its own
-  `max_new_tokens`, rounded up to UNIT positions. A 640x480 photo with 64 new tokens holds ~450
-  positions, not the longest job's ~3,400: the same memory holds several times the rows.
+  `max_new_tokens` (less the last token, never fed), rounded up to UNIT positions. A 640x480 photo
+  with 64 new tokens holds ~450 positions, not the longest job's ~3,400: the same memory holds
+  several times the rows.
 - **uniform** (no `capacity`; the fixed-shape step's layout): every slot is `positions + 1` (the
   longest job, and a scratch column a fixed-shape step writes to for slots no row runs in), at a
   multiple of that, so the pool is a `[slots, positions + 1]` grid a fixed-shape step reads as a
@@ -76,7 +77,7 @@ class SlotTable:
         if self.capacity is None:
             self.capacity = self.slots * (self.positions + 1)
         self.pool = self.capacity
-        if self.pool < self.extent(self.positions):
+        if self.pool < self.extent(self.positions):  # the longest row must fit, or it never runs
             raise ValueError(f"a pool of {self.pool} positions holds no row of {self.positions}")
         self._free = [(0, self.pool)]
 
@@ -90,7 +91,7 @@ class SlotTable:
         """The positions a slot for a row that may hold `need` spans."""
         if self.uniform:
             return self.positions + 1
-        return min(self.pool, rounded(need))
+        return rounded(need)
 
     # ---------------------------------------------------------------- rows in and out
     def assign(self, row_id: str, length: int, need: int | None = None, keep: str | None = None) -> int:
@@ -172,8 +173,10 @@ class SlotTable:
             raise ValueError(f"{holder} is not a retained slot")
         if row_id in self._start:
             raise ValueError(f"row {row_id} already holds a slot at {self._start[row_id]}")
-        if not self.grow_in_place(holder, self.positions if need is None else need):
+        need = self.positions if need is None else need
+        if not self.grow_in_place(holder, need):
             return None
+        self._shrink(holder, self.extent(max(need, length)))
         self.index.remove(holder)
         self._retained.discard(holder)
         self._length.pop(holder)
@@ -216,12 +219,18 @@ class SlotTable:
         self.index.retain(entry)
         if not self.uniform:
             kept = min(self._length[entry], self.index.known(entry))
-            size = self.extent(kept)
-            if size < self._size[entry]:
-                self._give_back(self._start[entry] + size, self._size[entry] - size)
-                self._size[entry] = size
+            self._shrink(entry, self.extent(kept))
             self._length[entry] = kept
         return entry
+
+    def _shrink(self, holder: str, size: int) -> None:
+        """By need, the holder's slot spans `size` positions at most: the tail goes back to the free
+        runs (a slot larger than its row's need is memory admission does not count, so a ticket the
+        scheduler let in would find no room)."""
+        if self.uniform or size >= self._size[holder]:
+            return
+        self._give_back(self._start[holder] + size, self._size[holder] - size)
+        self._size[holder] = size
 
     def retained(self, row_id: str) -> bool:
         return row_id in self._retained
@@ -309,3 +318,10 @@ class SlotTable:
         """Uniform: one past the highest slot a row holds (the prefix of the grid a fixed-shape step
         covers)."""
         return max((self.slot(row_id) for row_id in self._live()), default=-1) + 1
+
+    @property
+    def packed_top(self) -> int:
+        """Uniform: what `top` would be after `compact` (the slots held below it, retained ones too:
+        compaction keeps them, so a retained slot under a row is no hole to close)."""
+        top = self.top
+        return sum(1 for holder in self._start if self.slot(holder) < top)
