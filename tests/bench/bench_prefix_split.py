@@ -1,0 +1,133 @@
+"""What prefix reuse can buy at most: the engine alone over the photo-questions workload, its time split
+into prefill (chunks), decode steps and admission, with the prefix cache on and off, side by side.
+
+The workload is bench_throughput's `photo-questions` (12 photos of four sizes, 0.3-2 MP, 4 questions
+each, shuffled with its seed, 16 new tokens, 8 rows), given to the engine as prepared inputs: no
+queue, no S3, no JPEG decode. With reuse off, the prefill's share of the engine's time bounds what
+any prefix cache can give (Amdahl): skipping a share `r` of the prompt positions in a time whose
+prefill share is `p` makes it at most 1 / (1 - p r) faster. The run prints that bound beside the
+speed-up measured, for each pair of runs (on, off, alternated; the order flips in the second pair).
+
+    python tests/bench/bench_prefix_split.py [--pairs 2] [--quantization nf4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402 - after sys.path is set
+
+from shared.settings import Settings  # noqa: E402 - after sys.path is set
+from tests.bench.workloads import WORKLOADS  # noqa: E402 - after sys.path is set
+from workers.backends.base import GenerationInput  # noqa: E402 - after sys.path is set
+from workers.backends.fuyu import FuyuBackend  # noqa: E402 - after sys.path is set
+from workers.engine import scheduler  # noqa: E402 - after sys.path is set
+from workers.engine.engine import Engine  # noqa: E402 - after sys.path is set
+from workers.engine.sequence import Sequence  # noqa: E402 - after sys.path is set
+
+PARTS = ("extend", "decode", "begin")  # the runner's calls: prefill chunks, decode steps, admission
+
+
+def _jobs(backend: FuyuBackend, count: int) -> list[Sequence]:
+    """The workload's jobs in its order, each with its photo's identity (what the worker gives)."""
+    workload = WORKLOADS["photo-questions"]
+    photos: dict[int, torch.Tensor] = {}
+    rows = []
+    for i in range(count):
+        photo, prompt, new = workload.job(i)
+        if photo not in photos:
+            _kind, width, height = workload.images[photo % len(workload.images)]
+            noise = torch.Generator().manual_seed(photo)
+            photos[photo] = torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=noise)
+        inputs = backend.prepare([GenerationInput(photos[photo], prompt, new)]).inputs
+        row = Sequence(str(i), inputs, int(inputs["input_ids"].shape[1]), new, backend.eos_id, "backlog")
+        row.identity = ("bench", photo)
+        rows.append(row)
+    return rows
+
+
+def _run(reuse: bool, quantization: str, count: int, rows: int) -> dict[str, Any]:
+    backend = FuyuBackend(
+        Settings(
+            model="tiny", home=str(ROOT / ".cache" / "mrc"), quantization=quantization, device="cpu",
+            engine_prefix_cache="on" if reuse else "off",
+        )
+    )  # fmt: skip
+    backend.load()
+    runner = backend.step_model(rows)
+    spent = dict.fromkeys(PARTS, 0.0)
+    for part in PARTS:
+        call = getattr(runner, part)
+
+        def timed(*args: Any, _call: Any = call, _part: str = part, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return _call(*args, **kwargs)
+            finally:
+                spent[_part] += time.perf_counter() - began
+
+        setattr(runner, part, timed)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(rows, 0), lambda row: done.__setitem__(row.row_id, row))
+    jobs = _jobs(backend, count)
+    began = time.perf_counter()
+    for row in jobs:
+        engine.submit(row)
+    while not engine.idle:
+        engine.step()
+    wall = time.perf_counter() - began
+    prompt = sum(row.prompt_tokens for row in jobs)
+    return {
+        "wall": wall, **spent, "steps": engine.steps, "prompt": prompt,
+        "reused": sum(row.cached_tokens for row in done.values()),
+        "answers": [done[row.row_id].tokens for row in jobs],
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=2, help="pairs of runs, reuse on and off")
+    parser.add_argument("--quantization", default="nf4", help="the worker's default on the CPU")
+    parser.add_argument("--jobs", type=int, default=48)
+    parser.add_argument("--rows", type=int, default=8)
+    args = parser.parse_args()
+    print("| pair (order) | reuse | wall s | prefill s | decode s | admission s | other s | reused |")
+    print("|---|---|---|---|---|---|---|---|")
+    speedups, bounds = [], []
+    for pair in range(args.pairs):
+        order = (True, False) if pair % 2 == 0 else (False, True)
+        runs = {reuse: _run(reuse, args.quantization, args.jobs, args.rows) for reuse in order}
+        on, off = runs[True], runs[False]
+        if on["answers"] != off["answers"]:
+            raise SystemExit("the answers differ with reuse on and off")
+        for reuse in order:
+            r = runs[reuse]
+            other = r["wall"] - sum(r[p] for p in PARTS)
+            print(
+                f"| {pair + 1} ({'on first' if order[0] else 'off first'}) | {'on' if reuse else 'off'} "
+                f"| {r['wall']:.2f} | {r['extend']:.2f} | {r['decode']:.2f} | {r['begin']:.2f} | {other:.2f} "
+                f"| {r['reused']:,} of {r['prompt']:,} ({r['reused'] / r['prompt']:.0%}) |"
+            )
+        share, skipped = off["extend"] / off["wall"], on["reused"] / on["prompt"]
+        bounds.append(1 / (1 - share * skipped))
+        speedups.append(off["wall"] / on["wall"])
+        print(
+            f"|  | on / off | **{speedups[-1]:.2f}x** | prefill {share:.0%} of the time off | | | "
+            f"| bound 1 / (1 - {share:.2f} x {skipped:.2f}) = **{bounds[-1]:.2f}x** |"
+        )
+    print(
+        f"\nengine alone, reuse on / off: {statistics.geometric_mean(speedups):.2f}x over {len(speedups)} "
+        f"pairs; Amdahl's bound: {statistics.geometric_mean(bounds):.2f}x (goal of the whole system: 2.5x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
