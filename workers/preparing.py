@@ -19,11 +19,16 @@ from workers.slots import Slot
 
 def read_messages(slots: list[Slot], settings: Settings) -> None:
     for slot in slots:
-        job, _seconds = stages.timed("reading the message", partial(stages.parse, slot.body, settings))
+        job, _seconds = stages.timed("reading the message", partial(stages.parse, slot.body))
         if isinstance(job, MrcError):
             slot.error = job
-        else:
-            slot.job = job
+            continue
+        # A job past this worker's limits is still the job: its result goes under its own id (it was
+        # written under the message's task id, and the job the caller waited on stayed queued).
+        slot.job = job
+        refused, _seconds = stages.timed("checking the limits", partial(stages.check_limits, job, settings))
+        if isinstance(refused, MrcError):
+            slot.error = refused
 
 
 def plan_prompts(live: list[Slot], backend: ModelBackend, settings: Settings, metrics: Metrics) -> None:

@@ -70,6 +70,9 @@ class Slot:
     def job_id(self) -> str:
         if self.job is not None:
             return self.job.job_id
+        claimed = self.body.get("job_id") if isinstance(self.body, dict) else None
+        if isinstance(claimed, str) and JOB_ID_RE.match(claimed):  # a malformed job's own id
+            return claimed
         if JOB_ID_RE.match(self.request_id):
             return self.request_id
         # Any text a foreign message may carry (a lone surrogate too): hashing it must never raise.

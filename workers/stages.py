@@ -37,13 +37,17 @@ def timed(what: str, work: Callable[[], T]) -> tuple[T | MrcError, float]:
     return result, time.perf_counter() - began
 
 
-def parse(body: object, settings: Settings) -> Job:
-    """The job in a message, within this deployment's limits (InvalidJob otherwise)."""
-    job = Job.from_message(body)
+def parse(body: object) -> Job:
+    """The job in a message (InvalidJob when it is not one)."""
+    return Job.from_message(body)
+
+
+def check_limits(job: Job, settings: Settings) -> None:
+    """InvalidJob when the job asks more than this deployment allows (a producer whose limits are
+    higher than this worker's: mid-rollout, or settings that differ)."""
     problem = limit_problem(settings, job.prompt, job.max_new_tokens, response_format=job.response_format)
     if problem:
         raise InvalidJob(problem)
-    return job
 
 
 def plan_prompt(job: Job, backend: ModelBackend, settings: Settings) -> PromptPlan:

@@ -386,3 +386,20 @@ def test_the_echo_model_gets_the_rows_the_settings_give_a_model(store: MemorySto
             assert pipeline.describe()["engine_slots"] == wanted
         finally:
             pipeline.close()
+
+
+def test_a_job_past_this_workers_limits_fails_under_its_own_id(store: MemoryStore) -> None:
+    """A producer whose limits are higher than this worker's (mid-rollout): the job failed under the
+    message's task id, and the job the caller waited on stayed queued with no result, ever. So did a
+    malformed job whose message carries its id."""
+    image = "s3://mrc/inputs/good.jpg"
+    over = {"job_id": "chat-over", "image_uri": image, "prompt": "q", "max_new_tokens": 40}
+    malformed = {"job_id": "chat-malformed", "image_uri": image, "prompt": "q", "pad": 1}
+    messages = [Message("celery task 1", over), Message("celery task 2", malformed), _job("fine")]
+    records = MemoryJobRecords()
+    pipeline = _pipeline(store, records=records, max_new_tokens_limit=16, max_new_tokens_default=8)
+    assert pipeline.run(messages) == ["failed", "failed", "succeeded"]
+    error = store.get_result("chat-over")["error"]
+    assert (error["code"], "max_new_tokens" in error["message"]) == ("invalid_job", True)
+    assert store.get_result("chat-malformed")["error"]["code"] == "invalid_job"
+    assert not [k for (_b, k) in store.objects if k.startswith("results/invalid-")]

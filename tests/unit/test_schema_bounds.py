@@ -70,7 +70,7 @@ def test_the_issue_schema_is_refused_by_every_surface_naming_its_place() -> None
     # the worker's first look, for a message another producer sent
     message = {"job_id": "j1", "image_uri": "s3://mrc/a.jpg", "prompt": "Refund?", "max_new_tokens": 64}
     with pytest.raises(InvalidJob, match=PLACE):
-        stages.parse({**message, "response_format": fmt}, SETTINGS)
+        stages.check_limits(stages.parse({**message, "response_format": fmt}), SETTINGS)
 
 
 STRING = {"type": "string"}
