@@ -4,9 +4,12 @@ producer, the API, the worker's records, cache, heartbeats and events, `mrc` com
 exporter — finds the master the same way; the Celery broker does too (shared/transport.py's
 SentinelChannel builds its pool with `pool_for`).
 
-A failover is seen where a client looks the master up again (redis-py does on every new connection,
-and a connection to a demoted master fails with READONLY and reconnects): each process logs
-`MRC_REDIS_FAILOVER` once per change of master, with the old and the new address, and counts it.
+A failover is seen where a client connects to the master again (redis-py looks it up on every new
+connection, and a connection to a demoted master fails with READONLY and reconnects): each process
+logs `MRC_REDIS_FAILOVER` once per change of the master it is connected to, with the old and the new
+address, and counts it. Only a connection made counts, not a Sentinel's answer: a Sentinel that has not
+yet heard of a failover names the old master, and a connection to it fails and asks again; counted,
+that answer logged a change back to a dead node and left /readyz naming it (a CI run's failover test).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from shared import encoding, logs
 from shared.settings import Settings
 
 _lock = threading.Lock()
-# The master this process last found, per Sentinel group (their addresses and the master's name).
+# The master this process last connected to, per Sentinel group (their addresses and the master's name).
 _masters: dict[tuple[Any, ...], tuple[str, int]] = {}
 failovers = 0  # changes of master this process has seen (mrc_redis_failovers_total)
 _managers: dict[tuple[Any, ...], Sentinel] = {}
@@ -52,6 +55,13 @@ class FailoverConnection(SentinelManagedConnection):
     connection (disconnect: the next connect asks the Sentinels again), so every client's retry, and
     the broker's reconnect, rides them out. Without this, NOREPLICAS from a new master whose replicas
     are still syncing reached kombu as a plain ResponseError and stopped the worker."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        fresh = self._sock is None
+        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        pool = self.connection_pool
+        if fresh and self._sock is not None and pool.is_master:
+            note_master(group_of(pool.sentinel_manager, pool.service_name), (str(self.host), int(self.port)))
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -96,19 +106,15 @@ class ResolvingSSLConnection(ResolvingConnection, SSLConnection):
     pass
 
 
-class _TrackingSentinel(Sentinel):
-    """redis-py's Sentinel client, noting every master it discovers (a change is a failover)."""
-
-    def discover_master(self, service_name: str) -> Any:
-        address = super().discover_master(service_name)
-        # Sorted: redis-py moves the Sentinel that answered to the front of its list.
-        kwargs = [s.connection_pool.connection_kwargs for s in self.sentinels]
-        group = (tuple(sorted((str(k.get("host")), int(k.get("port", 0))) for k in kwargs)), service_name)
-        note_master(group, (str(address[0]), int(address[1])))
-        return address
+def group_of(manager: Sentinel, service_name: str) -> tuple[Any, ...]:
+    """The key of one Sentinel-watched master: its Sentinels' addresses (sorted: redis-py moves the
+    Sentinel that answered to the front of its list) and its name."""
+    kwargs = [s.connection_pool.connection_kwargs for s in manager.sentinels]
+    return (tuple(sorted((str(k.get("host")), int(k.get("port", 0))) for k in kwargs)), service_name)
 
 
 def note_master(group: tuple[Any, ...], address: tuple[str, int]) -> None:
+    """A connection to `address` was made for `group`'s master: a change from the last one is a failover."""
     global failovers
     with _lock:
         old = _masters.get(group)
@@ -116,9 +122,13 @@ def note_master(group: tuple[Any, ...], address: tuple[str, int]) -> None:
         if old is None or old == address:
             return
         failovers += 1
-    logs.get_logger().warning(
-        "MRC_REDIS_FAILOVER", old=f"{old[0]}:{old[1]}", new=f"{address[0]}:{address[1]}", failovers=failovers
-    )
+        # Under the lock: two threads' changes are logged in the order they were made.
+        logs.get_logger().warning(
+            "MRC_REDIS_FAILOVER",
+            old=f"{old[0]}:{old[1]}",
+            new=f"{address[0]}:{address[1]}",
+            failovers=failovers,
+        )
 
 
 def sentinel_kwargs(settings: Settings) -> dict[str, Any]:
@@ -143,7 +153,7 @@ def manager_for(addresses: list[tuple[str, int]], kwargs: dict[str, Any]) -> Sen
     key = (tuple(addresses), tuple(sorted(kwargs.items())))
     with _lock:
         if key not in _managers:
-            _managers[key] = _TrackingSentinel(list(addresses), sentinel_kwargs=dict(kwargs))
+            _managers[key] = Sentinel(list(addresses), sentinel_kwargs=dict(kwargs))
         return _managers[key]
 
 
@@ -235,8 +245,8 @@ def where(settings: Settings) -> str:
 
 
 def status(settings: Settings) -> dict[str, Any]:
-    """What /readyz and `mrc queues` say about Redis: the master in use (as this process last found
-    it through Sentinel, or MRC_REDIS_URL's), whether it came from Sentinel, the failovers seen."""
+    """What /readyz and `mrc queues` say about Redis: the master in use (the one this process last
+    connected to through Sentinel, or MRC_REDIS_URL's), whether it came from Sentinel, the failovers seen."""
     if not uses_sentinel(settings):
         return {"redis_master": where(settings), "redis_sentinel": False}
     group = (tuple(sorted(sentinel_addresses(settings))), settings.redis_sentinel_master)

@@ -4,9 +4,17 @@ is tests/faults/test_failover.py)."""
 
 from __future__ import annotations
 
-import pytest
-from pydantic import ValidationError
+from pathlib import Path
+from typing import Any
 
+import pytest
+import redis
+from pydantic import ValidationError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+from scripts import devservices as services
 from shared import redis_target
 from shared.settings import Settings
 
@@ -51,3 +59,50 @@ def test_a_change_of_master_is_counted_once_and_per_group() -> None:
     redis_target.note_master(group, ("10.0.0.2", 6379))
     redis_target.note_master(group, ("10.0.0.2", 6379))
     assert redis_target.failovers == before + 1
+
+
+class _Answers(Sentinel):
+    """Sentinels that answer as scripted (the last answer stays): what a real Sentinel answers in the
+    moment after a failover it has not heard of yet, the old master, cannot be made to happen on cue.
+    The Redis servers connected to are real."""
+
+    def __init__(self, sentinel_port: int, answers: list[tuple[str, int]]) -> None:
+        super().__init__([("127.0.0.1", sentinel_port)])
+        self.answers = answers
+
+    def discover_master(self, service_name: str) -> Any:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_the_master_in_use_is_the_one_connected_to_not_a_stale_sentinels_answer(
+    redis_service: services.Service, tmp_path: Path
+) -> None:
+    sentinel_port = services.free_port()  # named, never asked: _Answers answers for it
+    settings = Settings(redis_sentinels=f"127.0.0.1:{sentinel_port}", redis_sentinel_master="m-stale")
+    live, dead = ("127.0.0.1", redis_service.port), ("127.0.0.1", services.free_port())
+    manager = _Answers(sentinel_port, [live])
+    pool = SentinelConnectionPool(
+        "m-stale", manager, connection_class=redis_target.ResolvingConnection, retry=Retry(NoBackoff(), 3)
+    )
+    client = redis.Redis(connection_pool=pool)
+    before = redis_target.failovers
+    assert client.ping()
+    assert redis_target.status(settings)["redis_master"] == f"127.0.0.1:{live[1]}"
+    # A Sentinel not yet told of a failover names the old master, gone: that connection fails and asks
+    # again. Counted, it was a change of master to a dead node, and another back.
+    manager.answers = [dead, live]
+    pool.disconnect()
+    assert client.ping()
+    assert redis_target.failovers == before
+    assert redis_target.status(settings)["redis_master"] == f"127.0.0.1:{live[1]}"
+    # A real change: the next connection is made to another server.
+    other = services.start_redis(tmp_path / "other")
+    try:
+        manager.answers = [("127.0.0.1", other.port)]
+        pool.disconnect()
+        assert client.ping()
+        assert redis_target.failovers == before + 1
+        assert redis_target.status(settings)["redis_master"] == f"127.0.0.1:{other.port}"
+    finally:
+        pool.disconnect()
+        other.stop()
