@@ -157,6 +157,10 @@ class Settings(BaseSettings):
     # the cache already (a running row's, or a finished row's slot not needed since) reuses them
     # instead of computing them again (workers/engine/prefix_index.py). off: every prefill is whole.
     engine_prefix_cache: Literal["on", "off"] = "on"
+    # Decoded photos a worker keeps (MiB of the CPU's memory) for their next question: a photo asked
+    # several things is fetched by each job but decoded and fitted once while kept (workers/
+    # decoded_images.py; images decoded on a GPU are not kept). 0: every job decodes its own.
+    decoded_image_cache_mb: int = Field(default=256, ge=0)
     # The backlog's guaranteed share of the engine's slots and steps while tickets are in (workers/engine/
     # scheduler.py): up to that share of the slots its rows join running tickets and go before waiting
     # ones, and once admitted so are not paused for tickets; at that share of the steps (when it does

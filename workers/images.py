@@ -85,6 +85,7 @@ class DecodedImage:
     format: str
     height: int  # of the image as decoded (oriented), whatever the tensor was shrunk to since
     width: int
+    pixels: Any = None  # the model's input made from it already (ModelBackend.image_pixels), or None
 
     @property
     def size(self) -> ImageSize:

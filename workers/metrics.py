@@ -200,6 +200,18 @@ class Metrics:
             "Prompt positions reused from the cache, not computed",
             registry=r,
         )
+        self.image_decodes = Counter(
+            "mrc_image_decodes_total",
+            "Images a job needed decoded: decoded, or reused from the decoded photos kept (a photo's "
+            "next question)",
+            ["result"],
+            registry=r,
+        )
+        self.decoded_images_held = Gauge(
+            "mrc_decoded_images_held_bytes",
+            "CPU memory held by the decoded photos kept for their next question (MRC_DECODED_IMAGE_CACHE_MB)",
+            registry=r,
+        )
         self.prefix_cached = Gauge(
             "mrc_engine_prefix_cached_positions",
             "Cache positions held by finished rows' prefixes (freed when a row needs the slot)",
@@ -217,6 +229,8 @@ class Metrics:
             self.admission_wait.labels(lane=lane)
         for reason in ("ticket", "failed_step"):
             self.paused.labels(reason=reason)
+        for result in ("decoded", "reused"):
+            self.image_decodes.labels(result=result)
 
     def watch(self, buffered: Callable[[], float], batch_for: Callable[[], float | None]) -> None:
         """Gauges read at scrape time from the live worker."""

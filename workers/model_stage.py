@@ -24,6 +24,7 @@ from shared.settings import Settings
 from workers import images, stages
 from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
+from workers.decoded_images import DecodedImages
 from workers.engine import capacity, scheduler
 from workers.engine.sequence import Sequence as Row
 from workers.engine.service import EngineService
@@ -62,6 +63,7 @@ class ModelStage:
         self._first_batch_at: float | None = None
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across deliveries
         self.grammars = RowGrammars(backend, settings.grammar_compile_timeout_s, metrics)
+        self.decoded = DecodedImages(settings.decoded_image_cache_mb * 2**20)
         self.engine_at = time.monotonic()  # the engine's last step (monotonic), for /healthz
         # The cache: a pool of positions, each row's slot its need (rows decode) or the longest job's
         # (fixed decode), as large as memory holds within the settings (workers/engine/capacity.py);
@@ -153,7 +155,20 @@ class ModelStage:
     def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
         encoded = slot.encoded
         assert encoded is not None
-        return stages.timed("image decode", partial(stages.decode_image, encoded, self.backend))
+        assert slot.job is not None
+        key = None
+        if encoded.sha256 and self.backend.needs_pixels:  # keyed as prefixes are (see _identity)
+            key = (tenants.owner_of(slot.job.job_id) or "", encoded.sha256)
+        return stages.timed("image decode", partial(self._decode_or_reuse, key, encoded))
+
+    def _decode_or_reuse(
+        self, key: tuple[str, str] | None, encoded: images.EncodedImage
+    ) -> images.DecodedImage:
+        image, reused = self.decoded.get(key, partial(stages.decode_image, encoded, self.backend))
+        if key is not None:
+            self.metrics.image_decodes.labels(result="reused" if reused else "decoded").inc()
+            self.metrics.decoded_images_held.set(self.decoded.held)
+        return image
 
     def run(self, slots: list[Slot]) -> None:
         """Decode each image in the pool, hand each job to the engine as soon as its inputs and its
@@ -214,7 +229,9 @@ class ModelStage:
     def _inputs(self, slot: Slot, decoded: images.DecodedImage) -> tuple[Any, int]:
         assert slot.plan is not None
         assert slot.job is not None
-        item = GenerationInput(decoded.tensor, slot.plan.text, slot.job.max_new_tokens, slot.plan.ids)
+        item = GenerationInput(
+            decoded.tensor, slot.plan.text, slot.job.max_new_tokens, slot.plan.ids, pixels=decoded.pixels
+        )
         inputs, positions = self.backend.row_inputs(item)
         return inputs, positions
 

@@ -63,9 +63,11 @@ def fetch_image(job: Job, source: ImageSource, settings: Settings) -> images.Enc
 
 
 def decode_image(encoded: images.EncodedImage, backend: ModelBackend) -> images.DecodedImage:
-    """Decoded (on the model's device where the decoder can), oriented, and fitted by the backend; for
-    a backend that reads no pixels, the header's size alone."""
+    """Decoded (on the model's device where the decoder can), oriented, fitted by the backend, and its
+    model input made where the backend makes it here; for a backend that reads no pixels, the header's
+    size alone."""
     if not backend.needs_pixels:
         return images.sized(encoded)
     decoded = images.decode(encoded, backend.device)
-    return dataclasses.replace(decoded, tensor=backend.fit_image(decoded.tensor))
+    fitted = backend.fit_image(decoded.tensor)
+    return dataclasses.replace(decoded, tensor=fitted, pixels=backend.image_pixels(fitted))

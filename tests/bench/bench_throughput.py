@@ -9,6 +9,8 @@ Real redis-server, moto S3 server, worker processes, tiny Fuyu (NF4, CPU).
              iteration-level engine (MRC_MODEL_BATCH_MAX_JOBS = --batch rows), S3 results
   unbatched  mrc-worker with MRC_MODEL_BATCH_MAX_JOBS=1 (one row at a time) and deliveries of 2
   noreuse    mrc-worker with MRC_ENGINE_PREFIX_CACHE=off (every prefill whole: no photo reused)
+  forget     mrc-worker that remembers nothing of a photo: prefix reuse off and MRC_DECODED_IMAGE_CACHE_MB=0
+             (every job decodes its photo and prefills it whole)
   naive      one Celery task per job, PIL + FuyuProcessor, generate at batch 1, result to S3
 The trickle row sends jobs one by one below capacity and reports latency (p50, p99) for system and
 naive. For each system run it prints where the worker's time went (stages, time between deliveries).
@@ -205,6 +207,9 @@ def run_row(
         off = system(wl, paths, jobs, work, {**env, "MRC_ENGINE_PREFIX_CACHE": "off"}, batch, "off")
         row["noreuse"] = off["rate"]
         print(f"  [{wl.name}] noreuse: {off['breakdown']}", flush=True)
+    if "forget" in parts:
+        off = {**env, "MRC_ENGINE_PREFIX_CACHE": "off", "MRC_DECODED_IMAGE_CACHE_MB": "0"}
+        row["forget"] = system(wl, paths, jobs, work, off, batch, "fgt")["rate"]
     if "unbatched" in parts and not wl.trickle_per_s:
         row["unbatched"] = system(wl, paths, jobs, work, env, 1, "one")["rate"]
     if "naive" in parts:
@@ -252,13 +257,16 @@ def report(rows: list[dict[str, Any]]) -> None:
               f"{lat_naive} |")  # fmt: skip
     reuse = [r for r in rows if "noreuse" in r and "system" in r]
     if reuse:
-        print("\n| workload | system jobs/s | prefix reuse off | system / reuse off | system / naive | "
+        print("\n| workload | system jobs/s | prefix reuse off | system / reuse off | remembers nothing | "
+              "system / remembers nothing | system / naive | "
               "positions reused (share of prompt positions) |")  # fmt: skip
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for r in reuse:
             naive = f"{r['system'] / r['naive']:.2f}" if "naive" in r else "-"
+            forget = f"{r['forget']:.2f} | {r['system'] / r['forget']:.2f}" if "forget" in r else "- | -"
             print(f"| {r['workload']} | {r['system']:.2f} | {r['noreuse']:.2f} | "
-                  f"{r['system'] / r['noreuse']:.2f} | {naive} | {r.get('reused', '-')} |")  # fmt: skip
+                  f"{r['system'] / r['noreuse']:.2f} | {forget} | {naive} | "
+                  f"{r.get('reused', '-')} |")  # fmt: skip
 
 
 def main() -> None:

@@ -166,16 +166,28 @@ class WatchedSteps(EchoSteps):
         return super().decode(batch, last_tokens, masks)
 
 
-def test_a_job_keeps_its_images_size_not_its_pixels_nor_its_finished_inputs(store: MemoryStore) -> None:
+@pytest.mark.parametrize("kept_mb", [0, 1], ids=["none-kept", "kept-for-the-next-question"])
+def test_a_job_keeps_its_images_size_not_its_pixels_nor_its_finished_inputs(
+    store: MemoryStore, kept_mb: int
+) -> None:
+    """Without decoded photos kept (MRC_DECODED_IMAGE_CACHE_MB=0) nothing of the pixels outlives the
+    row's inputs; with them, the one decoded photo is the cache's, counted in its budget, and the
+    finished rows' inputs are freed all the same."""
     backend = Watched()
-    pipeline = _pipeline(store, backend)
+    pipeline = _pipeline(store, backend, decoded_image_cache_mb=kept_mb)
     messages = [
         _job("short", prompt="short one", max_new_tokens=2),
         _job("long", prompt="long one", max_new_tokens=12),
     ]
     assert pipeline.run(messages) == ["succeeded", "succeeded"]
     assert backend.steps >= 10  # the long row decoded on long after the short one finished
-    assert backend.alive == []
+    held = pipeline.model.decoded.held
+    if kept_mb:
+        assert {what for what, _prompt in backend.alive} == {"image"}
+        assert held == 3 * 64 * 48  # the photo both jobs asked about, decoded once and kept
+    else:
+        assert backend.alive == []
+        assert held == 0
     for job_id in ("short", "long"):
         image = store.get_result(job_id)["image"]
         assert (image["width"], image["height"]) == (64, 48)

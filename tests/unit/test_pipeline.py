@@ -403,3 +403,22 @@ def test_a_job_past_this_workers_limits_fails_under_its_own_id(store: MemoryStor
     assert (error["code"], "max_new_tokens" in error["message"]) == ("invalid_job", True)
     assert store.get_result("chat-malformed")["error"]["code"] == "invalid_job"
     assert not [k for (_b, k) in store.objects if k.startswith("results/invalid-")]
+
+
+def test_a_photos_questions_decode_it_once_per_key(store: MemoryStore) -> None:
+    """Several questions of one photo (the backlog's of a complaint): each job fetches it, one decode
+    serves them all while it is kept; another key's job of the same bytes decodes its own."""
+    alice, bob = "a" * 12, "b" * 12
+    pipeline = _pipeline(store)
+    try:
+        jobs = [_job(f"{alice}~q{i}", prompt=f"question {i}?", api_key=alice) for i in range(3)]
+        assert pipeline.run([*jobs, _job(f"{bob}~q0", api_key=bob)]) == ["succeeded"] * 4
+        assert pipeline.run([_job(f"{alice}~later", prompt="and now?", api_key=alice)]) == ["succeeded"]
+        count = pipeline.metrics.registry.get_sample_value
+        assert count("mrc_image_decodes_total", {"result": "decoded"}) == 2
+        assert count("mrc_image_decodes_total", {"result": "reused"}) == 3
+        assert count("mrc_decoded_images_held_bytes") == 2 * 3 * 64 * 48
+        for job_id in (f"{alice}~q0", f"{alice}~q2", f"{alice}~later", f"{bob}~q0"):
+            assert store.get_result(job_id)["text"].startswith("64x48"), job_id
+    finally:
+        pipeline.close()

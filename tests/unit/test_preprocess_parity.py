@@ -95,6 +95,32 @@ def test_mixed_batch_equals_the_processor(processor: Any) -> None:
     assert diff["max"] <= TOLERANCE["max"], diff
 
 
+@pytest.mark.parametrize("max_side", [0, 480])
+def test_patches_made_once_per_photo_are_the_inputs_made_per_row(processor: Any, max_side: int) -> None:
+    """A photo's patches made in the decode threads and kept for its next question (`pixels_of`) give
+    the very inputs `build_inputs` makes from the image, alone and beside images made per row; and
+    one row uses them as they are (its pixel_values are the kept tensor: no copy)."""
+    tensors = [
+        images.load(imagegen.photo(w, h, seed=i, fmt=f), 10**9).tensor
+        for i, (w, h, f) in enumerate(CASES[:4])
+    ]
+    prompt_ids = [
+        processor.tokenizer(f"question {i}?<0x04>", add_special_tokens=False)["input_ids"] for i in range(4)
+    ]
+    ids, made = _ids(processor), [preprocess.pixels_of(t, torch.float32, max_side) for t in tensors]
+    fresh = preprocess.build_inputs(tensors, prompt_ids, ids, torch.float32, "cpu", max_side)
+    mixed = [made[0], None, made[2], None]
+    for kept in (made, mixed):
+        again = preprocess.build_inputs(tensors, prompt_ids, ids, torch.float32, "cpu", max_side, made=kept)
+        assert all(torch.equal(fresh[name], again[name]) for name in fresh), kept
+    one = preprocess.build_inputs(
+        tensors[:1], prompt_ids[:1], ids, torch.float32, "cpu", max_side, made=made[:1]
+    )
+    alone = preprocess.build_inputs(tensors[:1], prompt_ids[:1], ids, torch.float32, "cpu", max_side)
+    assert all(torch.equal(alone[name], one[name]) for name in alone)
+    assert one["pixel_values"] is made[0].values
+
+
 def test_exif_rotated_photo_equals_the_processor(processor: Any) -> None:
     img = Image.open(io.BytesIO(imagegen.photo(320, 200)))
     exif = Image.Exif()

@@ -26,6 +26,9 @@ class GenerationInput:
     # Generate exactly max_new_tokens, past the end-of-text token: for timing (calibration, benchmarks),
     # where a model that stops early would make a batch look cheaper than real ones.
     exact_steps: bool = False
+    # The image's model input made already (ModelBackend.image_pixels, kept with the decoded photo for
+    # its next question): used as it is instead of being made again from `image`.
+    pixels: Any = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class ModelBackend(Protocol):
     def fit_image(self, image: Any) -> Any:
         """Per-image work that can run before the batch, in the decode threads, off the model's
         critical path (Fuyu on the CPU: its shrink-to-fit). May return the image as it is."""
+
+    def image_pixels(self, image: Any) -> Any:
+        """The fitted image's model input, where it can be made once per photo in the decode threads
+        and kept with it for the photo's next question (Fuyu on the CPU: its normalised patches);
+        None: `prepare` makes it for each row."""
 
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
         """Preprocess images and prompts into model inputs on the device."""

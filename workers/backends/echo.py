@@ -228,6 +228,9 @@ class EchoBackend:
     def fit_image(self, image: Any) -> Any:
         return image
 
+    def image_pixels(self, image: Any) -> Any:
+        return None
+
     def prepare(self, batch: list[GenerationInput]) -> Prepared:
         return Prepared(inputs=list(batch), max_new_tokens=tuple(i.max_new_tokens for i in batch))
 

@@ -1,0 +1,103 @@
+"""Decoded photos kept for their next question: a photo asked several things (the nightly backlog's
+questions of each complaint, a ticket's follow-ups) is fetched by every job, but decoded, fitted and
+made into the model's input once while it stays here.
+
+Keyed by what decides the pixels: the key that sent the job (one tenant never learns by a faster
+answer that another sent the same photo, as with the engine's prefixes) and the bytes' sha256; the
+worker's settings fit every image the same way. Kept with the image: the model's input made from it
+(Fuyu on the CPU: its normalised patches, four bytes a pixel, made in the decode threads), which a
+profile of the worker found costing more CPU than the engine's steps when made for every question.
+Two jobs of one photo decoding at once share the one decode. Held within a budget of bytes, least
+recently used out first; only what is in the CPU's memory is kept (on a GPU the decoded tensor is the
+device's, whose memory the engine's cache was sized to fill, and the device decodes a JPEG and makes
+its patches in a millisecond or two). A failed decode is never kept: each job of a corrupt photo gets
+its own error.
+
+Nothing here may change a tensor it hands out: every job of the photo reads the same one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from workers.images import DecodedImage
+
+Key = tuple[str, str]  # (the key that sent the job, the bytes' sha256)
+
+
+def _bytes_of(image: DecodedImage) -> int | None:
+    """What keeping the image costs in the CPU's memory (its pixels and the model input made from
+    them); None for a tensor on a device."""
+    tensors = [image.tensor, getattr(image.pixels, "values", None)]
+    held = 0
+    for tensor in (t for t in tensors if t is not None):
+        if getattr(getattr(tensor, "device", None), "type", "") != "cpu":
+            return None
+        held += int(tensor.numel()) * int(tensor.element_size())
+    return held
+
+
+class DecodedImages:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[Key, tuple[DecodedImage, int]] = OrderedDict()
+        self._decoding: dict[Key, Future[DecodedImage]] = {}
+        self.held = 0  # bytes of the images kept
+        self.hits = 0
+        self.misses = 0
+        self.waiting = 0  # jobs waiting now for another's decode of their photo
+
+    def get(self, key: Key | None, decode: Callable[[], DecodedImage]) -> tuple[DecodedImage, bool]:
+        """The image for `key`, decoded by `decode` unless it is kept or being decoded; and whether it
+        was (a hit). `key` None, or a budget of 0: decoded, never kept."""
+        if key is None or self.budget <= 0:
+            return decode(), False
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+                self.hits += 1
+                return kept[0], True
+            pending = self._decoding.get(key)
+            if pending is None:
+                mine: Future[DecodedImage] = Future()
+                self._decoding[key] = mine
+            else:
+                self.waiting += 1
+        if pending is not None:  # another job of this photo decodes it now: its result
+            failed = pending.exception()
+            with self._lock:
+                self.waiting -= 1
+            if failed is None:
+                with self._lock:
+                    self.hits += 1
+                return pending.result(), True
+            return decode(), False  # that decode failed: this job's own try, and its own error
+        try:
+            image = decode()
+        except BaseException as exc:
+            with self._lock:
+                del self._decoding[key]
+                self.misses += 1
+            mine.set_exception(exc)
+            raise
+        with self._lock:
+            del self._decoding[key]
+            self.misses += 1
+            self._keep(key, image)
+        mine.set_result(image)
+        return image, False
+
+    def _keep(self, key: Key, image: DecodedImage) -> None:
+        size = _bytes_of(image)
+        if size is None or size > self.budget:
+            return
+        self._kept[key] = (image, size)
+        self.held += size
+        while self.held > self.budget:
+            _key, (_image, dropped) = self._kept.popitem(last=False)
+            self.held -= dropped
