@@ -56,11 +56,15 @@ class FailoverConnection(SentinelManagedConnection):
     the broker's reconnect, rides them out. Without this, NOREPLICAS from a new master whose replicas
     are still syncing reached kombu as a plain ResponseError and stopped the worker."""
 
-    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-        fresh = self._sock is None
-        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+    def connect_to(self, address: Any) -> None:
+        """Only a connection to an address a Sentinel has just named is noted: a reconnect of this
+        object to the address it had (redis-py's command retry, kombu's health check) is not."""
+        super().connect_to(address)
+        self._note()
+
+    def _note(self) -> None:
         pool = self.connection_pool
-        if fresh and self._sock is not None and pool.is_master:
+        if self._sock is not None and pool.is_master:
             note_master(group_of(pool.sentinel_manager, pool.service_name), (str(self.host), int(self.port)))
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
@@ -97,9 +101,12 @@ class ResolvingConnection(FailoverConnection):
         """redis-py 8.1 reconnects a dropped connection inside a command's retry through this method,
         not through connect(), so it went back to the address it had: the dead master, for the whole
         retry budget (30 s), after which the worker gave up. Here every reconnect asks the Sentinels."""
-        if not self._sock and not self._resolved and self.connection_pool.is_master:
+        resolving = not self._sock and not self._resolved and self.connection_pool.is_master
+        if resolving:
             self.host, self.port = self.connection_pool.get_master_address()
         super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        if resolving:
+            self._note()
 
 
 class ResolvingSSLConnection(ResolvingConnection, SSLConnection):

@@ -159,7 +159,7 @@ class Settings(BaseSettings):
     engine_prefix_cache: Literal["on", "off"] = "on"
     # Decoded photos a worker keeps (MiB of the CPU's memory) for their next question: a photo asked
     # several things is fetched by each job but decoded and fitted once while kept (workers/
-    # decoded_images.py; images decoded on a GPU are not kept). 0: every job decodes its own.
+    # decoded_images.py; a tensor in a GPU's memory is not kept). 0: every job decodes its own.
     decoded_image_cache_mb: int = Field(default=256, ge=0)
     # The backlog's guaranteed share of the engine's slots and steps while tickets are in (workers/engine/
     # scheduler.py): up to that share of the slots its rows join running tickets and go before waiting

@@ -5,7 +5,7 @@ made into the model's input once while it stays here.
 Keyed by what decides the pixels: the key that sent the job (one tenant never learns by a faster
 answer that another sent the same photo, as with the engine's prefixes) and the bytes' sha256; the
 worker's settings fit every image the same way. Kept with the image: the model's input made from it
-(Fuyu on the CPU: its normalised patches, four bytes a pixel, made in the decode threads), which a
+(Fuyu on the CPU: its normalised patches, twelve bytes a pixel, made in the decode threads), which a
 profile of the worker found costing more CPU than the engine's steps when made for every question.
 Two jobs of one photo decoding at once share the one decode. Held within a budget of bytes, least
 recently used out first; only what is in the CPU's memory is kept (on a GPU the decoded tensor is the

@@ -4,6 +4,7 @@ is tests/faults/test_failover.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,38 @@ def test_the_master_in_use_is_the_one_connected_to_not_a_stale_sentinels_answer(
     finally:
         pool.disconnect()
         other.stop()
+
+
+def test_a_broker_connection_going_back_to_its_old_address_is_no_failover(tmp_path: Path) -> None:
+    """The broker's connections do not ask the Sentinels on a command's retry (kombu reconnects its
+    channel itself): on READONLY from a demoted master, redis-py's retry reconnects the same object to
+    the address it had. Noted, that connection to the demoted node was a second failover, back to it,
+    and /readyz named it (a review's find). Only an address a Sentinel has just named is noted."""
+    sentinel_port = services.free_port()
+    settings = Settings(redis_sentinels=f"127.0.0.1:{sentinel_port}", redis_sentinel_master="m-demoted")
+    old, promoted = services.start_redis(tmp_path / "old"), services.start_redis(tmp_path / "new")
+    new = ("127.0.0.1", promoted.port)  # not the session's server: this one gets a replica
+    manager = _Answers(sentinel_port, [("127.0.0.1", old.port)])
+    own = SentinelConnectionPool(
+        "m-demoted", manager, connection_class=redis_target.ResolvingConnection, retry=Retry(NoBackoff(), 3)
+    )
+    broker = SentinelConnectionPool(  # as shared/celery_app.py sets the broker's connections
+        "m-demoted", manager, connection_class=redis_target.FailoverConnection, retry_on_timeout=True
+    )
+    try:
+        redis.Redis(connection_pool=own).set("demoted-x", 1)
+        redis.Redis(connection_pool=broker).set("demoted-y", 1)
+        before = redis_target.failovers
+        redis.Redis(port=old.port).replicaof(*new)  # the failover: the old master, alive, a replica
+        manager.answers = [new]
+        redis.Redis(connection_pool=own).set("demoted-x", 2)  # READONLY: asks again, finds the new one
+        assert redis_target.failovers == before + 1
+        with contextlib.suppress(redis.RedisError):  # the broker's retry goes back to the old node
+            redis.Redis(connection_pool=broker).set("demoted-y", 2)
+        assert redis_target.failovers == before + 1
+        assert redis_target.status(settings)["redis_master"] == f"127.0.0.1:{new[1]}"
+    finally:
+        own.disconnect()
+        broker.disconnect()
+        old.stop()
+        promoted.stop()
