@@ -86,11 +86,23 @@ class Service:
 
 def start_redis(workdir: Path, appendonly: bool = False, port: int | None = None, tls: Any = None) -> Service:
     """A redis-server on loopback. `tls` (tests/support/tls.Certificates): TLS only, no plain port;
-    its URL is rediss:// and names the CA to trust."""
+    its URL is rediss:// and names the CA to trust. On a free port, tried up to three times (as
+    `start_s3`: the port may be taken between `free_port` and the bind)."""
+    if port is not None:
+        return _start_redis(workdir, appendonly, port, tls)
+    for attempt in range(3):
+        try:
+            return _start_redis(workdir, appendonly, free_port(), tls)
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_redis(workdir: Path, appendonly: bool, port: int, tls: Any) -> Service:
     exe = shutil.which("redis-server")
     if exe is None:
-        raise RuntimeError("redis-server is not installed (make install puts it there through apt)")
-    port = port or free_port()
+        raise FileNotFoundError("redis-server is not installed (make install puts it there through apt)")
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"redis-{port}.log"
     args = [exe, "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
@@ -124,7 +136,21 @@ def start_redis(workdir: Path, appendonly: bool = False, port: int | None = None
 
 
 def start_s3(workdir: Path, port: int | None = None) -> Service:
-    port = port or free_port()
+    """A moto S3 server on loopback. On a free port it is tried up to three times: between `free_port`
+    and moto's bind another process (a parallel test's service, a client's ephemeral port) may take
+    the port, and moto exits (a fresh clone's run lost a fault test's setup so)."""
+    if port is not None:
+        return _start_s3(workdir, port)
+    for attempt in range(3):
+        try:
+            return _start_s3(workdir, free_port())
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_s3(workdir: Path, port: int) -> Service:
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"moto-{port}.log"
     exe = BIN / "moto_server"

@@ -97,7 +97,7 @@ class MemoryJobRecords:
         with self._lock:
             record = self.records.setdefault(job_id, {})
             earlier = int(record.get("solo_runs", "0"))
-            record["solo_runs"] = str(earlier + 1)
+            record.update(solo_runs=str(earlier + 1), suspect_group="1")
             return earlier
 
     def suspect_group(self, job_ids: list[str], size: int) -> None:

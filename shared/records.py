@@ -318,9 +318,15 @@ class RedisJobRecords:
         return [int(replies[3 * i]) for i in range(len(job_ids))]
 
     def solo_run(self, job_id: str) -> int:
-        """Count a run of the job alone; returns how many lone runs came before this one."""
+        """Count a run of the job alone (its group one, in the same transaction: a worker that dies
+        between two writes must not leave a lone run counted under its last group's size); returns how
+        many lone runs came before this one."""
         key = names.job_key(job_id)
-        return int(self._redis.hincrby(key, "solo_runs", 1)) - 1
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "solo_runs", 1)
+            pipe.hset(key, "suspect_group", "1")
+            replies = pipe.execute()
+        return int(replies[0]) - 1
 
     def suspect_group(self, job_ids: list[str], size: int) -> None:
         """Record that these suspects start a run together, `size` of them: if their worker dies again,

@@ -22,7 +22,11 @@ class Cluster:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.redis = services.start_redis(workdir / "redis", appendonly=True)
-        self.s3 = services.start_s3(workdir / "s3")
+        try:
+            self.s3 = services.start_s3(workdir / "s3")
+        except BaseException:  # nothing left running (a fresh clone's run left this redis-server)
+            self.redis.stop()
+            raise
         self.proxy = Proxy(self.s3.port, services.free_port())
         self.proxy.start()
         self.env = services.base_env(

@@ -4,6 +4,7 @@ result, and no job that had succeeded is computed again."""
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import pickle
 import signal
@@ -258,7 +259,7 @@ def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster
 def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(cluster: Cluster) -> None:
     """The killer rides in one delivery with five neighbours. Each time it runs, its worker dies
     (SIGKILL, as a segfaulting decoder or the OOM killer would). The suspects are split in halves,
-    the killer's group halved at each crash (3, then alone), so its neighbours finish, each once; it
+    the killer's group halved at each crash (3, then 2 or alone), so its neighbours finish, each once; it
     alone is abandoned after MRC_MAX_ATTEMPTS - 1 crashes alone, dead-lettered, and requeued by `mrc dlq`."""
     env = {"MRC_MAX_ATTEMPTS": "2", "MRC_BATCH_WAIT_MS": "500"}
     good = cluster.jobs(5, cluster.image(), prefix="good")
@@ -295,8 +296,16 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
         seen = runs(records.get(killer.job_id))
         groups.append(seen[0])
     abandoned = cluster.client.result(killer.job_id)
-    assert crashes == 3, abandoned  # with the delivery, in its half of 3, then alone once
-    assert groups == ["", "3", "1"], groups
+    # With the delivery, then in groups each at most half the last (rounded up), down to one, alone
+    # once. Which half the killer lands in depends on the order its redelivered messages come back
+    # in: "3" then "1", or "3", "2", "1" (a fresh clone's run took the longer path: 4 crashes).
+    sizes = [int(group) for group in groups[1:]]
+    assert groups[0] == "", (groups, abandoned)
+    assert sizes, (groups, abandoned)
+    assert sizes[0] <= 3, (groups, abandoned)
+    assert sizes[-1] == 1, (groups, abandoned)
+    assert all(later <= -(-earlier // 2) for earlier, later in itertools.pairwise(sizes)), groups
+    assert crashes == len(groups) <= 4, (crashes, groups)
     assert abandoned is not None
     assert abandoned["error"]["code"] == "internal_error"
     assert "abandoned" in abandoned["error"]["message"]
