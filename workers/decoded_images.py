@@ -92,6 +92,26 @@ class DecodedImages:
         mine.set_result(image)
         return image, False
 
+    def share(self, key: Key | None) -> Future[DecodedImage] | None:
+        """Without waiting: a done future for a kept photo, or the future of its decode running now;
+        None when neither, and the caller decodes it (`get`). The caller counts what it takes from one
+        (`reused`). A job of a photo being decoded then holds no decode thread while it waits."""
+        if key is None or self.budget <= 0:
+            return None
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is None:
+                return self._decoding.get(key)
+            self._kept.move_to_end(key)
+        done: Future[DecodedImage] = Future()
+        done.set_result(kept[0])
+        return done
+
+    def reused(self) -> None:
+        """A job's photo came from another job's decode (a future `share` gave)."""
+        with self._lock:
+            self.hits += 1
+
     def _keep(self, key: Key, image: DecodedImage) -> None:
         size = _bytes_of(image)
         if size is None or size > self.budget:

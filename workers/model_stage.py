@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -43,6 +42,27 @@ class _Parked:
     inputs: Any
     positions: int
     wait_s: float = 0.0
+
+
+_Decoded = tuple[images.DecodedImage | MrcError, float]  # a job's decode: its image or error, and seconds
+
+
+def _image_of(shared: Future[Any]) -> images.DecodedImage | None:
+    """The image a shared decode gave: a future of DecodedImages' (the image) or of the pool's (an
+    image or error, and seconds); None when it failed."""
+    if shared.exception() is not None:
+        return None
+    result = shared.result()
+    image = result[0] if isinstance(result, tuple) else result
+    return image if isinstance(image, images.DecodedImage) else None
+
+
+def _forward(out: Future[_Decoded], own: Future[_Decoded]) -> None:
+    failed = own.exception()
+    if failed is not None:
+        out.set_exception(failed)
+    else:
+        out.set_result(own.result())
 
 
 class ModelStage:
@@ -152,14 +172,49 @@ class ModelStage:
             with self._lock:
                 self._busy_s += busy_s
 
-    def _decode_one(self, slot: Slot) -> tuple[images.DecodedImage | MrcError, float]:
+    def _key(self, slot: Slot) -> tuple[str, str] | None:
+        """What a decoded photo is kept under: keyed as prefixes are (see _identity)."""
+        encoded = slot.encoded
+        if encoded is None or slot.job is None or not encoded.sha256 or not self.backend.needs_pixels:
+            return None
+        return (tenants.owner_of(slot.job.job_id) or "", encoded.sha256)
+
+    def _decode_soon(self, slot: Slot, first: dict[tuple[str, str], Future[_Decoded]]) -> Future[_Decoded]:
+        """The job's decode, started. A photo kept, being decoded, or decoded by a job before it in this
+        delivery is shared without taking a decode thread (one waiting there would keep another job's
+        new photo waiting for a thread); otherwise the pool decodes it."""
+        key = self._key(slot)
+        if key is None or self.decoded.budget <= 0:
+            alone: Future[_Decoded] = self._pool.submit(slot, self._decode_one, slot)
+            return alone
+        shared: Future[Any] | None = self.decoded.share(key) or first.get(key)
+        if shared is None:
+            mine: Future[_Decoded] = self._pool.submit(slot, self._decode_one, slot)
+            first[key] = mine
+            return mine
+        out: Future[_Decoded] = Future()
+        shared.add_done_callback(partial(self._take_shared, slot, out))
+        return out
+
+    def _take_shared(self, slot: Slot, out: Future[_Decoded], shared: Future[Any]) -> None:
+        """The shared decode's image for this job; if it failed, this job's own try (its own error)."""
+        image = _image_of(shared)
+        if image is not None:
+            self.decoded.reused()
+            self.metrics.image_decodes.labels(result="reused").inc()
+            out.set_result((image, 0.0))
+            return
+        try:
+            own = self._pool.submit(slot, self._decode_one, slot)
+        except Exception as exc:  # the pool is shut down: the delivery must not wait forever
+            out.set_exception(exc)
+            return
+        own.add_done_callback(partial(_forward, out))
+
+    def _decode_one(self, slot: Slot) -> _Decoded:
         encoded = slot.encoded
         assert encoded is not None
-        assert slot.job is not None
-        key = None
-        if encoded.sha256 and self.backend.needs_pixels:  # keyed as prefixes are (see _identity)
-            key = (tenants.owner_of(slot.job.job_id) or "", encoded.sha256)
-        return stages.timed("image decode", partial(self._decode_or_reuse, key, encoded))
+        return stages.timed("image decode", partial(self._decode_or_reuse, self._key(slot), encoded))
 
     def _decode_or_reuse(
         self, key: tuple[str, str] | None, encoded: images.EncodedImage
@@ -182,30 +237,27 @@ class ModelStage:
                 self._first_batch_at = time.perf_counter()
         # Compiles start now, beside the decodes (workers/row_grammars.py).
         asks = [self.grammars.ask(slot.job.response_format if slot.job else None) for slot in live]
-        decodes = deque(
-            (slot, ask, self._pool.submit(slot, self._decode_one, slot))
-            for slot, ask in zip(live, asks, strict=True)
-        )
-        rows: dict[Future[Row], Slot] = {}
-        parked: list[_Parked] = []
-        # Suspects run as one group, so they go to the engine together once the delivery's last of them
-        # is ready: a member handed in after the others had run would start the group's run again.
-        grouped: list[tuple[Row, Slot]] = []
-        while decodes:
-            slot, ask, future = decodes.popleft()
-            prepared = self._prepare(slot, future)
-            del future  # its result is the decoded image: nothing may hold it past the row's inputs
-            if prepared is None:
+        first: dict[tuple[str, str], Future[_Decoded]] = {}
+        decodes = [(slot, ask, self._decode_soon(slot, first)) for slot, ask in zip(live, asks, strict=True)]
+        del first  # its futures hold decoded images: only their own jobs may, until their inputs are built
+        failed, ran = self._follow(decodes)
+        self.metrics.busy_ratio.set(self.busy_ratio)
+        if ran:
+            errors = [s.error for s in failed if isinstance(s.error, ModelError)]
+            self._watch_failures(len(failed) < ran, errors)
+        self._finish(failed)
+
+    def _prepare_ready(self, ready: list[tuple[Slot, Ask, Future[_Decoded]]]) -> list[_Parked]:
+        """The model inputs of jobs whose decode ended, in delivery order. Their futures hold decoded
+        images: nothing here holds one past its row's inputs (this frame ends with them)."""
+        prepared = []
+        for slot, ask, future in ready:
+            built = self._prepare(slot, future)
+            if built is None:
                 self.grammars.forget(ask)  # failed before it needed one: a queued compile may go
             else:
-                parked.append(_Parked(slot, ask, *prepared))
-            parked = self._hand_over(parked, rows, grouped, decoded_all=not decodes)
-        failed = self._follow(parked, rows, grouped)
-        self.metrics.busy_ratio.set(self.busy_ratio)
-        if rows:
-            errors = [s.error for s in failed if isinstance(s.error, ModelError)]
-            self._watch_failures(len(failed) < len(rows), errors)
-        self._finish(failed)
+                prepared.append(_Parked(slot, ask, *built))
+        return prepared
 
     def _prepare(self, slot: Slot, decoding: Future[tuple[Any, float]]) -> tuple[Any, int] | None:
         """The job's model inputs from its decoded image, or None (its error is set). What the result
@@ -264,20 +316,31 @@ class ModelStage:
             grouped.clear()
         return still
 
-    def _follow(
-        self, parked: list[_Parked], rows: dict[Future[Row], Slot], grouped: list[tuple[Row, Slot]]
-    ) -> list[Slot]:
-        """Take each row back as it finishes and hand over parked jobs as their grammars settle; the
-        model errors, to be written once the streak rule has judged them."""
+    def _follow(self, decodes: list[tuple[Slot, Ask, Future[_Decoded]]]) -> tuple[list[Slot], int]:
+        """Take each job as its own decode ends (not behind a new photo earlier in the delivery), hand
+        over parked jobs as their grammars settle, and take each row back as it finishes (its result
+        is written while the delivery's other photos still decode). Returns the model errors, to be
+        written once the streak rule has judged them, and how many rows ran. Nothing outside this frame
+        holds a job's decoded image or its built inputs (`decodes` is emptied in place)."""
+        rows: dict[Future[Row], Slot] = {}
+        parked: list[_Parked] = []
+        # Suspects run as one group, so they go to the engine together once the delivery's last of them
+        # is ready: a member handed in after the others had run would start the group's run again.
+        grouped: list[tuple[Row, Slot]] = []
         failed: list[Slot] = []
         taken: set[Future[Row]] = set()
-        parked = self._hand_over(parked, rows, grouped)
-        while parked or len(taken) < len(rows):
+        while decodes or parked or len(taken) < len(rows):
             running = set(rows) - taken
             compiling = {job.ask.future for job in parked if job.ask.future is not None}
             timeout = min((job.wait_s for job in parked), default=None)
-            done, _ = wait(running | compiling, timeout=timeout, return_when=FIRST_COMPLETED)
-            for future in done & running:
+            watched = running | compiling | {future for _slot, _ask, future in decodes}
+            # Only the rows of what ended are kept: a decode's future holds its image until its inputs.
+            finished = wait(watched, timeout=timeout, return_when=FIRST_COMPLETED).done & running
+            del watched
+            ended = [future.done() for _slot, _ask, future in decodes]  # read once: one may end now
+            parked += self._prepare_ready([entry for entry, done in zip(decodes, ended, strict=True) if done])
+            decodes[:] = [entry for entry, done in zip(decodes, ended, strict=True) if not done]  # run's too
+            for future in finished:
                 taken.add(future)
                 slot = rows[future]
                 self._take_row(slot, future.result())  # raises WorkerUnusable when the engine died
@@ -285,8 +348,8 @@ class ModelStage:
                     failed.append(slot)
                 else:
                     self._finish([slot])
-            parked = self._hand_over(parked, rows, grouped)
-        return failed
+            parked = self._hand_over(parked, rows, grouped, decoded_all=not decodes)
+        return failed, len(rows)
 
     def _row(self, job: _Parked, constraint: Any) -> Row:
         slot = job.slot

@@ -6,6 +6,7 @@ decoded image but its size once its model inputs are built, nor its inputs once 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -192,3 +193,65 @@ def test_a_job_keeps_its_images_size_not_its_pixels_nor_its_finished_inputs(
         image = store.get_result(job_id)["image"]
         assert (image["width"], image["height"]) == (64, 48)
         assert image["sha256"]
+
+
+# ------------------------------------------------------------------ a photo decoding holds no one else
+class HeldDecode(EchoBackend):
+    """The echo model, decoding as a model would, with the fitting of one photo (by its width) held by
+    the test until it lets go."""
+
+    def __init__(self, held_width: int) -> None:
+        super().__init__()
+        self.held_width = held_width
+        self.holding, self.release = threading.Event(), threading.Event()
+        self.fitted: list[int] = []  # the width of every photo fitted (decoded), in order
+
+    def fit_image(self, image: Any) -> Any:
+        width = int(image.shape[-1])
+        self.fitted.append(width)
+        if width == self.held_width:
+            self.holding.set()
+            self.release.wait(GUARD_S)
+        return image
+
+
+def test_jobs_go_to_the_engine_as_their_own_photo_is_ready_and_waiting_holds_no_decode_thread(
+    store: MemoryStore,
+) -> None:
+    """A delivery of a new photo's two questions (its decode held), a photo already kept and another
+    new photo, with two decode threads: the kept photo's job and the other photo's are answered while
+    the held decode still runs (neither waits behind it in the delivery's order, and the second
+    question of the held photo waits for its decode without a thread); the held photo is decoded once."""
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    store.put_bytes("inputs/other.jpg", imagegen.photo(96, 72), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = _pipeline(store, backend, fetch_threads=2)
+    try:
+        assert pipeline.run([_job("keep")]) == ["succeeded"]  # good.jpg is kept from here on
+        delivery = [
+            _job("held-1", image_uri="s3://mrc/inputs/held.jpg"),
+            _job("held-2", image_uri="s3://mrc/inputs/held.jpg"),
+            _job("kept"),
+            _job("other", image_uri="s3://mrc/inputs/other.jpg"),
+        ]
+        outcomes: list[list[str]] = []
+        running = threading.Thread(target=lambda: outcomes.append(pipeline.run(delivery)), daemon=True)
+        running.start()
+        try:
+            assert backend.holding.wait(GUARD_S)
+            deadline = time.monotonic() + GUARD_S
+            while not {"kept", "other"} <= _written(store) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert {"kept", "other"} <= _written(store)  # answered while the held decode runs
+            assert not {"held-1", "held-2"} & _written(store)
+        finally:
+            backend.release.set()
+            running.join(GUARD_S)
+        assert outcomes == [["succeeded"] * 4]
+        assert (backend.fitted.count(80), backend.fitted.count(64)) == (1, 1)  # each photo decoded once
+        count = pipeline.metrics.registry.get_sample_value
+        assert count("mrc_image_decodes_total", {"result": "reused"}) == 2  # held-2 and kept
+        for job_id in ("held-1", "held-2"):
+            assert store.get_result(job_id)["text"].startswith("80x60"), job_id
+    finally:
+        pipeline.close()
