@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -174,6 +175,23 @@ def system(
         worker.stop()
 
 
+def alternate(
+    wl: Workload, paths: list[Path], jobs: int, work: Path, env: dict[str, str], batch: int, pairs: int
+) -> dict[str, float]:
+    """This tree's worker and --before's, `pairs` times, the order swapped every pair (the second run
+    of a pair is often the faster: a one-sided order would be a one-sided result). Prints each run's
+    wall time; returns the two geometric means of jobs/s as "system" and "before"."""
+    rates: dict[str, list[float]] = {"system": [], "before": []}
+    for pair in range(pairs):
+        order = ("system", "before") if pair % 2 == 0 else ("before", "system")
+        for part in order:
+            run_env = {**env, "PYTHONPATH": BEFORE["tree"]} if part == "before" else env
+            rate = system(wl, paths, jobs, work, run_env, batch, f"{part[:3]}{pair}")["rate"]
+            rates[part].append(rate)
+            print(f"  [{wl.name}] pair {pair + 1} {part}: wall {jobs / rate:.2f} s", flush=True)
+    return {part: math.exp(sum(math.log(r) for r in got) / len(got)) for part, got in rates.items()}
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -196,7 +214,9 @@ def run_row(
         row["breakdown"], row["engine"] = measured["breakdown"], measured["engine"]
         row["reused"] = measured["reused"]
         print(f"  [{wl.name}] system: {measured['breakdown']}; {measured['engine']}", flush=True)
-    if "before" in parts and BEFORE.get("tree"):  # the same system from another tree (--before)
+    if "before" in parts and BEFORE.get("tree") and BEFORE.get("pairs"):  # --pairs: alternating runs
+        row.update(alternate(wl, paths, jobs, work, env, batch, int(BEFORE["pairs"])))
+    elif "before" in parts and BEFORE.get("tree"):  # the same system from another tree (--before)
         measured = system(wl, paths, jobs, work, {**env, "PYTHONPATH": BEFORE["tree"]}, batch, "bef")
         row["before"] = measured["rate"]
         row["before_p50"], row["before_p99"] = (
@@ -283,6 +303,9 @@ def main() -> None:
     parser.add_argument(
         "--before", help="a checkout of an earlier commit: its worker runs each row too (part 'before')"
     )
+    parser.add_argument(
+        "--pairs", type=int, default=0, help="with --before: N pairs of runs, order swapped each pair"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (worker logs)")
     parser.add_argument("--worker-env", action="append", default=[], help="KEY=VALUE for the mrc-worker runs")
     parser.add_argument(
@@ -297,6 +320,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     if args.before:
         BEFORE["tree"] = str(Path(args.before).resolve())
+        BEFORE["pairs"] = str(args.pairs) if args.pairs > 0 else ""
         parts.add("before")
     logs.configure("WARNING")
     work = Path(tempfile.mkdtemp(prefix="mrc-bench-"))
