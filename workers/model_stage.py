@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -58,6 +58,9 @@ def _image_of(shared: Future[Any]) -> images.DecodedImage | None:
 
 
 def _forward(out: Future[_Decoded], own: Future[_Decoded]) -> None:
+    if own.cancelled():  # the pool shut down before it ran: ends as an unshared job's decode would
+        out.set_exception(CancelledError())
+        return
     failed = own.exception()
     if failed is not None:
         out.set_exception(failed)
@@ -179,18 +182,20 @@ class ModelStage:
             return None
         return (tenants.owner_of(slot.job.job_id) or "", encoded.sha256)
 
-    def _decode_soon(self, slot: Slot, first: dict[tuple[str, str], Future[_Decoded]]) -> Future[_Decoded]:
-        """The job's decode, started. A photo kept, being decoded, or decoded by a job before it in this
-        delivery is shared without taking a decode thread (one waiting there would keep another job's
-        new photo waiting for a thread); otherwise the pool decodes it."""
+    def _decode_soon(self, slot: Slot, first: dict[tuple[str, ...], Future[_Decoded]]) -> Future[_Decoded]:
+        """The job's decode, started. A photo kept, being decoded, or decoded by a job of the same lane
+        before it in this delivery is shared without taking a decode thread (one waiting there would
+        keep another job's new photo waiting for a thread); otherwise the pool decodes it. A ticket
+        never waits for a backlog job's decode still queued behind the backlog's others."""
         key = self._key(slot)
         if key is None or self.decoded.budget <= 0:
             alone: Future[_Decoded] = self._pool.submit(slot, self._decode_one, slot)
             return alone
-        shared: Future[Any] | None = self.decoded.share(key) or first.get(key)
+        lane = (slot.job.lane if slot.job is not None else "", *key)
+        shared: Future[Any] | None = self.decoded.share(key) or first.get(lane)
         if shared is None:
             mine: Future[_Decoded] = self._pool.submit(slot, self._decode_one, slot)
-            first[key] = mine
+            first[lane] = mine
             return mine
         out: Future[_Decoded] = Future()
         shared.add_done_callback(partial(self._take_shared, slot, out))
@@ -198,6 +203,9 @@ class ModelStage:
 
     def _take_shared(self, slot: Slot, out: Future[_Decoded], shared: Future[Any]) -> None:
         """The shared decode's image for this job; if it failed, this job's own try (its own error)."""
+        if shared.cancelled():  # the pool shut down under the delivery: never leave this job waiting
+            out.set_exception(CancelledError())
+            return
         image = _image_of(shared)
         if image is not None:
             self.decoded.reused()
@@ -237,7 +245,7 @@ class ModelStage:
                 self._first_batch_at = time.perf_counter()
         # Compiles start now, beside the decodes (workers/row_grammars.py).
         asks = [self.grammars.ask(slot.job.response_format if slot.job else None) for slot in live]
-        first: dict[tuple[str, str], Future[_Decoded]] = {}
+        first: dict[tuple[str, ...], Future[_Decoded]] = {}
         decodes = [(slot, ask, self._decode_soon(slot, first)) for slot, ask in zip(live, asks, strict=True)]
         del first  # its futures hold decoded images: only their own jobs may, until their inputs are built
         failed, ran = self._follow(decodes)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any
+from concurrent.futures import CancelledError, Future, wait
+from typing import Any, cast
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
+from workers import model_stage
 from workers.backends.base import GenerationInput
 from workers.backends.echo import EchoBackend, EchoRows, EchoSteps
 from workers.pipeline import Pipeline, assemble
@@ -215,6 +217,32 @@ class HeldDecode(EchoBackend):
         return image
 
 
+def _run_holding(
+    store: MemoryStore,
+    pipeline: Pipeline,
+    backend: HeldDecode,
+    delivery: list[Message],
+    answered: set[str],
+    waiting: set[str],
+) -> list[list[str]]:
+    """Run the delivery while the backend holds its photo's decode: `answered` are written meanwhile,
+    `waiting` are not; then let go. The delivery's outcomes."""
+    outcomes: list[list[str]] = []
+    running = threading.Thread(target=lambda: outcomes.append(pipeline.run(delivery)), daemon=True)
+    running.start()
+    try:
+        assert backend.holding.wait(GUARD_S)
+        deadline = time.monotonic() + GUARD_S
+        while not answered <= _written(store) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert answered <= _written(store)  # answered while the held decode runs
+        assert not waiting & _written(store)
+    finally:
+        backend.release.set()
+        running.join(GUARD_S)
+    return outcomes
+
+
 def test_jobs_go_to_the_engine_as_their_own_photo_is_ready_and_waiting_holds_no_decode_thread(
     store: MemoryStore,
 ) -> None:
@@ -234,24 +262,56 @@ def test_jobs_go_to_the_engine_as_their_own_photo_is_ready_and_waiting_holds_no_
             _job("kept"),
             _job("other", image_uri="s3://mrc/inputs/other.jpg"),
         ]
-        outcomes: list[list[str]] = []
-        running = threading.Thread(target=lambda: outcomes.append(pipeline.run(delivery)), daemon=True)
-        running.start()
-        try:
-            assert backend.holding.wait(GUARD_S)
-            deadline = time.monotonic() + GUARD_S
-            while not {"kept", "other"} <= _written(store) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert {"kept", "other"} <= _written(store)  # answered while the held decode runs
-            assert not {"held-1", "held-2"} & _written(store)
-        finally:
-            backend.release.set()
-            running.join(GUARD_S)
+        outcomes = _run_holding(store, pipeline, backend, delivery, {"kept", "other"}, {"held-1", "held-2"})
         assert outcomes == [["succeeded"] * 4]
         assert (backend.fitted.count(80), backend.fitted.count(64)) == (1, 1)  # each photo decoded once
         count = pipeline.metrics.registry.get_sample_value
         assert count("mrc_image_decodes_total", {"result": "reused"}) == 2  # held-2 and kept
         for job_id in ("held-1", "held-2"):
             assert store.get_result(job_id)["text"].startswith("80x60"), job_id
+    finally:
+        pipeline.close()
+
+
+def test_a_ticket_never_waits_for_a_backlog_decode_queued_in_its_delivery(store: MemoryStore) -> None:
+    """A delivery with a backlog job's new photo ahead of a ticket's question about the same photo, the
+    backlog's one decode thread held by another photo: the ticket's photo is decoded on the tickets'
+    threads and answered meanwhile (it is not handed the backlog job's decode, queued behind the held
+    one), and the backlog job is answered once the hold ends."""
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    store.put_bytes("inputs/both.jpg", imagegen.photo(96, 72), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = _pipeline(store, backend, fetch_threads=1)
+    try:
+        delivery = [
+            _job("bl-held", image_uri="s3://mrc/inputs/held.jpg", lane="backlog"),
+            _job("bl-both", image_uri="s3://mrc/inputs/both.jpg", lane="backlog"),
+            _job("ticket", image_uri="s3://mrc/inputs/both.jpg"),
+        ]
+        outcomes = _run_holding(store, pipeline, backend, delivery, {"ticket"}, {"bl-held", "bl-both"})
+        assert outcomes == [["succeeded"] * 3]
+        assert store.get_result("bl-both")["text"] == store.get_result("ticket")["text"]
+    finally:
+        pipeline.close()
+
+
+def test_a_job_sharing_a_decode_the_pool_cancelled_at_shutdown_is_not_left_waiting(
+    store: MemoryStore,
+) -> None:
+    """A shared decode, or a job's own retry after one failed, cancelled by the pool's shutdown: the
+    waiting job's decode ends (cancelled, as an unshared job's would), so the delivery never waits on
+    it forever."""
+    pipeline = _pipeline(store, EchoBackend())
+    try:
+        cancelled: Future[Any] = Future()
+        cancelled.cancel()
+        shared_out: Future[Any] = Future()
+        pipeline.model._take_shared(cast(Any, None), shared_out, cancelled)
+        retry_out: Future[Any] = Future()
+        model_stage._forward(retry_out, cancelled)
+        assert not wait([shared_out, retry_out], timeout=GUARD_S).not_done
+        for out in (shared_out, retry_out):
+            with pytest.raises(CancelledError):
+                out.result()
     finally:
         pipeline.close()
