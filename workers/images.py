@@ -3,8 +3,9 @@
 Everything that can be decided from the bytes (format, pixel count) is decided before the full
 decode, so a decompression bomb never gets its memory: that includes the frame count of animated
 images, since a decoder may draw every frame. Decoding uses torchvision.io (libjpeg-turbo, libwebp;
-JPEG on the GPU with nvjpeg when the device is CUDA) and gives a uint8 RGB CHW tensor; the EXIF
-orientation read from the header is applied afterwards, the same way on every device. PIL decodes
+JPEG on the GPU with nvjpeg when the device is CUDA) and gives a uint8 RGB CHW tensor whose bytes lie
+pixel by pixel (channels last, as decoders write them: `channels_last`); the EXIF orientation read from
+the header is applied afterwards, the same way on every device. PIL decodes
 what torchvision cannot or should not (PNG, BMP, animated images: first frame only), and reads headers.
 """
 
@@ -183,7 +184,20 @@ def orient(tensor: torch.Tensor, orientation: int) -> torch.Tensor:
         7: lambda t: t.transpose(*hw).flip(hw),
         8: lambda t: torch.rot90(t, 1, hw),
     }.get(orientation)
-    return tensor if oriented is None else oriented(tensor).contiguous()
+    return tensor if oriented is None else channels_last(oriented(tensor))
+
+
+def channels_last(tensor: torch.Tensor) -> torch.Tensor:
+    """A CHW tensor whose bytes lie pixel by pixel (HWC in memory), copied only when they do not.
+
+    Decoders write pixels that way; making them plane by plane (CHW-contiguous) cost a full copy of
+    every photo (a 12 MP photo: 39 ms on one core), and every step after it wants pixels: the
+    antialiased uint8 resize runs 2-5x faster on them and the patch reorder moves whole 30-pixel runs
+    (docs/benchmarks.md, "Preprocessing"). The values are the same either way. A tensor on a GPU
+    (nvjpeg's) is left as it is: contiguous, as before, until a GPU measures the other layout."""
+    if tensor.device.type != "cpu" or tensor.permute(1, 2, 0).is_contiguous():
+        return tensor
+    return tensor.permute(1, 2, 0).contiguous().permute(2, 0, 1)
 
 
 def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
@@ -202,8 +216,7 @@ def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:
         tensor = tvF.to_dtype(tensor, torch.uint8, scale=True)
     if tensor.shape[0] == 1:
         tensor = tensor.expand(3, -1, -1)
-    rgb: torch.Tensor = tensor.contiguous()
-    return rgb
+    return channels_last(tensor)
 
 
 def _decode_pil(image: EncodedImage) -> torch.Tensor:
@@ -218,7 +231,7 @@ def _decode_pil(image: EncodedImage) -> torch.Tensor:
             rgb = _to_rgb(img)
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {exc}") from None
-    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)  # HWC bytes: `channels_last`
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:

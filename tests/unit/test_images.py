@@ -82,6 +82,35 @@ def test_animated_gif_uses_the_first_frame() -> None:
     assert decoded.tensor[:, 8, 8].tolist()[0] > 200
 
 
+@pytest.mark.parametrize(
+    ("fmt", "mode", "orientation"),
+    [
+        ("JPEG", "RGB", 1),
+        ("JPEG", "L", 1),
+        ("JPEG", "RGB", 6),
+        ("JPEG", "RGB", 3),
+        ("PNG", "RGB", 1),
+        ("PNG", "RGBA", 1),
+        ("WEBP", "RGB", 1),
+        ("GIF", "P", 1),
+    ],
+)
+def test_decoded_photos_keep_their_bytes_pixel_by_pixel(fmt: str, mode: str, orientation: int) -> None:
+    """Decoders write pixels one after another (HWC); the CHW tensor keeps those bytes where they are,
+    whatever decoded and turned it, so no photo is copied plane by plane, and the resize and the patch
+    reorder after it read runs of pixels (docs/benchmarks.md, "Preprocessing")."""
+    img = Image.open(io.BytesIO(imagegen.photo(62, 44, fmt="PNG"))).convert(mode)
+    extra: dict[str, object] = {}
+    if orientation != 1:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        extra["exif"] = exif.tobytes()
+    tensor = images.load(_encode(img, fmt, **extra), LIMIT).tensor
+    assert tensor.shape[0] == 3
+    assert tensor.dtype == torch.uint8
+    assert tensor.permute(1, 2, 0).is_contiguous(), tensor.stride()
+
+
 @pytest.mark.parametrize("size", [(1, 1), (1, 5000), (5000, 1)])
 def test_extreme_shapes_decode(size: tuple[int, int]) -> None:
     decoded = images.load(_encode(Image.new("RGB", size), "PNG"), LIMIT)

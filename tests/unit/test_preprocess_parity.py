@@ -121,6 +121,22 @@ def test_patches_made_once_per_photo_are_the_inputs_made_per_row(processor: Any,
     assert one["pixel_values"] is made[0].values
 
 
+@pytest.mark.parametrize(("height", "width"), [(1080, 1440), (960, 1280), (3024, 4032), (29, 31), (1, 1)])
+def test_patches_are_the_same_from_either_layout(height: int, width: int) -> None:
+    """Pixels laid out pixel by pixel (a decoded photo) or plane by plane (a tensor made elsewhere) give
+    the same patches, fitted or not, padded to the grid or not, in every dtype the worker uses."""
+    generator = torch.Generator().manual_seed(height * width)
+    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
+    by_pixel, by_plane = pixels.permute(2, 0, 1), pixels.permute(2, 0, 1).contiguous()
+    assert not by_pixel.is_contiguous() or height * width == 1
+    for dtype in (torch.float32, torch.bfloat16):
+        for max_side in (0, 480):
+            one = preprocess.pixels_of(by_pixel, dtype, max_side)
+            other = preprocess.pixels_of(by_plane, dtype, max_side)
+            assert (one.rows, one.cols) == (other.rows, other.cols)
+            assert torch.equal(one.values, other.values), (dtype, max_side)
+
+
 def test_exif_rotated_photo_equals_the_processor(processor: Any) -> None:
     img = Image.open(io.BytesIO(imagegen.photo(320, 200)))
     exif = Image.Exif()
