@@ -190,6 +190,27 @@ def input_key(prefix: str, sha256: str, ext: str, owner: str | None = None) -> s
     return f"{uploads_folder(prefix, owner)}{sha256}.{ext}"
 
 
+_SHA256_RE = re.compile(r"[0-9a-f]{64}\Z")
+_OWNER_RE = re.compile(r"[0-9a-f]{12}\Z")  # an API key's id (shared/tenants.py, which imports this module)
+
+
+def content_sha256(uri: str, bucket: str, prefix: str) -> str | None:
+    """The sha256 an uploaded image's URI names it by (`input_key` in mrc's own bucket: the producer
+    writes there only bytes under their own hash, and never changes them); None for any other URI."""
+    try:
+        in_bucket, key = parse_s3_uri(uri)
+    except ValueError:
+        return None
+    folder = uploads_folder(prefix)
+    if in_bucket != bucket or not key.startswith(folder):
+        return None
+    owner, _, name = key[len(folder) :].rpartition("/")
+    if owner and not _OWNER_RE.match(owner):
+        return None
+    sha256, dot, ext = name.partition(".")
+    return sha256 if dot and ext and _SHA256_RE.match(sha256) else None
+
+
 def s3_uri(bucket: str, key: str) -> str:
     return f"s3://{bucket}/{key}"
 

@@ -107,6 +107,17 @@ class DecodedImages:
         done.set_result(kept[0])
         return done
 
+    def peek(self, key: Key | None) -> DecodedImage | None:
+        """The photo kept under `key`, or None; counts nothing (the caller counts what it takes)."""
+        if key is None or self.budget <= 0:
+            return None
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is None:
+                return None
+            self._kept.move_to_end(key)
+            return kept[0]
+
     def reused(self) -> None:
         """A job's photo came from another job's decode (a future `share` gave)."""
         with self._lock:

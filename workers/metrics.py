@@ -207,6 +207,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.image_fetches = Counter(
+            "mrc_image_fetches_total",
+            "Images jobs needed: fetched from S3; shared, the fetch of the same URI another job of its key "
+            "and lane was making; or kept, a decoded photo the job names by content (not fetched at all)",
+            ["result"],
+            registry=r,
+        )
         self.decoded_images_held = Gauge(
             "mrc_decoded_images_held_bytes",
             "CPU memory held by the decoded photos kept for their next question (MRC_DECODED_IMAGE_CACHE_MB)",
@@ -231,6 +238,8 @@ class Metrics:
             self.paused.labels(reason=reason)
         for result in ("decoded", "reused"):
             self.image_decodes.labels(result=result)
+        for result in ("fetched", "shared", "kept"):
+            self.image_fetches.labels(result=result)
 
     def watch(self, buffered: Callable[[], float], batch_for: Callable[[], float | None]) -> None:
         """Gauges read at scrape time from the live worker."""

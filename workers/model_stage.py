@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,11 +23,11 @@ from shared.settings import Settings
 from workers import images, stages
 from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
-from workers.decoded_images import DecodedImages
 from workers.engine import capacity, scheduler
 from workers.engine.sequence import Sequence as Row
 from workers.engine.service import EngineService
 from workers.metrics import Metrics
+from workers.photos import Decoded, Fetch, Photos
 from workers.row_grammars import Ask, RowGrammars
 from workers.slots import Slot
 from workers.streaming import TextStreams
@@ -44,30 +44,6 @@ class _Parked:
     wait_s: float = 0.0
 
 
-_Decoded = tuple[images.DecodedImage | MrcError, float]  # a job's decode: its image or error, and seconds
-
-
-def _image_of(shared: Future[Any]) -> images.DecodedImage | None:
-    """The image a shared decode gave: a future of DecodedImages' (the image) or of the pool's (an
-    image or error, and seconds); None when it failed."""
-    if shared.exception() is not None:
-        return None
-    result = shared.result()
-    image = result[0] if isinstance(result, tuple) else result
-    return image if isinstance(image, images.DecodedImage) else None
-
-
-def _forward(out: Future[_Decoded], own: Future[_Decoded]) -> None:
-    if own.cancelled():  # the pool shut down before it ran: ends as an unshared job's decode would
-        out.set_exception(CancelledError())
-        return
-    failed = own.exception()
-    if failed is not None:
-        out.set_exception(failed)
-    else:
-        out.set_result(own.result())
-
-
 class ModelStage:
     def __init__(
         self,
@@ -77,6 +53,7 @@ class ModelStage:
         admission: Admission,
         pool: Any,  # workers/lane_pools.py LanePools: submit(slot, work, *args) -> Future
         finish: Callable[[list[Slot]], None],
+        fetch: Fetch,
         streams: TextStreams | None = None,
     ) -> None:
         self.backend, self.settings, self.metrics, self.admission = backend, settings, metrics, admission
@@ -86,7 +63,7 @@ class ModelStage:
         self._first_batch_at: float | None = None
         self._failure_streak = 0  # jobs in a row the model failed (model_error), across deliveries
         self.grammars = RowGrammars(backend, settings.grammar_compile_timeout_s, metrics)
-        self.decoded = DecodedImages(settings.decoded_image_cache_mb * 2**20)
+        self.photos = Photos(backend, settings, metrics, pool, fetch)
         self.engine_at = time.monotonic()  # the engine's last step (monotonic), for /healthz
         # The cache: a pool of positions, each row's slot its need (rows decode) or the longest job's
         # (fixed decode), as large as memory holds within the settings (workers/engine/capacity.py);
@@ -175,64 +152,6 @@ class ModelStage:
             with self._lock:
                 self._busy_s += busy_s
 
-    def _key(self, slot: Slot) -> tuple[str, str] | None:
-        """What a decoded photo is kept under: keyed as prefixes are (see _identity)."""
-        encoded = slot.encoded
-        if encoded is None or slot.job is None or not encoded.sha256 or not self.backend.needs_pixels:
-            return None
-        return (tenants.owner_of(slot.job.job_id) or "", encoded.sha256)
-
-    def _decode_soon(self, slot: Slot, first: dict[tuple[str, ...], Future[_Decoded]]) -> Future[_Decoded]:
-        """The job's decode, started. A photo kept, being decoded, or decoded by a job of the same lane
-        before it in this delivery is shared without taking a decode thread (one waiting there would
-        keep another job's new photo waiting for a thread); otherwise the pool decodes it. A ticket
-        never waits for a backlog job's decode still queued behind the backlog's others."""
-        key = self._key(slot)
-        if key is None or self.decoded.budget <= 0:
-            alone: Future[_Decoded] = self._pool.submit(slot, self._decode_one, slot)
-            return alone
-        lane = (slot.job.lane if slot.job is not None else "", *key)
-        shared: Future[Any] | None = self.decoded.share(key) or first.get(lane)
-        if shared is None:
-            mine: Future[_Decoded] = self._pool.submit(slot, self._decode_one, slot)
-            first[lane] = mine
-            return mine
-        out: Future[_Decoded] = Future()
-        shared.add_done_callback(partial(self._take_shared, slot, out))
-        return out
-
-    def _take_shared(self, slot: Slot, out: Future[_Decoded], shared: Future[Any]) -> None:
-        """The shared decode's image for this job; if it failed, this job's own try (its own error)."""
-        if shared.cancelled():  # the pool shut down under the delivery: never leave this job waiting
-            out.set_exception(CancelledError())
-            return
-        image = _image_of(shared)
-        if image is not None:
-            self.decoded.reused()
-            self.metrics.image_decodes.labels(result="reused").inc()
-            out.set_result((image, 0.0))
-            return
-        try:
-            own = self._pool.submit(slot, self._decode_one, slot)
-        except Exception as exc:  # the pool is shut down: the delivery must not wait forever
-            out.set_exception(exc)
-            return
-        own.add_done_callback(partial(_forward, out))
-
-    def _decode_one(self, slot: Slot) -> _Decoded:
-        encoded = slot.encoded
-        assert encoded is not None
-        return stages.timed("image decode", partial(self._decode_or_reuse, self._key(slot), encoded))
-
-    def _decode_or_reuse(
-        self, key: tuple[str, str] | None, encoded: images.EncodedImage
-    ) -> images.DecodedImage:
-        image, reused = self.decoded.get(key, partial(stages.decode_image, encoded, self.backend))
-        if key is not None:
-            self.metrics.image_decodes.labels(result="reused" if reused else "decoded").inc()
-            self.metrics.decoded_images_held.set(self.decoded.held)
-        return image
-
     def run(self, slots: list[Slot]) -> None:
         """Decode each image in the pool, hand each job to the engine as soon as its inputs and its
         grammar are ready, and send each result off as its row finishes. A job whose grammar is still
@@ -245,8 +164,8 @@ class ModelStage:
                 self._first_batch_at = time.perf_counter()
         # Compiles start now, beside the decodes (workers/row_grammars.py).
         asks = [self.grammars.ask(slot.job.response_format if slot.job else None) for slot in live]
-        first: dict[tuple[str, ...], Future[_Decoded]] = {}
-        decodes = [(slot, ask, self._decode_soon(slot, first)) for slot, ask in zip(live, asks, strict=True)]
+        first: dict[tuple[str, ...], Future[Decoded]] = {}
+        decodes = [(slot, ask, self.photos.soon(slot, first)) for slot, ask in zip(live, asks, strict=True)]
         del first  # its futures hold decoded images: only their own jobs may, until their inputs are built
         failed, ran = self._follow(decodes)
         self.metrics.busy_ratio.set(self.busy_ratio)
@@ -255,7 +174,7 @@ class ModelStage:
             self._watch_failures(len(failed) < ran, errors)
         self._finish(failed)
 
-    def _prepare_ready(self, ready: list[tuple[Slot, Ask, Future[_Decoded]]]) -> list[_Parked]:
+    def _prepare_ready(self, ready: list[tuple[Slot, Ask, Future[Decoded]]]) -> list[_Parked]:
         """The model inputs of jobs whose decode ended, in delivery order. Their futures hold decoded
         images: nothing here holds one past its row's inputs (this frame ends with them)."""
         prepared = []
@@ -324,7 +243,7 @@ class ModelStage:
             grouped.clear()
         return still
 
-    def _follow(self, decodes: list[tuple[Slot, Ask, Future[_Decoded]]]) -> tuple[list[Slot], int]:
+    def _follow(self, decodes: list[tuple[Slot, Ask, Future[Decoded]]]) -> tuple[list[Slot], int]:
         """Take each job as its own decode ends (not behind a new photo earlier in the delivery), hand
         over parked jobs as their grammars settle, and take each row back as it finishes (its result
         is written while the delivery's other photos still decode). Returns the model errors, to be

@@ -25,6 +25,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TypeVar
 
 from shared import logs
@@ -32,7 +33,7 @@ from shared.errors import InternalError
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore
-from workers import cache_lookup, preparing
+from workers import cache_lookup, preparing, stages
 from workers.admission import Admission, suspect_groups
 from workers.backends.base import ModelBackend
 from workers.cache import ResultCache
@@ -76,12 +77,14 @@ class Pipeline:
         self.cache = cache  # None when the cache is off (assemble decides)
         self.log = logs.get_logger()
         self._pool = LanePools(settings.fetch_threads)
+        self._fetching = preparing.FetchesInFlight()
         self._local = threading.local()  # each delivery runs on one thread: its own pending writes
         self._lock = threading.Lock()
         self.jobs_seen = 0
         self._groups = itertools.count()  # engine group names for suspects, unique in the process
+        fetch = partial(stages.fetch_image, source=images_from, settings=settings)
         self.model = ModelStage(
-            backend, settings, metrics, admission, self._pool, self._finish_async, streams
+            backend, settings, metrics, admission, self._pool, self._finish_async, fetch, streams
         )
         self.in_hand = InHand(lambda: self.model.engine_at)  # for /healthz (workers/liveness.py)
 
@@ -190,7 +193,10 @@ class Pipeline:
         preparing.plan_prompts(self._live(slots), self.backend, self.settings, self.metrics)
 
     def _fetch_images(self, slots: list[Slot]) -> None:
-        preparing.fetch_images(self._live(slots), self._pool, self.images_from, self.settings)
+        live, kept = self._live(slots), self.model.photos.kept_encoded
+        preparing.fetch_images(
+            live, self._pool, self.images_from, self.settings, self.metrics, self._fetching, kept
+        )
 
     def _look_up_cache(self, slots: list[Slot]) -> None:
         if self.cache is not None:

@@ -5,8 +5,12 @@ never its neighbours'."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 
+from shared import tenants
 from shared.errors import MrcError
 from shared.settings import Settings
 from shared.stores import ImageSource
@@ -46,14 +50,78 @@ def plan_prompts(live: list[Slot], backend: ModelBackend, settings: Settings, me
             metrics.prompt_truncated.inc()
 
 
-def fetch_images(live: list[Slot], pool: LanePools, source: ImageSource, settings: Settings) -> None:
-    def fetch(slot: Slot) -> tuple[images.EncodedImage | MrcError, float]:
+Fetched = tuple[images.EncodedImage | MrcError, float]  # a job's fetch: its image or error, and seconds
+
+
+class FetchesInFlight:
+    """The image fetches running now, in every delivery in hand: a job naming an image that another
+    job is fetching takes that fetch's bytes (the same bytes, not a copy) instead of a second GET. Kept
+    apart per key that sent the job (no tenant's answer comes faster because another asked for the same
+    object) and per lane (a ticket never waits on the backlog's threads); a fetch is forgotten as it
+    ends, so a later job fetches afresh (or finds the photo kept)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, str, str], Future[Fetched]] = {}
+
+    def join_or_start(
+        self, name: tuple[str, str, str], start: Callable[[], Future[Fetched]]
+    ) -> tuple[Future[Fetched], bool]:
+        """The fetch running under `name`, or one `start` begins; and whether it was running."""
+        with self._lock:
+            running = self._running.get(name)
+            if running is not None:
+                return running, True
+            future = self._running[name] = start()
+        future.add_done_callback(partial(self._forget, name))
+        return future, False
+
+    def _forget(self, name: tuple[str, str, str], future: Future[Fetched]) -> None:
+        with self._lock:
+            if self._running.get(name) is future:
+                del self._running[name]
+
+
+def fetch_images(
+    live: list[Slot],
+    pool: LanePools,
+    source: ImageSource,
+    settings: Settings,
+    metrics: Metrics,
+    in_flight: FetchesInFlight,
+    kept: Callable[[Slot], images.EncodedImage | None] = lambda _slot: None,
+) -> None:
+    """Each job's image bytes, checked. A photo kept decoded that the job names by content is not
+    fetched (`kept`: its header's facts, no bytes; workers/photos.py), and a job naming an image another
+    job of its key and lane is fetching now (`in_flight`), or one of its delivery fetched, shares that
+    fetch."""
+
+    def fetch(slot: Slot) -> Fetched:
         job = slot.job
         assert job is not None
         return stages.timed("image fetch", partial(stages.fetch_image, job, source, settings))
 
-    fetches = [pool.submit(slot, fetch, slot) for slot in live]
-    for slot, (result, seconds) in zip(live, (f.result() for f in fetches), strict=True):
+    mine: dict[tuple[str, str, str], Future[Fetched]] = {}
+    waits = []
+    for slot in live:
+        job = slot.job
+        assert job is not None
+        known = kept(slot)
+        if known is not None:
+            slot.encoded = known
+            metrics.image_fetches.labels(result="kept").inc()
+            continue
+        name = (tenants.owner_of(job.job_id) or "", job.lane, job.image_uri)
+        future, shared = (
+            (mine[name], True)
+            if name in mine
+            else in_flight.join_or_start(name, partial(pool.submit, slot, fetch, slot))
+        )
+        mine[name] = future  # the delivery's own, shared even once it has ended
+        metrics.image_fetches.labels(result="shared" if shared else "fetched").inc()
+        waits.append((slot, future))
+    for slot, future in waits:
+        result, seconds = future.result()
         slot.timings["preprocess"] += seconds * 1000
         if isinstance(result, MrcError):
             slot.error = result

@@ -117,7 +117,23 @@ def _breakdown(worker: services.Worker, wall: float) -> str:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
     deliveries = len(worker.find("MRC_BATCH"))
     # Deliveries overlap (the threads pool): their stage times sum to more than the wall time.
-    return f"wall {wall:.2f} s; {deliveries} deliveries, stage seconds summed over them: {parts}"
+    images = _fetches(worker)
+    return f"wall {wall:.2f} s; {deliveries} deliveries, stage seconds summed over them: {parts}{images}"
+
+
+def _fetches(worker: services.Worker) -> str:
+    """How the jobs' images came (the worker's mrc_image_fetches_total): from S3, shared with another
+    job's fetch in the delivery, or a kept photo not fetched; empty for a worker without the counter."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{worker.http_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except (OSError, IndexError):
+        return ""
+    counts = [line.split('"')[1] + " " + line.split()[-1].removesuffix(".0") for line in text.splitlines()
+              if line.startswith("mrc_image_fetches_total{")]  # fmt: skip
+    return f"; images {', '.join(counts)}" if counts else ""
 
 
 def system(

@@ -354,3 +354,29 @@ def test_repeated_question_about_the_same_photo_is_answered_from_the_cache(
     view = json.loads(run_cli(env, "queues", "--json").stdout)
     assert view["cache"]["hits"] >= 1
     assert 0 < view["cache"]["hit_rate"] < 1
+
+
+def _kept_fetches(worker: Worker) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker.http_port}/metrics") as r:
+        text = r.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith('mrc_image_fetches_total{result="kept"}'))
+    return float(line.split()[-1])
+
+
+def test_a_follow_up_about_a_kept_photo_is_answered_without_fetching_it(
+    env, worker: Worker, images_dir: Path
+) -> None:
+    """`mrc submit` uploads a photo under its content's name; the worker keeps it decoded after the first
+    question, so a second job naming that upload is answered without an S3 GET (counted `kept`), with
+    the same image facts: the object is deleted before it, and a GET would have failed it with
+    image_not_found."""
+    image = _write(images_dir, "follow.jpg", imagegen.photo(310, 230, seed=77))
+    first = json.loads(_submit_wait(env, image, f"Is it damaged? {uuid.uuid4().hex}").stdout)
+    kept = _kept_fetches(worker)
+    bucket, key = first["image"]["uri"][5:].split("/", 1)
+    assert key.endswith(f"{first['image']['sha256']}.jpg")
+    _s3(env).delete_object(Bucket=bucket, Key=key)
+    second = json.loads(_submit_wait(env, first["image"]["uri"], f"What colour? {uuid.uuid4().hex}").stdout)
+    assert (first["status"], second["status"]) == ("succeeded", "succeeded"), second
+    assert _kept_fetches(worker) == kept + 1
+    assert second["image"] == first["image"]

@@ -19,7 +19,7 @@ from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
-from workers import model_stage
+from workers import photos
 from workers.backends.base import GenerationInput
 from workers.backends.echo import EchoBackend, EchoRows, EchoSteps
 from workers.pipeline import Pipeline, assemble
@@ -184,7 +184,7 @@ def test_a_job_keeps_its_images_size_not_its_pixels_nor_its_finished_inputs(
     ]
     assert pipeline.run(messages) == ["succeeded", "succeeded"]
     assert backend.steps >= 10  # the long row decoded on long after the short one finished
-    held = pipeline.model.decoded.held
+    held = pipeline.model.photos.decoded.held
     if kept_mb:
         assert {what for what, _prompt in backend.alive} == {"image"}
         assert held == 3 * 64 * 48  # the photo both jobs asked about, decoded once and kept
@@ -306,9 +306,9 @@ def test_a_job_sharing_a_decode_the_pool_cancelled_at_shutdown_is_not_left_waiti
         cancelled: Future[Any] = Future()
         cancelled.cancel()
         shared_out: Future[Any] = Future()
-        pipeline.model._take_shared(cast(Any, None), shared_out, cancelled)
+        pipeline.model.photos.take_shared(cast(Any, None), shared_out, cancelled)
         retry_out: Future[Any] = Future()
-        model_stage._forward(retry_out, cancelled)
+        photos.forward(retry_out, cancelled)
         assert not wait([shared_out, retry_out], timeout=GUARD_S).not_done
         for out in (shared_out, retry_out):
             with pytest.raises(CancelledError):
