@@ -151,6 +151,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree", type=Path, help="run the worker from this checkout (a baseline)")
     parser.add_argument("--backlog-photo", help="the backlog's photos, WxH (default: the tickets' photos)")
     parser.add_argument(
+        "--backlog-distinct", type=int, default=4,
+        help="how many distinct photos the backlog's jobs ask about, in turn (--backlog-photo)",
+    )  # fmt: skip
+    parser.add_argument(
         "--unchunked", action="store_true",
         help="also run with one prefill per row (MRC_ENGINE_PREFILL_TOKENS past any prompt), side by side",
     )  # fmt: skip
@@ -196,7 +200,13 @@ def main() -> None:
         backlog_paths: list[Path] | None = None
         if args.backlog_photo:
             width, height = (int(v) for v in args.backlog_photo.lower().split("x"))
-            photos = Workload("backlog", (("photo", width, height),), (PROMPT,), (32,), distinct_images=4)
+            photos = Workload(
+                "backlog",
+                (("photo", width, height),),
+                (PROMPT,),
+                (32,),
+                distinct_images=args.backlog_distinct,
+            )
             backlog_paths = photos.make_images(work)
         name = "tree" if args.tree else "this"
         label = str(args.tree or "this checkout")
