@@ -1,4 +1,4 @@
-"""The threads that fetch, decode and write results, one pool per lane."""
+"""The threads that fetch and decode (and, in pools of their own, write results), one pool per lane."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ class LanePools:
     """One pool per lane: a ticket's image is never decoded behind the sixteen of a backlog delivery
     that arrived just before it."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, what: str = "") -> None:
         self.pools = {
             lane: ThreadPoolExecutor(
-                threads, thread_name_prefix=f"mrc-{lane}", initializer=images.init_decode_thread
+                threads, thread_name_prefix=f"mrc-{lane}{what}", initializer=images.init_decode_thread
             )
             for lane in names.LANES
         }

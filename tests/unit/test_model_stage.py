@@ -315,3 +315,19 @@ def test_a_job_sharing_a_decode_the_pool_cancelled_at_shutdown_is_not_left_waiti
                 out.result()
     finally:
         pipeline.close()
+
+
+def test_a_finished_rows_result_is_not_written_behind_its_lanes_held_decode(store: MemoryStore) -> None:
+    """One decode thread, held by a new photo's decode: a kept photo's question in the same delivery
+    is answered and its result written meanwhile (writes have threads of their own; on the decode
+    pool the write queued behind the held decode)."""
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = _pipeline(store, backend, fetch_threads=1)
+    try:
+        assert pipeline.run([_job("keep")]) == ["succeeded"]  # good.jpg is kept from here on
+        delivery = [_job("held", image_uri="s3://mrc/inputs/held.jpg"), _job("kept")]
+        outcomes = _run_holding(store, pipeline, backend, delivery, {"kept"}, {"held"})
+        assert outcomes == [["succeeded"] * 2]
+    finally:
+        pipeline.close()
