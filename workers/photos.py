@@ -14,6 +14,7 @@ dropped between the fetch stage and the decode is fetched then, by its decode th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from functools import partial
@@ -105,11 +106,12 @@ class Photos:
             first[lane] = mine
             return mine
         out: Future[Decoded] = Future()
-        shared.add_done_callback(partial(self.take_shared, slot, out))
+        shared.add_done_callback(partial(self.take_shared, slot, out, began=time.perf_counter()))
         return out
 
-    def take_shared(self, slot: Slot, out: Future[Decoded], shared: Future[Any]) -> None:
-        """The shared decode's image for this job; if it failed, this job's own try (its own error)."""
+    def take_shared(self, slot: Slot, out: Future[Decoded], shared: Future[Any], began: float = 0.0) -> None:
+        """The shared decode's image for this job, with the time it waited for it (its preprocessing,
+        as much as the decoding job's); if it failed, this job's own try (its own error)."""
         if shared.cancelled():  # the pool shut down under the delivery: never leave this job waiting
             out.set_exception(CancelledError())
             return
@@ -117,7 +119,7 @@ class Photos:
         if image is not None:
             self.decoded.reused()
             self.metrics.image_decodes.labels(result="reused").inc()
-            out.set_result((image, 0.0))
+            out.set_result((image, time.perf_counter() - began if began else 0.0))
             return
         try:
             own = self._pool.submit(slot, self._decode_one, slot)

@@ -269,6 +269,9 @@ def test_jobs_go_to_the_engine_as_their_own_photo_is_ready_and_waiting_holds_no_
         assert count("mrc_image_decodes_total", {"result": "reused"}) == 2  # held-2 and kept
         for job_id in ("held-1", "held-2"):
             assert store.get_result(job_id)["text"].startswith("80x60"), job_id
+        # The second question waited for the held decode as long as the first: its preprocessing says so.
+        decoding, waiting = (store.get_result(j)["timings_ms"]["preprocess"] for j in ("held-1", "held-2"))
+        assert waiting >= 0.5 * decoding, (waiting, decoding)
     finally:
         pipeline.close()
 
