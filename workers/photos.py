@@ -14,7 +14,9 @@ dropped between the fetch stage and the decode is fetched then, by its decode th
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from functools import partial
@@ -30,6 +32,7 @@ from workers.decoded_images import DecodedImages, Key
 from workers.metrics import Metrics
 from workers.slots import Slot
 
+_FETCHED_KEPT = 65_536  # uploads remembered as fetched, least recently used out first (~10 MB)
 Decoded = tuple[images.DecodedImage | MrcError, float]  # a job's decode: its image or error, and seconds
 Fetch = Callable[[Job], images.EncodedImage]
 
@@ -67,6 +70,10 @@ class Photos:
         self.backend, self.settings, self.metrics = backend, settings, metrics
         self._pool, self._fetch = pool, fetch
         self.decoded = DecodedImages(settings.decoded_image_cache_mb * 2**20)
+        # The uploads each key's jobs really fetched, with their content checked (stages.fetch_image):
+        # a kept photo answers only a URI it was fetched from, never another name of the same hash.
+        self._fetched: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def key(self, slot: Slot) -> Key | None:
         """What a decoded photo is kept under: the key that sent the job (one tenant never learns by a
@@ -85,10 +92,28 @@ class Photos:
         sha256 = names.content_sha256(job.image_uri, self.settings.s3_bucket, self.settings.s3_prefix)
         if sha256 is None or job.image_sha256 not in (None, sha256):
             return None
-        kept = self.decoded.peek((tenants.owner_of(job.job_id) or "", sha256))
+        owner = tenants.owner_of(job.job_id) or ""
+        with self._lock:
+            if (owner, job.image_uri) not in self._fetched:
+                return None
+            self._fetched.move_to_end((owner, job.image_uri))
+        kept = self.decoded.peek((owner, sha256))
         if kept is None:
             return None
         return images.EncodedImage(b"", kept.format, kept.width, kept.height, sha256=sha256)
+
+    def fetched(self, slot: Slot) -> None:
+        """The job's image was fetched (its content checked against an upload's name)."""
+        job, encoded = slot.job, slot.encoded
+        if job is None or encoded is None or not encoded.data:
+            return
+        if names.content_sha256(job.image_uri, self.settings.s3_bucket, self.settings.s3_prefix) is None:
+            return
+        with self._lock:
+            self._fetched[(tenants.owner_of(job.job_id) or "", job.image_uri)] = None
+            self._fetched.move_to_end((tenants.owner_of(job.job_id) or "", job.image_uri))
+            while len(self._fetched) > _FETCHED_KEPT:
+                self._fetched.popitem(last=False)
 
     def soon(self, slot: Slot, first: dict[tuple[str, ...], Future[Decoded]]) -> Future[Decoded]:
         """The job's decode, started. A photo kept, being decoded, or decoded by a job of the same lane
@@ -141,6 +166,7 @@ class Photos:
                 self.decoded.reused()
                 self.metrics.image_decodes.labels(result="reused").inc()
                 return kept
+            slot.encoded = None  # a failed fetch's result says nothing of bytes it never had
             encoded = slot.encoded = self._fetch(slot.job)
             self.metrics.image_fetches.labels(result="fetched").inc()
         key = self.key(slot)  # from the bytes' own hash

@@ -197,10 +197,11 @@ class Pipeline:
         preparing.plan_prompts(self._live(slots), self.backend, self.settings, self.metrics)
 
     def _fetch_images(self, slots: list[Slot]) -> None:
-        live, kept = self._live(slots), self.model.photos.kept_encoded
+        live, photos = self._live(slots), self.model.photos
         preparing.fetch_images(
-            live, self._pool, self.images_from, self.settings, self.metrics, self._fetching, kept
-        )
+            live, self._pool, self.images_from, self.settings, self.metrics, self._fetching,
+            photos.kept_encoded, photos.fetched,
+        )  # fmt: skip
 
     def _look_up_cache(self, slots: list[Slot]) -> None:
         if self.cache is not None:

@@ -90,6 +90,7 @@ def fetch_images(
     metrics: Metrics,
     in_flight: FetchesInFlight,
     kept: Callable[[Slot], images.EncodedImage | None] = lambda _slot: None,
+    fetched: Callable[[Slot], None] = lambda _slot: None,
 ) -> None:
     """Each job's image bytes, checked. A photo kept decoded that the job names by content is not
     fetched (`kept`: its header's facts, no bytes; workers/photos.py), and a job naming an image another
@@ -127,3 +128,4 @@ def fetch_images(
             slot.error = result
         else:
             slot.encoded = result
+            fetched(slot)

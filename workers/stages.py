@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.errors import InternalError, InvalidJob, MrcError, OutOfMemory, WorkerUnusable
+from shared import names
+from shared.errors import ImageNotFound, InternalError, InvalidJob, MrcError, OutOfMemory, WorkerUnusable
 from shared.jobs import Job, limit_problem
 from shared.settings import Settings
 from shared.stores import ImageSource
@@ -57,9 +58,18 @@ def plan_prompt(job: Job, backend: ModelBackend, settings: Settings) -> PromptPl
 
 
 def fetch_image(job: Job, source: ImageSource, settings: Settings) -> images.EncodedImage:
-    """The job's image bytes, checked from the header (format, size, frames, orientation)."""
+    """The job's image bytes, checked from the header (format, size, frames, orientation). An upload's
+    name is its content: bytes there of another hash are not the image the job names, whether a worker
+    keeps that image or not (workers/photos.py answers a kept one by its name)."""
     data = images.fetch(source, job.image_uri, settings.image_sources, settings.max_image_bytes)
-    return images.inspect(data, settings.max_image_pixels)
+    encoded = images.inspect(data, settings.max_image_pixels)
+    named = names.content_sha256(job.image_uri, settings.s3_bucket, settings.s3_prefix)
+    if named is not None and named != encoded.sha256:
+        raise ImageNotFound(
+            f"the object at {job.image_uri[:200]} is not the upload its name says: its bytes' sha256 is "
+            f"{encoded.sha256}"
+        )
+    return encoded
 
 
 def decode_image(encoded: images.EncodedImage, backend: ModelBackend) -> images.DecodedImage:

@@ -136,11 +136,12 @@ def test_a_photo_is_fetched_whenever_its_name_or_its_key_does_not_match(
 
 
 def _asked_again_after_a_drop(
-    store: CountingStore, data: bytes, replacement: bytes | None = None
+    store: CountingStore, data: bytes, replacement: bytes | None = None, also: list[Message] | None = None
 ) -> Pipeline:
     """The photo asked about, then asked again: the fetch stage finds it kept, and the cache drops it
     (another delivery's photos took its room) before the job's decode; `replacement`, if given, is
-    then written under the photo's name (never by mrc). The pipeline, its jobs "first" and "again" run."""
+    then written under the photo's name (never by mrc); `also` are jobs of the second delivery. The
+    pipeline, its jobs "first" and "again" run."""
     uri, key = _upload(store, data)
     pipeline = _pipeline(store)
     photos = pipeline.model.photos
@@ -155,7 +156,7 @@ def _asked_again_after_a_drop(
 
     assert pipeline.run([_job("first", uri)]) == ["succeeded"]
     photos.kept_encoded = found_then_dropped  # type: ignore[method-assign]
-    assert pipeline.run([_job("again", uri)]) == ["succeeded"]
+    pipeline.run([_job("again", uri), *(also or [])])
     return pipeline
 
 
@@ -164,6 +165,7 @@ def test_a_kept_photo_dropped_before_its_decode_is_fetched_then(store: CountingS
     data = imagegen.photo(64, 48)
     pipeline = _asked_again_after_a_drop(store, data)
     try:
+        assert (store.get_result("again") or {})["status"] == "succeeded"
         assert store.gets[_upload(store, data)[1]] == 2
         assert _fetches(pipeline) == {"fetched": 2.0, "shared": 0.0, "kept": 1.0}
         first, again = (store.get_result(job_id) or {} for job_id in ("first", "again"))
@@ -173,18 +175,47 @@ def test_a_kept_photo_dropped_before_its_decode_is_fetched_then(store: CountingS
         pipeline.close()
 
 
-def test_bytes_under_a_content_name_that_are_not_its_content_are_answered_as_what_they_are(
+def test_bytes_under_an_uploads_name_that_are_not_its_content_fail_the_job_that_names_it(
     store: CountingStore,
 ) -> None:
-    """The job is answered from the bytes it was given, and its result carries their hash, never the
-    name's; nothing is kept under the name's hash."""
+    """Another object written under a photo's upload name (never by mrc), found by the fetch after
+    the kept photo was dropped: the job fails image_not_found, its result claims no image facts, and
+    a job of the same delivery whose own URI holds the photo is answered from its own bytes (it had
+    shared the failed job's decode)."""
     data, other = imagegen.photo(64, 48), imagegen.photo(80, 60)
-    pipeline = _asked_again_after_a_drop(store, data, replacement=other)
+    store.put_bytes("inputs/photo.jpg", data, "image/jpeg")
+    pipeline = _asked_again_after_a_drop(
+        store, data, replacement=other, also=[_job("same-photo", "s3://mrc/inputs/photo.jpg")]
+    )
     try:
         result = store.get_result("again") or {}
-        assert result["image"]["sha256"] == hashlib.sha256(other).hexdigest()
-        assert (result["image"]["width"], result["text"][:5]) == (80, "80x60")
-        assert pipeline.model.photos.decoded.peek(("", hashlib.sha256(data).hexdigest())) is None
+        assert result["error"]["code"] == "image_not_found"
+        assert "is not the upload its name says" in result["error"]["message"]
+        assert result["image"]["sha256"] is None
+        assert (result["image"]["width"], result["image"]["height"]) == (0, 0)
+        same = store.get_result("same-photo") or {}
+        assert same["text"] == (store.get_result("first") or {})["text"]
+        assert same["image"]["sha256"] == hashlib.sha256(data).hexdigest()
+    finally:
+        pipeline.close()
+
+
+def test_a_kept_photo_answers_only_a_uri_it_was_fetched_from(store: CountingStore) -> None:
+    """The photo is kept from its upload; jobs naming the same hash under a name never fetched (another
+    extension, an empty or another key's folder) are fetched, and fail as the store says."""
+    data = imagegen.photo(64, 48)
+    uri, _key = _upload(store, data)
+    digest = hashlib.sha256(data).hexdigest()
+    pipeline = _pipeline(store)
+    try:
+        assert pipeline.run([_job("first", uri)]) == ["succeeded"]
+        ghosts = [f"s3://mrc/inputs/{digest}.gif", f"s3://mrc/inputs//{digest}.jpg"]
+        delivery = [_job(f"ghost-{n}", ghost) for n, ghost in enumerate(ghosts)]
+        delivery.append(_job("other-folder", f"s3://mrc/inputs/{OWNER_A}/{digest}.jpg", OWNER_A))
+        assert pipeline.run(delivery) == ["failed"] * 3
+        for message in delivery:
+            assert _result(store, message)["error"]["code"] == "image_not_found"
+        assert _fetches(pipeline)["kept"] == 0.0
     finally:
         pipeline.close()
 
