@@ -45,15 +45,19 @@ class DecodedImages:
         self.budget = budget_bytes
         self._lock = threading.Lock()
         self._kept: OrderedDict[Key, tuple[DecodedImage, int]] = OrderedDict()
-        self._decoding: dict[Key, Future[DecodedImage]] = {}
+        self._decoding: dict[Key, tuple[Future[DecodedImage], str]] = {}  # and the lane it is for
         self.held = 0  # bytes of the images kept
         self.hits = 0
         self.misses = 0
         self.waiting = 0  # jobs waiting now for another's decode of their photo
 
-    def get(self, key: Key | None, decode: Callable[[], DecodedImage]) -> tuple[DecodedImage, bool]:
-        """The image for `key`, decoded by `decode` unless it is kept or being decoded; and whether it
-        was (a hit). `key` None, or a budget of 0: decoded, never kept."""
+    def get(
+        self, key: Key | None, decode: Callable[[], DecodedImage], lane: str = ""
+    ) -> tuple[DecodedImage, bool]:
+        """The image for `key`, decoded by `decode` unless it is kept or being decoded for a job of the
+        same `lane`; and whether it was (a hit). A decode running for another lane is not waited for:
+        a ticket's decode thread never waits on the backlog's decode, nor keeps the tickets behind it
+        waiting for that thread. `key` None, or a budget of 0: decoded, never kept."""
         if key is None or self.budget <= 0:
             return decode(), False
         with self._lock:
@@ -62,12 +66,15 @@ class DecodedImages:
                 self._kept.move_to_end(key)
                 self.hits += 1
                 return kept[0], True
-            pending = self._decoding.get(key)
-            if pending is None:
+            running = self._decoding.get(key)
+            pending = running[0] if running is not None and running[1] == lane else None
+            if running is None:
                 mine: Future[DecodedImage] = Future()
-                self._decoding[key] = mine
-            else:
+                self._decoding[key] = (mine, lane)
+            elif pending is not None:
                 self.waiting += 1
+        if running is not None and pending is None:  # another lane's decode: this job's own, not kept
+            return decode(), False
         if pending is not None:  # another job of this photo decodes it now: its result
             failed = pending.exception()
             with self._lock:
@@ -101,7 +108,8 @@ class DecodedImages:
         with self._lock:
             kept = self._kept.get(key)
             if kept is None:
-                return self._decoding.get(key)
+                running = self._decoding.get(key)
+                return None if running is None else running[0]
             self._kept.move_to_end(key)
         done: Future[DecodedImage] = Future()
         done.set_result(kept[0])

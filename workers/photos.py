@@ -58,6 +58,15 @@ def forward(out: Future[Decoded], own: Future[Decoded]) -> None:
         out.set_result(own.result())
 
 
+def _settle(out: Future[Decoded], task: Future[None]) -> None:
+    """A decode task the pool cancelled (shut down) or that raised (a device fault) ends its job's
+    decode the same way; one that ran has set it, or left it to a shared decode's callback."""
+    if task.cancelled():
+        out.set_exception(CancelledError())
+    elif task.exception() is not None and not out.done():
+        out.set_exception(task.exception())
+
+
 class Photos:
     def __init__(
         self,
@@ -126,13 +135,26 @@ class Photos:
             return alone
         lane = (slot.job.lane if slot.job is not None else "", *key)
         shared: Future[Any] | None = self.decoded.share(key) or first.get(lane)
-        if shared is None:
-            mine: Future[Decoded] = self._pool.submit(slot, self._decode_one, slot)
-            first[lane] = mine
-            return mine
         out: Future[Decoded] = Future()
+        if shared is None:
+            task = self._pool.submit(slot, self._decode_into, slot, out)
+            task.add_done_callback(partial(_settle, out))
+            first[lane] = out
+            return out
         shared.add_done_callback(partial(self.take_shared, slot, out, began=time.perf_counter()))
         return out
+
+    def _decode_into(self, slot: Slot, out: Future[Decoded]) -> None:
+        """On a decode thread: the job's decode into `out`; or, if its photo began decoding for another
+        job since the job was handed over (a decode queued behind its lane's others, or another lane's),
+        that decode's result, taken when it ends: the thread goes back to the pool meanwhile."""
+        encoded = slot.encoded
+        if encoded is not None and encoded.data:  # a job whose fetch was skipped goes its own way
+            running = self.decoded.share(self.key(slot))
+            if running is not None:
+                running.add_done_callback(partial(self.take_shared, slot, out, began=time.perf_counter()))
+                return
+        out.set_result(self._decode_one(slot))
 
     def take_shared(self, slot: Slot, out: Future[Decoded], shared: Future[Any], began: float = 0.0) -> None:
         """The shared decode's image for this job, with the time it waited for it (its preprocessing,
@@ -170,7 +192,9 @@ class Photos:
             encoded = slot.encoded = self._fetch(slot.job)
             self.metrics.image_fetches.labels(result="fetched").inc()
         key = self.key(slot)  # from the bytes' own hash
-        image, reused = self.decoded.get(key, partial(stages.decode_image, encoded, self.backend))
+        image, reused = self.decoded.get(
+            key, partial(stages.decode_image, encoded, self.backend), slot.job.lane
+        )
         if key is not None:
             self.metrics.image_decodes.labels(result="reused" if reused else "decoded").inc()
             self.metrics.decoded_images_held.set(self.decoded.held)

@@ -226,3 +226,25 @@ def test_every_exif_orientation_matches_pil(fmt: str, orientation: int) -> None:
     # JPEG: two IDCTs (libjpeg-turbo in torchvision and in PIL) may differ by a level or two.
     tolerance = 2.0 if fmt == "JPEG" else 0.0
     assert (decoded.tensor.float() - expected.float()).abs().mean().item() <= tolerance
+
+
+@pytest.mark.parametrize("size", [(2500, 1), (1, 2500), (2500, 2)])
+@pytest.mark.parametrize("orientation", [5, 6, 7, 8])
+def test_a_one_row_photo_turned_by_its_exif_is_resized_as_a_plain_copy_would_be(
+    size: tuple[int, int], orientation: int
+) -> None:
+    """A 2500x1 photo turned a quarter by its EXIF: the turned tensor's strides were once (2500, 1,
+    2500) on the CPU, which torch's uint8 antialiased resize read out of bounds (random patches, or
+    the worker killed by SIGSEGV; found by a review helper on the tree before 5f60a68). Now the
+    decode's layout is resized exactly as a contiguous copy of the same pixels is."""
+    from workers.backends.fuyu_preprocess import resize_to_fit
+
+    img = Image.new("RGB", size)
+    img.putdata([(n % 251, (7 * n) % 253, (13 * n) % 255) for n in range(size[0] * size[1])])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    decoded = images.decode(images.inspect(_encode(img, "PNG", exif=exif.tobytes()), LIMIT))
+    expected = _oriented_pil(_encode(img, "PNG", exif=exif.tobytes())).contiguous()
+    assert torch.equal(decoded.tensor, expected)
+    for _ in range(3):  # an out-of-bounds read shows as patches that differ from run to run
+        assert torch.equal(resize_to_fit(decoded.tensor, 480), resize_to_fit(expected, 480))

@@ -15,15 +15,16 @@ import pytest
 import torch
 
 from shared import response_format as rf
+from shared.jobs import Job
 from shared.memory_records import MemoryJobRecords
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
 from tests.support import imagegen
-from workers import photos
+from workers import images, photos
 from workers.backends.base import GenerationInput
 from workers.backends.echo import EchoBackend, EchoRows, EchoSteps
 from workers.pipeline import Pipeline, assemble
-from workers.slots import Message
+from workers.slots import Message, Slot
 
 GUARD_S = 15.0  # how long a held compile or a wait for results lasts at most, should the test fail
 ANSWER = "64x48: refund?"  # the echo model's answer to the prompt "refund?" about a 64x48 photo
@@ -333,4 +334,41 @@ def test_a_finished_rows_result_is_not_written_behind_its_lanes_held_decode(stor
         outcomes = _run_holding(store, pipeline, backend, delivery, {"kept"}, {"held"})
         assert outcomes == [["succeeded"] * 2]
     finally:
+        pipeline.close()
+
+
+def test_a_decode_thread_finding_its_photo_decoding_for_another_lane_goes_back_to_the_pool(
+    store: MemoryStore,
+) -> None:
+    """A ticket handed over before a backlog job's decode of the same photo began (that decode was
+    queued behind the backlog's others), whose thread runs once it has begun: the thread does not
+    wait for it (the tickets' other photos would wait for the thread); the ticket takes that decode's
+    image when it ends."""
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = _pipeline(store, backend, fetch_threads=1)
+    backlog = threading.Thread(
+        target=pipeline.run, args=([_job("bl", image_uri="s3://mrc/inputs/held.jpg", lane="backlog")],)
+    )
+    try:
+        backlog.start()
+        assert backend.holding.wait(GUARD_S)  # the backlog's decode of the photo runs, held
+        ticket = Slot("t", {}, time.time())
+        ticket.job = Job.from_message(
+            {"job_id": "t", "image_uri": "s3://mrc/inputs/held.jpg", "prompt": "a?", "max_new_tokens": 4}
+        )
+        ticket.encoded = images.inspect(store.get_bytes("mrc", "inputs/held.jpg", 10**7) or b"", 10**8)
+        out: Future[Any] = Future()
+        thread = threading.Thread(target=pipeline.model.photos._decode_into, args=(ticket, out))
+        thread.start()
+        thread.join(GUARD_S / 3)
+        assert not thread.is_alive()  # back to the pool at once
+        assert not out.done()
+        backend.release.set()
+        image, _seconds = out.result(GUARD_S)
+        assert (image.width, image.height) == (80, 60)
+        assert backend.fitted.count(80) == 1  # decoded once, for both
+    finally:
+        backend.release.set()
+        backlog.join(GUARD_S)
         pipeline.close()
