@@ -194,7 +194,9 @@ def channels_last(tensor: torch.Tensor) -> torch.Tensor:
     every photo (a 12 MP photo: 39 ms on one core), and every step after it wants pixels: the
     antialiased uint8 resize runs 2-5x faster on them and the patch reorder moves whole 30-pixel runs
     (docs/benchmarks.md, "Preprocessing"). The values are the same either way. A tensor on a GPU
-    (nvjpeg's) is left as it is: contiguous, as before, until a GPU measures the other layout."""
+    (nvjpeg's) is left as the decoder made it, until a GPU measures the layouts; what a GPU worker
+    decodes on its CPU (PNG, WebP, GIF, BMP) goes to the device pixel by pixel (`.to` keeps strides),
+    where the resize and the patch reorder read any strides (tests/gpu checks the values)."""
     if tensor.device.type != "cpu" or tensor.permute(1, 2, 0).is_contiguous():
         return tensor
     return tensor.permute(1, 2, 0).contiguous().permute(2, 0, 1)

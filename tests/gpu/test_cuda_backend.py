@@ -82,3 +82,32 @@ def test_nvml_reads_the_gpu_torch_runs_on() -> None:
         uuid = pynvml.nvmlDeviceGetUUID(handle)
         uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
         assert uuid == f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+@pytest.mark.parametrize(("fmt", "size"), [("PNG", (1600, 1200)), ("JPEG", (2500, 1)), ("PNG", (2500, 1))])
+def test_patches_on_cuda_do_not_depend_on_the_decoded_layout(
+    fmt: str, size: tuple[int, int], orientation: int
+) -> None:
+    """What a GPU worker decodes on its CPU (PNG) reaches the device pixel by pixel, and what nvjpeg
+    decodes (JPEG), turned by its EXIF, has whatever strides the turn gives (a one-row photo's were
+    what the CPU's resize once read out of bounds): the patches made on the device from either equal
+    those made from a plane-by-plane copy of the same pixels."""
+    import io
+
+    from PIL import Image
+
+    from workers import images
+    from workers.backends.fuyu_preprocess import pixels_of
+
+    img = Image.new("RGB", size)
+    img.putdata([(n % 251, (7 * n) % 253, (13 * n) % 255) for n in range(size[0] * size[1])])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    img.save(out, format=fmt, exif=exif.tobytes(), **({"quality": 95} if fmt == "JPEG" else {}))
+    decoded = images.decode(images.inspect(out.getvalue(), 40_000_000), "cuda").tensor.to("cuda")
+    plain = decoded.contiguous().clone()
+    for _ in range(3):  # an out-of-bounds read shows as patches that differ from run to run
+        made = pixels_of(decoded, torch.float32, 480)
+        assert torch.equal(made.values, pixels_of(plain, torch.float32, 480).values)
