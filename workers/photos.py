@@ -131,7 +131,10 @@ class Photos:
         never waits for a backlog job's decode still queued behind the backlog's others."""
         key = self.key(slot)
         if key is None or self.decoded.budget <= 0:
-            alone: Future[Decoded] = self._pool.submit(slot, self._decode_one, slot)
+            alone: Future[Decoded] = Future()
+            self._pool.submit(slot, self._decode_alone, slot, alone).add_done_callback(
+                partial(_settle, alone)
+            )
             return alone
         lane = (slot.job.lane if slot.job is not None else "", *key)
         shared: Future[Any] | None = self.decoded.share(key) or first.get(lane)
@@ -144,6 +147,11 @@ class Photos:
         shared.add_done_callback(partial(self.take_shared, slot, out, began=time.perf_counter()))
         return out
 
+    def _decode_alone(self, slot: Slot, out: Future[Decoded]) -> None:
+        """The job's decode into `out`, a future of our own: one the pool cancels at shutdown is never
+        seen as done by `concurrent.futures.wait` (the delivery's loop), `_settle` ends ours."""
+        out.set_result(self._decode_one(slot))
+
     def _decode_into(self, slot: Slot, out: Future[Decoded]) -> None:
         """On a decode thread: the job's decode into `out`; or, if its photo began decoding for another
         job since the job was handed over (a decode queued behind its lane's others, or another lane's),
@@ -154,12 +162,14 @@ class Photos:
             if running is not None:
                 running.add_done_callback(partial(self.take_shared, slot, out, began=time.perf_counter()))
                 return
-        out.set_result(self._decode_one(slot))
+        self._decode_alone(slot, out)
 
     def take_shared(self, slot: Slot, out: Future[Decoded], shared: Future[Any], began: float = 0.0) -> None:
         """The shared decode's image for this job, with the time it waited for it (its preprocessing,
         as much as the decoding job's); if it failed, this job's own try (its own error)."""
-        if shared.cancelled():  # the pool shut down under the delivery: never leave this job waiting
+        # The pool shut down under the delivery: end this job's wait too, and submit nothing (the
+        # shutdown may be running this callback while it holds the pool's lock).
+        if shared.cancelled() or isinstance(shared.exception(), CancelledError):
             out.set_exception(CancelledError())
             return
         image = image_of(shared)

@@ -372,3 +372,46 @@ def test_a_decode_thread_finding_its_photo_decoding_for_another_lane_goes_back_t
         backend.release.set()
         backlog.join(GUARD_S)
         pipeline.close()
+
+
+@pytest.mark.parametrize("kept_mb", [0, 256], ids=["none-kept", "kept"])
+def test_a_pool_shut_down_under_a_queued_decode_ends_its_sharers_and_returns(
+    store: MemoryStore, kept_mb: int
+) -> None:
+    """One backlog decode thread, held; a photo's decode queued behind it and two jobs sharing that
+    queued decode (or, keeping nothing, each decoding its own); the pool shut down: the shutdown
+    returns, and every job's decode ends (cancelled) as `wait` sees it. The sharers' callbacks ran
+    inside the shutdown, which held the pool's lock: a sharer that tried its own decode there waited
+    for that lock forever; and the pool's own future, cancelled by the shutdown, is never done for
+    `wait` (a review helper's finds)."""
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    store.put_bytes("inputs/queued.jpg", imagegen.photo(96, 72), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = _pipeline(store, backend, fetch_threads=1, decoded_image_cache_mb=kept_mb)
+    photos = pipeline.model.photos
+
+    def slot(job_id: str, name: str) -> Slot:
+        made = Slot(job_id, {}, time.time())
+        uri = f"s3://mrc/inputs/{name}"
+        made.job = Job.from_message(
+            {"job_id": job_id, "image_uri": uri, "prompt": "a?", "max_new_tokens": 4, "lane": "backlog"}
+        )
+        made.encoded = images.inspect(store.get_bytes("mrc", f"inputs/{name}", 10**7) or b"", 10**8)
+        return made
+
+    first: dict[tuple[str, ...], Future[Any]] = {}
+    try:
+        held = photos.soon(slot("held", "held.jpg"), first)
+        assert backend.holding.wait(GUARD_S)
+        queued = [photos.soon(slot(f"q{n}", "queued.jpg"), first) for n in range(3)]
+        closing = threading.Thread(target=pipeline.close, daemon=True)
+        closing.start()
+        closing.join(GUARD_S / 3)
+        assert not closing.is_alive()
+        backend.release.set()
+        assert not wait([held, *queued], timeout=GUARD_S).not_done
+        for future in queued:
+            with pytest.raises(CancelledError):
+                future.result()
+    finally:
+        backend.release.set()
