@@ -208,6 +208,10 @@ class Pipeline:
             cache_lookup.look_up(
                 self.cache, self.backend, self.settings, self.metrics, self.log, self._live(slots)
             )
+        # What is settled before the model (answered from the cache, or failed: a bad image, a bad
+        # message) is written now, not after the delivery's rows: a ticket delivered beside backlog
+        # jobs waited seconds for an answer it had in a millisecond.
+        self._finish_async([s for s in slots if not s.live and s.outcome != "skipped"])
 
     def _write_results(self, slots: list[Slot]) -> None:
         """Write what the model stage has not already sent off, then wait for every write."""

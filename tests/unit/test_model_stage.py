@@ -415,3 +415,38 @@ def test_a_pool_shut_down_under_a_queued_decode_ends_its_sharers_and_returns(
                 future.result()
     finally:
         backend.release.set()
+
+
+def test_answers_settled_before_the_model_are_written_before_the_deliverys_rows_end(
+    store: MemoryStore,
+) -> None:
+    """A delivery with a new photo (its decode held), a question answered from the cache and a job
+    whose image is missing: the cached answer and the error are written while the held job still
+    waits (they were written after the delivery's last row: a ticket beside backlog rows waited for
+    them, found by the lanes test on a slow machine)."""
+    from workers.memory_cache import MemoryResultCache
+
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = assemble(
+        backend,
+        store,
+        store,
+        MemoryJobRecords(),
+        Settings(),
+        sleep=lambda _s: None,
+        cache=MemoryResultCache(),
+    )
+    try:
+        assert pipeline.run([_job("asked-before")]) == ["succeeded"]  # its answer is cached from here on
+        delivery = [
+            _job("held", image_uri="s3://mrc/inputs/held.jpg"),
+            _job("cached"),
+            _job("missing", image_uri="s3://mrc/inputs/gone.jpg"),
+        ]
+        outcomes = _run_holding(store, pipeline, backend, delivery, {"cached", "missing"}, {"held"})
+        assert outcomes == [["succeeded", "succeeded", "failed"]]
+        assert store.get_result("cached")["cache_hit"] is True
+        assert _code(store, "missing") == "image_not_found"
+    finally:
+        pipeline.close()
