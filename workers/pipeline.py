@@ -208,10 +208,13 @@ class Pipeline:
             cache_lookup.look_up(
                 self.cache, self.backend, self.settings, self.metrics, self.log, self._live(slots)
             )
-        # What is settled before the model (answered from the cache, or failed: a bad image, a bad
-        # message) is written now, not after the delivery's rows: a ticket delivered beside backlog
-        # jobs waited seconds for an answer it had in a millisecond.
-        self._finish_async([s for s in slots if not s.live and s.outcome != "skipped"])
+        # An answer from the cache is written now, not after the delivery's rows: a ticket delivered
+        # beside backlog jobs waited seconds for an answer it had in a millisecond. Failures (a bad
+        # image, a retryable fetch) wait for the delivery's end, as the model's errors do: a delivery
+        # given back unacked by a fatal error must not leave a retry's countdown copy beside its
+        # given-back original (the job would run twice) or an announced failure to announce again.
+        # A succeeded answer is safe: the given-back copy finds it and is skipped.
+        self._finish_async([s for s in slots if s.cache_hit and not s.live and s.error is None])
 
     def _write_results(self, slots: list[Slot]) -> None:
         """Write what the model stage has not already sent off, then wait for every write."""

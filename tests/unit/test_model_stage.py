@@ -417,13 +417,14 @@ def test_a_pool_shut_down_under_a_queued_decode_ends_its_sharers_and_returns(
         backend.release.set()
 
 
-def test_answers_settled_before_the_model_are_written_before_the_deliverys_rows_end(
+def test_answers_from_the_cache_are_written_before_the_deliverys_rows_end_and_failures_are_not(
     store: MemoryStore,
 ) -> None:
     """A delivery with a new photo (its decode held), a question answered from the cache and a job
-    whose image is missing: the cached answer and the error are written while the held job still
-    waits (they were written after the delivery's last row: a ticket beside backlog rows waited for
-    them, found by the lanes test on a slow machine)."""
+    whose image is missing: the cached answer is written while the held job still waits (it was
+    written after the delivery's last row: a ticket beside backlog rows waited for it, found by the
+    lanes test on a slow machine). The failure is not: it is written with the delivery's end, in case
+    a fatal error gives the delivery back (test_pipeline: nothing of it is written or requeued)."""
     from workers.memory_cache import MemoryResultCache
 
     store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
@@ -444,9 +445,43 @@ def test_answers_settled_before_the_model_are_written_before_the_deliverys_rows_
             _job("cached"),
             _job("missing", image_uri="s3://mrc/inputs/gone.jpg"),
         ]
-        outcomes = _run_holding(store, pipeline, backend, delivery, {"cached", "missing"}, {"held"})
+        outcomes = _run_holding(store, pipeline, backend, delivery, {"cached"}, {"held", "missing"})
         assert outcomes == [["succeeded", "succeeded", "failed"]]
         assert store.get_result("cached")["cache_hit"] is True
         assert _code(store, "missing") == "image_not_found"
     finally:
         pipeline.close()
+
+
+def test_a_delivery_whose_photo_is_ready_after_the_worker_closed_ends_instead_of_waiting(
+    store: MemoryStore,
+) -> None:
+    """Found by review: a delivery whose decode was still running when close() stopped the engine
+    handed its row to an engine loop that had ended; the row's future never completed and the
+    delivery waited for ever. Now the row fails at once (WorkerUnusable: the delivery is given back)."""
+    from shared.errors import WorkerUnusable
+
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    backend = HeldDecode(held_width=80)
+    pipeline = _pipeline(store, backend, fetch_threads=1)
+    ended: list[BaseException | list[str]] = []
+
+    def deliver() -> None:
+        try:
+            ended.append(pipeline.run([_job("held", image_uri="s3://mrc/inputs/held.jpg")]))
+        except BaseException as exc:  # what the delivery ended with is the finding
+            ended.append(exc)
+
+    running = threading.Thread(target=deliver, daemon=True)
+    running.start()
+    assert backend.holding.wait(GUARD_S)
+    closing = threading.Thread(target=pipeline.close, daemon=True)
+    closing.start()
+    closing.join(GUARD_S)
+    assert not closing.is_alive()
+    backend.release.set()
+    running.join(GUARD_S)
+    assert not running.is_alive(), "the delivery waits for an engine that has stopped"
+    assert len(ended) == 1
+    assert isinstance(ended[0], WorkerUnusable)
+    assert "held" not in _written(store)  # given back, not failed: another worker runs it

@@ -228,6 +228,60 @@ def test_a_broken_device_ends_the_worker_instead_of_failing_jobs(
     assert not [k for (_b, k) in store.objects if k.startswith("results/")]
 
 
+def test_a_delivery_a_broken_device_gives_back_leaves_no_retry_copy_and_no_failure_written(
+    store: MemoryStore,
+) -> None:
+    """Found by review of c6d1c36: failures settled before the model were written (and a retryable one
+    requeued with a countdown) while the delivery ran; a device fault then gives the whole delivery back
+    unacked, so the retried job was queued twice (it ran twice) and the failed one was announced again
+    by its redelivery. Only an answer from the cache is written early: its redelivery is skipped."""
+    from shared.errors import WorkerUnusable
+    from workers.memory_cache import MemoryResultCache
+
+    class FlakyStore(MemoryStore):
+        def get_bytes(self, bucket: str, key: str, max_bytes: int) -> bytes | None:
+            if key == "inputs/flaky.jpg":
+                raise StoreUnavailable("S3 503 SlowDown")  # a retryable fetch failure
+            return super().get_bytes(bucket, key, max_bytes)
+
+    flaky = FlakyStore("mrc")
+    flaky.objects.update(store.objects)
+    flaky.put_bytes("inputs/flaky.jpg", imagegen.photo(64, 48), "image/jpeg")
+    records, requeued, cache = MemoryJobRecords(), Requeued(), MemoryResultCache()
+    healthy = assemble(EchoBackend(), flaky, flaky, records, Settings(), sleep=lambda _s: None, cache=cache)
+    try:
+        assert healthy.run([_job("asked-before", prompt="colour?")]) == ["succeeded"]
+    finally:
+        healthy.close()
+    broken = EchoBackend(fail_on="refund", error=RuntimeError("CUDA error: an illegal memory access"))
+    dying = assemble(broken, flaky, flaky, records, Settings(), sleep=lambda _s: None, cache=cache,
+                     requeue=requeued)  # fmt: skip
+    delivery = [
+        _job("d0"),
+        _job("flaky", image="s3://mrc/inputs/flaky.jpg"),
+        _job("missing", image="s3://mrc/inputs/nope.jpg"),
+        _job("cached", prompt="colour?"),
+    ]
+    try:
+        with pytest.raises(WorkerUnusable):
+            dying.run(delivery)
+    finally:
+        dying.close()
+    assert not requeued
+    keys = [key for (_bucket, key) in flaky.objects if key.startswith("results/")]
+    written = {key.removeprefix("results/").removesuffix(".json") for key in keys}
+    assert written == {"asked-before", "cached"}
+    assert [e["job_id"] for e in records.events] == ["asked-before", "cached"]
+    again = assemble(EchoBackend(), flaky, flaky, records, Settings(), sleep=lambda _s: None, cache=cache,
+                     requeue=Requeued())  # fmt: skip
+    try:  # the given-back delivery on the next worker: the cached answer is not announced twice
+        outcomes = again.run(delivery)
+    finally:
+        again.close()
+    assert outcomes[3] == "skipped"
+    assert sorted(e["job_id"] for e in records.events).count("cached") == 1
+
+
 def test_accelerator_errors_are_fatal_by_type() -> None:
     import torch
 

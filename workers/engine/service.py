@@ -49,6 +49,7 @@ class EngineService:
         self._streaming: dict[str, tuple[Sequence, int]] = {}
         self._cond = threading.Condition()
         self._stopping = False
+        self._closed = False  # the loop has returned: a row handed in now fails at once
         self.fatal: BaseException | None = None
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="mrc-engine", daemon=True)
@@ -74,6 +75,8 @@ class EngineService:
                 row.submitted_at = now
                 if self.fatal is not None:
                     future.set_exception(self.fatal)
+                elif self._closed:  # the loop has ended (the worker closing): nothing would take it
+                    future.set_exception(WorkerUnusable("the engine has stopped: the worker is closing"))
                 else:
                     self._inbox.append((row, future))
             self._cond.notify()
@@ -108,6 +111,7 @@ class EngineService:
                 self._cond.wait(_STALLED_WAIT_S)
             while not self._inbox and self.engine.idle:
                 if self._stopping:
+                    self._closed = True
                     return False
                 self._cond.wait(_IDLE_WAIT_S)
             inbox, self._inbox = self._inbox, []
