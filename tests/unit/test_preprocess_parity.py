@@ -137,6 +137,29 @@ def test_patches_are_the_same_from_either_layout(height: int, width: int) -> Non
             assert torch.equal(one.values, other.values), (dtype, max_side)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_patches_in_the_models_dtype_are_the_processors_values_rounded_once(dtype: torch.dtype) -> None:
+    """Patches are widened into the model's dtype and normalised there: each of the 256 byte values
+    (padding included) must be exactly what the processor's fused float32 normalisation gives (x -
+    127.5) / 127.5, then cast to that dtype, written into a batch's slice or made alone."""
+    values = torch.arange(256, dtype=torch.uint8).repeat(3 * 30 * 31)[: 3 * 59 * 61]
+    photo = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(7))]
+    photo = photo.view(59, 61, 3).permute(2, 0, 1)  # pads to a 2x3 grid of patches
+    padded = torch.full((3, 60, 90), preprocess.PAD_VALUE, dtype=torch.uint8)
+    padded[:, :59, :61] = photo
+    grid = padded.view(3, 2, 30, 3, 30).permute(1, 3, 2, 4, 0).reshape(6, 2700)
+    expected = grid.to(torch.float32).sub(127.5).div(127.5).to(dtype)
+    alone = preprocess.patchify(photo, dtype)
+    batch = torch.full((8, 2700), 9.0, dtype=dtype)
+    written = preprocess.patchify(photo, dtype, out=batch[1:7])
+    assert alone.dtype == dtype
+    assert torch.equal(alone, expected)
+    assert written.data_ptr() == batch[1:7].data_ptr()
+    assert torch.equal(batch[1:7], expected)
+    assert torch.equal(batch[0], torch.full((2700,), 9.0, dtype=dtype))  # its neighbours untouched
+    assert set(torch.unique(grid).tolist()) == set(range(256))
+
+
 def test_exif_rotated_photo_equals_the_processor(processor: Any) -> None:
     img = Image.open(io.BytesIO(imagegen.photo(320, 200)))
     exif = Image.Exif()

@@ -56,11 +56,15 @@ def patchify(image: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None =
     # into float32). With the bytes pixel by pixel (a decoded photo's layout) it moves runs of 30
     # pixels; plane by plane it gathers byte by byte (a 1440x1080 photo: ~3 ms against ~11 ms).
     patches = image.view(channels, rows, PATCH, cols, PATCH).permute(1, 3, 2, 4, 0).contiguous()
-    flat = patches.view(rows * cols, PATCH * PATCH * channels).to(torch.float32).sub_(MEAN).div_(STD)
-    if out is None:
-        return flat.to(dtype)
-    out.copy_(flat)
-    return out
+    flat = patches.view(rows * cols, PATCH * PATCH * channels)
+    # Widened straight into the model's dtype and normalised there, in place: no float32 copy of the
+    # photo (4 bytes a value, every page of it new memory: profiled, the page faults of that copy
+    # were most of a worker's decode-thread time). The values are the processor's to the bit: a byte
+    # minus 127.5 is exact in bfloat16 and float16, and each op computes in float32 and rounds once,
+    # as float32 then a cast does (tests/unit/test_preprocess_parity.py, every byte value).
+    target = torch.empty(flat.shape, dtype=dtype, device=flat.device) if out is None else out
+    target.copy_(flat)
+    return target.sub_(MEAN).div_(STD)
 
 
 @dataclass(frozen=True)
