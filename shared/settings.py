@@ -190,7 +190,8 @@ class Settings(BaseSettings):
     batch_calibrate: bool = True
     fetch_threads: int = Field(default=4, ge=1)
     # OpenMP threads of a model call on the CPU; 0: by the call's size, one for a small call, every
-    # usable core for a large one (workers/cpu_threads.py, measured in docs/benchmarks.md).
+    # usable core for a large one but a core for each photo being decoded beside it (workers/
+    # cpu_threads.py, measured in docs/benchmarks.md).
     cpu_threads: int = Field(default=0, ge=0, le=1024)
     # /healthz answers 503 after this long without progress while there is work (workers/liveness.py).
     # Above the longest engine step (a prefill, a decode step): each one is progress.

@@ -14,7 +14,7 @@ from shared.errors import ImageNotFound, InternalError, InvalidJob, MrcError, Ou
 from shared.jobs import Job, limit_problem
 from shared.settings import Settings
 from shared.stores import ImageSource
-from workers import images, inference
+from workers import cpu_threads, images, inference
 from workers.backends.base import ModelBackend, PromptPlan
 
 T = TypeVar("T")
@@ -78,6 +78,7 @@ def decode_image(encoded: images.EncodedImage, backend: ModelBackend) -> images.
     size alone."""
     if not backend.needs_pixels:
         return images.sized(encoded)
-    decoded = images.decode(encoded, backend.device)
-    fitted = backend.fit_image(decoded.tensor)
-    return dataclasses.replace(decoded, tensor=fitted, pixels=backend.image_pixels(fitted))
+    with cpu_threads.beside_model():  # a large model call leaves this decode a core meanwhile
+        decoded = images.decode(encoded, backend.device)
+        fitted = backend.fit_image(decoded.tensor)
+        return dataclasses.replace(decoded, tensor=fitted, pixels=backend.image_pixels(fitted))
