@@ -222,8 +222,8 @@ class ModelStage:
         decoded_all: bool = True,
     ) -> list[_Parked]:
         """Submit every parked job whose grammar is settled (suspects: together, once every one of the
-        delivery is decoded and settled); a job whose grammar failed gets its result at once. The rest
-        stay parked."""
+        delivery is decoded and settled); a job whose grammar failed is settled (written with the
+        delivery's end). The rest stay parked."""
         still = []
         for job in parked:
             settled = self.grammars.settle(job.ask)
@@ -231,8 +231,7 @@ class ModelStage:
                 job.wait_s = settled
                 still.append(job)
             elif isinstance(settled, MrcError):
-                job.slot.error = settled
-                self._finish([job.slot])
+                job.slot.error = settled  # written with the delivery's end, as every failure is
             elif job.slot.group is not None:
                 grouped.append((self._row(job, settled), job.slot))
             else:
@@ -245,9 +244,10 @@ class ModelStage:
 
     def _follow(self, decodes: list[tuple[Slot, Ask, Future[Decoded]]]) -> tuple[list[Slot], int]:
         """Take each job as its own decode ends (not behind a new photo earlier in the delivery), hand
-        over parked jobs as their grammars settle, and take each row back as it finishes (its result
-        is written while the delivery's other photos still decode). Returns the model errors, to be
-        written once the streak rule has judged them, and how many rows ran. Nothing outside this frame
+        over parked jobs as their grammars settle, and take each row back as it finishes (its answer
+        is written while the delivery's other photos still decode; its failure, with the delivery's
+        end). Returns the model errors, to be written once the streak rule has judged them, and how
+        many rows ran. Nothing outside this frame
         holds a job's decoded image or its built inputs (`decodes` is emptied in place)."""
         rows: dict[Future[Row], Slot] = {}
         parked: list[_Parked] = []
@@ -271,10 +271,13 @@ class ModelStage:
                 taken.add(future)
                 slot = rows[future]
                 self._take_row(slot, future.result())  # raises WorkerUnusable when the engine died
-                if isinstance(slot.error, ModelError):
-                    failed.append(slot)
-                else:
+                # An answer is written now. A failure waits for the delivery's end (a model error, for
+                # the streak rule too): should a fatal error give the delivery back unacked, a job
+                # already requeued (out of memory) would run twice, and a failure be announced twice.
+                if slot.error is None:
                     self._finish([slot])
+                elif isinstance(slot.error, ModelError):
+                    failed.append(slot)
             parked = self._hand_over(parked, rows, grouped, decoded_all=not decodes)
         return failed, len(rows)
 

@@ -485,3 +485,63 @@ def test_a_delivery_whose_photo_is_ready_after_the_worker_closed_ends_instead_of
     assert len(ended) == 1
     assert isinstance(ended[0], WorkerUnusable)
     assert "held" not in _written(store)  # given back, not failed: another worker runs it
+
+
+class _FaultySteps(EchoSteps):
+    """Echo's engine steps: a row asking "oom?" runs out of memory (alone too: a retry), a row asking
+    "refund?" breaks the device."""
+
+    def _maybe_fail(self, items: list[Any]) -> None:
+        if any("oom" in item.prompt for item in items):
+            raise MemoryError("out of memory")
+        if any("refund" in item.prompt for item in items):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+
+class _HeldFaulty(HeldDecode):
+    def step_model(self, *args: Any, **kwargs: Any) -> EchoSteps:
+        return _FaultySteps(self)
+
+
+def test_a_failure_in_the_model_waits_for_the_deliverys_end_so_a_fatal_error_leaves_no_retry_copy(
+    store: MemoryStore,
+) -> None:
+    """Found by review of 87ac55a: a row that failed in the model for another reason than a model
+    error (out of memory, its deadline, its grammar) was written at once; out of memory is retried,
+    so its countdown copy was queued. A device fault on the delivery's next row then gave the delivery
+    back unacked: the job was queued twice and ran twice. Its failure now waits for the delivery's end,
+    which the fault never reaches."""
+    from shared.errors import WorkerUnusable
+
+    store.put_bytes("inputs/held.jpg", imagegen.photo(80, 60), "image/jpeg")
+    requeued: list[str] = []
+    backend = _HeldFaulty(held_width=80)
+    pipeline = assemble(
+        backend, store, store, MemoryJobRecords(), Settings(fetch_threads=2), sleep=lambda _s: None,
+        requeue=lambda request_id, _body, _delay: requeued.append(request_id),
+    )  # fmt: skip
+    delivery = [_job("oom", prompt="oom?"), _job("fatal", image_uri="s3://mrc/inputs/held.jpg")]
+    ended: list[BaseException | list[str]] = []
+
+    def deliver() -> None:
+        try:
+            ended.append(pipeline.run(delivery))
+        except BaseException as exc:  # what the delivery ended with is the finding
+            ended.append(exc)
+
+    running = threading.Thread(target=deliver, daemon=True)
+    running.start()
+    try:
+        assert backend.holding.wait(GUARD_S)
+        deadline = time.monotonic() + GUARD_S  # the "oom" row runs (and fails) while the photo is held
+        while "oom?" not in backend.prefills and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # what the old code did with the failed row, it did at once
+    finally:
+        backend.release.set()
+    running.join(GUARD_S)
+    pipeline.close()
+    assert len(ended) == 1
+    assert isinstance(ended[0], WorkerUnusable)
+    assert requeued == []
+    assert not _written(store)
