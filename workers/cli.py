@@ -8,7 +8,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -226,7 +226,22 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     server.shutdown()
     code = int(worker.exitcode or 0)
     log.info("MRC_WORKER_STOPPED", exit_code=code)
-    return code
+    return _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the stopped worker without tearing the interpreter down: measured, the teardown of the
+    loaded model's and libraries' objects took 1.5-2 s of CPU after MRC_WORKER_STOPPED (a rolling
+    restart's, a scale-down's, every test worker's stop). Nothing is left to do: the jobs are acked or
+    given back, the engine and pools are closed, and the log is flushed here."""
+    import contextlib
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more to say
+            stream.flush()
+    os._exit(code)
 
 
 def _gpu_memory(device: str) -> dict[str, int]:
