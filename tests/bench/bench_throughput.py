@@ -43,11 +43,11 @@ from scripts import devservices as services  # noqa: E402 - after sys.path is se
 from shared import logs  # noqa: E402 - after sys.path is set
 from shared.jobs import parse_rfc3339  # noqa: E402 - after sys.path is set
 from shared.settings import Settings  # noqa: E402 - after sys.path is set
-from tests.bench.naive_runner import naive  # noqa: E402 - after sys.path is set
+from tests.bench.naive_runner import naive, rounds  # noqa: E402 - after sys.path is set
 from tests.bench.workloads import PARCELS, WORKLOADS, Workload  # noqa: E402 - after sys.path is set
 
 ENGINE_KEYS = ("slots", "slot_positions", "decode", "max_rows", "kv_tokens")  # now's and before's
-BEFORE: dict[str, str] = {}  # --before: the tree whose worker the "before" part runs
+BEFORE: dict[str, str] = {}  # --before's tree (and --pairs), and --rounds: what the rows read
 GOALS = {  # system / naive
     "decode-heavy": 4.0,
     "prefill-heavy": 1.5,
@@ -213,6 +213,32 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _rounds(
+    row: dict[str, Any],
+    wl: Workload,
+    paths: list[Path],
+    jobs: int,
+    work: Path,
+    env: dict[str, str],
+    batch: int,
+    parts: set[str],
+) -> set[str]:
+    """--rounds: the system and the naive pipeline alternating (their rates and the ratio's spread into
+    `row`; answers are not compared); the parts left to run."""
+    if not {"system", "naive"} <= parts or int(BEFORE.get("rounds") or 0) < 2 or wl.trickle_per_s:
+        return parts
+    specs = [wl.job(i) for i in range(jobs)]
+    row.update(
+        rounds(
+            lambda tag: system(wl, paths, jobs, work, env, batch, tag)["rate"],
+            lambda: naive(env, specs, paths, work, 0)[0],
+            int(BEFORE["rounds"]),
+            wl.name,
+        )
+    )
+    return parts - {"system", "naive"}
+
+
 def run_row(
     wl: Workload, jobs: int, batch: int, work: Path, env: dict[str, str], parts: set[str]
 ) -> dict[str, Any]:
@@ -220,6 +246,7 @@ def run_row(
     row: dict[str, Any] = {"workload": wl.name, "jobs": jobs}
     if "bare" in parts and not wl.trickle_per_s:
         row.update(bare(wl, paths, jobs, batch, env))
+    parts = _rounds(row, wl, paths, jobs, work, env, batch, parts)
     if "system" in parts:
         measured = system(wl, paths, jobs, work, env, batch, "sys")
         row["system"] = measured["rate"]
@@ -322,6 +349,9 @@ def main() -> None:
     parser.add_argument(
         "--pairs", type=int, default=0, help="with --before: N pairs of runs, order swapped each pair"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="system and naive N times each, alternating: the ratio's spread"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (worker logs)")
     parser.add_argument("--worker-env", action="append", default=[], help="KEY=VALUE for the mrc-worker runs")
     parser.add_argument(
@@ -334,6 +364,7 @@ def main() -> None:
     if args.model == "parcels" and "--rows" not in sys.argv:
         args.rows = PARCELS.name
     parts = set(args.parts.split(","))
+    BEFORE["rounds"] = str(args.rounds)
     if args.before:
         BEFORE["tree"] = str(Path(args.before).resolve())
         BEFORE["pairs"] = str(args.pairs) if args.pairs > 0 else ""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scripts import devservices as services
@@ -71,3 +74,30 @@ def naive(
         return len(specs) / (time.perf_counter() - began), latencies, texts
     finally:
         services.stop(proc)
+
+
+def rounds(
+    system: Callable[[str], float],
+    naive_rate: Callable[[], float],
+    count: int,
+    label: str,
+) -> dict[str, float]:
+    """The system and the naive pipeline `count` times each, alternating, the order swapped every round
+    (either one's rate moves from run to run on a shared machine; one run of each is one sample of a
+    ratio). Prints each round; returns the geometric means as "system" and "naive", and the rounds'
+    median system / naive as "ratio_median" (and the lowest as "ratio_min")."""
+    rates: dict[str, list[float]] = {"system": [], "naive": []}
+    ratios = []
+    for n in range(count):
+        order = ("system", "naive") if n % 2 == 0 else ("naive", "system")
+        got = {part: system(f"r{n}") if part == "system" else naive_rate() for part in order}
+        for part, rate in got.items():
+            rates[part].append(rate)
+        ratios.append(got["system"] / got["naive"])
+        print(f"  [{label}] round {n + 1}: system {got['system']:.2f} jobs/s, naive {got['naive']:.2f}, "
+              f"system / naive {ratios[-1]:.2f}", flush=True)  # fmt: skip
+    means = {part: math.exp(sum(math.log(r) for r in got) / len(got)) for part, got in rates.items()}
+    print(f"  [{label}] system / naive over {count} rounds: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}, "
+          f"lowest {min(ratios):.2f}", flush=True)  # fmt: skip
+    return {**means, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios)}
