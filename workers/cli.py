@@ -233,10 +233,13 @@ def _exit_now(code: int) -> NoReturn:
     """End the stopped worker without tearing the interpreter down: measured, the teardown of the
     loaded model's and libraries' objects took 1.5-2 s of CPU after MRC_WORKER_STOPPED (a rolling
     restart's, a scale-down's, every test worker's stop). Nothing is left to do: the jobs are acked or
-    given back, the engine and pools are closed, and the log is flushed here."""
+    given back, the engine and pools are closed, and the log is flushed here. The exit handlers still
+    run: Celery's SIGHUP restart is one (it execs the worker again from there)."""
+    import atexit
     import contextlib
     import logging
 
+    atexit._run_exitfuncs()  # what a normal exit runs first; the teardown after it is what is skipped
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing more to say

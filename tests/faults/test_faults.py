@@ -85,6 +85,23 @@ def test_sigterm_drains_and_returns_buffered_jobs(cluster: Cluster) -> None:
     _assert_once(cluster, cluster.wait_all(jobs, 90))
 
 
+def test_sighup_restarts_the_worker_in_place_and_it_answers_again(cluster: Cluster) -> None:
+    """Celery's SIGHUP (stdout not a terminal): a warm stop, then the process execs itself again from
+    an exit handler. A worker that ended without running its exit handlers (57ea63f, found by review)
+    stopped for good instead: a supervisor that restarts only failures would have left it down."""
+    worker = cluster.echo_worker()
+    _wait_event(worker, "MRC_CONSUMING")
+    worker.proc.send_signal(signal.SIGHUP)
+    services.wait_for(
+        lambda: len(worker.find("MRC_CONSUMING")) == 2, 90, "the worker back after SIGHUP", worker.proc
+    )
+    assert worker.proc.poll() is None  # the same process, exec'd again
+    assert len(worker.find("MRC_WORKER_STOPPED")) == 1
+    jobs = cluster.jobs(3)
+    cluster.send(jobs)
+    _assert_once(cluster, cluster.wait_all(jobs, 60))
+
+
 def test_s3_outage_shorter_than_the_retry_budget_fails_nothing(cluster: Cluster) -> None:
     image = cluster.image(imagegen.photo(320, 240))
     jobs = cluster.jobs(30, image)
