@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -179,12 +180,23 @@ def test_an_operator_sees_lanes_workers_the_run_moving_dead_letters_and_errors(
             seen.append(now)
         return bool(seen) and seen[-1] == "40/40"
 
-    # Watched from the moment it is sent: the page shows the run from its first line on.
+    def shown() -> bool:
+        progress()
+        return bool(seen)
+
+    # Watched from the moment it is sent: the page shows the run from its first line on. The worker is
+    # held (SIGSTOP) until the page has shown the run unfinished: a fast machine ran all 40 jobs within
+    # one refresh, and the page's first sight of the run was its end (CI: "the bar never moved").
+    worker.proc.send_signal(signal.SIGSTOP)
     sending = subprocess.Popen(
         [str(services.BIN / "mrc"), "backlog", str(manifest), "--run-id", run_id], env=ops_env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
+        try:
+            _wait("the run, before the worker takes it", shown)
+        finally:
+            worker.proc.send_signal(signal.SIGCONT)
         _wait("the run's progress reach 40/40", progress, timeout=180)
     finally:
         assert sending.wait(60) == 0
