@@ -185,6 +185,12 @@ class Worker:
     def find(self, event: str, **match: str) -> list[dict[str, str]]:
         return [f for e, f in self.events() if e == event and all(f.get(k) == v for k, v in match.items())]
 
+    def logged(self, event: str, timeout: float = 30, **match: str) -> list[dict[str, str]]:
+        """What `find` gives once it gives a line: a job's line is logged after its result can be read
+        (the record first, on purpose), so a test that has just read the result may look too soon."""
+        wait_for(lambda: bool(self.find(event, **match)), timeout, event, self.proc)
+        return self.find(event, **match)
+
     @property
     def http_port(self) -> int:
         return int(self.find("MRC_HTTP_LISTENING")[0]["port"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -219,11 +220,14 @@ def _partition_during_the_push(client: Client, cluster: sentinel_cluster.Sentine
         cluster.wait_for_new_master(old)
         # Queued behind the waiting push (a new connection is read after the pending one): refuse
         # writes again before the producer's confirm, as a primary that noticed its replicas left does.
-        refuse = threading.Thread(target=lambda: redis.Redis(port=old).config_set("min-replicas-to-write", 1))
-        refuse.start()
-        time.sleep(0.5)
-        primary.proc.send_signal(signal.SIGCONT)
-        refuse.join(10)
+        # The kernel takes the connection and the command's bytes while the primary is stopped; once
+        # sendall returns they wait there, so no sleep has to guess when a thread has sent them.
+        words = [b"CONFIG", b"SET", b"min-replicas-to-write", b"1"]
+        command = b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+        with socket.create_connection(("localhost", old), timeout=10) as refuse:
+            refuse.sendall(command)
+            primary.proc.send_signal(signal.SIGCONT)
+            refuse.recv(64)  # +OK: applied
 
     def send(job: Any, push_id: str | None = None) -> None:
         client._send = real  # type: ignore[method-assign]

@@ -74,7 +74,7 @@ def test_bad_prompts_are_refused_or_answered(client: Client, worker: Worker, tmp
     for job_id, prompt in accepted:
         assert results[job_id]["status"] == "succeeded"
         assert results[job_id]["prompt"]["chars"] == len(prompt)
-        lines = worker.find("MRC_SUCCESS", job_id=job_id)
+        lines = worker.logged("MRC_SUCCESS", job_id=job_id)
         assert len(lines) == 1
         assert lines[0]["prompt_head"] == prompt[:64]
 

@@ -73,7 +73,7 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         # submitted -> admitted <= submitted -> first token <= submitted -> result
         assert timings["queued"] <= timings["first_token"] <= timings["total"]
         assert stored["finish_reason"] in ("stop", "length")
-        success = worker.find("MRC_SUCCESS", job_id=job_id)
+        success = worker.logged("MRC_SUCCESS", job_id=job_id)
         assert len(success) == 1
         assert float(success[0]["latency"]) > 0
         assert int(success[0]["input_len"]) > 0
@@ -128,7 +128,7 @@ def test_bad_image_fails_its_job_with_its_code(
     assert result["text"] is None
     assert result["error"]["code"] == code
     assert result["error"]["retryable"] is False
-    errors = worker.find("MRC_ERROR", job_id=result["job_id"])
+    errors = worker.logged("MRC_ERROR", job_id=result["job_id"])
     assert len(errors) == 1
     assert errors[0]["code"] == code
 
@@ -138,6 +138,7 @@ def test_awkward_prompt_is_logged_on_one_line_and_round_trips(env, worker: Worke
     done = _submit_wait(env, _write(images_dir, "ok.jpg", imagegen.photo(200, 150)), prompt)
     assert done.returncode == 0, done.stderr
     job_id = json.loads(done.stdout)["job_id"]
+    worker.logged("MRC_SUCCESS", job_id=job_id)  # the line comes a moment after the result
     lines = [line for line in worker.log_path.read_text().splitlines() if f"job_id={job_id}" in line]
     assert len(lines) == 1
     assert lines[0].startswith("MRC_SUCCESS|")
@@ -170,7 +171,7 @@ def test_same_job_id_twice_runs_once(env, worker: Worker, images_dir: Path) -> N
     assert first.returncode == 0
     assert second.returncode == 0
     assert first.stdout.strip() == job_id == json.loads(second.stdout)["job_id"]
-    assert len(worker.find("MRC_SUCCESS", job_id=job_id)) == 1
+    assert len(worker.logged("MRC_SUCCESS", job_id=job_id)) == 1
 
 
 def test_unknown_job_status(env, worker: Worker) -> None:
@@ -348,7 +349,7 @@ def test_repeated_question_about_the_same_photo_is_answered_from_the_cache(
     assert (first["cache_hit"], second["cache_hit"], third["cache_hit"]) == (False, True, False)
     assert second["text"] == first["text"]
     assert second["job_id"] != first["job_id"]
-    hit_line = worker.find("MRC_SUCCESS", job_id=second["job_id"])
+    hit_line = worker.logged("MRC_SUCCESS", job_id=second["job_id"])
     assert len(hit_line) == 1
     assert hit_line[0]["cache_hit"] == "true"
     view = json.loads(run_cli(env, "queues", "--json").stdout)

@@ -104,7 +104,7 @@ def test_a_resubmission_pushes_a_message_that_is_nowhere_again_and_the_job_runs_
     for _ in range(2):  # resubmitted again once it ran: its marker says acked, nothing is pushed
         assert client.enqueue(job) is False
     assert _queued(redis, job.job_id) == 0
-    assert len(worker.find("MRC_SUCCESS", job_id=job.job_id)) == 1
+    assert len(worker.logged("MRC_SUCCESS", job_id=job.job_id)) == 1
 
 
 def test_two_resubmissions_of_a_lost_message_push_it_once(own_redis: dict[str, str], image: Path) -> None:

@@ -111,7 +111,7 @@ def test_an_answer_cut_by_max_new_tokens_fails_answer_incomplete(
     assert result["error"]["retryable"] is False
     assert result["text"].startswith("{")
     assert result["output"] is None
-    assert worker.find("MRC_ERROR", job_id=result["job_id"])[0]["code"] == "answer_incomplete"
+    assert worker.logged("MRC_ERROR", job_id=result["job_id"])[0]["code"] == "answer_incomplete"
 
 
 @pytest.mark.parametrize(

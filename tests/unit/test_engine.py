@@ -393,7 +393,9 @@ def test_a_device_fault_mid_step_fails_every_row_with_the_worker(backend: FuyuBa
 
     service = EngineService(_Faulty(backend, decode_fault=fault), scheduler.Limits(4, 0), Metrics())
     service.start()
-    futures = [service.submit(_sequence(backend, str(i), _item(i, 0, 8), "backlog")) for i in range(3)]
+    # One call: three rows submitted one by one could let the first finish alone before the others
+    # joined (a fast thread, a busy machine), and a lone row's step never meets the fault.
+    futures = service.submit_many([_sequence(backend, str(i), _item(i, 0, 8), "backlog") for i in range(3)])
     wait(futures, timeout=60)
     assert all(isinstance(f.exception(), WorkerUnusable) for f in futures)
     late = service.submit(_sequence(backend, "late", _item(0, 0, 2), "interactive"))
@@ -490,6 +492,7 @@ def test_a_lowered_memory_ceiling_keeps_every_other_limit() -> None:
 def test_streaming_rows_publish_their_answers_once_each_through_a_pause(backend: FuyuBackend) -> None:
     """The engine's thread offers each streaming row's tokens after every step; the publisher writes
     text a row's answer begins with, once, even when a ticket pauses the row and it starts again."""
+    import threading
     import time
     from concurrent.futures import wait
 
@@ -500,7 +503,16 @@ def test_streaming_rows_publish_their_answers_once_each_through_a_pause(backend:
     sink = MemorySink()
     streams = TextStreams(sink, backend.detokenize, 0.001, backend.cleans_spaces, backend.settled).start()
     limits = scheduler.Limits(max_rows=2, reserved_interactive=0)
-    service = EngineService(backend.step_model(2), limits, Metrics(), streams=streams).start()
+    ticket_in = threading.Event()
+
+    def gate(row_ids: list[str]) -> None:
+        # The rows' sixth step waits for the ticket: they are mid-answer when it comes, on any machine
+        # (a fast one could finish ten tokens before the test's thread looked).
+        if len(runner.decodes) >= 6 and "t" not in row_ids:
+            ticket_in.wait(60)
+
+    runner = _Faulty(backend, decode_fault=gate)
+    service = EngineService(runner, limits, Metrics(), streams=streams).start()
     rows = [_sequence(backend, f"b{i}", _item(i + 1, i, 10), "backlog") for i in range(2)]
     for row in rows:
         row.stream_to = f"job-{row.row_id}"
@@ -509,7 +521,9 @@ def test_streaming_rows_publish_their_answers_once_each_through_a_pause(backend:
     while not any(e.job_id == "job-b1" for e in sink.entries) and time.monotonic() < deadline:
         time.sleep(0.005)
     ticket = service.submit(_sequence(backend, "t", _item(0, 2, 4), "interactive"))
+    ticket_in.set()
     wait([*futures, ticket], timeout=120)
+    assert any(f.result().restarts for f in futures), "the ticket paused no row: nothing was tested"
     service.stop()
     streams.stop()
     for future, item in zip(futures, [_item(1, 0, 10), _item(2, 1, 10)], strict=True):

@@ -186,7 +186,8 @@ def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
     paced = EchoBackend(token_s=0.002)
     service = EngineService(paced.step_model(), limits, metrics).start()
     try:
-        b1, b2 = _row("b1", new=40), _row("b2", new=40)
+        # 400 tokens at 2 ms: the ticket comes while both still run (>= 0.8 s left), on a busy machine too
+        b1, b2 = _row("b1", new=400), _row("b2", new=400)
         futures = [service.submit(b1), service.submit(b2)]
         while not b2.tokens or len(b2.tokens) < 5:
             time.sleep(0.005)
