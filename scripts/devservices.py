@@ -188,7 +188,8 @@ class Worker:
     def logged(self, event: str, timeout: float = 30, **match: str) -> list[dict[str, str]]:
         """What `find` gives once it gives a line: a job's line is logged after its result can be read
         (the record first, on purpose), so a test that has just read the result may look too soon."""
-        wait_for(lambda: bool(self.find(event, **match)), timeout, event, self.proc)
+        if self.proc.poll() is None:  # an ended worker's log is whole: nothing more to wait for
+            wait_for(lambda: bool(self.find(event, **match)) or self.proc.poll() is not None, timeout, event)
         return self.find(event, **match)
 
     @property

@@ -126,6 +126,9 @@ class Settings(BaseSettings):
     # MRC_MODEL=echo only: milliseconds each generated token takes (slept), a model of known speed for
     # tests and benchmarks whose premise is "this batch outlasts X" on a machine of any speed.
     echo_token_ms: float = Field(default=0.0, ge=0, le=10_000)
+    # MRC_MODEL=echo only: a step with a prompt holding this text raises a device fault (a CUDA
+    # error's text), for fault tests of the path a broken accelerator takes: give back, exit 70.
+    echo_device_fault_on: str = Field(default="", max_length=200)
 
     # --- worker ---
     metrics_port: int = Field(default=9400, ge=0, le=65535)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import structlog
@@ -37,6 +38,16 @@ class _Heartbeat(threading.Thread):
                 )
 
 
+_LIVE: weakref.WeakSet[QoS] = weakref.WeakSet()  # every consumer's QoS in this process
+
+
+def held_by_this_process() -> list[str]:
+    """The delivery tags every consumer of this process holds unacked: its deliveries in hand, the
+    messages celery-batches buffers and the retries waiting out their countdown. What a process that
+    must exit gives back (shared/unacked.py), so none waits for the visibility timeout."""
+    return [tag for qos in list(_LIVE) for tag in qos.held_tags()]
+
+
 def heartbeat_interval(visibility_timeout_s: float) -> float:
     """Four beats per visibility timeout: a beat may be late (a slow Redis, a busy interpreter) by
     three quarters of the timeout before a live consumer's message could be handed out again."""
@@ -56,6 +67,7 @@ class QoS(kombu_redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._heartbeat: _Heartbeat | None = None
+        _LIVE.add(self)
 
     def append(self, message: Any, delivery_tag: str) -> None:
         recorded: set[str] = getattr(self.channel, "recorded_by_pop", set())

@@ -24,21 +24,22 @@ return 0
 """
 
 
-def give_back(client: Any, task_ids: Collection[str]) -> int:
-    """Put the unacked messages of these tasks back at the head of their queues at once, instead of
-    after the visibility timeout: for a worker about to exit because it cannot run them."""
-    wanted = set(task_ids)
+def give_back(client: Any, tags: Collection[str]) -> int:
+    """Put these unacked messages back at the head of their queues at once, instead of after the
+    visibility timeout: for a worker about to exit because it cannot run them. By delivery tag (the
+    unacked hash's key, unique per publish): a retry's countdown copy shares its job's task id, and
+    another worker may hold one, which must stay where it is."""
     script = client.register_script(_GIVE_BACK_SCRIPT)
     returned = 0
-    for tag, raw in client.hscan_iter(names.UNACKED_KEY, count=500):
+    for tag in dict.fromkeys(tags):
+        raw = client.hget(names.UNACKED_KEY, tag)
+        if raw is None:  # acked, restored or given back already
+            continue
         try:
             payload, _exchange, routing_key = json.loads(bytes_to_str(raw))
-            task_id = payload["headers"]["id"]
+            payload["headers"]["redelivered"] = True
         except (ValueError, TypeError, KeyError, RecursionError):
-            continue
-        if task_id not in wanted:
-            continue
-        payload["headers"]["redelivered"] = True
+            continue  # unreadable: kombu's restore sets it aside after the visibility timeout
         # mrc's queues are bound by name (direct exchange): the routing key names the list
         queue = (
             routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")

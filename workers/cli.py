@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     """Load, warm up and consume until stopped; the exit code."""
     from celery.signals import worker_ready
 
-    from shared import ops_counts, transport, unacked
+    from shared import ops_counts, transport, transport_qos, unacked
     from shared.celery_app import make_celery
     from shared.lane_metrics import LaneCollector
     from shared.records import RedisJobRecords, connect
@@ -163,9 +163,11 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         state.set_not_ready(f"unusable: {reason}")
         metrics.ready.set(0)
 
-    tasks.register(
-        app, settings, pipeline, lambda ids: unacked.give_back(fatal_client, ids), on_fatal=on_fatal
-    )
+    def give_back() -> int:
+        transport.stop_taking()  # first: a pop could take a message given back into this process again
+        return unacked.give_back(fatal_client, transport_qos.held_by_this_process())
+
+    tasks.register(app, settings, pipeline, give_back, on_fatal=on_fatal)
     metrics.registry.register(LaneCollector(depth_client))
     metrics.registry.register(GpuCollector(backend.device))
     metrics.watch(

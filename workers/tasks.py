@@ -76,35 +76,31 @@ def register(
     app: Celery,
     settings: Settings,
     pipeline: Pipeline,
-    give_back: Callable[[list[str]], int] | None = None,
+    give_back: Callable[[], int] | None = None,
     on_fatal: Callable[[str], None] | None = None,
 ) -> Any:
     """Register the batched task on `app`, bound to one pipeline (one model per process).
 
-    `give_back` returns a delivery's messages to their queues at once when the process must end;
-    `on_fatal` marks the worker not ready before it does."""
+    `give_back` returns every message the process holds unacked to its queue at once when the
+    process must end; `on_fatal` marks the worker not ready before it does."""
     log = logs.get_logger()
-    in_hand: dict[str, None] = {}  # request ids of every delivery running now (the threads pool)
-    lock = threading.Lock()
+    ending = threading.Lock()  # the first delivery thread to fail ends the process; the rest wait
 
     def infer(requests: Sequence[SimpleRequest]) -> None:
         messages = to_messages(requests)
-        with lock:
-            in_hand.update(dict.fromkeys(m.request_id for m in messages))
         try:
             pipeline.run(messages)
         except BaseException as exc:
             log.critical("MRC_FATAL", error=repr(exc)[:500], jobs=len(messages))
-            if on_fatal is not None:
-                on_fatal(repr(exc)[:300])
-            with lock:  # every delivery in hand: the others cannot finish on this process either
-                ids = list(in_hand)
-            _give_back(give_back, ids, log)
-            # Exit without acking: what was not given back, Redis hands out after the visibility timeout.
-            os._exit(EXIT_UNUSABLE)
-        with lock:
-            for message in messages:
-                in_hand.pop(message.request_id, None)
+            with ending:
+                if on_fatal is not None:
+                    on_fatal(repr(exc)[:300])
+                # Every message held, not only this delivery's: the other deliveries in hand, those
+                # buffered for the next and the retries counting down cannot finish here either.
+                _give_back(give_back, log)
+                # Exit without acking: what was not given back, Redis hands out after the visibility
+                # timeout.
+                os._exit(EXIT_UNUSABLE)
 
     return app.task(
         infer,
@@ -124,13 +120,13 @@ def buffered(app: Celery) -> int:
     return sum(q.qsize() for q in queues if q is not None)
 
 
-def _give_back(give_back: Callable[[list[str]], int] | None, request_ids: list[str], log: Any) -> None:
+def _give_back(give_back: Callable[[], int] | None, log: Any) -> None:
     if give_back is None:
         return
     try:
-        returned = give_back(request_ids)
+        returned = give_back()
     except Exception as exc:  # Redis may be what failed: the visibility timeout still returns them
-        log.error("MRC_GIVE_BACK_FAILED", jobs=len(request_ids), error=repr(exc)[:300])
+        log.error("MRC_GIVE_BACK_FAILED", error=repr(exc)[:300])
         return
     log.warning("MRC_GIVEN_BACK", jobs=returned)
 

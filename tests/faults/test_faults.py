@@ -342,6 +342,41 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
     )  # fmt: skip
 
 
+def test_a_broken_device_gives_back_everything_its_worker_holds_and_exits_70(cluster: Cluster) -> None:
+    """A device fault (the echo model's injected CUDA error) ends the worker with exit 70, and every
+    message it held unacked is back in its queue at once: the deliveries in hand and the retries
+    waiting out their countdown in the worker (before, only the deliveries: the retries waited for
+    the visibility timeout, 600 s here, and a healthy worker answers them all long before it)."""
+    from producer.client import Submission
+
+    env = {"MRC_BATCH_MAX_JOBS": "4", "MRC_RETRY_BASE_S": "20", "MRC_RETRY_MAX_S": "20",
+           "MRC_VISIBILITY_TIMEOUT_S": "600"}  # fmt: skip
+    image = cluster.image()
+    retried = cluster.jobs(2, image, prefix="retried")
+    fault = cluster.client.build_job(
+        Submission(image=image, prompt="DEVICE-FAULT here", job_id=f"fault-{uuid.uuid4().hex[:6]}")
+    )
+    others = cluster.jobs(7, image, prefix="other")
+    broken = cluster.paced_worker(1, MRC_ECHO_DEVICE_FAULT_ON="DEVICE-FAULT", **env)
+    cluster.proxy.stop()  # S3 down: both fail their fetch and are retried in 10-30 s
+    cluster.send(retried)
+    services.wait_for(lambda: len(broken.find("MRC_RETRY")) >= 2, 60, "two retries", broken.proc)
+    cluster.proxy.start()
+    client = redis_lib.Redis.from_url(cluster.env["MRC_REDIS_URL"])
+    services.wait_for(  # the retries' countdown copies, held unacked by the worker until their ETA
+        lambda: client.hlen(names.UNACKED_KEY) >= 2, 30, "the retries held by the worker", broken.proc
+    )  # fmt: skip
+    cluster.send([fault, *others])
+    assert broken.proc.wait(120) == 70
+    assert broken.find("MRC_FATAL")
+    assert not broken.find("MRC_GIVE_BACK_FAILED")
+    assert not any(cluster.results(retried).values()), "the retries ran before the fault: nothing tested"
+    assert int(broken.logged("MRC_GIVEN_BACK")[0]["jobs"]) >= 3  # the retries and the fault's delivery
+    assert client.hlen(names.UNACKED_KEY) == 0, "a message the dead worker held waits for the timeout"
+    cluster.echo_worker(**env)  # a healthy worker: no fault injected
+    _assert_once(cluster, cluster.wait_all([*retried, fault, *others], 90))
+
+
 def test_pending_retries_never_stop_fresh_jobs_from_being_taken(cluster: Cluster) -> None:
     """As many retries waiting for their countdown as the prefetch limit: fresh jobs still run now."""
     # Countdowns of 10-30 s: the fresh jobs must be sent and answered (through the S3 proxy) inside the

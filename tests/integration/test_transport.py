@@ -138,33 +138,38 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
 
 
 def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> None:
-    """A worker that cannot go on (device lost) puts its delivery back at the head of the queue
-    instead of leaving it to the visibility timeout; messages of other deliveries stay put."""
+    """A worker that cannot go on (device lost) puts the messages it holds back at the head of the
+    queue instead of leaving them to the visibility timeout, by delivery tag: a second message with
+    the same task id (a retry's countdown copy, held elsewhere) stays put, as do other messages."""
     from shared.unacked import give_back
 
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     with _connect(redis_url) as conn:
         producer = Producer(conn.channel())
-        for n in range(3):
+        for n, task_id in enumerate(["job-0", "job-1", "job-2", "job-0"]):
             producer.publish({"n": n}, exchange=QUEUE.exchange, routing_key="mrc.t", declare=[QUEUE],
-                             serializer="json", headers={"id": f"job-{n}"})  # fmt: skip
+                             serializer="json", headers={"id": task_id})  # fmt: skip
     taken: list[Any] = []
     with _connect(redis_url) as conn:
         channel = conn.channel()
-        channel.basic_qos(prefetch_count=3)
+        channel.basic_qos(prefetch_count=4)
         callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
         with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
             deadline = time.monotonic() + 10
-            while len(taken) < 3 and time.monotonic() < deadline:
+            while len(taken) < 4 and time.monotonic() < deadline:
                 with contextlib.suppress(TimeoutError):
                     conn.drain_events(timeout=1)
-        assert _where(client) == (0, 3)
-        assert give_back(client, ["job-0", "job-2", "not-here"]) == 2
-        assert _where(client) == (2, 1)
-        assert int(client.zcard("unacked_index")) == 1
-        assert give_back(client, ["job-0"]) == 0, "given back once, never twice"
-        returned = [json.loads(raw)["headers"]["id"] for raw in client.lrange("mrc.t", 0, -1)]
-        assert sorted(returned) == ["job-0", "job-2"]
+        assert _where(client) == (0, 4)
+        by_n = {message.payload["n"]: message.delivery_tag for message in taken}
+        assert give_back(client, [by_n[0], by_n[2], "not-here"]) == 2
+        assert _where(client) == (2, 2)
+        assert int(client.zcard("unacked_index")) == 2
+        assert give_back(client, [by_n[0]]) == 0, "given back once, never twice"
+        returned = [json.loads(raw) for raw in client.lrange("mrc.t", 0, -1)]
+        assert sorted(r["headers"]["id"] for r in returned) == ["job-0", "job-2"]
+        assert all(r["headers"]["redelivered"] for r in returned)
+        held = [json.loads(raw)[0]["headers"]["id"] for raw in client.hvals("unacked")]
+        assert sorted(held) == ["job-0", "job-1"], "the copy with the same task id was given back too"
 
 
 def test_no_ack_consumers_get_no_unacked_record_and_no_redelivery(redis_url: str) -> None:

@@ -19,7 +19,13 @@ def make_backend(settings: Settings) -> ModelBackend:
     if settings.model == "echo":
         from workers.backends.echo import EchoBackend
 
-        return EchoBackend(token_s=settings.echo_token_ms / 1000, needs_pixels=False)
+        fault = RuntimeError("CUDA error: an illegal memory access (injected: MRC_ECHO_DEVICE_FAULT_ON)")
+        return EchoBackend(
+            fail_on=settings.echo_device_fault_on or None,
+            error=fault,
+            token_s=settings.echo_token_ms / 1000,
+            needs_pixels=False,
+        )
     from workers.backends.fuyu import FuyuBackend
 
     return FuyuBackend(settings)
