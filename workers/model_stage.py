@@ -287,7 +287,8 @@ class ModelStage:
         return Row(
             self.engine.row_id(slot.job.job_id), job.inputs, job.positions, slot.job.max_new_tokens,
             self.backend.eos_id, lane=slot.job.lane, group=slot.group,
-            deadline=self.admission.deadline_s(slot.job), constraint=constraint, identity=_identity(slot),
+            deadline=self.admission.deadline_s(slot.job), constraint=constraint,
+            identity=_identity(slot) if self.settings.engine_prefix_cache == "on" else None,
             stream_to=slot.job.job_id if slot.job.stream else None,
         )  # fmt: skip
 

@@ -302,6 +302,31 @@ def test_a_ticket_pauses_a_backlog_row_which_resumes_with_the_same_tokens(backen
         assert done[row_id].tokens == _alone(backend, item)
 
 
+def test_a_paused_job_counts_once_in_the_hit_ratio(backend: FuyuBackend) -> None:
+    """Review finding: lookups and hits were counted per admission, so a paused row admitted again
+    counted twice, and mostly as a hit on its own kept prefix. Jobs of one photo: one lookup each,
+    hits at most the lookups, whatever the pauses."""
+    items = [_item(1, 0, 10), _item(1, 1, 10), _item(1, 2, 4)]  # one photo, three questions
+    done: dict[str, Sequence] = {}
+    limits = scheduler.Limits(max_rows=2, reserved_interactive=0)
+    engine = Engine(backend.step_model(2), limits, lambda row: done.__setitem__(row.row_id, row))
+    rows = [_sequence(backend, "b1", items[0], "backlog"), _sequence(backend, "b2", items[1], "backlog")]
+    ticket = _sequence(backend, "t", items[2], "interactive")
+    for row in (*rows, ticket):
+        row.identity = ("key", "photo-1")
+    lookups = hits = 0
+    arrivals = [(rows[0], 0), (rows[1], 0), (ticket, 3)]
+    while arrivals or not engine.idle:
+        while arrivals and arrivals[0][1] <= engine.steps:
+            engine.submit(arrivals.pop(0)[0])
+        report = engine.step()
+        lookups, hits = lookups + report.lookups, hits + report.hits
+        assert engine.steps < 500
+    assert done["b2"].restarts == 1  # paused for the ticket, admitted again
+    assert lookups == 3
+    assert 1 <= hits <= 2  # the first question of the photo computes it
+
+
 def test_held_backlog_rows_sit_out_a_tickets_steps_and_resume_with_the_same_tokens(
     backend: FuyuBackend,
 ) -> None:

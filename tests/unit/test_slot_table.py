@@ -113,6 +113,38 @@ def test_a_retained_prefix_keeps_its_blocks_only_and_is_freed_least_recently_use
     assert table.index.match(chain("a", list(range(40)))) is None
 
 
+@pytest.mark.parametrize("capacity", [None, 1024], ids=["uniform", "by-need"])
+def test_rows_that_asked_about_one_photo_at_once_leave_one_copy_of_its_prefix(capacity: int | None) -> None:
+    """Review finding: four questions about one photo, run together, each left its own copy of the
+    photo's blocks; 16 copies of 4 photos filled the cache and pushed out the prefixes of the photos
+    asked about next. One copy stays, the longest; the gauge counts whole blocks in either layout."""
+    table = SlotTable(8, positions=100, capacity=capacity)
+    photo = list(range(48))  # three whole blocks, then the questions (a partial block: no hash)
+    for row in "abcd":
+        table.assign(row, 0, 60)
+        table.index.add(row, chain("photo", photo))
+        table.set_length(row, 55)
+    kept = table.retain("a")
+    assert kept is not None
+    assert [table.retain(row) for row in "bcd"] == [None, None, None]  # freed: `kept` holds it all
+    assert (table.cached, table.length(kept)) == (48, 48)
+    assert table.spare == table.pool
+    longer = list(range(64))  # the same start and one block more: it covers `kept`, which goes
+    table.assign("e", 0, 80)
+    table.index.add("e", chain("photo", longer))
+    table.set_length("e", 70)
+    entry = table.retain("e")
+    assert entry is not None
+    assert kept not in table
+    assert (table.cached, table.index.match(chain("photo", photo)).holder) == (64, entry)  # type: ignore[union-attr]
+    other = list(range(100, 132))  # another photo: kept beside it
+    table.assign("f", 0, 40)
+    table.index.add("f", chain("other", other))
+    table.set_length("f", 32)
+    assert table.retain("f") is not None
+    assert table.cached == 96
+
+
 def test_a_retained_slot_is_taken_over_where_it_lies_when_it_can_grow_there() -> None:
     table = SlotTable(4, positions=100, capacity=256)
     table.assign("a", 0, 100)

@@ -45,7 +45,7 @@ CEILING_STEPS = 256
 class StepReport:
     prefilled: int = 0  # rows whose prefill became whole (they joined the decode steps)
     computed: int = 0  # prefill positions computed (chunks)
-    lookups: int = 0  # rows admitted that could reuse a cached prefix
+    lookups: int = 0  # jobs admitted (first time) that could reuse a cached prefix
     hits: int = 0  # of those, rows that did
     reused: int = 0  # positions they reused, not computed
     decoded_rows: int = 0
@@ -229,8 +229,10 @@ class Engine:
         row.computed = row.cached_tokens = reused
         self.prefilling[row.row_id] = row
         report = self._report
-        report.lookups += row.identity is not None
-        report.hits += reused > 0
+        if not row.looked_up:  # a job once: a paused row admitted again mostly finds its own prefix
+            row.looked_up = True
+            report.lookups += row.identity is not None
+            report.hits += reused > 0
         report.reused += reused
         return True
 
@@ -265,7 +267,7 @@ class Engine:
         """What other rows wrote of its prefix since it began: copied, not computed."""
         gained = self.runner.catch_up(row.row_id)
         if gained:
-            self._report.hits += row.cached_tokens == 0
+            self._report.hits += row.cached_tokens == 0 and row.restarts == 0  # a job once, as in _begin
             self._report.reused += gained
             row.computed += gained
             row.cached_tokens += gained

@@ -99,6 +99,19 @@ class PrefixIndex:
             self.remove(holder)
         return holder
 
+    def covering(self, holder: str) -> list[str]:
+        """Other holders that hold every block of this holder's (its last block's: the chain says the
+        rest)."""
+        hashes = self._chains.get(holder)
+        if not hashes:
+            return []
+        return [h for h in self._holders.get(hashes[-1], {}) if h != holder]
+
+    def covered(self, holder: str) -> list[str]:
+        """Other holders whose every block this holder holds (their last block is one of its)."""
+        mine = set(self._chains.get(holder, []))
+        return [h for h, hashes in self._chains.items() if h != holder and hashes and hashes[-1] in mine]
+
     def known(self, holder: str) -> int:
         """Leading positions of the holder's slot the index knows (whole blocks)."""
         return len(self._chains.get(holder, [])) * self.block

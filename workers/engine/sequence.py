@@ -37,6 +37,7 @@ class Sequence:
     stream_to: str | None = None  # the job whose stream gets its text as it is decoded (workers/streaming.py)
     computed: int = 0  # prompt positions in its slot so far (reused or prefilled)
     cached_tokens: int = 0  # of its prompt, positions reused from the cache at its last admission
+    looked_up: bool = False  # counted in the hit ratio (once, at its first admission: not again when paused)
     tokens: list[int] = field(default_factory=list)  # generated so far, the end-of-text token excluded
     finish_reason: FinishReason | None = None
     error: MrcError | None = None  # why it failed, when it did

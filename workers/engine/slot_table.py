@@ -22,8 +22,10 @@ room mid-answer.
 
 A row that leaves may leave its slot to the prefix cache (`retain`): its leading positions stay (by
 need, only the whole blocks the index knows: the rest is freed at once), for a later row with the
-same prefix to take over or copy (workers/engine/prefix_index.py). Retained slots are no row's: they
-count in neither `used` nor `held`, and are freed when a row needs the room.
+same prefix to take over or copy (workers/engine/prefix_index.py). One copy of a prefix is kept: a
+row whose blocks a retained slot holds already leaves nothing, and a retained slot whose blocks are
+all the start of the leaving row's is freed. Retained slots are no row's: they count in neither
+`used` nor `held`, and are freed when a row needs the room.
 """
 
 from __future__ import annotations
@@ -211,16 +213,22 @@ class SlotTable:
         if row_id not in self.index:
             self.release(row_id)
             return None
+        copy = next((h for h in self.index.covering(row_id) if h in self._retained), None)
+        if copy is not None:  # one copy of a prefix is enough: rows asking about one photo at once
+            self.index.retain(copy)  # (it would have served this row's prefix: used now)
+            self.release(row_id)  # left N copies, and pushed other photos' prefixes out
+            return None
         entry = f"retained:{next(self._entries)}"
         for table in (self._start, self._size, self._length):
             table[entry] = table.pop(row_id)
         self.index.rename(row_id, entry)
+        for shorter in [h for h in self.index.covered(entry) if h in self._retained]:
+            self.release(shorter)  # all its blocks are the start of this one's
         self._retained.add(entry)
         self.index.retain(entry)
-        if not self.uniform:
-            kept = min(self._length[entry], self.index.known(entry))
-            self._shrink(entry, self.extent(kept))
-            self._length[entry] = kept
+        kept = min(self._length[entry], self.index.known(entry))
+        self._shrink(entry, self.extent(kept))  # by need: the rest is free now (uniform: the slot stays)
+        self._length[entry] = kept  # what a later row can reuse (the cached-positions gauge)
         return entry
 
     def _shrink(self, holder: str, size: int) -> None:
