@@ -192,6 +192,16 @@ class Worker:
             wait_for(lambda: bool(self.find(event, **match)) or self.proc.poll() is not None, timeout, event)
         return self.find(event, **match)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The worker stopped (SIGSTOP) for the block, and continued whatever happens in it: a test that
+        must see work queued before the worker takes any (a state no machine's speed decides)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
     @property
     def http_port(self) -> int:
         return int(self.find("MRC_HTTP_LISTENING")[0]["port"])

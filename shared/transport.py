@@ -54,16 +54,32 @@ class _Taking:
     """Whether this process's consumers take messages: a worker about to exit stops them before it
     gives back what it holds, or a pop would take a message given back a moment before into a
     process that is ending (seen: 7 of 10 messages taken again between the give-back and the exit).
-    The lock covers a reply's check through its delivery into the QoS's books, so once `stop` returns
-    every message taken is in those books (and is given back) or is given back by the reply itself."""
+    The lock covers a reply's check through its delivery into the QoS's books, and `stop` waits (a
+    bounded time) for the pops already sent: once it returns, every message taken is in those books
+    (and is given back) or was given back by its reply (a pop sent just before the stop, whose reply
+    the exit would otherwise have left unread, its message in the unacked hash until the timeout)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.on = True
+        self.in_flight = 0  # pops sent whose replies are not read yet
 
-    def stop(self) -> None:
+    def begin_pop(self) -> bool:
+        """Whether a pop may be sent now (then it counts as in flight until `end_pop`)."""
+        with self.lock:
+            if self.on:
+                self.in_flight += 1
+            return self.on
+
+    def end_pop(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self.lock.notify_all()
+
+    def stop(self, wait_s: float = 2.0) -> None:
         with self.lock:
             self.on = False
+            self.lock.wait_for(lambda: self.in_flight <= 0, wait_s)
 
 
 taking = _Taking()
@@ -183,13 +199,18 @@ class Channel(kombu_redis.Channel):
         keys = [key for key, _ in pairs]
         flags = ["1" if self._records(queue) else "0" for _, queue in pairs]
         connection = self.client.connection
-        if self._waiting:  # kombu's `timeout` (its BRPOP's, 1 s) is replaced by the shorter idle wait
+        if self._waiting or not taking.begin_pop():  # the idle wait replaces kombu's 1 s BRPOP timeout
+            self._waiting = True  # (and a process that stopped taking only waits)
             connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", self.idle_wait_s)
         else:
             unacked = [self.unacked_key, self.unacked_index_key]
-            connection.send_command(
-                "EVAL", queue_entries.POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags
-            )
+            try:
+                connection.send_command(
+                    "EVAL", queue_entries.POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags
+                )
+            except BaseException:
+                taking.end_pop()
+                raise
         self._in_poll = connection
         # kombu's clock, the one its health check reads: one clock for both ends of the comparison (with
         # time.monotonic here, kombu's tests, which patch its clock, passed or failed by the machine's
@@ -203,7 +224,10 @@ class Channel(kombu_redis.Channel):
         held: dict[str, int] = {}
         dirty: set[str] = getattr(self.qos, "_dirty", set())
         for tag, message in list(getattr(self.qos, "_delivered", {}).items()):
-            if tag not in dirty:
+            # A retry waiting out its countdown holds no delivery's place (tasks.Batches keeps it out
+            # of the prefetch too): counted, as many as the lane's limit closed the lane until the
+            # first ran (review: fresh backlog jobs waited 19 s behind four retries).
+            if tag not in dirty and not (getattr(message, "headers", None) or {}).get("eta"):
                 queue = str((getattr(message, "delivery_info", None) or {}).get("routing_key", ""))
                 held[queue] = held.get(queue, 0) + 1
         return [q for q in queues if held.get(q, 0) < lane_limits.get(q, 1 << 30)]
@@ -242,6 +266,8 @@ class Channel(kombu_redis.Channel):
                     self.connection._deliver(message, dest)
             return True
         finally:
+            if not waiting:
+                taking.end_pop()
             self._in_poll = None  # type: ignore[assignment]  # kombu declares it otherwise
             self._flush_brpop_reauth()
 

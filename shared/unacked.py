@@ -28,11 +28,21 @@ def give_back(client: Any, tags: Collection[str]) -> int:
     """Put these unacked messages back at the head of their queues at once, instead of after the
     visibility timeout: for a worker about to exit because it cannot run them. By delivery tag (the
     unacked hash's key, unique per publish): a retry's countdown copy shares its job's task id, and
-    another worker may hold one, which must stay where it is."""
+    another worker may hold one, which must stay where it is. Two round trips in all (a pipeline of
+    reads, one of moves): the process's other threads go on until it exits, and a given-back job
+    they finish meanwhile is run again elsewhere (skipped there, but a wasted delivery)."""
+    wanted = list(dict.fromkeys(tags))
+    if not wanted:
+        return 0
     script = client.register_script(_GIVE_BACK_SCRIPT)
-    returned = 0
-    for tag in dict.fromkeys(tags):
-        raw = client.hget(names.UNACKED_KEY, tag)
+    with client.pipeline(transaction=False) as pipe:
+        for tag in wanted:
+            pipe.hget(names.UNACKED_KEY, tag)
+        records = pipe.execute()
+    moves = []
+    # The head of a queue is where it is popped from: the newest held goes back first, so the oldest
+    # ends nearest the head and is taken first again, as it would have been.
+    for tag, raw in reversed(list(zip(wanted, records, strict=True))):
         if raw is None:  # acked, restored or given back already
             continue
         try:
@@ -44,9 +54,13 @@ def give_back(client: Any, tags: Collection[str]) -> int:
         queue = (
             routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")
         )
-        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue]
-        returned += int(script(keys=keys, args=[tag, json.dumps(payload)]))
-    return returned
+        moves.append(([names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue], [tag, json.dumps(payload)]))
+    if not moves:
+        return 0
+    with client.pipeline(transaction=False) as pipe:
+        for keys, args in moves:
+            script(keys=keys, args=args, client=pipe)
+        return sum(int(done) for done in pipe.execute())
 
 
 def parse_unacked(raw: bytes | str) -> list[Any] | None:

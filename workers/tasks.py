@@ -107,7 +107,8 @@ def register(
         name=names.TASK_NAME,
         base=Batches,
         flush_every=settings.batch_max_jobs,
-        flush_interval=settings.batch_wait_ms / 1000,
+        # kombu's timer never fires an interval of 0: MRC_BATCH_WAIT_MS=0 ("do not wait") is 1 ms
+        flush_interval=max(settings.batch_wait_ms, 1) / 1000,
         acks_late=True,
         ignore_result=True,
     )

@@ -204,15 +204,21 @@ def test_a_backlog_run_does_not_hold_back_interactive_tickets(
     # The worker is held while the run and then the ticket are queued: the whole run is ahead of the
     # ticket in time, on a machine of any speed (a fast worker could otherwise have finished the run
     # before the ticket came, and a slow CLI could have sent the ticket before most of the run).
-    worker.proc.send_signal(signal.SIGSTOP)
     try:
-        out = services.run_cli(env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "prio")
-        assert out.returncode == 0, out.stderr
-        # The photo is in S3 already (`uri`): the ticket's wait is the queue's, not an upload's.
-        ticket = client.submit(uri, "Urgent: can I get a refund?", job_id=f"urgent-{time.monotonic_ns()}",
-                               max_new_tokens=4)  # fmt: skip
+        with worker.held():
+            out = services.run_cli(
+                env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "prio"
+            )
+            assert out.returncode == 0, out.stderr
+            # The photo is in S3 already (`uri`): the ticket's wait is the queue's, not an upload's.
+            ticket = client.submit(uri, "Urgent: can I get a refund?", job_id=f"urgent-{time.monotonic_ns()}",
+                                   max_new_tokens=4)  # fmt: skip
+        _ticket_goes_first(client, events, mark, ticket)
     finally:
-        worker.proc.send_signal(signal.SIGCONT)
+        services.run_cli(env, "backlog", "cancel", "prio")  # the rest end at once, not in later tests' way
+
+
+def _ticket_goes_first(client: Client, events: redis_lib.Redis, mark: str, ticket: str) -> None:
     result = client.wait(ticket, 120)
     assert result["status"] == "succeeded"
     # Counted in the order jobs ended (the fleet's event stream), not by a clock: before the ticket's
@@ -223,7 +229,6 @@ def test_a_backlog_run_does_not_hold_back_interactive_tickets(
     before = next(i for i, e in enumerate(ended) if e[1]["job_id"] == ticket)
     backlog_first = sum(e[1]["lane"] == "backlog" for e in ended[:before])
     assert backlog_first <= 64, f"{backlog_first} backlog jobs ended before the ticket"
-    services.run_cli(env, "backlog", "cancel", "prio")  # the rest end at once, not in later tests' way
 
 
 def test_a_results_file_bigger_than_a_part_is_streamed_in_parts(own: dict[str, str]) -> None:

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import uuid
@@ -187,16 +186,17 @@ def test_an_operator_sees_lanes_workers_the_run_moving_dead_letters_and_errors(
     # Watched from the moment it is sent: the page shows the run from its first line on. The worker is
     # held (SIGSTOP) until the page has shown the run unfinished: a fast machine ran all 40 jobs within
     # one refresh, and the page's first sight of the run was its end (CI: "the bar never moved").
-    worker.proc.send_signal(signal.SIGSTOP)
-    sending = subprocess.Popen(
-        [str(services.BIN / "mrc"), "backlog", str(manifest), "--run-id", run_id], env=ops_env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    with worker.held():
+        sending = subprocess.Popen(
+            [str(services.BIN / "mrc"), "backlog", str(manifest), "--run-id", run_id], env=ops_env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
         try:
             _wait("the run, before the worker takes it", shown)
-        finally:
-            worker.proc.send_signal(signal.SIGCONT)
+        except BaseException:
+            sending.kill()
+            raise
+    try:
         _wait("the run's progress reach 40/40", progress, timeout=180)
     finally:
         assert sending.wait(60) == 0

@@ -172,6 +172,55 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
         assert sorted(held) == ["job-0", "job-1"], "the copy with the same task id was given back too"
 
 
+def test_a_pop_sent_as_the_worker_stops_taking_is_given_back_not_stranded(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review finding: the consumer's next pop, sent just before a fatal error stopped it taking and
+    served by Redis (its message in the unacked hash), was never read before the exit: the message
+    waited for the visibility timeout. `stop_taking` now waits for the pops in flight, whose replies
+    give their messages straight back; then what the process holds is given back."""
+    import threading
+
+    from shared import transport, transport_qos
+    from shared.unacked import give_back
+
+    monkeypatch.setattr(transport, "taking", transport._Taking())  # this test's stop ends with it
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    _publish(redis_url, {"n": 0}, {"n": 1})
+    taken: list[Any] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=4)
+        callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            deadline = time.monotonic() + 10
+            while not taken and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+            assert len(taken) == 1
+            channel.connection.cycle.on_poll_start()  # the next pop: sent, its reply not read
+            while client.llen("mrc.t") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _where(client) == (0, 2)  # both in the unacked hash, one of them in no one's books
+
+            exited = threading.Event()  # os._exit: after it, nothing reads a reply
+
+            def event_loop() -> None:  # the worker's main thread, reading the reply a moment later
+                time.sleep(0.3)
+                if not exited.is_set():
+                    with contextlib.suppress(Exception):
+                        conn.drain_events(timeout=2)
+
+            reader = threading.Thread(target=event_loop)
+            reader.start()
+            transport.stop_taking()
+            assert give_back(client, transport_qos.held_by_this_process()) == 1
+            exited.set()
+            reader.join(10)
+            assert _where(client) == (2, 0), "a message taken as the worker stopped waits for the timeout"
+            assert len(taken) == 1
+
+
 def test_no_ack_consumers_get_no_unacked_record_and_no_redelivery(redis_url: str) -> None:
     client = redis_lib.Redis.from_url(redis_url)
     _publish(redis_url, {"n": 1})
