@@ -137,6 +137,22 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
     assert received == [0, 1, 2, 3, 4]
 
 
+@contextlib.contextmanager
+def _consuming(redis_url: str, count: int) -> Iterator[tuple[Connection, Any, list[Any]]]:
+    """A consumer (prefetch 4) that has taken `count` messages and holds them unacked."""
+    taken: list[Any] = []
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=4)
+        callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            deadline = time.monotonic() + 10
+            while len(taken) < count and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+            yield conn, channel, taken
+
+
 def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> None:
     """A worker that cannot go on (device lost) puts the messages it holds back at the head of the
     queue instead of leaving them to the visibility timeout, by delivery tag: a second message with
@@ -149,16 +165,7 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
         for n, task_id in enumerate(["job-0", "job-1", "job-2", "job-0"]):
             producer.publish({"n": n}, exchange=QUEUE.exchange, routing_key="mrc.t", declare=[QUEUE],
                              serializer="json", headers={"id": task_id})  # fmt: skip
-    taken: list[Any] = []
-    with _connect(redis_url) as conn:
-        channel = conn.channel()
-        channel.basic_qos(prefetch_count=4)
-        callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
-        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
-            deadline = time.monotonic() + 10
-            while len(taken) < 4 and time.monotonic() < deadline:
-                with contextlib.suppress(TimeoutError):
-                    conn.drain_events(timeout=1)
+    with _consuming(redis_url, 4) as (_conn, _channel, taken):
         assert _where(client) == (0, 4)
         by_n = {message.payload["n"]: message.delivery_tag for message in taken}
         assert give_back(client, [by_n[0], by_n[2], "not-here"]) == 2
@@ -187,38 +194,30 @@ def test_a_pop_sent_as_the_worker_stops_taking_is_given_back_not_stranded(
     monkeypatch.setattr(transport, "taking", transport._Taking())  # this test's stop ends with it
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     _publish(redis_url, {"n": 0}, {"n": 1})
-    taken: list[Any] = []
-    with _connect(redis_url) as conn:
-        channel = conn.channel()
-        channel.basic_qos(prefetch_count=4)
-        callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
-        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
-            deadline = time.monotonic() + 10
-            while not taken and time.monotonic() < deadline:
-                with contextlib.suppress(TimeoutError):
-                    conn.drain_events(timeout=1)
-            assert len(taken) == 1
-            channel.connection.cycle.on_poll_start()  # the next pop: sent, its reply not read
-            while client.llen("mrc.t") and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert _where(client) == (0, 2)  # both in the unacked hash, one of them in no one's books
+    with _consuming(redis_url, 1) as (conn, channel, taken):
+        assert len(taken) == 1
+        channel.connection.cycle.on_poll_start()  # the next pop: sent, its reply not read
+        deadline = time.monotonic() + 10
+        while client.llen("mrc.t") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _where(client) == (0, 2)  # both in the unacked hash, one of them in no one's books
 
-            exited = threading.Event()  # os._exit: after it, nothing reads a reply
+        exited = threading.Event()  # os._exit: after it, nothing reads a reply
 
-            def event_loop() -> None:  # the worker's main thread, reading the reply a moment later
-                time.sleep(0.3)
-                if not exited.is_set():
-                    with contextlib.suppress(Exception):
-                        conn.drain_events(timeout=2)
+        def event_loop() -> None:  # the worker's main thread, reading the reply a moment later
+            time.sleep(0.3)
+            if not exited.is_set():
+                with contextlib.suppress(Exception):
+                    conn.drain_events(timeout=2)
 
-            reader = threading.Thread(target=event_loop)
-            reader.start()
-            transport.stop_taking()
-            assert give_back(client, transport_qos.held_by_this_process()) == 1
-            exited.set()
-            reader.join(10)
-            assert _where(client) == (2, 0), "a message taken as the worker stopped waits for the timeout"
-            assert len(taken) == 1
+        reader = threading.Thread(target=event_loop)
+        reader.start()
+        transport.stop_taking()
+        assert give_back(client, transport_qos.held_by_this_process()) == 1
+        exited.set()
+        reader.join(10)
+        assert _where(client) == (2, 0), "a message taken as the worker stopped waits for the timeout"
+        assert len(taken) == 1
 
 
 def test_no_ack_consumers_get_no_unacked_record_and_no_redelivery(redis_url: str) -> None:
