@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import torch
+
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import scheduler
 from workers.engine.engine import Engine
 from workers.engine.sequence import Sequence
+
+SIZES = [(48, 64), (90, 120), (200, 150), (240, 320)]  # (height, width) of the oracle tests' images
+PROMPTS = ["Refund?", "Is the parcel damaged at all, or only the box?", "What is written on the label here?"]
+
+
+def photo(size: int, photo: int, prompt: int, new: int) -> GenerationInput:
+    """Photo `photo` of a size, asked question `prompt`: the questions of one photo share its prefix."""
+    height, width = SIZES[size]
+    fill = 30 + 40 * size + 11 * photo
+    image = torch.full((3, height, width), fill, dtype=torch.uint8)
+    image[:, : height // 3] = 255 - fill
+    return GenerationInput(image, PROMPTS[prompt], new)
+
+
+def alone(backend: FuyuBackend, item: GenerationInput) -> list[int]:
+    """The oracle's reference: the job through generate() by itself, cut at end-of-text."""
+    prepared = backend.prepare([item])
+    with torch.inference_mode():
+        out = backend.model.generate(
+            **prepared.inputs, max_new_tokens=item.max_new_tokens, do_sample=False,
+            pad_token_id=backend.token_ids.pad, eos_token_id=backend.eos_id,
+        )  # fmt: skip
+    row = out[0, prepared.inputs["input_ids"].shape[1] :].tolist()
+    return row[: row.index(backend.eos_id)] if backend.eos_id in row else row
 
 
 def engine_tokens(

@@ -19,9 +19,11 @@ class StepProxy:
     def catch_up(self, row_id: str) -> int:
         return int(self.inner.catch_up(row_id))
 
-    def extend(self, row_id: str, stop: int, masks: Any = None) -> int | None:
-        token = self.inner.extend(row_id, stop, masks)
-        return None if token is None else int(token)
+    def extend(self, chunks: list[tuple[str, int]], masks: Any = None) -> list[int | None]:
+        return [None if token is None else int(token) for token in self.inner.extend(chunks, masks)]
+
+    def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
+        return bool(self.inner.sharing(row_id, writers))
 
     def abandon(self, row_id: str, keep: bool = False) -> None:
         self.inner.abandon(row_id, keep)

@@ -82,8 +82,7 @@ def test_out_of_memory_fails_only_the_job_that_cannot_fit_alone(
     def forward(**inputs: Any) -> Any:
         rows, positions = inputs["inputs_embeds"].shape[:2]
         calls.append((rows, positions))
-        mask = inputs.get("attention_mask")  # a prefill chunk's: as wide as the positions it attends to
-        width = int(mask.shape[-1]) if mask is not None and mask.dim() == 4 else positions
+        width = int(inputs["position_ids"].max()) + 1  # the positions its widest row attends to
         if width > 1000 or (rows > 1 and positions == 1):  # the huge prefill, a shared decode step
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real_forward(**inputs)

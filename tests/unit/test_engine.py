@@ -17,7 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.settings import Settings
-from tests.support.engine_runs import drive
+from tests.support.engine_runs import PROMPTS, SIZES, drive
+from tests.support.engine_runs import alone as _alone
+from tests.support.engine_runs import photo as _photo
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import scheduler
@@ -25,9 +27,7 @@ from workers.engine.engine import Engine
 from workers.engine.sequence import Sequence
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
-SIZES = [(48, 64), (90, 120), (200, 150), (240, 320)]
 DECODES = ["rows", "fixed"]
-PROMPTS = ["Refund?", "Is the parcel damaged at all, or only the box?", "What is written on the label here?"]
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +43,6 @@ def _item(size: int, prompt: int, new: int) -> GenerationInput:
     image = torch.full((3, height, width), fill, dtype=torch.uint8)
     image[:, : height // 2] = 255 - fill
     return GenerationInput(image, PROMPTS[prompt], new)
-
-
-def _alone(backend: FuyuBackend, item: GenerationInput) -> list[int]:
-    """The reference: the job through generate() by itself, cut at end-of-text."""
-    prepared = backend.prepare([item])
-    with torch.inference_mode():
-        out = backend.model.generate(
-            **prepared.inputs, max_new_tokens=item.max_new_tokens, do_sample=False,
-            pad_token_id=backend.token_ids.pad, eos_token_id=backend.eos_id,
-        )  # fmt: skip
-    row = out[0, prepared.inputs["input_ids"].shape[1] :].tolist()
-    return row[: row.index(backend.eos_id)] if backend.eos_id in row else row
 
 
 def _sequence(backend: FuyuBackend, row_id: str, item: GenerationInput, lane: str) -> Sequence:
@@ -116,15 +104,6 @@ photo_job = st.tuples(
     st.integers(0, len(SIZES) - 1), st.integers(0, 2), st.integers(0, len(PROMPTS) - 1), st.integers(1, 8),
     st.integers(0, 8), st.sampled_from(["interactive", "backlog"]),
 )  # fmt: skip
-
-
-def _photo(size: int, photo: int, prompt: int, new: int) -> GenerationInput:
-    """Photo `photo` of a size, asked question `prompt`: the questions of one photo share its prefix."""
-    height, width = SIZES[size]
-    fill = 30 + 40 * size + 11 * photo
-    image = torch.full((3, height, width), fill, dtype=torch.uint8)
-    image[:, : height // 3] = 255 - fill
-    return GenerationInput(image, PROMPTS[prompt], new)
 
 
 @settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -197,11 +176,11 @@ def test_a_paused_row_admitted_again_finds_its_own_prefix_and_keeps_the_table_wh
     inputs = backend.prepare([item]).inputs
     length = int(inputs["input_ids"].shape[1])
     assert runner.begin("a", inputs, length, ("key", "photo")) == 0
-    assert runner.extend("a", length) is not None  # a runs: its prefix is in slot 0
+    assert runner.extend([("a", length)]) != [None]  # a runs: its prefix is in slot 0
     assert runner.begin("b", inputs, length, ("key", "photo")) >= length - 16  # copied from a
     runner.abandon("b", keep=True)  # paused
     assert runner.begin("b", inputs, length, ("key", "photo")) >= length - 16  # back, no collision
-    token = runner.extend("b", length)
+    [token] = runner.extend([("b", length)])
     assert token == _alone(backend, item)[0]
     assert runner.table.used == 2
     assert runner.table.reserved == runner.table.size("a") + runner.table.size("b")
@@ -263,10 +242,15 @@ class _Faulty:
         self.inputs[row_id] = inputs
         return self.inner.begin(row_id, inputs, length, identity, need)
 
-    def extend(self, row_id: str, stop: int, masks: Any = None) -> int | None:
-        if self.prefill_fault is not None and (error := self.prefill_fault(self.inputs[row_id])) is not None:
-            raise error
-        return self.inner.extend(row_id, stop, masks)
+    def extend(self, chunks: list[tuple[str, int]], masks: Any = None) -> list[int | None]:
+        for row_id, _stop in chunks:
+            error = self.prefill_fault(self.inputs[row_id]) if self.prefill_fault is not None else None
+            if error is not None:
+                raise error
+        return self.inner.extend(chunks, masks)
+
+    def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
+        return bool(self.inner.sharing(row_id, writers))
 
     def abandon(self, row_id: str, keep: bool = False) -> None:
         self.inner.abandon(row_id, keep)

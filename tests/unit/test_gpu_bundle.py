@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import subprocess
 import zipfile
 from pathlib import Path
@@ -107,12 +108,23 @@ def test_the_report_names_each_step_and_survives_partial_figures(tmp_path: Path)
     )
     (tmp_path / "model.json").write_text('{"modes": [{"mode": "bf16", "batches": [{"batch": 1}]}]}')
     (tmp_path / "engine.json").write_text('{"runs": [')  # cut short mid-write
+    prefill = {
+        "calls": [{"prefix": 300, "rows": 16, "tail": 24, "each": 80.0, "together": 20.0}],
+        "prefill": [
+            {"positions": 2400, "whole": 100.0, "hit": 9.0, "chunks_512": 125.0, "chunks_2048": 104.0}
+        ],
+    }
+    (tmp_path / "prefill.json").write_text(json.dumps(prefill))
     report = {"mode": "gpu", "date": "today", "steps": gpu_report.steps(tmp_path), "tests_gpu": None}
     report.update({name: gpu_report._load(tmp_path, name) for name in gpu_report.PARTS})
     assert [s["status"] for s in report["steps"]] == ["ok", "timed out", "skipped", "failed"]
     text = gpu_report.summary(report)
     assert "model: partial figures" in text
     assert "not in this tree" in text
+    assert (
+        "16 rows x 24 after a 300-position photo: one call a row 80.00, one call for all 20.00 (0.25)" in text
+    )
+    assert "2400 positions: whole 100.00, chunks of 512 125.00 (1.25), chunks of 2048 104.00 (1.04)" in text
     assert report["engine"] == {"unreadable": report["engine"]["unreadable"]}
 
 

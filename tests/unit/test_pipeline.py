@@ -90,8 +90,11 @@ def test_a_poison_job_that_breaks_the_model_fails_alone(store: MemoryStore) -> N
     outcomes = _pipeline(store, backend).run(messages)
     assert outcomes == ["succeeded"] * 5 + ["failed"]
     assert store.get_result("poison")["error"]["code"] == "model_error"
-    # the poison one failed by itself, once: no neighbour's prefill was redone for it
-    assert sorted(backend.prefills) == ["POISON please"] + ["refund?"] * 5
+    # the poison one failed by itself: a prefill call of several rows that fails runs each row alone,
+    # so the poison ran alone and its neighbours' prefills ran once more at most
+    assert ["POISON please"] in backend.prefill_calls
+    assert backend.prefills.count("POISON please") <= 2
+    assert backend.prefills.count("refund?") <= 10
 
 
 def test_out_of_memory_splits_then_retries_then_dead_letters(store: MemoryStore) -> None:
@@ -224,7 +227,7 @@ def test_a_broken_device_ends_the_worker_instead_of_failing_jobs(
     backend = EchoBackend(fail_on="refund", error=error)  # every call fails: the context is gone
     with pytest.raises(WorkerUnusable):
         _pipeline(store, backend).run([_job(f"d{i}") for i in range(4)])
-    assert len(backend.prefill_groups) == 1  # one call, no per-job retries: the fault ends the worker
+    assert len(backend.prefill_calls) == 1  # one call, no per-job retries: the fault ends the worker
     assert not [k for (_b, k) in store.objects if k.startswith("results/")]
 
 

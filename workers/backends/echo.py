@@ -86,21 +86,28 @@ class EchoSteps:
     def catch_up(self, row_id: str) -> int:
         return 0
 
-    def extend(self, row_id: str, stop: int, masks: Any = None) -> int | None:
-        """One chunk; the whole prompt's call is where the echo model prefills (and fails, and paces)."""
-        item, length = self._pending[row_id]
-        if stop < length:
-            return None
+    def extend(self, chunks: list[tuple[str, int]], masks: Any = None) -> list[int | None]:
+        """One call of chunks; a row's whole prompt is where the echo model prefills it (and fails, for
+        every row of the call, and paces once)."""
         _no_grammar(masks)
-        self.backend.prefills.append(item.prompt)
-        self.backend.prefill_groups.append(1)
-        self._maybe_fail([item])
+        whole = [(r, self._pending[r][0]) for r, stop in chunks if stop >= self._pending[r][1]]
+        if not whole:
+            return [None] * len(chunks)
+        self.backend.prefills += [item.prompt for _, item in whole]
+        self.backend.prefill_calls.append([item.prompt for _, item in whole])
+        self._maybe_fail([item for _, item in whole])
         if self.backend.token_s:
             time.sleep(self.backend.token_s)
-        del self._pending[row_id]
-        script = self.backend.script(item)
-        self._prefilled[row_id] = (script, item)
-        return script[0]
+        firsts: dict[str, int] = {}
+        for row_id, item in whole:
+            del self._pending[row_id]
+            script = self.backend.script(item)
+            self._prefilled[row_id] = (script, item)
+            firsts[row_id] = script[0]
+        return [firsts.get(row_id) for row_id, _ in chunks]
+
+    def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
+        return False  # nothing is cached
 
     def abandon(self, row_id: str, keep: bool = False) -> None:
         self._pending.pop(row_id, None)
@@ -162,7 +169,7 @@ class EchoBackend:
         self.error = error or RuntimeError("injected model fault")
         self.calls: list[int] = []  # rows of each decode step (and of each old-style batch call)
         self.prefills: list[str] = []  # the prompt of each row the engine prefilled, in order
-        self.prefill_groups: list[int] = []  # rows per prefill call (equal-length rows go together)
+        self.prefill_calls: list[list[str]] = []  # the prompts each prefill call ended, a call a list
         self.eos_id = EOS
         self.cleans_spaces = False  # words joined by spaces: a longer answer only adds words
         self.grammars = None  # no vocabulary to constrain: jobs with a response_format are refused

@@ -237,31 +237,53 @@ class Engine:
         return True
 
     def _chunks(self, due: bool) -> list[Sequence]:
-        """Prefill chunks within the step's budget of positions (scheduler.chunks: tickets first); a
-        row whose prompt is whole joins the decode steps with its first token. The rows that moved."""
+        """Prefill chunks within the step's budget of positions (scheduler.chunks: tickets first), every
+        row's in one call; a row whose prompt is whole joins the decode steps with its first token. A
+        row whose next prefix block a chunk of the call writes (the same photo) waits for a second call
+        and copies it instead (catch_up). The rows that moved."""
         order = scheduler.chunk_order(rows_of.candidates(self.prefilling.values()), self._holding(due))
         left = max(1, self.limits.prefill_tokens)  # the first row always moves
-        moved = []
-        for row_id in order:
-            row = self.prefilling.get(row_id)
-            if row is None or left <= 0:  # sent back meanwhile (a retirement ran out of memory)
-                break
-            self._caught_up(row)
-            stop = min(row.prompt_tokens, row.computed + left)
-            left -= stop - row.computed
-            masks_of = rows_of.masks_of([row]) if stop == row.prompt_tokens else None
-            try:
-                token = self.runner.extend(row_id, stop, masks_of)
-            except Exception as exc:
-                if not self._chunk_failed(row, exc):
+        moved: list[Sequence] = []
+        while order and left > 0:
+            call: list[tuple[Sequence, int]] = []
+            later: list[str] = []
+            for row_id in order:
+                row = self.prefilling.get(row_id)
+                if row is None:  # sent back meanwhile (a retirement ran out of memory)
+                    return moved
+                if left <= 0:
                     break
-                continue
+                self._caught_up(row)
+                if call and self.runner.sharing(row_id, [(r.row_id, stop) for r, stop in call]):
+                    later.append(row_id)
+                    continue
+                stop = min(row.prompt_tokens, row.computed + left)
+                left -= stop - row.computed
+                call.append((row, stop))
+            if not self._run_chunks(call, moved):
+                break
+            order = later
+        return moved
+
+    def _run_chunks(self, call: list[tuple[Sequence, int]], moved: list[Sequence]) -> bool:
+        """One call of chunks. A call of several that fails runs each chunk alone, so a failure is its
+        row's alone (a chunk is one row's). False when this step's chunks stop (out of memory)."""
+        finishing = [row for row, stop in call if stop == row.prompt_tokens]
+        try:
+            tokens = self.runner.extend([(r.row_id, stop) for r, stop in call], rows_of.masks_of(finishing))
+        except Exception as exc:
+            if len(call) > 1:
+                inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
+                alone = [chunk for chunk in call if chunk[0].row_id in self.prefilling]
+                return all(self._run_chunks([chunk], moved) for chunk in alone)
+            return self._chunk_failed(call[0][0], exc)
+        for (row, stop), token in zip(call, tokens, strict=True):
             self._report.computed += stop - row.computed
             row.computed = stop
             moved.append(row)
             if token is not None and not self._joined(row, token):
-                break  # out of memory joining it: every row in memory went back to waiting
-        return moved
+                return False  # out of memory joining it: every row in memory went back to waiting
+        return True
 
     def _caught_up(self, row: Sequence) -> None:
         """What other rows wrote of its prefix since it began: copied, not computed."""

@@ -47,8 +47,9 @@ class SlotCache:
         self.rows: torch.Tensor | None = None
         self.write: torch.Tensor | None = None
         self.view: tuple[int, int] | None = None
-        # A prefill chunk instead (set by the runner): (slot's first position, chunk's first position).
-        self.chunk: tuple[int, int] | None = None
+        # A prefill call's chunks instead (set by the runner): where in the pool each of the call's
+        # positions is written (a slice: one row's chunk; an index: several rows' end to end).
+        self.chunk: slice | torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -63,15 +64,13 @@ class SlotCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
     ) -> Any:
-        """Write one position per batch row ([rows, heads, 1, head_dim]) in place, or a chunk's
-        positions of one row ([1, heads, n, head_dim]); return what attention reads."""
+        """Write one position per batch row ([rows, heads, 1, head_dim]) in place, or the positions of a
+        call's chunks ([1, heads, n, head_dim]); return what attention reads."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self.chunk is not None:
-            base, start = self.chunk
-            stop = start + key_states.shape[2]
-            keys[:, base + start : base + stop] = key_states[0]
-            values[:, base + start : base + stop] = value_states[0]
-            return keys[:, base : base + stop].unsqueeze(0), values[:, base : base + stop].unsqueeze(0)
+        if self.chunk is not None:  # attention reads each chunk's slot (row_attention.per_chunk)
+            keys[:, self.chunk] = key_states[0]
+            values[:, self.chunk] = value_states[0]
+            return keys, values
         assert self.write is not None
         where = self.write if self.rows is None else self.rows * self.stride + self.write
         keys[:, where] = key_states[:, :, -1].transpose(0, 1)

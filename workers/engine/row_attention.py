@@ -1,12 +1,17 @@
-"""Attention over each row's own length, for the decode step that runs rows as they are (the CPU's).
+"""Attention over each row's own length: for the decode step that runs rows as they are (the CPU's),
+and for a step's prefill chunks, every row's in one call (`per_chunk`).
 
 A decode step's query is one position per row. Here each row attends to a view of its own slot,
 `keys[:, start:start + length]` of the layer's pool, through the attention function the model was
 configured with: no padding is read (a short row never pays a long neighbour's width) and nothing is
 copied or gathered. Rows of one length whose slots follow each other at one stride (rows of one mix,
 admitted together) share one call, over a strided view of all of them.
+A prefill call's query is the positions of several rows' chunks laid end to end (one sequence: the
+model's linear layers run once for them all); each chunk attends to its own slot up to its own end,
+causally, through a view of the slot and a mask made once per call for every layer.
 transformers looks the attention function up by name at every call (`config._attn_implementation`), so
-`per_row` switches the language model to this one for the length of one step, and back.
+`per_row` and `per_chunk` switch the language model to theirs for the length of one call, and back
+(an attention name transformers has no mask function for: it makes no mask of its own).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.persimmon.modeling_persimmon import eager_attention_forward
 
-NAME = "mrc_rows"
-_step = threading.local()  # the step's (slot start, length) per batch row; only the engine's thread sets it
+NAME, CHUNKS = "mrc_rows", "mrc_chunks"
+# The call's (slot start, length) per batch row, or its chunks; only the engine's thread sets it.
+_step = threading.local()
 
 
 def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int, int, int]]:
@@ -72,16 +78,66 @@ def attention(
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
 
 
+def chunk_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """query [1, heads, every chunk's positions, head_dim]; key and value: the layer's whole pool. Each
+    chunk's queries attend to its own slot's first `stop` positions (its chunk just written in place)."""
+    inner = _step.inner
+    outputs = [
+        inner(
+            module,
+            query[:, :, offset : offset + count],
+            key[:, base : base + stop].unsqueeze(0),
+            value[:, base : base + stop].unsqueeze(0),
+            mask,
+            scaling=scaling,
+            dropout=dropout,
+        )[0]
+        for offset, count, base, stop, mask in _step.chunks
+    ]
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def causal(start: int, stop: int, dtype: Any, device: Any) -> torch.Tensor | None:
+    """The mask of a chunk of positions start..stop over its slot's 0..stop: each sees itself and what
+    comes before ([1, 1, stop - start, stop]); None for one position, which sees everything."""
+    if stop - start == 1:
+        return None
+    columns = torch.arange(stop, device=device)
+    rows = torch.arange(start, stop, device=device)
+    mask = torch.where(columns.unsqueeze(0) <= rows.unsqueeze(1), 0.0, torch.finfo(dtype).min).to(dtype)
+    return mask.view(1, 1, stop - start, stop)
+
+
 AttentionInterface.register(NAME, attention)
+AttentionInterface.register(CHUNKS, chunk_attention)
 
 
 @contextlib.contextmanager
 def per_row(config: Any, pairs: list[tuple[int, int]]) -> Iterator[None]:
     """For one call of the language model: each batch row attends to (its slot's start, its length)."""
+    with _switched(config, NAME):
+        _step.pairs = pairs
+        yield
+
+
+@contextlib.contextmanager
+def per_chunk(config: Any, chunks: list[tuple[int, int, int, int, torch.Tensor | None]]) -> Iterator[None]:
+    """For one prefill call: (first query position, positions, slot's start, chunk's stop, mask) of each
+    row's chunk, in the order the call lays them end to end."""
+    with _switched(config, CHUNKS):
+        _step.chunks = chunks
+        yield
+
+
+@contextlib.contextmanager
+def _switched(config: Any, name: str) -> Iterator[None]:
     before = config._attn_implementation
-    config._attn_implementation = NAME
-    _step.pairs, _step.inner = pairs, ALL_ATTENTION_FUNCTIONS.get_interface(before, eager_attention_forward)
+    config._attn_implementation = name
+    _step.inner = ALL_ATTENTION_FUNCTIONS.get_interface(before, eager_attention_forward)
     try:
         yield
     finally:
-        config._attn_implementation, _step.pairs, _step.inner = before, None, None
+        config._attn_implementation, _step.inner, _step.pairs, _step.chunks = before, None, None, None

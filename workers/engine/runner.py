@@ -147,44 +147,72 @@ class Runner:
         return reused - have
 
     @torch.inference_mode()
-    def extend(self, row_id: str, stop: int, masks: MaskFn | None = None) -> int | None:
-        """Prefill the row's positions from what its slot holds up to `stop`, in place, attending to
-        every position before: one chunk. The row's first generated token when `stop` ends its prompt,
-        else None."""
-        embeddings, hashes = self._pending[row_id]
+    def extend(self, chunks: list[tuple[str, int]], masks: MaskFn | None = None) -> list[int | None]:
+        """Prefill each row's positions from what its slot holds up to its `stop`, in place, attending to
+        every position before: one chunk a row, every row's in one call (the model's layers run once
+        for all their positions; attention is each row's own, row_attention.per_chunk). Each row's
+        first generated token when its stop ends its prompt, else None; `masks`: the grammar mask of
+        those rows, in call order."""
         table, cache = self.table, self.cache
-        base, start = table.start(row_id), table.length(row_id)
-        length = int(embeddings.shape[1])
-        if not start < stop <= length:
-            raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
+        plans = []  # (row, slot's start, chunk's start, stop, prompt length)
+        for row_id, stop in chunks:
+            length, start = int(self._pending[row_id][0].shape[1]), table.length(row_id)
+            if not start < stop <= length:
+                raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
+            plans.append((row_id, table.start(row_id), start, stop, length))
         if self.threads is not None:
-            self.threads(stop - start, "prefill")
-        device = embeddings.device
-        columns = torch.arange(stop, device=device)
-        rows = torch.arange(start, stop, device=device)
-        lowest = torch.finfo(embeddings.dtype).min
-        mask = torch.where(columns.unsqueeze(0) <= rows.unsqueeze(1), 0.0, lowest).to(embeddings.dtype)
-        cache.chunk = (base, start)
+            self.threads(sum(stop - start for _, _, start, stop, _ in plans), "prefill")
+        embeddings = [self._pending[row_id][0][:, start:stop] for row_id, _, start, stop, _ in plans]
+        device, dtype = embeddings[0].device, embeddings[0].dtype
+        laid, offset = [], 0  # each chunk's place in the call
+        for _, base, start, stop, _ in plans:
+            laid.append((offset, stop - start, base, stop, row_attention.causal(start, stop, dtype, device)))
+            offset += stop - start
+        positions = torch.cat([torch.arange(start, stop, device=device) for _, _, start, stop, _ in plans])
+        if len(plans) == 1:
+            _, base, start, stop, _ = plans[0]
+            cache.chunk = slice(base + start, base + stop)
+        else:
+            cache.chunk = torch.cat([positions[o : o + n] + base for o, n, base, _, _ in laid])
         try:
-            hidden = _freeing_on_oom(
-                lambda: (
-                    self.language(
-                        inputs_embeds=embeddings[:, start:stop],
-                        attention_mask=mask.view(1, 1, stop - start, stop),
-                        position_ids=rows.unsqueeze(0),
-                        cache=cache,
-                        use_cache=True,
-                    ).last_hidden_state
+            with row_attention.per_chunk(self.language.config, laid):
+                hidden = _freeing_on_oom(
+                    lambda: (
+                        self.language(
+                            inputs_embeds=embeddings[0] if len(plans) == 1 else torch.cat(embeddings, dim=1),
+                            position_ids=positions.unsqueeze(0),
+                            cache=cache,
+                            use_cache=True,
+                        ).last_hidden_state
+                    )
                 )
-            )
         finally:
             cache.chunk = None
-        table.set_length(row_id, stop)
-        table.index.add(row_id, hashes[: stop // table.index.block])
-        if stop < length:
-            return None
-        del self._pending[row_id]
-        return _pick(self.model.lm_head(hidden[:, -1]), masks)[0]
+        for row_id, _, _, stop, _ in plans:
+            table.set_length(row_id, stop)
+            table.index.add(row_id, self._pending[row_id][1][: stop // table.index.block])
+        ends = [index for index, plan in enumerate(plans) if plan[3] == plan[4]]
+        tokens: list[int | None] = [None] * len(plans)
+        if ends:
+            last = [laid[index][0] + laid[index][1] - 1 for index in ends]
+            for index, token in zip(ends, _pick(self.model.lm_head(hidden[0, last]), masks), strict=True):
+                tokens[index] = token
+                del self._pending[plans[index][0]]
+        return tokens
+
+    def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
+        """Whether these chunks (row, stop), about to run, write the block of prefix the row computes
+        next (questions about one photo, admitted together): then it waits for them and copies it
+        (catch_up), rather than compute it again beside them."""
+        hashes, block = self._pending[row_id][1], self.table.index.block
+        following = self.table.length(row_id) // block
+        if following >= len(hashes):
+            return False
+        for writer, stop in writers:
+            theirs = self._pending[writer][1]
+            if stop > following * block and theirs[following : following + 1] == [hashes[following]]:
+                return True
+        return False
 
     def abandon(self, row_id: str, keep: bool = False) -> None:
         """A row that leaves before its prefill is whole (paused, failed): its slot freed, or left to

@@ -1,8 +1,8 @@
 """The seam between the engine and a model: what a model's step does (`StepModel`: give a row a slot
-and its cached prefix, prefill it in chunks, decode one step for every running row) and the running
-rows it keeps (`RowBatch`). Plain Python: the engine and its scheduler hold to these without loading
-torch; workers/engine/runner.py serves transformers' Fuyu through them, workers/backends/echo.py a
-model without weights."""
+and its cached prefix, prefill rows in chunks (every row's chunk in one call), decode one step for
+every running row) and the running rows it keeps (`RowBatch`). Plain Python: the engine and its
+scheduler hold to these without loading torch; workers/engine/runner.py serves transformers' Fuyu
+through them, workers/backends/echo.py a model without weights."""
 
 from __future__ import annotations
 
@@ -46,8 +46,12 @@ class StepModel(Protocol):
     def catch_up(self, row_id: str) -> int:
         """Positions of the row's prefix other rows wrote since it began, now in its slot too."""
 
-    def extend(self, row_id: str, stop: int, masks: MaskFn | None = None) -> int | None:
-        """Prefill the row up to `stop` (one chunk); its first token once its prompt is whole."""
+    def extend(self, chunks: list[tuple[str, int]], masks: MaskFn | None = None) -> list[int | None]:
+        """Prefill each row up to its `stop` (one chunk a row, all in one call); each row's first token
+        once its prompt is whole, else None. `masks`: the grammar mask of the rows whose prompt ends."""
+
+    def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
+        """Whether these chunks write the prefix block the row computes next (it waits and copies it)."""
 
     def abandon(self, row_id: str, keep: bool = False) -> None:
         """A row that leaves during its prefill."""

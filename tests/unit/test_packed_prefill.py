@@ -1,0 +1,121 @@
+"""A step's prefill chunks in one model call (workers/engine/runner.py `extend`, row_attention.per_chunk):
+the rows' positions laid end to end, each attending to its own slot. The oracle holds (every row's tokens
+equal its job alone, greedy, fp32, CPU), questions about one photo still compute its prefix once, and a
+call that fails is settled row by row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.settings import Settings
+from tests.support.engine_runs import SIZES, drive
+from tests.support.engine_runs import alone as _alone
+from tests.support.engine_runs import photo as _photo
+from tests.support.step_proxy import StepProxy
+from workers.backends.base import GenerationInput
+from workers.backends.fuyu import FuyuBackend
+from workers.engine import scheduler
+from workers.engine.engine import Engine
+from workers.engine.sequence import Sequence
+
+HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
+
+
+@pytest.fixture(scope="module")
+def backend() -> FuyuBackend:
+    loaded = FuyuBackend(Settings(model="tiny", home=HOME, quantization="fp32", device="cpu"))
+    loaded.load()
+    return loaded
+
+
+def _row(backend: FuyuBackend, row_id: str, item: GenerationInput, identity: Any = None) -> Sequence:
+    inputs = backend.prepare([item]).inputs
+    length = int(inputs["input_ids"].shape[1])
+    return Sequence(row_id, inputs, length, item.max_new_tokens, backend.eos_id, identity=identity)
+
+
+class _Counting(StepProxy):
+    """The real runner; each prefill call's rows and positions recorded, a fault injected by a rule."""
+
+    def __init__(self, inner: Any, fault: Any = None) -> None:
+        super().__init__(inner)
+        self.calls: list[list[tuple[str, int]]] = []  # (row, positions computed) per call
+        self.fault = fault
+
+    def extend(self, chunks: list[tuple[str, int]], masks: Any = None) -> list[int | None]:
+        table = self.inner.table
+        self.calls.append([(row_id, stop - table.length(row_id)) for row_id, stop in chunks])
+        if self.fault is not None and (error := self.fault([row_id for row_id, _ in chunks])) is not None:
+            raise error
+        return super().extend(chunks, masks)
+
+
+@pytest.mark.parametrize("decode", ["rows", "fixed"])
+def test_a_steps_chunks_of_several_rows_run_in_one_call_and_equal_each_job_alone(
+    backend: FuyuBackend, decode: str
+) -> None:
+    """Four photos admitted together, their prompts within the step's budget: one prefill call computes
+    all their positions; a budget that cuts them still makes one call a step."""
+    items = [_photo(size, size, size % 3, 5) for size in range(4)]
+    for budget in (1 << 30, 150):
+        runner = _Counting(backend.step_model(4, decode=decode))
+        done: dict[str, Sequence] = {}
+        limits = scheduler.Limits(4, 0, prefill_tokens=budget)
+        engine = Engine(runner, limits, lambda row, done=done: done.__setitem__(row.row_id, row))
+        rows = [_row(backend, str(i), item) for i, item in enumerate(items)]
+        drive(engine, [(row, 0) for row in rows])
+        for index, item in enumerate(items):
+            assert done[str(index)].tokens == _alone(backend, item), (budget, index)
+        if budget > 1000:
+            assert len(runner.calls) == 1, runner.calls
+            assert sorted(n for _, n in runner.calls[0]) == sorted(row.prompt_tokens for row in rows)
+        else:
+            assert all(sum(n for _, n in call) <= budget for call in runner.calls), runner.calls
+            assert max(len(call) for call in runner.calls) > 1, "no call ever held two rows' chunks"
+            assert sum(n for call in runner.calls for _, n in call) == sum(r.prompt_tokens for r in rows)
+
+
+def test_questions_about_one_photo_admitted_together_compute_its_prefix_once(backend: FuyuBackend) -> None:
+    """Three questions about one photo and one about another, all in one step: the photo's prefix is
+    computed by its first question's chunk; the other two wait for a second call and copy it."""
+    items = [_photo(3, 0, 0, 4), _photo(3, 0, 1, 4), _photo(2, 1, 2, 4), _photo(3, 0, 2, 4)]
+    identities = [("key", 0), ("key", 0), ("key", 1), ("key", 0)]
+    runner = _Counting(backend.step_model(4))
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
+    rows = [_row(backend, str(i), item, identities[i]) for i, item in enumerate(items)]
+    drive(engine, [(row, 0) for row in rows])
+    assert [[row_id for row_id, _ in call] for call in runner.calls] == [["0", "2"], ["1", "3"]]
+    image = backend.image_tokens(*SIZES[3])
+    for index, item in enumerate(items):
+        assert done[str(index)].tokens == _alone(backend, item), index
+    assert done["0"].cached_tokens == done["2"].cached_tokens == 0
+    assert done["1"].cached_tokens >= image - 15
+    assert done["3"].cached_tokens >= image - 15
+    computed = sum(n for call in runner.calls for _, n in call)
+    assert computed == sum(row.prompt_tokens - done[row.row_id].cached_tokens for row in rows)
+
+
+def test_a_failed_call_of_several_rows_fails_only_the_row_that_fails_alone(backend: FuyuBackend) -> None:
+    """A call fails whenever row "bad" is in it: each row of the call runs alone, "bad" fails by itself
+    and its neighbours' tokens equal their jobs alone."""
+    items = [_photo(size, size, size % 3, 4) for size in range(3)]
+
+    def fault(row_ids: list[str]) -> Exception | None:
+        return ValueError("a row that breaks the model") if "bad" in row_ids else None
+
+    runner = _Counting(backend.step_model(4), fault)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
+    ids = ["0", "bad", "2"]
+    drive(engine, [(_row(backend, row_id, item), 0) for row_id, item in zip(ids, items, strict=True)])
+    assert [[row_id for row_id, _ in call] for call in runner.calls] == [ids, ["0"], ["bad"], ["2"]]
+    assert done["bad"].error is not None
+    assert done["bad"].error.code == "model_error"
+    for row_id, item in zip(ids, items, strict=True):
+        if row_id != "bad":
+            assert done[row_id].error is None
+            assert done[row_id].tokens == _alone(backend, item), row_id
