@@ -8,14 +8,18 @@
 #                                                     stand-in for that machine's Python (make gpu-smoke)
 #
 # It installs the bundle into a temporary folder (seconds), then runs each step under its own timeout,
-# all within GPU_CHECKS_BUDGET_S (default 460 s on the GPU, 3 x 180 s for the smoke run):
+# all within GPU_CHECKS_BUDGET_S (default 500 s on the GPU, 3 x 180 s for the smoke run); GPU_CHECKS_STEPS
+# (e.g. "step-cost,engine") runs only those steps after install and env (a targeted rerun):
 #   env         versions, where each package came from, the bundle's requirements, every import
 #   tests-gpu   tests/gpu (the CUDA oracle: fp32/bf16/NF4 agreement, preprocessing, EXIF, NVML)
+#   prefill     a prompt whole / in chunks of 512, 1024, 2048 / as a prefix hit; a step's chunks of
+#               several rows in one call against one call a row
+#   engine      the engine on a realistic mix: tokens/s, step time by rows, host vs GPU, graphs on/off,
+#               prefix reuse on/off
+#   step-cost   the engine's decode-step cost table, graphs on and off
 #   preprocess  device preprocessing vs FuyuProcessor: ms/image at batch 1/16, max abs difference
 #   grammar     the grammar mask at a 262,144-token (synthetic) vocabulary: fill + apply, compile times
 #   model       a random Fuyu-8B-shaped model, bf16 and NF4: images/s at batch 1/8/32, memory, roofline
-#   step-cost   the engine's decode-step cost table, graphs on and off (when the tree has that bench)
-#   engine      the engine on a realistic mix: tokens/s, step time by rows, host vs GPU, graphs on/off
 # and writes OUT_DIR/gpu-checks.json (every figure), OUT_DIR/summary.txt, OUT_DIR/gpu-checks.log and,
 # on a GPU, OUT_DIR/nvidia-smi.txt. A step that fails or times out is recorded and the next one runs.
 set -uo pipefail
@@ -46,7 +50,7 @@ if [ "$smoke" = 1 ]; then
 else
   mode=gpu
   slack=1
-  budget=${GPU_CHECKS_BUDGET_S:-460}
+  budget=${GPU_CHECKS_BUDGET_S:-500}
   py=${GPU_PYTHON:-python3}
   export MRC_DEVICE=cuda
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
@@ -59,6 +63,10 @@ report_s=10 # kept for the report at the end
 step() {
   local name=$1 limit=$(($2 * slack))
   shift 2
+  if [ -n "${GPU_CHECKS_STEPS:-}" ] && [[ ",install,env,$GPU_CHECKS_STEPS," != *",$name,"* ]]; then
+    printf '%s\t-\t0\t0\t%s\n' "$name" "not run: not in GPU_CHECKS_STEPS" >> "$work/steps.tsv"
+    return
+  fi
   local left=$((budget - report_s - SECONDS))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 5 ]; then
@@ -81,29 +89,25 @@ step env 40 "$py" scripts/gpu_env.py report --bundle gpu-bundle --site "$site" -
 if ! grep -qP '^env\t(0|3)\t' "$work/steps.tsv"; then # 3: partly ready (scripts/gpu_env.py)
   echo "the environment is not ready (see the env step above): the remaining steps would fail" | tee -a "$log"
 else
+  # The engine's steps first: when the budget runs short, the figures already measured once go.
   if [ "$smoke" = 1 ]; then
     step tests-gpu 45 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
+    step prefill 30 "$py" tests/bench/bench_prefill.py --device cpu --quick --json "$work/prefill.json"
+    step engine 40 "$py" tests/bench/bench_engine_mix.py --smoke --json "$work/engine.json"
+    step step-cost 40 "$py" tests/bench/bench_step_cost.py --device cpu --quick --json "$work/step_cost.json"
     step preprocess 40 "$py" tests/bench/bench_preprocess.py --device cpu --quick --no-mixed --json "$work/preprocess.json"
     step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --smoke --json "$work/grammar.json"
     step model 40 "$py" tests/bench/bench_gpu.py --smoke --json "$work/model.json"
   else
     step tests-gpu 90 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
+    step prefill 60 "$py" tests/bench/bench_prefill.py --device cuda --chunks 512,1024,2048 --repeats 3 \
+      --json "$work/prefill.json"
+    step engine 200 "$py" tests/bench/bench_engine_mix.py --json "$work/engine.json"
+    step step-cost 60 "$py" tests/bench/bench_step_cost.py --device cuda --graphs both --repeats 3 --json "$work/step_cost.json"
     step preprocess 50 "$py" tests/bench/bench_preprocess.py --device cuda --passes 2 --per-kind 2 --no-mixed \
       --json "$work/preprocess.json"
     step grammar 40 "$py" tests/bench/bench_grammar_vocab.py --device cuda --json "$work/grammar.json"
-    step model 150 "$py" tests/bench/bench_gpu.py --modes bf16,nf4 --batches 1,8,32 --json "$work/model.json"
-  fi
-  if [ ! -f tests/bench/bench_step_cost.py ]; then
-    skip step-cost "tests/bench/bench_step_cost.py is not in this tree"
-  elif [ "$smoke" = 1 ]; then
-    step step-cost 40 "$py" tests/bench/bench_step_cost.py --device cpu --quick --json "$work/step_cost.json"
-  else
-    step step-cost 50 "$py" tests/bench/bench_step_cost.py --device cuda --graphs both --repeats 3 --json "$work/step_cost.json"
-  fi
-  if [ "$smoke" = 1 ]; then
-    step engine 40 "$py" tests/bench/bench_engine_mix.py --smoke --json "$work/engine.json"
-  else
-    step engine 100 "$py" tests/bench/bench_engine_mix.py --json "$work/engine.json"
+    step model 110 "$py" tests/bench/bench_gpu.py --modes bf16,nf4 --batches 1,8,32 --json "$work/model.json"
   fi
 fi
 # standard library only: any Python will do if the one under test is broken

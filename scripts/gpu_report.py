@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 STATUS = {"0": "ok", "124": "timed out", "137": "timed out", "-": "skipped"}  # by exit code
-PARTS = ("env", "preprocess", "grammar", "model", "step_cost", "engine")
+PARTS = ("env", "preprocess", "grammar", "model", "step_cost", "prefill", "engine")
 
 
 def steps(work: Path) -> list[dict[str, Any]]:
@@ -134,6 +134,24 @@ def _lines_step_cost(cost: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _lines_prefill(prefill: dict[str, Any]) -> list[str]:
+    """A step's chunks in one call against one a row; a prompt whole, in chunks, as a prefix hit
+    (tests/bench/bench_prefill.py)."""
+    lines = [f"prefill ({prefill.get('model')}, {prefill.get('device')}), ms:"]
+    for r in prefill.get("calls", []):
+        lines.append(
+            f"  {r['rows']} rows x {r['tail']} after a {r['prefix']}-position photo: one call a row "
+            f"{r['each']:.2f}, one call for all {r['together']:.2f} ({r['together'] / r['each']:.2f})"
+        )
+    for r in prefill.get("prefill", []):
+        chunks = [
+            f"chunks of {k[7:]} {v:.2f} ({v / r['whole']:.2f})" for k, v in r.items() if k[:7] == "chunks_"
+        ]
+        lines.append(f"  {r['positions']} positions: whole {r['whole']:.2f}, " + ", ".join(chunks)
+                     + f", prefix hit {r['hit']:.2f}")  # fmt: skip
+    return lines
+
+
 def summary(report: dict[str, Any]) -> str:
     out = [f"GPU proving ground ({report['mode']}), {report['date']}"]
     out += [
@@ -150,7 +168,12 @@ def summary(report: dict[str, Any]) -> str:
         out += [f"  skipped ({count}): {reason}" for reason, count in t["skipped_because"].items()]
     writers = {"env": _lines_env, "model": _lines_model, "engine": _lines_engine}
     writers.update(
-        {"preprocess": _lines_preprocess, "grammar": _lines_grammar, "step_cost": _lines_step_cost}
+        {
+            "preprocess": _lines_preprocess,
+            "grammar": _lines_grammar,
+            "step_cost": _lines_step_cost,
+            "prefill": _lines_prefill,
+        }
     )
     for name, write in writers.items():
         part = report.get(name)

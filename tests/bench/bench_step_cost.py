@@ -10,11 +10,8 @@ ones. Each shape is timed, interleaved in one run, four ways (those the device h
              named by --compile (inductor takes tens of seconds per shape here)
   graphs     the fixed step captured as a CUDA graph and replayed (CUDA only; --graphs on|both)
 
-A second table times a prefill of each length three ways: whole (one call), in chunks of
-MRC_ENGINE_PREFILL_TOKENS (512) positions in place (each attending to the positions before it: what
-the engine does, so a ticket waits for one chunk, not a whole 12 MP photo), and as a prefix hit (the
-same image and prompt held by a retained slot: only the last block's positions computed, <= 16).
-Goal: chunks cost <= 10 % more than one call.
+What a prefill costs, whole, in chunks, as a prefix hit, and several rows' chunks in one call: the
+prefill table, tests/bench/bench_prefill.py (here until the twelfth session).
 
 For each decode shape: the median step time; bytes the cache bookkeeping writes per step (goal: one
 position per running row; `dynamic` rewrites the whole cache); and the host time outside the model
@@ -364,84 +361,10 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps({"model": model_name, "device": args.device, "steps": results}))
     _table(results, modes + (["compiled"] if compile_shapes else []))
-    figures = {"model": model_name, "device": args.device, "steps": results}
-    run_prefills(model, threads, positions, args, sync, began, figures)
     threads_now = torch.get_num_threads()
     print(
         f"({model_name}, {dtype}, {args.device}, {threads_now} threads at the end, median of {args.repeats})"
     )
-
-
-CHUNK = 512  # MRC_ENGINE_PREFILL_TOKENS's default
-
-
-@torch.inference_mode()
-def time_prefill(model: Any, threads: Any, length: int, repeats: int, sync: Any) -> dict[str, float]:
-    """Median ms of a text prefill of `length` positions: whole, in chunks of CHUNK, and a prefix hit."""
-    ids = torch.randint(3, int(model.config.text_config.vocab_size), (1, length), device=model.device)
-    inputs = {"input_ids": ids}
-    whole, chunked, hit = [], [], []
-    for index in range(repeats + 1):  # the first round warms each path
-        runner = Runner(model, 2, length + 8, threads, "rows")
-        sync()
-        began = time.perf_counter()
-        runner.prefill([inputs])
-        sync()
-        whole.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        runner.begin("a", inputs, length, identity=("bench", index))
-        for stop in range(CHUNK, length + CHUNK, CHUNK):
-            runner.extend("a", min(stop, length))
-        sync()
-        chunked.append(time.perf_counter() - began)
-        runner.table.retain("a")  # finished: its slot kept for the prefix cache
-        began = time.perf_counter()
-        reused = runner.begin("b", inputs, length, identity=("bench", index))
-        runner.extend("b", length)
-        sync()
-        hit.append(time.perf_counter() - began)
-        assert reused >= length - runner.table.index.block, reused  # whole blocks of 16 positions
-    ms = {
-        name: statistics.median(t[1:]) * 1000
-        for name, t in (("whole", whole), ("chunks", chunked), ("hit", hit))
-    }
-    return {**ms, "chunks_count": -(-length // CHUNK)}
-
-
-def run_prefills(
-    model: Any,
-    threads: Any,
-    positions: list[int],
-    args: Any,
-    sync: Any,
-    began: float,
-    figures: dict[str, Any],
-) -> None:
-    """The prefill table, within what the step limit leaves (GPU_STEP_LIMIT_S); into --json as it goes."""
-    limit = float(os.environ.get("GPU_STEP_LIMIT_S", "0") or 0)
-    prefills: list[dict[str, Any]] = []
-    figures["prefill"] = prefills
-    for length in positions:
-        if limit and time.monotonic() - began > 0.9 * limit:
-            print(f"  (stopped: {limit:g} s step limit; prefill lengths left out)", flush=True)
-            break
-        try:
-            prefills.append({"positions": length, **time_prefill(model, threads, length, args.repeats, sync)})
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            continue
-        if args.json:
-            args.json.write_text(json.dumps(figures))
-    _prefill_table(prefills)
-
-
-def _prefill_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n| prefill positions | whole ms | in chunks of {CHUNK} ms (chunks) | chunks / whole "
-          "(goal <= 1.10) | prefix hit ms | hit / whole |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['positions']} | {r['whole']:.1f} | {r['chunks']:.1f} ({r['chunks_count']}) | "
-              f"{r['chunks'] / r['whole']:.2f} | {r['hit']:.1f} | {r['hit'] / r['whole']:.3f} |")  # fmt: skip
 
 
 def _line(figures: dict[str, Any]) -> str:
