@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -153,9 +153,9 @@ class Settings(BaseSettings):
     # Most prefill positions the engine computes at one step, all lanes: a longer prefill runs in chunks
     # (each attending to the positions already in its slot) with decode steps between them, so a ticket
     # that arrives waits for at most one step's chunk, not a 12 MP photo's whole prefill. Also the most
-    # backlog prefill positions admitted at one step (one row always may). Default measured
-    # (docs/benchmarks.md).
-    engine_prefill_tokens: int = Field(default=512, ge=16)
+    # backlog prefill positions admitted at one step (one row always may). auto: 512 on the CPU, 1024
+    # on CUDA (workers/engine/capacity.py prefill_tokens; docs/benchmarks.md).
+    engine_prefill_tokens: Literal["auto"] | Annotated[int, Field(ge=16)] = "auto"
     # A job whose leading positions (the same photo from the same key, and the prompt's start) are in
     # the cache already (a running row's, or a finished row's slot not needed since) reuses them
     # instead of computing them again (workers/engine/prefix_index.py). off: every prefill is whole.

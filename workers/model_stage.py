@@ -75,12 +75,13 @@ class ModelStage:
             fit, settings.model_batch_max_jobs, settings.batch_token_budget, self.positions, decode == "fixed"
         )
         reserved = min(settings.engine_reserved_rows, rows - 1)
+        chunk = capacity.prefill_tokens(settings.engine_prefill_tokens, backend.device)
         self.limits = scheduler.Limits(
             max_rows=rows,
             reserved_interactive=reserved,
-            backlog_prefill_tokens=settings.engine_prefill_tokens,
+            backlog_prefill_tokens=chunk,
             backlog_share=settings.engine_backlog_share,
-            prefill_tokens=settings.engine_prefill_tokens,
+            prefill_tokens=chunk,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
             reserve_positions=capacity.reserve(reserved, self.pool, self.positions, decode == "fixed"),

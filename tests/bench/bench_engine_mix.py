@@ -11,7 +11,8 @@ prefill), at most the row limit.
 
 Jobs about one image share its prefix (the image's positions, and the prompt's first tokens): the
 engine's prefix cache reuses them, as the worker's does for one photo's several questions, and long
-prefills run in chunks of MRC_ENGINE_PREFILL_TOKENS (512) positions a step, as in the worker.
+prefills run in chunks of MRC_ENGINE_PREFILL_TOKENS positions a step (auto: 1,024 on CUDA), as in
+the worker.
 
 Each run (`--runs`, e.g. `graphs:16,eager:16,graphs:32,rows:16,graphs:16:noreuse` = decode mode : row
 limit [: noreuse, the prefix cache off (MRC_ENGINE_PREFIX_CACHE=off) | : nochunk, one prefill per row];
@@ -61,7 +62,6 @@ BACKLOG_NEW = (16, 32, 64, 128)
 TICKET_NEW = 32
 SET_UP_S = 20  # a run's own set-up, roughly: the largest prefill, the cache, graphs' capture, profiler
 MIN_RUN_S = 6.0  # a run shorter than this measures its warm-up: fewer runs are made instead
-PREFILL_TOKENS = 512  # MRC_ENGINE_PREFILL_TOKENS's default
 
 
 def percentile(values: list[float], share: float) -> float | None:
@@ -102,12 +102,13 @@ def engine_limits(backend: Any, rows: int) -> tuple[scheduler.Limits, int, dict[
     fit, measured = backend.kv_capacity()
     uniform = backend.decode_mode() == "fixed"
     slots, pool = capacity.choose(fit, rows, rows * positions, positions, uniform)
+    chunk = capacity.prefill_tokens(settings.engine_prefill_tokens, backend.device)
     limits = scheduler.Limits(
         max_rows=slots,
         reserved_interactive=min(settings.engine_reserved_rows, slots - 1),
-        backlog_prefill_tokens=settings.engine_prefill_tokens,
+        backlog_prefill_tokens=chunk,
         backlog_share=settings.engine_backlog_share,
-        prefill_tokens=settings.engine_prefill_tokens,
+        prefill_tokens=chunk,
         hold_backlog=backend.device == "cpu",  # MRC_ENGINE_HOLD_BACKLOG=auto
     )
     sizing = {"positions_memory_holds": fit, "measured_from": measured, "slots": slots, "pool": pool}
@@ -213,7 +214,7 @@ def run(backend: Any, mix: Mix, spec: str, args: argparse.Namespace) -> dict[str
             "engine_decode": "rows" if decode == "rows" else "fixed",
             "engine_cuda_graphs": "off" if decode == "eager" else "auto",
             "engine_prefix_cache": "off" if "noreuse" in options else "on",
-            "engine_prefill_tokens": 1 << 20 if "nochunk" in options else PREFILL_TOKENS,
+            "engine_prefill_tokens": 1 << 20 if "nochunk" in options else "auto",
         }
     )
     random_fuyu.free(backend.device)

@@ -46,6 +46,8 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_RETRY_BASE_S", "120"),
         ("MRC_REDIS_URL", "unix:///run/redis.sock"),  # passed, then the broker failed uncaught
         ("MRC_REDIS_WAIT_TIMEOUT_MS", "60000"),  # past the socket timeout: the push would be retried
+        ("MRC_ENGINE_PREFILL_TOKENS", "8"),  # less than a block of the prefix cache
+        ("MRC_ENGINE_PREFILL_TOKENS", "half"),
     ],
 )
 def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
@@ -85,3 +87,25 @@ def test_unknown_mrc_variables_are_listed() -> None:
 
     env = {"MRC_BATCH_MAX_JOB": "4", "MRC_HOME": "/x", "MRC_LOG_LEVEL": "info", "HOME": "/root"}
     assert unknown_variables(env) == ["MRC_BATCH_MAX_JOB"]
+
+
+@pytest.mark.parametrize(
+    ("value", "device", "chunk"),
+    [
+        (None, "cpu", 512),
+        ("auto", "cuda", 1024),
+        ("auto", "cuda:1", 1024),
+        ("768", "cuda", 768),
+        ("64", "cpu", 64),
+    ],
+)
+def test_the_prefill_chunk_is_the_setting_or_by_the_device(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, device: str, chunk: int
+) -> None:
+    from workers.engine import capacity
+
+    if value is None:
+        monkeypatch.delenv("MRC_ENGINE_PREFILL_TOKENS", raising=False)
+    else:
+        monkeypatch.setenv("MRC_ENGINE_PREFILL_TOKENS", value)
+    assert capacity.prefill_tokens(Settings().engine_prefill_tokens, device) == chunk

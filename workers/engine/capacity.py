@@ -14,8 +14,23 @@ from __future__ import annotations
 
 from typing import Any
 
+# Prefill positions a step computes (MRC_ENGINE_PREFILL_TOKENS=auto). The CPU: 512, measured (a chunk
+# costs what its positions cost there: 1.12-1.15x the whole prefill of 2,400 positions on equal
+# threads). CUDA: a call costs ~20 ms whatever its size on the H200's first run (a 16-position prefix
+# hit 20-22 ms; a call's launches through 36 layers) and the whole 2,400-position prefill 86 ms
+# (0.036 ms a position), so chunks of 512 cost 1.29x the whole (111 ms, five calls at the floor) while
+# 1,024 are derived to cost ~1.07x with a ticket's wait behind one chunk ~37 ms (docs/benchmarks.md,
+# "GPU, H200"; the proving ground's prefill step measures 512, 1,024 and 2,048).
+PREFILL_TOKENS = {"cpu": 512, "cuda": 1024}
 CUDA_MARGIN = 0.10  # of the memory left after the largest prefill: the allocator's slack, fragmentation
 CPU_SHARE = 0.5  # of MemAvailable
+
+
+def prefill_tokens(setting: int | str, device: str) -> int:
+    """The step's prefill positions: the setting, or by the device (auto)."""
+    if setting != "auto":
+        return int(setting)
+    return PREFILL_TOKENS["cuda" if str(device).startswith("cuda") else "cpu"]
 
 
 def bytes_per_token(config: Any, dtype: Any) -> int:

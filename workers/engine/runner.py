@@ -160,8 +160,8 @@ class Runner:
             if not start < stop <= length:
                 raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
             plans.append((row_id, table.start(row_id), start, stop, length))
-        if self.threads is not None:
-            self.threads(sum(stop - start for _, _, start, stop, _ in plans), "prefill")
+        if self.threads is not None:  # by the rows' prompts: a chunk gets the threads its prompt would
+            self.threads(sum(length for *_, length in plans), "prefill")
         embeddings = [self._pending[row_id][0][:, start:stop] for row_id, _, start, stop, _ in plans]
         device, dtype = embeddings[0].device, embeddings[0].dtype
         laid, offset = [], 0  # each chunk's place in the call
