@@ -588,3 +588,15 @@ def test_a_job_that_needs_exactly_a_slots_positions_runs(backend: FuyuBackend, d
     assert done["exact"].tokens == _alone(backend, item)
     assert done["long"].error is not None
     assert "cache positions" in str(done["long"].error)
+
+
+def test_a_rows_candidate_is_made_once_and_follows_what_changes_in_it() -> None:
+    from workers.engine import rows as rows_of
+
+    row = Sequence("r", None, 10, 5, 0, "backlog")
+    first = rows_of.candidates([row])[0]
+    assert rows_of.candidates([row])[0] is first
+    assert (first.prompt_tokens, first.need, first.pauses) == (10, 14, 0)
+    row.pauses, row.turn, row.group = 1, True, "split-1"
+    again = rows_of.candidates([row])[0]
+    assert (again.pauses, again.turn, again.group, again.lane) == (1, True, "split-1", "backlog")

@@ -52,6 +52,8 @@ class Sequence:
     restarts: int = 0  # times it was paused (or its batch failed) and recomputed from its prompt
     pauses: int = 0  # of those, times it was paused for a ticket (capped while the backlog has a share)
     turn: bool = False  # its last admission was on the backlog's turn (its share): tickets leave it be
+    # How the scheduler saw it last (workers/engine/rows.py): made again only when what it shows changed.
+    seen: Any = field(default=None, repr=False)
 
     @property
     def need(self) -> int:
