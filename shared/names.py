@@ -32,6 +32,12 @@ UNACKED_KEY: Final = "unacked"
 UNACKED_INDEX_KEY: Final = "unacked_index"
 
 
+def unacked_owners_key(unacked_key: str = UNACKED_KEY) -> str:
+    """Which process popped each unacked message (tag -> owner, shared/unacked.py): mrc's own, beside
+    kombu's hash, whose records kombu's restore reads as exactly [payload, exchange, routing_key]."""
+    return f"{unacked_key}_owners"
+
+
 def cache_counter_keys() -> tuple[str, str]:
     return f"{REDIS_PREFIX}cache:hits", f"{REDIS_PREFIX}cache:misses"
 

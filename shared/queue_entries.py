@@ -22,7 +22,7 @@ _KEEP_REJECTED = 1000
 # it; the payload is spliced in as the raw text so nothing in it is re-encoded. Returns the list, the
 # entry and the tag it recorded (false if none), so Python can undo a record for an entry it rejects.
 POP_SCRIPT = """
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local item = redis.call('RPOP', KEYS[i])
   if item then
     local recorded = false
@@ -37,6 +37,7 @@ for i = 3, #KEYS do
         redis.call('ZADD', KEYS[2], ARGV[1], tag)
         local entry = '[' .. item .. ',' .. cjson.encode(ex) .. ',' .. cjson.encode(rk) .. ']'
         redis.call('HSET', KEYS[1], tag, entry)
+        redis.call('HSET', KEYS[3], tag, ARGV[2])
         recorded = tag
       end
     end
@@ -82,4 +83,5 @@ def set_aside(client: Any, queue: str, item: bytes | str, reason: str, tag: str 
         if tag is not None:
             pipe.hdel(names.UNACKED_KEY, tag)
             pipe.zrem(names.UNACKED_INDEX_KEY, tag)
+            pipe.hdel(names.unacked_owners_key(), tag)
         pipe.execute()

@@ -203,10 +203,18 @@ class Channel(kombu_redis.Channel):
             self._waiting = True  # (and a process that stopped taking only waits)
             connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", self.idle_wait_s)
         else:
-            unacked = [self.unacked_key, self.unacked_index_key]
+            records = [self.unacked_key, self.unacked_index_key, names.unacked_owners_key(self.unacked_key)]
+            owner = unacked.process_owner()
             try:
                 connection.send_command(
-                    "EVAL", queue_entries.POP_SCRIPT, len(keys) + 2, *unacked, *keys, time.time(), *flags
+                    "EVAL",
+                    queue_entries.POP_SCRIPT,
+                    len(keys) + 3,
+                    *records,
+                    *keys,
+                    time.time(),
+                    owner,
+                    *flags,
                 )
             except BaseException:
                 taking.end_pop()

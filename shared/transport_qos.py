@@ -13,7 +13,7 @@ import structlog
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual as kombu_virtual
 
-from shared import pushes, queue_entries
+from shared import names, pushes, queue_entries
 from shared.unacked import parse_unacked
 
 
@@ -101,6 +101,12 @@ class QoS(kombu_redis.QoS):
             pipe.execute()
         kombu_virtual.QoS.ack(self, delivery_tag)
         return True
+
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        """kombu's, and the record of which process popped it (shared/unacked.py)."""
+        with self.pipe_or_acquire(pipe) as pipe:
+            owners = names.unacked_owners_key(self.unacked_key)
+            return super()._remove_from_indices(delivery_tag, pipe).hdel(owners, delivery_tag)
 
     def held_tags(self) -> list[str]:
         """The tags this consumer holds unacked; read from another thread, so copied with a retry."""

@@ -88,6 +88,7 @@ def test_a_message_popped_by_a_consumer_that_dies_is_restored(redis_url: str) ->
             conn.drain_events(timeout=5)
     assert received == [{"n": 1}]
     assert _where(client) == (0, 0), "acked: gone from the unacked hash"
+    assert client.hlen(names.unacked_owners_key()) == 0, "acked: its owner record gone too"
 
 
 def test_a_push_marker_lives_while_its_message_waits_and_says_acked_after(redis_url: str) -> None:
@@ -177,6 +178,40 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
         assert all(r["headers"]["redelivered"] for r in returned)
         held = [json.loads(raw)[0]["headers"]["id"] for raw in client.hvals("unacked")]
         assert sorted(held) == ["job-0", "job-1"], "the copy with the same task id was given back too"
+
+
+def test_a_message_handed_to_another_worker_while_this_one_was_frozen_stays_with_it(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left open by the eleventh session: a worker frozen past the visibility timeout had its message
+    handed to a second worker under the same delivery tag, and, waking to a device fault, gave it
+    back from under the second (the job could run twice). The pop records which process took each
+    message last; a give-back moves only this process's."""
+    import os
+
+    from shared import unacked
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    owners = names.unacked_owners_key()
+    _publish(redis_url, {"n": 0})
+    monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-a"))
+    with _consuming(redis_url, 1) as (_conn, channel, taken):
+        tag = taken[0].delivery_tag
+        assert client.hget(owners, tag) == "worker-a"
+        channel.qos.stop_heartbeat()  # frozen: no beat keeps its record fresh
+        time.sleep(1.2)  # past the visibility timeout (1 s)
+        channel.qos.restore_visible(num=10, interval=1)
+        assert _where(client) == (1, 0)
+        assert client.hlen(owners) == 0, "restored: the owner record goes with the unacked one"
+        monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-b"))
+        with _consuming(redis_url, 1) as (_conn_b, _channel_b, taken_b):
+            assert taken_b[0].delivery_tag == tag
+            assert client.hget(owners, tag) == "worker-b"
+            assert unacked.give_back(client, [tag], owner="worker-a") == 0
+            assert _where(client) == (0, 1), "the frozen worker took its message from the second"
+            assert unacked.give_back(client, [tag]) == 1  # the second's own (its process owner)
+            assert _where(client) == (1, 0)
+            assert client.hlen(owners) == 0
 
 
 def test_a_pop_sent_as_the_worker_stops_taking_is_given_back_not_stranded(
