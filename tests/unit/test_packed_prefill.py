@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from shared.settings import Settings
 from tests.support.engine_runs import SIZES, drive
@@ -119,3 +120,70 @@ def test_a_failed_call_of_several_rows_fails_only_the_row_that_fails_alone(backe
         if row_id != "bad":
             assert done[row_id].error is None
             assert done[row_id].tokens == _alone(backend, item), row_id
+
+
+def test_a_call_whose_token_pick_fails_leaves_its_rows_as_they_were(backend: FuyuBackend) -> None:
+    """Review finding: the call recorded every row's new length before picking the first tokens, so a
+    pick that failed (out of memory in lm_head, the grammar's fill) left the rows' chunks run alone
+    refused ("a chunk s..s") and every row of the call failed. Now nothing is recorded before the pick."""
+    items = [_photo(size, size, size % 3, 4) for size in range(3)]
+    inner = backend.step_model(4)
+    head = inner.model.lm_head
+    armed = [True]
+
+    def fault(row_ids: list[str]) -> Exception | None:
+        if len(row_ids) > 1 and armed[0]:  # the forward runs; the pick's lm_head fails, once
+            armed[0] = False
+
+            def failing(_hidden: Any) -> Any:
+                del head.forward
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+            head.forward = failing
+        return None
+
+    runner = _Counting(inner, fault)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
+    drive(engine, [(_row(backend, str(i), item), 0) for i, item in enumerate(items)])
+    assert [len(call) for call in runner.calls] == [3, 1, 1, 1]
+    for index, item in enumerate(items):
+        assert done[str(index)].error is None, done[str(index)].error
+        assert done[str(index)].tokens == _alone(backend, item)
+    assert inner.table.used == 0
+
+
+def test_a_retirement_out_of_memory_during_a_calls_joins_sends_the_rest_back(backend: FuyuBackend) -> None:
+    """Review finding: a row ending at its first token retires as the call's rows join; its retirement
+    running out of memory sends every row in memory back to waiting, and the call's next row then
+    joined from a prefilling list it was no longer in (KeyError: the engine's end). Now the joins stop
+    there, and every row still finishes with its own tokens."""
+    items = [_photo(0, 0, 0, 1), _photo(1, 1, 1, 4), _photo(2, 2, 2, 4)]
+    armed = [True]
+
+    class Failing(StepProxy):
+        def new_batch(self) -> Any:
+            batch = self.inner.new_batch()
+            drop = batch.drop
+
+            def failing_drop(row_ids: set[str], keep: bool = False) -> None:
+                if keep and armed[0]:
+                    armed[0] = False
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+                drop(row_ids, keep)
+
+            batch.drop = failing_drop
+            return batch
+
+    for decode in ("rows", "fixed"):
+        armed[0] = True
+        done: dict[str, Sequence] = {}
+        engine = Engine(
+            Failing(backend.step_model(4, decode=decode)), scheduler.Limits(4, 0),
+            lambda row, done=done: done.__setitem__(row.row_id, row),
+        )  # fmt: skip
+        drive(engine, [(_row(backend, str(i), item), 0) for i, item in enumerate(items)])
+        assert not armed[0], "the retirement never ran out of memory"
+        for index, item in enumerate(items):
+            assert done[str(index)].error is None, (decode, index)
+            assert done[str(index)].tokens == _alone(backend, item), (decode, index)

@@ -278,6 +278,8 @@ class Engine:
                 return all(self._run_chunks([chunk], moved) for chunk in alone)
             return self._chunk_failed(call[0][0], exc)
         for (row, stop), token in zip(call, tokens, strict=True):
+            if row.row_id not in self.prefilling:  # sent back meanwhile (a retirement ran out of memory)
+                return False
             self._report.computed += stop - row.computed
             row.computed = stop
             moved.append(row)

@@ -188,16 +188,17 @@ class Runner:
                 )
         finally:
             cache.chunk = None
-        for row_id, _, _, stop, _ in plans:
-            table.set_length(row_id, stop)
-            table.index.add(row_id, self._pending[row_id][1][: stop // table.index.block])
         ends = [index for index, plan in enumerate(plans) if plan[3] == plan[4]]
         tokens: list[int | None] = [None] * len(plans)
-        if ends:
+        if ends:  # picked before anything is recorded: a pick that fails leaves every row as it was
             last = [laid[index][0] + laid[index][1] - 1 for index in ends]
             for index, token in zip(ends, _pick(self.model.lm_head(hidden[0, last]), masks), strict=True):
                 tokens[index] = token
-                del self._pending[plans[index][0]]
+        for row_id, _, _, stop, length in plans:
+            table.set_length(row_id, stop)
+            table.index.add(row_id, self._pending[row_id][1][: stop // table.index.block])
+            if stop == length:
+                del self._pending[row_id]
         return tokens
 
     def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
