@@ -12,13 +12,14 @@ instead of spinning (OMP_WAIT_POLICY=PASSIVE) cost 2-3x on small calls and ~1.5x
 So each call takes its thread count from its size: one thread below a threshold, every usable core
 above it (beside busy processes those still slow down, see docs/benchmarks.md). A prefill's threshold
 is PREFILL_POSITIONS: an image's prefill (a 1 MP photo is ~1,300 positions) is a large matrix product
-that a second core speeds up, while a ticket's text-sized call is not. A prefill in chunks counts its
-rows' whole prompts (workers/engine/runner.py), so a chunk gets the threads its prompt whole would:
-counted by the chunk's own positions, every chunk of 512 ran on one thread and a 2,400-position
-prompt cost 1.89-2.10x its whole prefill on two (tests/bench/bench_prefill.py, twelfth session). A
-decode step's is DECODE_POSITIONS of positions read: one position per row is little work, and below
-that threshold a step stays on one thread. MRC_CPU_THREADS fixes the count instead. The image decode
-threads always use one each (workers/images.py).
+that a second core speeds up, while a ticket's text-sized call is not. A prefill call counts its rows'
+whole prefills, less what each reused from the prefix cache (workers/engine/runner.py): a chunk gets
+the threads its prompt whole would, and a question's few positions after its photo's prefix hit stay
+on one thread; counted by the chunk's own positions, every chunk of 512 ran on one thread and a
+2,400-position prompt cost 1.89-2.10x its whole prefill on two (tests/bench/bench_prefill.py, twelfth
+session). A decode step's is DECODE_POSITIONS of positions read: one position per row is little work,
+and below that threshold a step stays on one thread. MRC_CPU_THREADS fixes the count instead. The
+image decode threads always use one each (workers/images.py).
 
 A large call also leaves a core to each photo the worker is decoding beside it (`beside_model`): the
 decode threads are the model's own pipeline, and a parallel step waits for its slowest thread. Measured

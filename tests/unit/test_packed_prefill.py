@@ -81,7 +81,8 @@ def test_a_steps_chunks_of_several_rows_run_in_one_call_and_equal_each_job_alone
 
 def test_questions_about_one_photo_admitted_together_compute_its_prefix_once(backend: FuyuBackend) -> None:
     """Three questions about one photo and one about another, all in one step: the photo's prefix is
-    computed by its first question's chunk; the other two wait for a second call and copy it."""
+    computed by its first question's chunk; the second waits for a second call and copies it, and the
+    rows after it wait with it (none takes its place in line)."""
     items = [_photo(3, 0, 0, 4), _photo(3, 0, 1, 4), _photo(2, 1, 2, 4), _photo(3, 0, 2, 4)]
     identities = [("key", 0), ("key", 0), ("key", 1), ("key", 0)]
     runner = _Counting(backend.step_model(4))
@@ -89,7 +90,7 @@ def test_questions_about_one_photo_admitted_together_compute_its_prefix_once(bac
     engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
     rows = [_row(backend, str(i), item, identities[i]) for i, item in enumerate(items)]
     drive(engine, [(row, 0) for row in rows])
-    assert [[row_id for row_id, _ in call] for call in runner.calls] == [["0", "2"], ["1", "3"]]
+    assert [[row_id for row_id, _ in call] for call in runner.calls] == [["0"], ["1", "2", "3"]]
     image = backend.image_tokens(*SIZES[3])
     for index, item in enumerate(items):
         assert done[str(index)].tokens == _alone(backend, item), index
@@ -187,3 +188,65 @@ def test_a_retirement_out_of_memory_during_a_calls_joins_sends_the_rest_back(bac
         for index, item in enumerate(items):
             assert done[str(index)].error is None, (decode, index)
             assert done[str(index)].tokens == _alone(backend, item), (decode, index)
+
+
+@pytest.mark.parametrize("budget", [130, 200, 250])
+def test_a_ticket_waiting_for_its_photos_prefix_keeps_its_place_ahead_of_the_backlog(
+    backend: FuyuBackend, budget: int
+) -> None:
+    """Review finding: a ticket deferred to the step's second call (its photo's prefix being written by
+    the first) gave its share of the budget to the backlog row after it, which took it in the first
+    call: the ticket's first token came a step later than before packing (and at 250 positions, after
+    the backlog row's). The rows after a deferred row now wait with it."""
+    big = GenerationInput(torch.full((3, 480, 640), 77, dtype=torch.uint8), "Refund?", 6)
+    jobs = [
+        ("X", big, 0, "backlog", ("key", "big")),
+        ("T1", _photo(3, 0, 0, 6), 1, "interactive", ("key", 0)),
+        ("T2", _photo(3, 0, 1, 6), 1, "interactive", ("key", 0)),
+    ]
+    done: dict[str, Sequence] = {}
+    steps = [0]
+    engine = Engine(
+        backend.step_model(4), scheduler.Limits(4, 0, prefill_tokens=budget),
+        lambda row: done.__setitem__(row.row_id, row), clock=lambda: float(steps[0]),
+    )  # fmt: skip
+    rows = []
+    for row_id, item, arrival, lane, identity in jobs:
+        row = _row(backend, row_id, item, identity)
+        row.lane = lane
+        rows.append((row, arrival))
+    pending = sorted(rows, key=lambda pair: pair[1])
+    while pending or not engine.idle:
+        while pending and pending[0][1] <= engine.steps:
+            engine.submit(pending.pop(0)[0])
+        engine.step()
+        steps[0] = engine.steps  # the clock reads the step a row's first token came at
+    assert done["T1"].first_token_at == done["T2"].first_token_at == 1.0  # the step they came at
+    assert done["T2"].cached_tokens > 0
+    assert done["X"].first_token_at is not None
+    assert done["X"].first_token_at > 1.0
+    for row_id, item, *_ in jobs:
+        assert done[row_id].tokens == _alone(backend, item), row_id
+
+
+def test_a_calls_cpu_threads_follow_what_its_rows_compute_in_all(backend: FuyuBackend) -> None:
+    """Review finding: threads sized by the rows' whole prompts put a question's few positions after
+    its photo's prefix hit on every core (small calls on every core are the slowest case beside busy
+    processes, workers/cpu_threads.py). Sized by each row's prefill less what it reused: a chunk of a
+    long prompt still counts the whole prefill."""
+    sized: list[int] = []
+    runner = backend.step_model(2)
+    runner.threads = lambda positions, _kind: sized.append(positions)
+    first = backend.prepare([_photo(3, 0, 0, 2)]).inputs
+    length = int(first["input_ids"].shape[1])
+    assert runner.begin("a", first, length, ("key", 0)) == 0
+    runner.extend([("a", 100)])
+    runner.extend([("a", length)])
+    assert sized == [length, length], "a chunk of a prompt not counted as its whole prefill"
+    runner.table.retain("a")
+    second = backend.prepare([_photo(3, 0, 1, 2)]).inputs
+    other = int(second["input_ids"].shape[1])
+    reused = runner.begin("b", second, other, ("key", 0))
+    assert reused > 0
+    runner.extend([("b", other)])
+    assert sized[-1] == other - reused

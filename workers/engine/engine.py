@@ -240,14 +240,15 @@ class Engine:
         """Prefill chunks within the step's budget of positions (scheduler.chunks: tickets first), every
         row's in one call; a row whose prompt is whole joins the decode steps with its first token. A
         row whose next prefix block a chunk of the call writes (the same photo) waits for a second call
-        and copies it instead (catch_up). The rows that moved."""
+        and copies it instead (catch_up), and so do the rows after it: none takes its place in line
+        (tickets first) or its share of the budget. The rows that moved."""
         order = scheduler.chunk_order(rows_of.candidates(self.prefilling.values()), self._holding(due))
         left = max(1, self.limits.prefill_tokens)  # the first row always moves
         moved: list[Sequence] = []
         while order and left > 0:
             call: list[tuple[Sequence, int]] = []
             later: list[str] = []
-            for row_id in order:
+            for index, row_id in enumerate(order):
                 row = self.prefilling.get(row_id)
                 if row is None:  # sent back meanwhile (a retirement ran out of memory)
                     return moved
@@ -255,8 +256,8 @@ class Engine:
                     break
                 self._caught_up(row)
                 if call and self.runner.sharing(row_id, [(r.row_id, stop) for r, stop in call]):
-                    later.append(row_id)
-                    continue
+                    later = order[index:]
+                    break
                 stop = min(row.prompt_tokens, row.computed + left)
                 left -= stop - row.computed
                 call.append((row, stop))

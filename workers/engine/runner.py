@@ -67,6 +67,10 @@ class Runner:
         # Rows whose prefill is under way: their input embeddings (image patches in place, made once)
         # and their prefix's block hashes.
         self._pending: dict[str, tuple[torch.Tensor, list[bytes]]] = {}
+        # Positions each of those rows' prefill computes in all (its prompt less what it reused): what
+        # sizes a call's CPU threads, so a chunk of a long prompt gets the threads its prompt whole
+        # would, and a question's few positions after its photo's prefix hit stay on one thread.
+        self._work: dict[str, int] = {}
 
     def new_batch(self) -> SlotBatch:
         return SlotBatch(self.table, self.cache)
@@ -107,6 +111,7 @@ class Runner:
             self._copy_hit(row_id, hit.holder, reused, need)
         table.index.add(row_id, hashes[: reused // table.index.block])
         self._pending[row_id] = (self._embeddings(inputs), hashes)
+        self._work[row_id] = length - reused
         return reused
 
     def _copy_hit(self, row_id: str, holder: str, reused: int, need: int) -> None:
@@ -143,6 +148,7 @@ class Runner:
             return 0
         self.cache.move(table.start(hit.holder), table.start(row_id), reused, start=have)
         table.set_length(row_id, reused)
+        self._work[row_id] -= reused - have
         table.index.add(row_id, hashes[: reused // table.index.block])
         return reused - have
 
@@ -160,8 +166,8 @@ class Runner:
             if not start < stop <= length:
                 raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
             plans.append((row_id, table.start(row_id), start, stop, length))
-        if self.threads is not None:  # by the rows' prompts: a chunk gets the threads its prompt would
-            self.threads(sum(length for *_, length in plans), "prefill")
+        if self.threads is not None:  # by the rows' whole prefills, not this call's part of them
+            self.threads(sum(self._work[row_id] for row_id, *_ in plans), "prefill")
         embeddings = [self._pending[row_id][0][:, start:stop] for row_id, _, start, stop, _ in plans]
         device, dtype = embeddings[0].device, embeddings[0].dtype
         laid, offset = [], 0  # each chunk's place in the call
@@ -198,7 +204,7 @@ class Runner:
             table.set_length(row_id, stop)
             table.index.add(row_id, self._pending[row_id][1][: stop // table.index.block])
             if stop == length:
-                del self._pending[row_id]
+                del self._pending[row_id], self._work[row_id]
         return tokens
 
     def sharing(self, row_id: str, writers: list[tuple[str, int]]) -> bool:
@@ -211,7 +217,8 @@ class Runner:
             return False
         for writer, stop in writers:
             theirs = self._pending[writer][1]
-            if stop > following * block and theirs[following : following + 1] == [hashes[following]]:
+            writes = self.table.length(writer) < (following + 1) * block < stop + block  # not yet written
+            if writes and theirs[following : following + 1] == [hashes[following]]:
                 return True
         return False
 
@@ -219,6 +226,7 @@ class Runner:
         """A row that leaves before its prefill is whole (paused, failed): its slot freed, or left to
         the prefix cache with the blocks it wrote (`keep`)."""
         self._pending.pop(row_id, None)
+        self._work.pop(row_id, None)
         if row_id in self.table:
             if keep:
                 self.table.retain(row_id)
