@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 # Prefill positions a step computes (MRC_ENGINE_PREFILL_TOKENS=auto). The CPU: 512, measured (a chunk
-# costs what its positions cost there: 1.12-1.15x the whole prefill of 2,400 positions on equal
+# costs what its positions cost there: 1.08-1.14x the whole prefill of 1,300-2,400 positions on equal
 # threads). CUDA: a call costs ~20 ms whatever its size on the H200's first run (a 16-position prefix
 # hit 20-22 ms; a call's launches through 36 layers) and the whole 2,400-position prefill 86 ms
 # (0.036 ms a position), so chunks of 512 cost 1.29x the whole (111 ms, five calls at the floor) while
