@@ -8,7 +8,8 @@
 #                                                     stand-in for that machine's Python (make gpu-smoke)
 #
 # It installs the bundle into a temporary folder (seconds), then runs each step under its own timeout,
-# all within GPU_CHECKS_BUDGET_S (default 500 s on the GPU, 3 x 180 s for the smoke run); GPU_CHECKS_STEPS
+# all within GPU_CHECKS_BUDGET_S (default 470 s on the GPU: the contract says 8 minutes; 3 x 180 s for
+# the smoke run); GPU_CHECKS_STEPS
 # (e.g. "step-cost,engine") runs only those steps after install and env (a targeted rerun):
 #   env         versions, where each package came from, the bundle's requirements, every import
 #   tests-gpu   tests/gpu (the CUDA oracle: fp32/bf16/NF4 agreement, preprocessing, EXIF, NVML)
@@ -50,7 +51,7 @@ if [ "$smoke" = 1 ]; then
 else
   mode=gpu
   slack=1
-  budget=${GPU_CHECKS_BUDGET_S:-500}
+  budget=${GPU_CHECKS_BUDGET_S:-470}
   py=${GPU_PYTHON:-python3}
   export MRC_DEVICE=cuda
   nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
@@ -100,9 +101,9 @@ else
     step model 40 "$py" tests/bench/bench_gpu.py --smoke --json "$work/model.json"
   else
     step tests-gpu 90 "$py" -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$work/tests_gpu.xml"
-    step prefill 60 "$py" tests/bench/bench_prefill.py --device cuda --chunks 512,1024,2048 --repeats 3 \
+    step prefill 50 "$py" tests/bench/bench_prefill.py --device cuda --chunks 512,1024,2048 --repeats 3 \
       --json "$work/prefill.json"
-    step engine 200 "$py" tests/bench/bench_engine_mix.py --json "$work/engine.json"
+    step engine 170 "$py" tests/bench/bench_engine_mix.py --json "$work/engine.json"
     step step-cost 60 "$py" tests/bench/bench_step_cost.py --device cuda --graphs both --repeats 3 --json "$work/step_cost.json"
     step preprocess 50 "$py" tests/bench/bench_preprocess.py --device cuda --passes 2 --per-kind 2 --no-mixed \
       --json "$work/preprocess.json"
