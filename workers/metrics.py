@@ -187,6 +187,12 @@ class Metrics:
             "Prompt positions prefilled (computed, in chunks)",
             registry=r,
         )
+        self.prefill_calls = Counter(
+            "mrc_engine_prefill_calls_total",
+            "Prefill model calls: a step's chunks of every row go in one (a few when one photo's "
+            "questions join together; a failed call of several is run again row by row)",
+            registry=r,
+        )
         self.prefix_lookups = Counter(
             "mrc_engine_prefix_lookups_total", "Rows admitted that could reuse a cached prefix", registry=r
         )

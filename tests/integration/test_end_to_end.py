@@ -271,6 +271,7 @@ def test_health_endpoints(worker: Worker) -> None:
     assert 0 <= values["mrc_engine_kv_tokens_reserved"] <= ready["engine_cache_positions"]
     assert values["mrc_engine_slots"] == ready["engine_slots"]
     assert values["mrc_engine_positions_read_total"] > 0
+    assert 0 < values["mrc_engine_prefill_calls_total"] <= values["mrc_engine_prefill_positions_total"]
     assert values["mrc_engine_positions_padding_total"] == 0  # rows read their own positions only
     assert 'prompt_tokens="0-50"' in text  # the latency heatmap's labels (jobs ran in earlier tests)
     assert "image_mp=" in text

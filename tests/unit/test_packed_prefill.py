@@ -89,8 +89,13 @@ def test_questions_about_one_photo_admitted_together_compute_its_prefix_once(bac
     done: dict[str, Sequence] = {}
     engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
     rows = [_row(backend, str(i), item, identities[i]) for i, item in enumerate(items)]
-    drive(engine, [(row, 0) for row in rows])
+    for row in rows:
+        engine.submit(row)
+    reports = []
+    while not engine.idle:
+        reports.append(engine.step())
     assert [[row_id for row_id, _ in call] for call in runner.calls] == [["0"], ["1", "2", "3"]]
+    assert [report.calls for report in reports[:2]] == [2, 0]  # what mrc_engine_prefill_calls_total counts
     image = backend.image_tokens(*SIZES[3])
     for index, item in enumerate(items):
         assert done[str(index)].tokens == _alone(backend, item), index

@@ -45,6 +45,7 @@ CEILING_STEPS = 256
 class StepReport:
     prefilled: int = 0  # rows whose prefill became whole (they joined the decode steps)
     computed: int = 0  # prefill positions computed (chunks)
+    calls: int = 0  # prefill model calls that computed them (a step's chunks go in one, or a few)
     lookups: int = 0  # jobs admitted (first time) that could reuse a cached prefix
     hits: int = 0  # of those, rows that did
     reused: int = 0  # positions they reused, not computed
@@ -270,6 +271,7 @@ class Engine:
         """One call of chunks. A call of several that fails runs each chunk alone, so a failure is its
         row's alone (a chunk is one row's). False when this step's chunks stop (out of memory)."""
         finishing = [row for row, stop in call if stop == row.prompt_tokens]
+        self._report.calls += 1
         try:
             tokens = self.runner.extend([(r.row_id, stop) for r, stop in call], rows_of.masks_of(finishing))
         except Exception as exc:

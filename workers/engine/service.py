@@ -169,6 +169,7 @@ class EngineService:
     def _account_prefill(self, report: StepReport) -> None:
         metrics = self.metrics
         metrics.prefill_computed.inc(report.computed)
+        metrics.prefill_calls.inc(report.calls)
         metrics.prefix_lookups.inc(report.lookups)
         metrics.prefix_hits.inc(report.hits)
         metrics.prefix_reused.inc(report.reused)
