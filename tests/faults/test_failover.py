@@ -81,7 +81,12 @@ def _check(outcome: Outcome, extras: bool) -> None:
     # Each change of master logged once per process (Sentinel may fail over twice in a row on a busy
     # machine: a second election before the first one's news reached every Sentinel).
     switches = outcome.switches
-    assert switches, "the worker never logged the failover"
+    # Seen once in a fresh-clone CI run under load (twelfth session) and not since in 9 runs alone and
+    # under load: the worker recovered, nothing lost, no line. What the worker noted says why next time.
+    assert switches, (
+        f"the worker never logged the failover: {outcome.old_port} -> {outcome.new_port} (final "
+        f"{outcome.final_port}); the worker's /readyz names {outcome.readyz_master}"
+    )
     assert len(set(switches)) == len(switches), f"a failover logged twice: {switches}"
     assert switches[-1][1] == f"127.0.0.1:{outcome.final_port}"
     assert outcome.readyz_master == f"127.0.0.1:{outcome.final_port}"
