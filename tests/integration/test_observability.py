@@ -25,6 +25,10 @@ def worked(worker: services.Worker, client: Client, tmp_path: Path) -> services.
     photo.write_bytes(imagegen.photo(320, 240, seed=21))
     job_id = client.submit(photo, "Is it damaged?", job_id=f"obs-{tmp_path.name}")
     assert client.wait(job_id, 120)["status"] == "succeeded"
+    # The result is written first, then the job's metrics and its MRC_SUCCESS line (workers/outcomes.py):
+    # a scrape right after the result could come before the series existed (a fresh-clone CI run whose
+    # worker had no job before this one). The line says the metrics are in.
+    assert worker.logged("MRC_SUCCESS", job_id=job_id)
     return worker
 
 
