@@ -12,9 +12,10 @@ from typing import Any
 import structlog
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual as kombu_virtual
+from kombu.utils.encoding import bytes_to_str
 
 from shared import names, pushes, queue_entries
-from shared.unacked import parse_unacked
+from shared.unacked import parse_unacked, process_owner
 
 
 class _Heartbeat(threading.Thread):
@@ -151,16 +152,32 @@ class QoS(kombu_redis.QoS):
                 pass
 
     def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
-        self._restore(tag, client, leftmost=leftmost)
+        """A message this consumer holds, put back (a warm stop's `restore_unacked`, a requeue):
+        only if this process popped it last. One frozen past the visibility timeout had its message
+        handed to a second worker under the same tag, and once pushed it back from under the second
+        (the job could run twice); it stays with the second now."""
+        self._restore(tag, client, leftmost=leftmost, owner=process_owner())
 
     def _restore(
-        self, tag: Any, client: Any = None, leftmost: bool = False, stale_before: float | None = None
+        self,
+        tag: Any,
+        client: Any = None,
+        leftmost: bool = False,
+        stale_before: float | None = None,
+        owner: str | None = None,
     ) -> None:
         """kombu's restore, one WATCHed transaction per message, except for the record it cannot
         read: that one is set aside (kept for a person, its unacked record removed) and the restore
-        goes on with the next. With `stale_before`, a message refreshed since then stays put."""
+        goes on with the next. With `stale_before`, a message refreshed since then stays put; with
+        `owner`, one another process popped last stays put (a record without an owner was taken
+        some other way, by this process)."""
+        owners = names.unacked_owners_key(self.unacked_key)
 
         def restore_transaction(pipe: Any) -> None:
+            if owner is not None:
+                popped_by = pipe.hget(owners, tag)
+                if popped_by is not None and bytes_to_str(popped_by) != owner:
+                    return  # handed to another worker while this one was frozen: it is theirs
             if stale_before is not None:
                 score = pipe.zscore(self.unacked_index_key, tag)
                 if score is not None and float(score) > stale_before:
@@ -178,4 +195,4 @@ class QoS(kombu_redis.QoS):
                     self.channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
 
         with self.channel.conn_or_acquire(client) as conn:
-            conn.transaction(restore_transaction, self.unacked_key, self.unacked_index_key)
+            conn.transaction(restore_transaction, self.unacked_key, self.unacked_index_key, owners)

@@ -180,13 +180,11 @@ def test_give_back_returns_a_dying_workers_messages_at_once(redis_url: str) -> N
         assert sorted(held) == ["job-0", "job-1"], "the copy with the same task id was given back too"
 
 
-def test_a_message_handed_to_another_worker_while_this_one_was_frozen_stays_with_it(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Left open by the eleventh session: a worker frozen past the visibility timeout had its message
-    handed to a second worker under the same delivery tag, and, waking to a device fault, gave it
-    back from under the second (the job could run twice). The pop records which process took each
-    message last; a give-back moves only this process's."""
+@contextlib.contextmanager
+def _handed_over(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """Worker A takes a message and freezes past the visibility timeout; the restore hands it to
+    worker B under the same delivery tag. Yields (A's message, A's channel, B's message, B's
+    channel) with this process being A (`shared.unacked._owner`; B's is set while it pops)."""
     import os
 
     from shared import unacked
@@ -196,22 +194,65 @@ def test_a_message_handed_to_another_worker_while_this_one_was_frozen_stays_with
     _publish(redis_url, {"n": 0})
     monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-a"))
     with _consuming(redis_url, 1) as (_conn, channel, taken):
-        tag = taken[0].delivery_tag
-        assert client.hget(owners, tag) == "worker-a"
+        assert client.hget(owners, taken[0].delivery_tag) == "worker-a"
         channel.qos.stop_heartbeat()  # frozen: no beat keeps its record fresh
         time.sleep(1.2)  # past the visibility timeout (1 s)
         channel.qos.restore_visible(num=10, interval=1)
         assert _where(client) == (1, 0)
         assert client.hlen(owners) == 0, "restored: the owner record goes with the unacked one"
         monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-b"))
-        with _consuming(redis_url, 1) as (_conn_b, _channel_b, taken_b):
-            assert taken_b[0].delivery_tag == tag
-            assert client.hget(owners, tag) == "worker-b"
-            assert unacked.give_back(client, [tag], owner="worker-a") == 0
-            assert _where(client) == (0, 1), "the frozen worker took its message from the second"
-            assert unacked.give_back(client, [tag]) == 1  # the second's own (its process owner)
-            assert _where(client) == (1, 0)
-            assert client.hlen(owners) == 0
+        with _consuming(redis_url, 1) as (_conn_b, channel_b, taken_b):
+            assert taken_b[0].delivery_tag == taken[0].delivery_tag
+            assert client.hget(owners, taken_b[0].delivery_tag) == "worker-b"
+            monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-a"))  # A wakes
+            yield taken[0], channel, taken_b[0], channel_b
+            monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-b"))  # B's own stop
+
+
+def test_a_message_handed_to_another_worker_while_this_one_was_frozen_stays_with_it(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left open by the eleventh session: a worker frozen past the visibility timeout had its message
+    handed to a second worker under the same delivery tag, and, waking to a device fault, gave it
+    back from under the second (the job could run twice). The pop records which process took each
+    message last; a give-back moves only this process's."""
+    from shared import unacked
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    with _handed_over(redis_url, monkeypatch) as (mine, _channel, _theirs, _channel_b):
+        tag = mine.delivery_tag
+        assert unacked.give_back(client, [tag]) == 0
+        assert _where(client) == (0, 1), "the frozen worker took its message from the second"
+        assert unacked.give_back(client, [tag], owner="worker-b") == 1  # the second's own
+        assert _where(client) == (1, 0)
+        assert client.hlen(names.unacked_owners_key()) == 0
+
+
+@pytest.mark.parametrize("how", ["warm stop", "requeue"])
+def test_a_frozen_worker_that_wakes_and_restores_leaves_the_second_workers_message(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Left open by the twelfth session: the frozen worker, waking and stopping warm (kombu's
+    `restore_unacked`) or requeueing the message (`reject(requeue=True)`), pushed back the message a
+    second worker held under the same tag and deleted that worker's records: the job could run
+    twice. A restore of this consumer's own moves only what this process popped last."""
+    import os
+
+    from shared import unacked
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    with _handed_over(redis_url, monkeypatch) as (mine, channel, theirs, channel_b):
+        if how == "warm stop":
+            channel.qos.restore_unacked()
+        else:
+            mine.requeue()
+        assert _where(client) == (0, 1), "the woken worker took its message from the second"
+        assert client.hget(names.unacked_owners_key(), theirs.delivery_tag) == "worker-b"
+        assert channel_b.qos.refresh_held() == 1, "the second's unacked time is still kept"
+        monkeypatch.setattr(unacked, "_owner", (os.getpid(), "worker-b"))
+        theirs.requeue()  # the second's own requeue still works
+        assert _where(client) == (1, 0)
+        assert client.hlen(names.unacked_owners_key()) == 0
 
 
 def test_a_pop_sent_as_the_worker_stops_taking_is_given_back_not_stranded(
