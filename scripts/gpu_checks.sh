@@ -16,8 +16,8 @@
 #   prefill     a prompt whole / in chunks of 512, 1024, 2048 / as a prefix hit; a step's chunks of
 #               several rows in one call against one call a row
 #   engine      the engine on a realistic mix: tokens/s, step time by rows, host vs GPU, graphs on/off,
-#               prefix reuse on/off
-#   step-cost   the engine's decode-step cost table, graphs on and off
+#               prefix reuse on/off, the pool step (slots by need, captured) against the fixed one
+#   step-cost   the engine's decode-step cost table, graphs on and off, fixed and pool steps
 #   preprocess  device preprocessing vs FuyuProcessor: ms/image at batch 1/16, max abs difference
 #   grammar     the grammar mask at a 262,144-token (synthetic) vocabulary: fill + apply, compile times
 #   model       a random Fuyu-8B-shaped model, bf16 and NF4: images/s at batch 1/8/32, memory, roofline

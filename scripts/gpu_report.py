@@ -95,8 +95,9 @@ def _lines_engine(engine: dict[str, Any]) -> list[str]:
         window = run.get("kernel_window") or {}
         tickets = run.get("tickets", {})
         out.append(
-            f"engine {run['run']}: {run.get('generated_tokens_per_s')} tok/s, slots {run.get('slots')} "
-            f"(memory holds {run.get('slots_memory_holds')}), graphs {run.get('cuda_graphs')} in "
+            f"engine {run['run']}: {run.get('generated_tokens_per_s')} tok/s, {run.get('decode')} step, "
+            f"rows {run.get('slots')} in a pool of {run.get('pool')} positions, "
+            f"{run.get('mean_rows_per_decode_step')} rows a decode step, graphs {run.get('cuda_graphs')} in "
             f"{run.get('capture_s')} s; step by rows {{{by_rows}}}; GPU busy {window.get('gpu_busy_share')}; "
             f"tickets first token p50 {tickets.get('first_token_ms_p50')} ms, "
             f"p99 {tickets.get('first_token_ms_p99')} ms" + (" (cut short)" if run.get("cut_short") else "")

@@ -171,10 +171,11 @@ class Settings(BaseSettings):
     # steady stream of tickets starved the backlog. Default measured (docs/benchmarks.md).
     engine_backlog_share: float = Field(default=0.25, ge=0, le=1)
     # How a decode step runs (workers/engine/runner.py): `rows` as they are, each attending to its own
-    # length (no padding); `fixed`, one call of bucketed shape over a prefix of the cache's slots
-    # (capturable); auto: fixed on CUDA, rows on the CPU.
-    engine_decode: Literal["auto", "rows", "fixed"] = "auto"
-    # CUDA graphs for the fixed steps, captured at warm-up (auto: on CUDA); off: eager steps.
+    # length (no padding); `fixed`, one call of bucketed shape over a prefix of the cache's slots of the
+    # longest job (capturable); `pool`, one call of bucketed shape over the used part of a pool of
+    # slots by need, each row masked to its own (capturable); auto: fixed on CUDA, rows on the CPU.
+    engine_decode: Literal["auto", "rows", "fixed", "pool"] = "auto"
+    # CUDA graphs for the fixed-shape steps, captured at warm-up (auto: on CUDA); off: eager steps.
     engine_cuda_graphs: Literal["auto", "off"] = "auto"
     # Full deliveries' worth of messages a worker holds: at most this many x MRC_BATCH_MAX_JOBS (one
     # thread each, so a ticket's delivery never waits for a thread), of which backlog ones never take
@@ -330,12 +331,12 @@ class Settings(BaseSettings):
                 f"need MRC_REDIS_WAIT_TIMEOUT_MS <= {WAIT_TIMEOUT_CEILING_MS}: a longer WAIT outlasts the "
                 f"Redis clients' socket timeout ({REDIS_SOCKET_TIMEOUT_S} s), whose retry would wait again"
             )
-        if self.engine_decode == "fixed" and self.attention == "flash_attention_2":
-            # The fixed step hides each row's columns with a 4-D float mask; flash-attention's path in
-            # transformers reads a mask as 2-D padding (1 = keep) and would attend to the hidden ones.
+        if self.engine_decode in ("fixed", "pool") and self.attention == "flash_attention_2":
+            # The fixed-shape steps hide each row's columns with a 4-D float mask; flash-attention's path
+            # in transformers reads a mask as 2-D padding (1 = keep) and would attend to the hidden ones.
             raise ValueError(
-                "MRC_ENGINE_DECODE=fixed cannot run with MRC_ATTENTION=flash_attention_2 (the fixed step's "
-                "4-D mask); use rows, or auto (rows with flash-attention)"
+                f"MRC_ENGINE_DECODE={self.engine_decode} cannot run with MRC_ATTENTION=flash_attention_2 "
+                "(the step's 4-D mask); use rows, or auto (rows with flash-attention)"
             )
         if self.retry_max_s * 1.5 >= self.visibility_timeout_s:
             # A retry waits out its countdown unacked in a worker: past the visibility timeout it

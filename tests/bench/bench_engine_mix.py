@@ -14,16 +14,18 @@ engine's prefix cache reuses them, as the worker's does for one photo's several 
 prefills run in chunks of MRC_ENGINE_PREFILL_TOKENS positions a step (auto: 1,024 on CUDA), as in
 the worker.
 
-Each run (`--runs`, e.g. `graphs:16,eager:16,graphs:32,rows:16,graphs:16:noreuse` = decode mode : row
-limit [: noreuse, the prefix cache off (MRC_ENGINE_PREFIX_CACHE=off) | : nochunk, one prefill per row];
-graphs and eager are MRC_ENGINE_DECODE=fixed with MRC_ENGINE_CUDA_GRAPHS=auto / off, rows is
-MRC_ENGINE_DECODE=rows) reports: generated tokens/s; prefix hits and positions reused against
-positions computed, and the steps that computed a chunk beside a decode; decode-step time by running
-rows (host clock) and the GPU's span of the same steps (CUDA events); in a profiled window of steps,
-the time the GPU's kernels ran against the steps' wall time (the rest is the host's: building inputs,
-the slot table, picking tokens, launch gaps); joins and leaves per step; ticket first-token latency
-p50 / p99 (from submission, inputs already prepared); the capture time of the CUDA graphs. Written to --json
-after each run; a run past `--run-s` seconds stops where it is (marked `cut_short`).
+Each run (`--runs`, e.g. `graphs:16,eager:16,graphs:32,rows:16,graphs:16:noreuse,pool:64:mem16` =
+decode mode : row limit [: noreuse, the prefix cache off (MRC_ENGINE_PREFIX_CACHE=off) | : nochunk, one
+prefill per row | : memN, a cache of N longest rows' positions whatever the row limit (by default, as
+many as the row limit)]; graphs and eager are MRC_ENGINE_DECODE=fixed with MRC_ENGINE_CUDA_GRAPHS=auto
+/ off, rows is MRC_ENGINE_DECODE=rows, pool is MRC_ENGINE_DECODE=pool with graphs) reports: generated
+tokens/s; prefix hits and positions reused against positions computed, and the steps that computed a
+chunk beside a decode; decode-step time by running rows (host clock) and the GPU's span of the same
+steps (CUDA events); in a profiled window of steps, the time the GPU's kernels ran against the steps'
+wall time (the rest is the host's: building inputs, the slot table, picking tokens, launch gaps);
+joins and leaves per step; ticket first-token latency p50 / p99 (from submission, inputs already
+prepared); the capture time of the CUDA graphs. Written to --json after each run; a run past
+`--run-s` seconds stops where it is (marked `cut_short`).
 
     python tests/bench/bench_engine_mix.py [--quantization bf16] [--runs graphs:16,eager:16] [--json F]
     python tests/bench/bench_engine_mix.py --smoke     # the tiny Fuyu's shape on the CPU
@@ -94,14 +96,16 @@ class Mix:
         self.tickets = [job(i + 1, max(2, TICKET_NEW // scale)) for i in range(tickets)]
 
 
-def engine_limits(backend: Any, rows: int) -> tuple[scheduler.Limits, int, dict[str, Any]]:
+def engine_limits(
+    backend: Any, rows: int, memory_rows: int | None = None
+) -> tuple[scheduler.Limits, int, dict[str, Any]]:
     """The worker's sizing (workers/model_stage.py) with `rows` as MRC_MODEL_BATCH_MAX_JOBS and a token
-    budget of that many longest rows (by need, the same pool holds more short ones)."""
+    budget of `memory_rows` (else `rows`) longest rows (by need, the same pool holds more short ones)."""
     settings = backend.settings
     positions = backend.slot_positions()
     fit, measured = backend.kv_capacity()
     uniform = backend.decode_mode() == "fixed"
-    slots, pool = capacity.choose(fit, rows, rows * positions, positions, uniform)
+    slots, pool = capacity.choose(fit, rows, (memory_rows or rows) * positions, positions, uniform)
     chunk = capacity.prefill_tokens(settings.engine_prefill_tokens, backend.device)
     limits = scheduler.Limits(
         max_rows=slots,
@@ -211,14 +215,15 @@ def run(backend: Any, mix: Mix, spec: str, args: argparse.Namespace) -> dict[str
     decode, rows, *options = spec.split(":")
     backend.settings = backend.settings.model_copy(
         update={
-            "engine_decode": "rows" if decode == "rows" else "fixed",
+            "engine_decode": decode if decode in ("rows", "pool") else "fixed",
             "engine_cuda_graphs": "off" if decode == "eager" else "auto",
             "engine_prefix_cache": "off" if "noreuse" in options else "on",
             "engine_prefill_tokens": 1 << 20 if "nochunk" in options else "auto",
         }
     )
     random_fuyu.free(backend.device)
-    limits, positions, sizing = engine_limits(backend, int(rows))
+    memory = next((int(o[3:]) for o in options if o.startswith("mem")), None)
+    limits, positions, sizing = engine_limits(backend, int(rows), memory)
     runner = backend.step_model(limits.max_rows, positions, sizing["pool"])
     began = time.perf_counter()
     captured = backend.capture(runner)
@@ -316,10 +321,11 @@ def main() -> None:
     parser.add_argument("--quantization", default="bf16", choices=["bf16", "nf4"])
     parser.add_argument(
         "--runs",
-        default="graphs:16,graphs:16:noreuse,graphs:32,eager:16,rows:16",
+        default="graphs:16,graphs:16:noreuse,pool:64:mem16,pool:16,graphs:32,eager:16,rows:16",
         help="by priority (when the time limit cannot hold them all, the last are left out): the pair for "
-        "prefix reuse on and off first; rows:16 is the CPU's path, each row's slot its need (CUDA's fixed "
-        "steps keep slots of the longest job); also graphs:16:nochunk",
+        "prefix reuse on and off first; then the pool step (slots by need, captured) in the memory of 16 "
+        "longest rows, and beside graphs:16's rows; rows:16 is the CPU's path, each row's slot its need "
+        "(CUDA's fixed steps keep slots of the longest job); also graphs:16:nochunk",
     )
     parser.add_argument("--backlog", type=int, default=96)
     parser.add_argument("--tickets", type=int, default=12)
@@ -332,7 +338,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        args.runs, args.backlog, args.tickets, args.ticket_every = "rows:4,eager:4,rows:4:noreuse", 10, 3, 4
+        args.runs, args.backlog, args.tickets = "rows:4,eager:4,rows:4:noreuse,pool:8:mem4", 10, 3
+        args.ticket_every = 4
     elif not torch.cuda.is_available():
         raise SystemExit("bench_engine_mix.py needs CUDA (or --smoke, on the CPU)")
     figures: dict[str, Any] = {"device": device, "quantization": args.quantization, "runs": []}

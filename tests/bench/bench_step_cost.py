@@ -9,6 +9,9 @@ ones. Each shape is timed, interleaved in one run, four ways (those the device h
   compiled   the fixed step through torch.compile (inductor, fullgraph) on the CPU, for the shapes
              named by --compile (inductor takes tens of seconds per shape here)
   graphs     the fixed step captured as a CUDA graph and replayed (CUDA only; --graphs on|both)
+  pool       the pool step (MRC_ENGINE_DECODE=pool): one call of fixed shape over the pool's used
+             positions, slots by need, each row masked to its own (eager)
+  poolgraphs the pool step captured as a CUDA graph and replayed (CUDA only; --graphs on|both)
 
 What a prefill costs, whole, in chunks, as a prefix hit, and several rows' chunks in one call: the
 prefill table, tests/bench/bench_prefill.py (here until the twelfth session).
@@ -41,7 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workers.engine.fixed_step import FixedStep  # noqa: E402 - after sys.path is set
+from workers.engine import pool_step  # noqa: E402 - after sys.path is set
+from workers.engine.fixed_step import StaticStep  # noqa: E402 - after sys.path is set
 from workers.engine.runner import Runner  # noqa: E402 - after sys.path is set
 
 DEFAULT_COMPILE = "1x1300,16x1300"
@@ -133,14 +137,13 @@ def engine_runner(
     model: Any, threads: Any, lengths: list[int], mode: str, repeats: int
 ) -> tuple[Runner, Any]:
     """A runner whose slots hold these rows (random cache contents), and the batch of them."""
-    runner = Runner(
-        model, len(lengths), max(lengths) + repeats + 8, threads, "fixed" if mode != "rows" else "rows"
-    )
+    decode: Any = "pool" if mode.startswith("pool") else "fixed" if mode != "rows" else "rows"
+    runner = Runner(model, len(lengths), max(lengths) + repeats + 8, threads, decode)
     for layer in (*runner.cache.keys, *runner.cache.values):
         layer.normal_()
     batch = runner.new_batch()
     for index, length in enumerate(lengths):
-        runner.table.assign(f"r{index}", length)
+        runner.table.assign(f"r{index}", length, length + repeats)  # by need (uniform: the grid's slot)
     batch.row_ids = [f"r{index}" for index in range(len(lengths))]
     return runner, batch
 
@@ -152,14 +155,14 @@ def time_engine(
     runner, batch = engine_runner(model, threads, lengths, mode, repeats + 2)
     tokens = [1] * len(lengths)
     written = _counting(runner.cache)
-    if mode in ("compiled", "graphs"):
+    if mode in ("compiled", "graphs", "poolgraphs"):
         _prepare(runner, lengths, mode)
     runner.decode(batch, tokens)  # warm: first call of this shape
     written["bytes"] = 0
     clock = Clock(sync)
     steps, model_time = [], []
-    originals = FixedStep.run
-    FixedStep.run = lambda self: _timed(clock, originals, self)  # type: ignore[method-assign]
+    originals = StaticStep.run
+    StaticStep.run = lambda self: _timed(clock, originals, self)  # type: ignore[method-assign]
     try:
         for _ in range(repeats):
             clock.inside = 0.0
@@ -171,14 +174,15 @@ def time_engine(
             steps.append(time.perf_counter() - began)
             model_time.append(clock.inside)
     finally:
-        FixedStep.run = originals  # type: ignore[method-assign]
+        StaticStep.run = originals  # type: ignore[method-assign]
     step = statistics.median(steps)
     host = statistics.median(s - m for s, m in zip(steps, model_time, strict=True))
-    bytes_per_step = written["bytes"] / repeats if mode not in ("compiled", "graphs") else float("nan")
+    captured = mode in ("compiled", "graphs", "poolgraphs")
+    bytes_per_step = written["bytes"] / repeats if not captured else float("nan")
     return {"ms": step * 1000, "bytes": bytes_per_step, "host_share": host / step}
 
 
-def _timed(clock: Clock, run: Any, step: FixedStep) -> Any:
+def _timed(clock: Clock, run: Any, step: StaticStep) -> Any:
     clock.enter()
     out = run(step)
     clock.leave()
@@ -201,7 +205,7 @@ def _counting(cache: Any) -> dict[str, int]:
     update = cache.update
 
     def counted(keys: torch.Tensor, values: torch.Tensor, layer: int, *rest: Any, **kw: Any) -> Any:
-        written["bytes"] += 2 * keys[:, :, -1].numel() * keys.element_size()
+        written["bytes"] += 2 * keys.numel() * keys.element_size()  # [rows, h, 1, d] or [1, h, rows, d]
         return update(keys, values, layer, *rest, **kw)
 
     cache.update = counted
@@ -209,16 +213,25 @@ def _counting(cache: Any) -> dict[str, int]:
 
 
 def _prepare(runner: Runner, lengths: list[int], mode: str) -> None:
-    """Compile or capture the fixed step of this batch's shape before it is timed."""
-    from workers.engine.fixed_step import rows_bucket, width_bucket
+    """Compile or capture the fixed-shape step of this batch's shape before it is timed."""
+    from workers.engine.fixed_step import FixedStep, rows_bucket, width_bucket
 
-    step = runner.step(
-        rows_bucket(runner.table.top, runner.table.slots),
-        width_bucket(max(lengths) + 1, runner.table.positions),
-    )
-    step.fill(list(range(len(lengths))), lengths, [1] * len(lengths))
+    table = runner.table
+    if mode == "poolgraphs":
+        starts = [table.start(f"r{index}") for index in range(len(lengths))]
+        reach = max(start + length + 1 for start, length in zip(starts, lengths, strict=True))
+        step: Any = runner.step(
+            rows_bucket(len(lengths), table.slots), pool_step.extent_bucket(reach, table.pool)
+        )
+        step.fill(starts, lengths, [1] * len(lengths))
+    else:
+        step = runner.step(
+            rows_bucket(table.top, table.slots), width_bucket(max(lengths) + 1, table.positions)
+        )
+        assert isinstance(step, FixedStep)
+        step.fill(list(range(len(lengths))), lengths, [1] * len(lengths))
     del runner.cache.update  # the class's own again: no counting inside a graph
-    if mode == "graphs":
+    if mode in ("graphs", "poolgraphs"):
         with torch.inference_mode():
             step.capture(torch.cuda.graph_pool_handle())
         return
@@ -333,11 +346,12 @@ def main() -> None:
     dtype = torch.bfloat16 if (args.dtype or ("bf16" if cuda else "fp32")) == "bf16" else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model, threads = load_model(model_name, args.device, dtype)
-    modes = ["dynamic", "rows", "fixed"]
+    modes = ["dynamic", "rows", "fixed", "pool"]
     if cuda and args.graphs in ("on", "both"):
-        modes.append("graphs")
+        modes += ["graphs", "poolgraphs"]
     if cuda and args.graphs == "on":
         modes.remove("fixed")
+        modes.remove("pool")
     compile_shapes = set() if cuda else parse_compile(args.compile)
     rows = [int(r) for r in args.rows.split(",")]
     positions = [int(p) for p in args.positions.split(",")]

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from shared.settings import Settings
-from tests.support.engine_runs import engine_tokens
-from workers.backends.base import GenerationInput
+from tests.support.engine_runs import engine_tokens, random_items
 from workers.backends.fuyu import FuyuBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,13 +27,7 @@ def test_rows_agree_with_the_same_row_alone_on_cuda(quantization: str, floor: fl
     agree = total = 0
     trials = 20
     for _ in range(trials):
-        items = [
-            GenerationInput(
-                torch.randint(0, 256, (3, rng.randint(30, 400), rng.randint(30, 400)), dtype=torch.uint8),
-                rng.choice(PROMPTS), rng.randint(1, 24),
-            )
-            for _ in range(rng.randint(2, 6))
-        ]  # fmt: skip
+        items = random_items(rng, PROMPTS)
         together = engine_tokens(backend, items, [rng.randint(0, 8) for _ in items])
         for item, row in zip(items, together, strict=True):
             total += 1
@@ -42,3 +35,19 @@ def test_rows_agree_with_the_same_row_alone_on_cuda(quantization: str, floor: fl
     rate = agree / total
     print(f"{quantization}: {agree}/{total} rows equal their run alone ({rate:.1%}) over {trials} schedules")
     assert rate >= floor, f"{quantization}: only {rate:.1%} of rows equal their run alone"
+
+
+@pytest.mark.parametrize("decode", ["fixed", "pool"])
+def test_captured_steps_give_the_eager_steps_tokens(decode: str) -> None:
+    """The fixed-shape steps (the slots of the longest job; slots by need over the pool) replayed as
+    CUDA graphs pick what the same steps run eagerly pick, and what the rows step picks (fp32: the
+    same kernels, whatever the schedule)."""
+    backend = FuyuBackend(Settings(model="tiny", home=HOME, quantization="fp32", device="cuda"))
+    backend.load()
+    rng = random.Random(5)
+    for _ in range(4):
+        items = random_items(rng, PROMPTS)
+        arrivals = [rng.randint(0, 8) for _ in items]
+        eager = engine_tokens(backend, items, arrivals, decode=decode)
+        assert engine_tokens(backend, items, arrivals, decode=decode, capture=True) == eager
+        assert engine_tokens(backend, items, arrivals, decode="rows") == eager

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import torch
 
 from workers.backends.base import GenerationInput
@@ -23,6 +26,42 @@ def photo(size: int, photo: int, prompt: int, new: int) -> GenerationInput:
     return GenerationInput(image, PROMPTS[prompt], new)
 
 
+def tiny_backend(home: str, device: str = "cpu", quantization: str = "fp32") -> FuyuBackend:
+    """The tiny Fuyu the tests use, loaded."""
+    from shared.settings import Settings
+
+    backend = FuyuBackend(Settings(model="tiny", home=home, quantization=quantization, device=device))
+    backend.load()
+    return backend
+
+
+def random_items(rng: random.Random, prompts: list[str]) -> list[GenerationInput]:
+    """Two to six jobs of random pictures (30-400 pixels a side), prompts and new tokens (1-24)."""
+    return [
+        GenerationInput(
+            torch.randint(0, 256, (3, rng.randint(30, 400), rng.randint(30, 400)), dtype=torch.uint8),
+            rng.choice(prompts), rng.randint(1, 24),
+        )
+        for _ in range(rng.randint(2, 6))
+    ]  # fmt: skip
+
+
+def three_rows_one_gone(backend: FuyuBackend, runner: Any) -> tuple[Any, list[int]]:
+    """Three rows of three picture sizes prefilled into the runner's batch, the middle one (r1) gone
+    again (a hole in the cache); the batch and the two rows' first tokens."""
+    batch = runner.new_batch()
+    tokens: list[int] = []
+    for index, (height, width) in enumerate([(48, 64), (30, 30), (90, 120)]):
+        image = torch.full((3, height, width), 40 + 50 * index, dtype=torch.uint8)
+        inputs = backend.prepare([GenerationInput(image, "Refund?", 4)]).inputs
+        first, cache, length = runner.prefill([inputs])
+        batch.add([f"r{index}"], cache, length)
+        tokens += first
+    batch.drop({"r1"})
+    del tokens[1]
+    return batch, tokens
+
+
 def alone(backend: FuyuBackend, item: GenerationInput) -> list[int]:
     """The oracle's reference: the job through generate() by itself, cut at end-of-text."""
     prepared = backend.prepare([item])
@@ -36,12 +75,21 @@ def alone(backend: FuyuBackend, item: GenerationInput) -> list[int]:
 
 
 def engine_tokens(
-    backend: FuyuBackend, items: list[GenerationInput], arrivals: list[int], max_rows: int = 8
+    backend: FuyuBackend,
+    items: list[GenerationInput],
+    arrivals: list[int],
+    max_rows: int = 8,
+    decode: str | None = None,
+    capture: bool = False,
 ) -> list[list[int]]:
-    """Each job's generated tokens, the jobs joining the running batch at their arrival steps."""
+    """Each job's generated tokens, the jobs joining the running batch at their arrival steps (`decode`:
+    MRC_ENGINE_DECODE's choice unless said; `capture`: its fixed-shape steps as CUDA graphs)."""
     done: dict[str, Sequence] = {}
     limits = scheduler.Limits(max_rows, 0)
-    engine = Engine(backend.step_model(max_rows), limits, lambda row: done.__setitem__(row.row_id, row))
+    runner = backend.step_model(max_rows, decode=decode)
+    if capture:
+        assert backend.capture(runner) > 0, "no step was captured"
+    engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
     pending = sorted(range(len(items)), key=lambda i: arrivals[i])
     while pending or not engine.idle:
         while pending and arrivals[pending[0]] <= engine.steps:

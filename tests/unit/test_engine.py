@@ -27,7 +27,7 @@ from workers.engine.engine import Engine
 from workers.engine.sequence import Sequence
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
-DECODES = ["rows", "fixed"]
+DECODES = ["rows", "fixed", "pool"]
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from shared.settings import Settings
-from workers.backends.base import GenerationInput
-from workers.backends.fuyu import FuyuBackend
+from tests.support.engine_runs import three_rows_one_gone, tiny_backend
 from workers.engine.fixed_step import WIDTHS, buckets, rows_bucket, width_bucket
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
@@ -26,19 +24,9 @@ HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
 @pytest.fixture(scope="module")
 def running() -> tuple[Any, list[int], list[int], list[int]]:
     """A runner of 4 slots with two rows in slots 0 and 2 (slot 1 a hole left by a row that left)."""
-    backend = FuyuBackend(Settings(model="tiny", home=HOME, quantization="fp32", device="cpu"))
-    backend.load()
+    backend = tiny_backend(HOME)
     runner = backend.step_model(4, 512, decode="fixed")
-    batch = runner.new_batch()
-    tokens: list[int] = []
-    for index, (height, width) in enumerate([(48, 64), (30, 30), (90, 120)]):
-        image = torch.full((3, height, width), 40 + 50 * index, dtype=torch.uint8)
-        inputs = backend.prepare([GenerationInput(image, "Refund?", 4)]).inputs
-        first, cache, length = runner.prefill([inputs])
-        batch.add([f"r{index}"], cache, length)
-        tokens += first
-    batch.drop({"r1"})
-    del tokens[1]
+    batch, tokens = three_rows_one_gone(backend, runner)
     slots = [runner.table.slot(r) for r in batch.row_ids]
     lengths = [runner.table.length(r) for r in batch.row_ids]
     assert slots == [0, 2]

@@ -54,7 +54,7 @@ class _Counting(StepProxy):
         return super().extend(chunks, masks)
 
 
-@pytest.mark.parametrize("decode", ["rows", "fixed"])
+@pytest.mark.parametrize("decode", ["rows", "fixed", "pool"])
 def test_a_steps_chunks_of_several_rows_run_in_one_call_and_equal_each_job_alone(
     backend: FuyuBackend, decode: str
 ) -> None:
@@ -181,7 +181,7 @@ def test_a_retirement_out_of_memory_during_a_calls_joins_sends_the_rest_back(bac
             batch.drop = failing_drop
             return batch
 
-    for decode in ("rows", "fixed"):
+    for decode in ("rows", "fixed", "pool"):
         armed[0] = True
         done: dict[str, Sequence] = {}
         engine = Engine(

@@ -59,9 +59,10 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, valu
 def test_the_fixed_decode_step_is_refused_with_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     # flash-attention reads a mask as 2-D padding: the fixed step's 4-D mask would be misread.
     monkeypatch.setenv("MRC_ATTENTION", "flash_attention_2")
-    monkeypatch.setenv("MRC_ENGINE_DECODE", "fixed")
-    with pytest.raises(ValidationError, match="flash_attention_2"):
-        Settings()
+    for decode in ("fixed", "pool"):
+        monkeypatch.setenv("MRC_ENGINE_DECODE", decode)
+        with pytest.raises(ValidationError, match="flash_attention_2"):
+            Settings()
     monkeypatch.setenv("MRC_ENGINE_DECODE", "auto")
     from workers.backends.fuyu import FuyuBackend
 

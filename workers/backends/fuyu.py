@@ -263,8 +263,9 @@ class FuyuBackend:
         return Runner(self.model, slots, positions, threads, mode, reuse, pool)
 
     def capture(self, runner: Any) -> int:
-        """Record the runner's fixed steps as CUDA graphs; 0 where that does not apply or fails."""
-        if not self.device.startswith("cuda") or runner.decode_mode != "fixed":
+        """Record the runner's fixed-shape steps (`fixed`, `pool`) as CUDA graphs; 0 where that does not
+        apply or fails."""
+        if not self.device.startswith("cuda") or runner.decode_mode not in ("fixed", "pool"):
             return 0
         if self.settings.engine_cuda_graphs == "off":
             return 0
@@ -335,7 +336,7 @@ class FuyuBackend:
     def warm_up(self) -> str:
         """Attest, under the profiler, the two attention paths the engine takes: a prefill alone (no
         padding: the causal path) and a decode step of two rows of unequal length, as the engine's
-        decode mode runs it (`rows`: each over its own length; `fixed`: the bucket, masked). Also runs
+        decode mode runs it (`rows`: each over its own length; `fixed`, `pool`: the bucket, masked). Also runs
         `generate()` once (the benchmarks' static loop). Returns the prefill's kernel."""
         from workers.backends import attention
         from workers.engine import scheduler

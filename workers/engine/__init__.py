@@ -6,6 +6,7 @@
     kv.py         the cache itself (torch): slots allocated once, written in place; the running batch
     row_attention.py  the CPU's decode step: each row attends to its own length in its own slot
     fixed_step.py the GPU's decode step: one call of fixed shape per bucket, capturable
+    pool_step.py  the same over slots by need: one call over the pool's used part, rows masked to their own
     runner.py     the only model calls: prefill rows of one length, decode one step for every row
     engine.py     step(): admit -> one decode step -> retire, and the per-row failure rules
     capacity.py   how many slots of how many positions fit, from free memory at warm-up

@@ -41,7 +41,50 @@ def buckets(slots: int, positions: int) -> list[tuple[int, int]]:
     return [(r, w) for r in rows for w in widths]
 
 
-class FixedStep:
+class StaticStep:
+    """A decode step whose inputs live in its own static tensors: run eagerly (`forward`) or captured
+    once as a CUDA graph and replayed. Subclasses fill the inputs and define `forward`."""
+
+    graph: Any = None
+    logits: torch.Tensor | None = None  # the captured step's output
+
+    def forward(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _hidden(
+        self, language: Any, ids: torch.Tensor, mask: torch.Tensor, positions: Any, cache: Any
+    ) -> Any:
+        """The language model over the step's static inputs, writing to and reading from `cache`."""
+        return language(
+            inputs_embeds=language.get_input_embeddings()(ids),
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state
+
+    def run(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.forward()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+    def capture(self, pool: Any) -> None:
+        """Record the step as a CUDA graph (after two eager runs on a side stream, as CUDA graphs need)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits = self.forward()
+        self.graph = graph
+
+
+class FixedStep(StaticStep):
     """One decode step of `slots` x `width`: static inputs, an eager or captured forward pass."""
 
     def __init__(self, model: Any, cache: SlotCache, slots: int, width: int) -> None:
@@ -55,8 +98,6 @@ class FixedStep:
         self.lowest = torch.finfo(dtype).min
         self.mask = torch.full((slots, 1, 1, width), self.lowest, dtype=dtype, device=device)
         self._columns = torch.arange(width, device=device)
-        self.graph: Any = None
-        self.logits: torch.Tensor | None = None  # the captured step's output
 
     def fill(self, slots: list[int], lengths: list[int], tokens: list[int]) -> None:
         """The step's inputs: each running row's last token at its slot, its position = its length."""
@@ -79,32 +120,7 @@ class FixedStep:
         """Logits [slots, vocabulary] for the filled inputs."""
         cache = self.cache
         cache.rows, cache.write, cache.view = self.rows, self.write, (self.slots, self.width)
-        hidden = self.language(
-            inputs_embeds=self.language.get_input_embeddings()(self.ids),
-            attention_mask=self.mask,
-            position_ids=self.positions,
-            cache=cache,
-            use_cache=True,
-        ).last_hidden_state
+        cache.extent = None
+        hidden = self._hidden(self.language, self.ids, self.mask, self.positions, cache)
         logits: torch.Tensor = self.model.lm_head(hidden[:, -1])
         return logits
-
-    def run(self) -> torch.Tensor:
-        if self.graph is None:
-            return self.forward()
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits
-
-    def capture(self, pool: Any) -> None:
-        """Record the step as a CUDA graph (after two eager runs on a side stream, as CUDA graphs need)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits = self.forward()
-        self.graph = graph

@@ -13,8 +13,9 @@ without a copy, and a slot no running row holds writes to its own last column (s
 
 `SlotCache` is what transformers' model calls `cache`: its `update()` writes the step's new keys and
 values where the runner's write plan says (`rows`, `write`) and returns what attention reads: the whole
-pool (attention per row, over views of each row's own run) or the grid's prefix (one call of fixed
-shape). No step allocates or copies the cache.
+pool (attention per row, over views of each row's own run), the grid's prefix (one call of fixed
+shape), or the pool's prefix (the pool step: one call of fixed shape over slots by need, each row
+masked to its own). No step allocates or copies the cache.
 """
 
 from __future__ import annotations
@@ -32,21 +33,33 @@ class SlotCache:
     is_compileable = False  # transformers' own compile switches stay off: the runner compiles/captures
 
     def __init__(
-        self, layers: int, pool: int, heads: int, head_dim: int, dtype: Any, device: Any, stride: int = 1
+        self,
+        layers: int,
+        pool: int,
+        heads: int,
+        head_dim: int,
+        dtype: Any,
+        device: Any,
+        stride: int = 1,
+        scratch: bool = False,
     ) -> None:
-        shape = (heads, pool, head_dim)
+        shape = (heads, pool + scratch, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         # Uniform layout: a slot's length (positions + 1); its last column is the scratch a fixed-shape
-        # step writes to for a slot no running row holds.
+        # step writes to for a slot no running row holds. By need with `scratch`: one position past
+        # the pool, where the pool step's padding rows write (workers/engine/pool_step.py).
         self.stride = stride
-        self.scratch = stride - 1
+        self.scratch = pool if scratch else stride - 1
         # The write plan of the next call (set by the runner): where each batch row writes, as a position
         # in the pool (`rows` None), or as its slot in the grid (`rows`) and a position in the slot
         # (`write`); the grid's prefix attention reads (slots, width), or None for the whole pool.
         self.rows: torch.Tensor | None = None
         self.write: torch.Tensor | None = None
         self.view: tuple[int, int] | None = None
+        # The pool step's instead: its rows are one sequence ([1, heads, rows, head_dim]), each writing at
+        # its `write` position; attention reads the pool's first `extent` positions, under a mask.
+        self.extent: int | None = None
         # A prefill call's chunks instead (set by the runner): where in the pool each of the call's
         # positions is written (a slice: one row's chunk; an index: several rows' end to end).
         self.chunk: slice | torch.Tensor | None = None
@@ -72,6 +85,10 @@ class SlotCache:
             values[:, self.chunk] = value_states[0]
             return keys, values
         assert self.write is not None
+        if self.extent is not None:
+            keys[:, self.write] = key_states[0]
+            values[:, self.write] = value_states[0]
+            return keys[None, :, : self.extent], values[None, :, : self.extent]
         where = self.write if self.rows is None else self.rows * self.stride + self.write
         keys[:, where] = key_states[:, :, -1].transpose(0, 1)
         values[:, where] = value_states[:, :, -1].transpose(0, 1)

@@ -4,7 +4,9 @@ every running row. It owns the slot cache (workers/engine/kv.py) and the two way
 - `rows` (the CPU's default): the running rows as they are, each attending to its own length in its
   own slot (workers/engine/row_attention.py): nothing padded, nothing gathered;
 - `fixed` (CUDA's default): one call of fixed shape over a prefix of the slots, bucketed, each bucket's
-  step captured once as a CUDA graph at warm-up and replayed (workers/engine/fixed_step.py).
+  step captured once as a CUDA graph at warm-up and replayed (workers/engine/fixed_step.py);
+- `pool`: one call of fixed shape over the pool's used prefix, slots by need, each row masked to its
+  own, bucketed and captured the same way (workers/engine/pool_step.py).
 
 `StepModel` (workers/engine/step.py) is the seam: this runner serves transformers' Fuyu; the echo
 backend has its own (workers/backends/echo.py), so the worker's tests drive the same engine without
@@ -19,15 +21,15 @@ from typing import Any, Literal
 import torch
 
 from workers.engine import masks as grammar_masks
-from workers.engine import row_attention
-from workers.engine.fixed_step import FixedStep, buckets, rows_bucket, width_bucket
+from workers.engine import pool_step, row_attention
+from workers.engine.fixed_step import FixedStep, StaticStep, buckets, rows_bucket, width_bucket
 from workers.engine.kv import SlotBatch, SlotCache
 from workers.engine.masks import MaskFn
 from workers.engine.prefix_index import chain
 from workers.engine.sequence import DEAD_END
 from workers.engine.slot_table import NoFreeSlot, SlotTable, pool_for
 
-DecodeMode = Literal["rows", "fixed"]
+DecodeMode = Literal["rows", "fixed", "pool"]
 
 
 # Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.
@@ -45,9 +47,9 @@ class Runner:
         reuse: bool = True,
         pool: int | None = None,
     ) -> None:
-        """`slots` rows at most of up to `positions` positions each. The `rows` decode holds each row's
-        need in a pool of `pool` positions (the memory of `slots` worst-case slots when not said);
-        the `fixed` one a grid of `slots` worst-case slots (its fixed shapes read it as a view)."""
+        """`slots` rows at most of up to `positions` positions each. The `rows` and `pool` decodes hold
+        each row's need in a pool of `pool` positions (the memory of `slots` worst-case slots when not
+        said); the `fixed` one a grid of `slots` worst-case slots (its fixed shapes read it as a view)."""
         self.model, self.threads, self.decode_mode, self.reuse = model, threads, decode, reuse
         self.language = model.model.language_model
         text = self.language.config
@@ -60,10 +62,11 @@ class Runner:
         self.cache = SlotCache(
             int(text.num_hidden_layers), self.table.pool, heads, int(text.hidden_size) // heads,
             embeddings.dtype, embeddings.device, stride=positions + 1 if self.table.uniform else 1,
+            scratch=decode == "pool",
         )  # fmt: skip
         self.table.mover = self.cache.move
-        self._steps: dict[tuple[int, int], FixedStep] = {}
-        self.captured = 0  # fixed steps recorded as CUDA graphs
+        self._steps: dict[tuple[int, int], StaticStep] = {}
+        self.captured = 0  # fixed-shape steps recorded as CUDA graphs
         # Rows whose prefill is under way: their input embeddings (image patches in place, made once)
         # and their prefix's block hashes.
         self._pending: dict[str, tuple[torch.Tensor, list[bytes]]] = {}
@@ -250,11 +253,13 @@ class Runner:
     @torch.inference_mode()
     def decode(self, batch: SlotBatch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
         """One step for every running row: feed each row's last token, return each row's next."""
-        if self.decode_mode == "fixed":
+        if self.decode_mode != "rows":
             self._compact()
         starts = [self.table.start(row_id) for row_id in batch.row_ids]
         lengths = [self.table.length(row_id) for row_id in batch.row_ids]
-        run = self._decode_fixed if self.decode_mode == "fixed" else self._decode_rows
+        run = {"fixed": self._decode_fixed, "pool": self._decode_pool}.get(
+            self.decode_mode, self._decode_rows
+        )
         logits = _freeing_on_oom(lambda: run(batch, starts, lengths, last_tokens))
         self.table.grow(batch.row_ids)  # the step wrote one position per row: now part of each row
         return _pick(logits, masks)
@@ -267,6 +272,7 @@ class Runner:
         positions = torch.tensor(lengths, device=device)
         cache = self.cache
         cache.rows, cache.write, cache.view = None, torch.tensor(starts, device=device) + positions, None
+        cache.extent = None
         ids = torch.tensor(tokens, device=device).unsqueeze(1)
         pairs = [(start, length + 1) for start, length in zip(starts, lengths, strict=True)]
         with row_attention.per_row(self.language.config, pairs):
@@ -285,6 +291,7 @@ class Runner:
         table = self.table
         slots = [start // self.cache.stride for start in starts]  # the uniform grid's slots
         step = self.step(rows_bucket(table.top, table.slots), width_bucket(max(lengths) + 1, table.positions))
+        assert isinstance(step, FixedStep)
         if self.threads is not None:
             self.threads(step.slots * step.width, "decode")
         step.fill(slots, lengths, tokens)
@@ -293,28 +300,54 @@ class Runner:
         batch.padding = batch.read - (sum(lengths) + len(lengths))
         return logits.index_select(0, torch.tensor(slots, device=logits.device))
 
-    def _compact(self) -> None:
-        """Rows moved down into free slots when that shrinks the step's bucket of slots: one copy of
-        each moved row, instead of every later step covering the holes below a row in a high slot
-        (never when only retained slots lie below it: compaction would move nothing, every step)."""
+    def _decode_pool(self, batch: SlotBatch, starts: list[int], lengths: list[int], tokens: list[int]) -> Any:
         table = self.table
-        if rows_bucket(table.top, table.slots) > rows_bucket(table.packed_top, table.slots):
+        reach = max(start + length + 1 for start, length in zip(starts, lengths, strict=True))
+        step = self.step(rows_bucket(len(starts), table.slots), pool_step.extent_bucket(reach, table.pool))
+        assert isinstance(step, pool_step.PoolStep)
+        if self.threads is not None:
+            self.threads(step.rows * step.extent, "decode")
+        step.fill(starts, lengths, tokens)
+        logits = step.run()
+        batch.read = step.extent  # its keys and values, read once for all the rows
+        batch.padding = batch.read - (sum(lengths) + len(lengths))
+        return logits[: len(starts)]
+
+    def _compact(self) -> None:
+        """Rows moved down into free room when that shrinks the step's bucket (of slots covered; of
+        the pool's positions read): one copy of each moved row, instead of every later step covering
+        the holes below a row placed high (never when only retained slots lie below it: compaction
+        would move nothing, every step)."""
+        table = self.table
+        if self.decode_mode == "pool":
+            bucket = lambda reach: pool_step.extent_bucket(reach, table.pool)  # noqa: E731
+            if table.reach and bucket(table.reach) > bucket(table.packed_reach):
+                table.compact()
+        elif rows_bucket(table.top, table.slots) > rows_bucket(table.packed_top, table.slots):
             table.compact()  # the table hands each move to the cache (SlotTable.mover)
 
-    def step(self, slots: int, width: int) -> FixedStep:
-        """The fixed step of this shape (made on first use; captured ones at warm-up)."""
-        key = (slots, width)
+    def step(self, first: int, second: int) -> StaticStep:
+        """The fixed-shape step of this shape (made on first use; captured ones at warm-up): `fixed`,
+        (slots, width); `pool`, (rows, extent)."""
+        key = (first, second)
         if key not in self._steps:
-            self._steps[key] = FixedStep(self.model, self.cache, slots, width)
+            if self.decode_mode == "pool":
+                self._steps[key] = pool_step.PoolStep(self.model, self.cache, first, second)
+            else:
+                self._steps[key] = FixedStep(self.model, self.cache, first, second)
         return self._steps[key]
 
     @torch.inference_mode()
     def capture(self) -> int:
-        """Record every bucket's fixed step as a CUDA graph (one memory pool for all: they never run at
-        once). Returns how many were captured."""
+        """Record every bucket's fixed-shape step as a CUDA graph (one memory pool for all: they never
+        run at once). Returns how many were captured."""
         pool = torch.cuda.graph_pool_handle()
-        for slots, width in buckets(self.table.slots, self.table.positions):
-            self.step(slots, width).capture(pool)
+        if self.decode_mode == "pool":
+            shapes = pool_step.buckets(self.table.slots, self.table.pool)
+        else:
+            shapes = buckets(self.table.slots, self.table.positions)
+        for first, second in shapes:
+            self.step(first, second).capture(pool)
             self.captured += 1
         return self.captured
 

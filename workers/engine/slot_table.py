@@ -333,3 +333,20 @@ class SlotTable:
         compaction keeps them, so a retained slot under a row is no hole to close)."""
         top = self.top
         return sum(1 for holder in self._start if self.slot(holder) < top)
+
+    @property
+    def reach(self) -> int:
+        """By need: one past the highest position a row's next decode step writes (the prefix of the
+        pool a pool step reads); 0 with no row."""
+        return max((self._start[r] + self._length[r] + 1 for r in self._live()), default=0)
+
+    @property
+    def packed_reach(self) -> int:
+        """By need: what `reach` would be after `compact` (every slot below the highest row's, retained
+        ones too, slides down to close the holes)."""
+        live = self._live()
+        if not live:
+            return 0
+        highest = max(live, key=self._start.__getitem__)
+        below = sum(self._size[h] for h in self._start if self._start[h] < self._start[highest])
+        return below + self._length[highest] + 1

@@ -1,0 +1,127 @@
+"""The pool step (workers/engine/pool_step.py), on the CPU: fixed shapes over slots held by need. It
+compiles as one graph (`torch.compile(fullgraph=True)`: a graph break raises), so the same step can
+be captured on CUDA; its logits are the rows step's (each row over its own view) wherever the slots
+lie; rows of the bucket that no job fills write only the scratch position past the pool, and no row
+writes anywhere but its own next position; the buckets cover every shape a step may take.
+
+The compile uses the `aot_eager` backend, as tests/unit/test_fixed_step.py says why."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.engine_runs import three_rows_one_gone, tiny_backend
+from workers.backends.fuyu import FuyuBackend
+from workers.engine import pool_step
+
+HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
+
+
+@pytest.fixture(scope="module")
+def backend() -> FuyuBackend:
+    return tiny_backend(HOME)
+
+
+@pytest.fixture(scope="module")
+def running(backend: FuyuBackend) -> tuple[Any, Any, list[int], list[int], list[int]]:
+    return _two_rows_and_a_hole(backend)
+
+
+def _two_rows_and_a_hole(backend: FuyuBackend) -> tuple[Any, Any, list[int], list[int], list[int]]:
+    """A pool runner with two rows by need, a hole between them (a row that left), and the rows
+    listed in the batch high slot first (the step's order is the batch's, not the pool's)."""
+    runner = backend.step_model(4, 512, pool=2048, decode="pool")
+    batch, tokens = three_rows_one_gone(backend, runner)
+    batch.row_ids.reverse()
+    tokens.reverse()
+    starts = [runner.table.start(r) for r in batch.row_ids]
+    lengths = [runner.table.length(r) for r in batch.row_ids]
+    assert starts[0] > starts[1] + lengths[1] + runner.table.size("r0") - runner.table.length("r0") - 1
+    return runner, batch, starts, lengths, tokens
+
+
+@torch.inference_mode()
+def test_the_step_compiles_as_one_graph_and_gives_the_rows_steps_tokens(running: Any) -> None:
+    runner, batch, starts, lengths, tokens = running
+    extent = pool_step.extent_bucket(max(s + n + 1 for s, n in zip(starts, lengths, strict=True)), 2048)
+    step = runner.step(4, extent)
+    step.fill(starts, lengths, tokens)
+    eager = step.forward().clone()
+    torch._dynamo.reset()
+    compiled = torch.compile(step.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    assert torch.allclose(compiled(), eager, atol=1e-5)
+    rows = runner._decode_rows(batch, starts, lengths, tokens)
+    assert torch.allclose(eager[:2], rows, atol=1e-4)
+    assert eager[:2].argmax(-1).tolist() == rows.argmax(-1).tolist()
+
+
+@torch.inference_mode()
+def test_rows_write_only_their_own_next_position_and_padding_only_the_scratch(running: Any) -> None:
+    runner, _batch, starts, lengths, tokens = running
+    keys = runner.cache.keys[0]
+    scratch = runner.cache.scratch
+    assert scratch == runner.table.pool == keys.shape[1] - 1
+    keys[:, scratch] = 0  # so that the padding rows' write shows
+    before = keys.clone()
+    step = runner.step(4, 2048)
+    step.fill(starts, lengths, tokens)
+    logits = step.forward()
+    assert torch.isfinite(logits).all()  # a padding row attends to one position: no NaN in its row
+    written = {start + length for start, length in zip(starts, lengths, strict=True)} | {scratch}
+    changed = {int(p) for p in (keys != before).any(dim=2).any(dim=0).nonzero().flatten()}
+    assert changed == written
+
+
+@torch.inference_mode()
+def test_a_decode_compacts_when_that_shrinks_the_extent_and_the_tokens_stay(backend: FuyuBackend) -> None:
+    runner, batch, starts, lengths, tokens = _two_rows_and_a_hole(backend)
+    expected = runner._decode_rows(batch, starts, lengths, tokens).argmax(-1).tolist()
+    table = runner.table
+    assert pool_step.extent_bucket(table.reach, table.pool) > pool_step.extent_bucket(
+        table.packed_reach, table.pool
+    )
+    assert runner.decode(batch, tokens) == expected
+    assert table.moved > 0
+    assert table.start(batch.row_ids[0]) < starts[0]
+    assert batch.read == pool_step.extent_bucket(table.packed_reach, table.pool)
+    assert 0 < batch.padding < batch.read
+
+
+def test_the_slot_table_knows_how_far_a_step_reads_and_how_far_after_compaction() -> None:
+    from workers.engine.slot_table import SlotTable
+
+    table = SlotTable(4, 200, capacity=1000)
+    table.assign("a", 10, 40)
+    table.assign("b", 20, 100)
+    table.assign("c", 5, 30)
+    assert table.reach == table.start("c") + 5 + 1 == 48 + 112 + 6
+    table.release("a")
+    table.release("b")
+    assert table.packed_reach == 6  # c slides to the pool's start
+    table.compact()
+    assert table.reach == 6
+    assert table.start("c") == 0
+    table.release("c")
+    assert table.reach == table.packed_reach == 0
+
+
+@pytest.mark.parametrize(("rows", "pool"), [(1, 100), (5, 1000), (16, 65536), (48, 9000)])
+def test_the_buckets_cover_every_shape_a_step_may_take(rows: int, pool: int) -> None:
+    shapes = set(pool_step.buckets(rows, pool))
+    extents = pool_step.extent_buckets(pool)
+    assert extents == sorted(set(extents))
+    assert extents[-1] == pool
+    for low, high in itertools.pairwise(extents):
+        assert high <= max(low * 1.5, low + pool_step.GRAIN)  # padding bounded by the ratio
+    for count in range(1, rows + 1):
+        for reach in sorted({1, pool // 3, pool - 1, pool, *[e for e in extents if e <= pool]}):
+            extent = pool_step.extent_bucket(reach, pool)
+            assert reach <= extent <= pool
+            covered = next(r for r, _ in sorted(shapes) if r >= count)
+            assert (covered, extent) in shapes
+    assert len(shapes) <= (rows.bit_length() + 1) * 2 * pool.bit_length()  # a handful to capture

@@ -1,0 +1,97 @@
+"""The decode step of fixed shapes over slots held by need (`MRC_ENGINE_DECODE=pool`): capturable, as
+the `fixed` step is, without the worst-case slots the `fixed` step's grid needs.
+
+The running rows are one sequence of the step's `rows` positions (batch 1), each with its own
+position id, each writing its new key and value at its own place in the pool. Attention is one call
+over the pool's first `extent` positions, under a float mask that shows each row its own slot's
+positions and the one it writes: no gather, no copy, and the shape does not depend on where the slots
+lie. Shapes come from a few buckets — rows rounded up to a power of two, the extent up to one of
+`extent_buckets` (each about 1.41x the one before) — so a handful of steps serve every batch, and each
+can be compiled (`torch.compile(fullgraph=True)`: tests/unit/test_pool_step.py) or captured once as a
+CUDA graph and replayed. Rows of the bucket that no row fills attend to one position and write to the
+cache's scratch position, past the pool.
+
+What it costs: the keys and values of the extent are read once for all rows (one matrix product; a
+decode step is bound by that read on a GPU), but scores are computed for every row against every
+position of the extent, `rows` times the useful ones. Fine where reading memory bounds the step (a
+GPU at these batch sizes); on the CPU, where a step's cost follows the arithmetic, the `rows` step
+(each row over its own view) stays the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workers.engine.fixed_step import StaticStep, rows_bucket
+from workers.engine.kv import SlotCache
+
+SMALLEST = 128  # the least extent a step reads
+GRAIN = 128  # extents are whole multiples of this
+
+
+def extent_buckets(pool: int) -> list[int]:
+    """The extents a step may read: from SMALLEST, each about 1.41x the one before (whole GRAINs),
+    and the whole pool last."""
+    buckets: list[int] = []
+    size = float(SMALLEST)
+    while size < pool:
+        bucket = -(-int(size) // GRAIN) * GRAIN
+        if not buckets or bucket > buckets[-1]:
+            buckets.append(bucket)
+        size *= 2**0.5
+    return [b for b in buckets if b < pool] + [pool]
+
+
+def extent_bucket(extent: int, pool: int) -> int:
+    """Positions a step reads: the highest running row's end, rounded up to a bucket."""
+    return next(b for b in extent_buckets(pool) if b >= min(extent, pool))
+
+
+def buckets(rows: int, pool: int) -> list[tuple[int, int]]:
+    """Every (rows, extent) shape a step may take: what capture at warm-up covers."""
+    counts = sorted({rows_bucket(2**k, rows) for k in range(rows.bit_length() + 1)})
+    return [(r, e) for r in counts for e in extent_buckets(pool)]
+
+
+class PoolStep(StaticStep):
+    """One decode step of `rows` rows over the pool's first `extent` positions: static inputs, an eager
+    or captured forward pass."""
+
+    def __init__(self, model: Any, cache: SlotCache, rows: int, extent: int) -> None:
+        self.model, self.cache, self.rows, self.extent = model, cache, rows, extent
+        self.language = model.model.language_model
+        device, dtype = cache.keys[0].device, cache.keys[0].dtype
+        self.ids = torch.zeros((1, rows), dtype=torch.long, device=device)
+        self.positions = torch.zeros((1, rows), dtype=torch.long, device=device)
+        self.write = torch.full((rows,), cache.scratch, dtype=torch.long, device=device)
+        self.lowest = torch.finfo(dtype).min
+        self.mask = torch.full((1, 1, rows, extent), self.lowest, dtype=dtype, device=device)
+        self._columns = torch.arange(extent, device=device)
+
+    def fill(self, starts: list[int], lengths: list[int], tokens: list[int]) -> None:
+        """The step's inputs, in the batch's order: each row's last token, its position = its length,
+        written at its slot's start + its length, and its mask showing its slot up to that position."""
+        device, count = self.ids.device, len(starts)
+        start = torch.tensor(starts, device=device)
+        end = start + torch.tensor(lengths, device=device)  # the position the row writes now
+        self.ids.zero_()
+        self.positions.zero_()
+        self.write.fill_(self.cache.scratch)
+        self.ids[0, :count] = torch.tensor(tokens, device=device)
+        self.positions[0, :count] = end - start
+        self.write[:count] = end
+        columns = self._columns.unsqueeze(0)
+        visible = (columns >= start.unsqueeze(1)) & (columns <= end.unsqueeze(1))
+        self.mask[0, 0, :count] = torch.where(visible, 0.0, self.lowest).to(self.mask.dtype)
+        self.mask[0, 0, count:] = self.lowest
+        self.mask[0, 0, count:, 0] = 0  # a row no job fills attends to one position: no NaN in its row
+
+    def forward(self) -> torch.Tensor:
+        """Logits [rows, vocabulary] for the filled inputs, in the batch's order."""
+        cache = self.cache
+        cache.rows, cache.write, cache.view, cache.extent = None, self.write, None, self.extent
+        hidden = self._hidden(self.language, self.ids, self.mask, self.positions, cache)
+        logits: torch.Tensor = self.model.lm_head(hidden[0])
+        return logits
