@@ -30,12 +30,12 @@ def _answers(env: dict[str, str], tmp_path: Path, decode: str) -> tuple[list[str
             image = tmp_path / f"{decode}-{index}.png"
             image.write_bytes(imagegen.photo(width, height))
             job_id = f"decode-{decode}-{index}-{tmp_path.name[-8:]}"
+            command = [
+                str(services.BIN / "mrc"), "submit", "--image", str(image), "--prompt", prompt,
+                "--job-id", job_id, "--max-new-tokens", "12", "--wait", "--timeout", "120",
+            ]  # fmt: skip
             submits.append(
-                subprocess.Popen(
-                    [str(services.BIN / "mrc"), "submit", "--image", str(image), "--prompt", prompt,
-                     "--job-id", job_id, "--max-new-tokens", "12", "--wait", "--timeout", "120"],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )  # fmt: skip
+                subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
         texts = []
         for submit in submits:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engine.prefix_index import chain
+from workers.engine.prefix_index import Hit, chain
 from workers.engine.slot_table import UNIT, NoFreeSlot, SlotTable, rounded
 
 # An operation: ("join", need) | ("step", 0) | ("leave", which row) | ("keep", which row).
@@ -143,6 +143,33 @@ def test_rows_that_asked_about_one_photo_at_once_leave_one_copy_of_its_prefix(ca
     table.set_length("f", 32)
     assert table.retain("f") is not None
     assert table.cached == 96
+
+
+@pytest.mark.parametrize("capacity", [None, 2048], ids=["uniform", "by-need"])
+def test_questions_that_diverge_after_one_photo_leave_one_copy_of_it(capacity: int | None) -> None:
+    """Left open by the eleventh session: questions about one photo whose own tokens fill whole blocks
+    (a long question, a schema's instructions) diverge after the photo, and each left a slot holding
+    the photo's positions again. The first one stays; the others, mostly the same photo, go (the
+    kept one serves their photo). A row that shares less than half of its blocks stays beside it."""
+    table = SlotTable(8, positions=200, capacity=capacity)
+    photo = list(range(96))  # six blocks of photo
+    for row, question in zip("abcd", (1000, 2000, 3000, 4000), strict=True):
+        table.assign(row, 0, 140)
+        table.index.add(row, chain("photo", photo + list(range(question, question + 32))))
+        table.set_length(row, 130)
+    kept = table.retain("a")
+    assert kept is not None
+    assert [table.retain(row) for row in "bcd"] == [None, None, None]
+    assert table.cached == 128  # one copy: the photo and the first question's two blocks
+    assert table.spare == table.pool
+    hit = table.index.match(chain("photo", photo + list(range(5000, 5032))))
+    assert hit == Hit(kept, 96)  # a fifth question finds the photo in it
+    # A shared start of less than half (a common instruction before different photos) is kept twice.
+    table.assign("e", 0, 140)
+    table.index.add("e", chain("photo", photo[:32] + list(range(7000, 7096))))
+    table.set_length("e", 128)
+    assert table.retain("e") is not None
+    assert table.cached == 256
 
 
 def test_a_retained_slot_is_taken_over_where_it_lies_when_it_can_grow_there() -> None:

@@ -107,6 +107,21 @@ class PrefixIndex:
             return []
         return [h for h in self._holders.get(hashes[-1], {}) if h != holder]
 
+    def sharing(self, holder: str) -> tuple[str, int] | None:
+        """The retained holder whose leading blocks equal the most of this holder's (another), and how
+        many blocks: questions about one photo that diverge after it share its blocks."""
+        hashes = self._chains.get(holder, [])
+        for index in range(len(hashes) - 1, -1, -1):
+            holders = self._holders.get(hashes[index], {})
+            other = next((h for h in holders if h != holder and h in self._retained), None)
+            if other is not None:
+                return other, index + 1
+        return None
+
+    def blocks(self, holder: str) -> int:
+        """Whole blocks the holder's slot holds that the index knows."""
+        return len(self._chains.get(holder, []))
+
     def covered(self, holder: str) -> list[str]:
         """Other holders whose every block this holder holds (their last block is one of its)."""
         mine = set(self._chains.get(holder, []))
@@ -114,7 +129,7 @@ class PrefixIndex:
 
     def known(self, holder: str) -> int:
         """Leading positions of the holder's slot the index knows (whole blocks)."""
-        return len(self._chains.get(holder, [])) * self.block
+        return self.blocks(holder) * self.block
 
     def retained(self) -> list[str]:
         """Retained holders, least recently used first."""

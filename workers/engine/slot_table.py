@@ -214,6 +214,8 @@ class SlotTable:
             self.release(row_id)
             return None
         copy = next((h for h in self.index.covering(row_id) if h in self._retained), None)
+        if copy is None:
+            copy = self._diverging_copy(row_id)
         if copy is not None:  # one copy of a prefix is enough: rows asking about one photo at once
             self.index.retain(copy)  # (it would have served this row's prefix: used now)
             self.release(row_id)  # left N copies, and pushed other photos' prefixes out
@@ -230,6 +232,21 @@ class SlotTable:
         self._shrink(entry, self.extent(kept))  # by need: the rest is free now (uniform: the slot stays)
         self._length[entry] = kept  # what a later row can reuse (the cached-positions gauge)
         return entry
+
+    def _diverging_copy(self, row_id: str) -> str | None:
+        """A retained slot that holds at least half of this row's known blocks, from the start, and then
+        goes on differently (another question about the same photo): keeping this row's slot too would
+        keep the photo's positions twice for a few blocks of question of its own. Contiguous slots
+        cannot share the photo's blocks between two questions (pages could), so the row's slot goes
+        and the one already cached serves the photo; a later row asking this row's very question
+        computes its few question positions again."""
+        shared = self.index.sharing(row_id)
+        if shared is None:
+            return None
+        other, blocks = shared
+        if blocks >= self.index.blocks(other):
+            return None  # all of the other's blocks start this row's: the other goes (covered)
+        return other if 2 * blocks >= self.index.blocks(row_id) else None
 
     def _shrink(self, holder: str, size: int) -> None:
         """By need, the holder's slot spans `size` positions at most: the tail goes back to the free
