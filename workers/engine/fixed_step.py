@@ -43,13 +43,25 @@ def buckets(slots: int, positions: int) -> list[tuple[int, int]]:
 
 class StaticStep:
     """A decode step whose inputs live in its own static tensors: run eagerly (`forward`) or captured
-    once as a CUDA graph and replayed. Subclasses fill the inputs and define `forward`."""
+    once as a CUDA graph and replayed. Subclasses fill the inputs and define `last_hidden`.
 
+    The graph records the language model up to each row's last hidden state; the vocabulary
+    projection runs after the replay, one more kernel. Each graph's output stays allocated as long
+    as the graph: logits ([rows, 262,144] floats for Fuyu-8B) kept by each of a hundred graphs would
+    hold gigabytes; hidden states ([rows, 4,096]) hold a sixty-fourth of that."""
+
+    model: Any
     graph: Any = None
-    logits: torch.Tensor | None = None  # the captured step's output
+    hidden: torch.Tensor | None = None  # the captured step's output: each row's last hidden state
+
+    def last_hidden(self) -> torch.Tensor:
+        """Each row's last hidden state [rows, hidden] for the filled inputs."""
+        raise NotImplementedError
 
     def forward(self) -> torch.Tensor:
-        raise NotImplementedError
+        """Logits [rows, vocabulary] for the filled inputs."""
+        logits: torch.Tensor = self.model.lm_head(self.last_hidden())
+        return logits
 
     def _hidden(
         self, language: Any, ids: torch.Tensor, mask: torch.Tensor, positions: Any, cache: Any
@@ -67,8 +79,9 @@ class StaticStep:
         if self.graph is None:
             return self.forward()
         self.graph.replay()
-        assert self.logits is not None
-        return self.logits
+        assert self.hidden is not None
+        logits: torch.Tensor = self.model.lm_head(self.hidden)
+        return logits
 
     def capture(self, pool: Any) -> None:
         """Record the step as a CUDA graph (after two eager runs on a side stream, as CUDA graphs need)."""
@@ -80,7 +93,7 @@ class StaticStep:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.logits = self.forward()
+            self.hidden = self.last_hidden()
         self.graph = graph
 
 
@@ -116,11 +129,10 @@ class FixedStep(StaticStep):
         rows = torch.where(visible, 0.0, self.lowest).to(self.mask.dtype)
         self.mask[index] = rows.view(len(slots), 1, 1, -1)
 
-    def forward(self) -> torch.Tensor:
-        """Logits [slots, vocabulary] for the filled inputs."""
+    def last_hidden(self) -> torch.Tensor:
+        """[slots, hidden], a row per slot of the step."""
         cache = self.cache
         cache.rows, cache.write, cache.view = self.rows, self.write, (self.slots, self.width)
         cache.extent = None
-        hidden = self._hidden(self.language, self.ids, self.mask, self.positions, cache)
-        logits: torch.Tensor = self.model.lm_head(hidden[:, -1])
-        return logits
+        hidden: torch.Tensor = self._hidden(self.language, self.ids, self.mask, self.positions, cache)
+        return hidden[:, -1]

@@ -88,10 +88,9 @@ class PoolStep(StaticStep):
         self.mask[0, 0, count:] = self.lowest
         self.mask[0, 0, count:, 0] = 0  # a row no job fills attends to one position: no NaN in its row
 
-    def forward(self) -> torch.Tensor:
-        """Logits [rows, vocabulary] for the filled inputs, in the batch's order."""
+    def last_hidden(self) -> torch.Tensor:
+        """[rows, hidden], in the batch's order."""
         cache = self.cache
         cache.rows, cache.write, cache.view, cache.extent = None, self.write, None, self.extent
-        hidden = self._hidden(self.language, self.ids, self.mask, self.positions, cache)
-        logits: torch.Tensor = self.model.lm_head(hidden[0])
-        return logits
+        hidden: torch.Tensor = self._hidden(self.language, self.ids, self.mask, self.positions, cache)
+        return hidden[0]
