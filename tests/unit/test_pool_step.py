@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support.engine_runs import three_rows_one_gone, tiny_backend
+from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import pool_step
 
@@ -90,6 +91,47 @@ def test_a_decode_compacts_when_that_shrinks_the_extent_and_the_tokens_stay(back
     assert table.start(batch.row_ids[0]) < starts[0]
     assert batch.read == pool_step.extent_bucket(table.packed_reach, table.pool)
     assert 0 < batch.padding < batch.read
+
+
+@pytest.mark.parametrize(("old", "new"), [(40, 10), (10, 40), (100, 95), (95, 100)])
+def test_an_overlapping_move_through_the_staging_buffer_equals_a_copy(old: int, new: int) -> None:
+    """Compaction slides a slot down by less than its length: the move goes through a buffer allocated
+    at start, a piece at a time (no allocation that could run out of memory half way)."""
+    from workers.engine.kv import SlotCache
+
+    staged = SlotCache(2, 256, 2, 4, torch.float32, "cpu", staging=7)
+    cloned = SlotCache(2, 256, 2, 4, torch.float32, "cpu")
+    for a, b in zip((*staged.keys, *staged.values), (*cloned.keys, *cloned.values), strict=True):
+        a.copy_(torch.randn_like(a))
+        b.copy_(a)
+    staged.move(old, new, 60, start=3)
+    cloned.move(old, new, 60, start=3)
+    for a, b in zip((*staged.keys, *staged.values), (*cloned.keys, *cloned.values), strict=True):
+        assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_a_row_whose_keys_are_not_finite_changes_no_other_rows_tokens(backend: FuyuBackend) -> None:
+    """Review finding: every row of a pool step reads the whole extent, other rows' positions hidden by
+    an additive mask, which hides no NaN (NaN + min is NaN, 0 x NaN too): one row whose activations
+    overflowed (bf16, NF4 on a GPU) made every row's tokens 0. Its keys and values are written finite."""
+    picked = {}
+    for decode in ("rows", "pool"):
+        runner = backend.step_model(4, 512, pool=2048, decode=decode)
+        batch, tokens = three_rows_one_gone(backend, runner)
+        poisoned = runner.cache.keys[0].new_full((), float("nan"))
+        starts = {r: runner.table.start(r) for r in batch.row_ids}
+        inputs = backend.prepare(
+            [GenerationInput(torch.full((3, 30, 30), 90, dtype=torch.uint8), "?", 4)]
+        ).inputs
+        runner.begin("bad", inputs, int(inputs["input_ids"].shape[1]))
+        embeddings, hashes = runner._pending["bad"]
+        runner._pending["bad"] = (embeddings * poisoned, hashes)  # its activations overflowed
+        tokens.append(runner.extend([("bad", int(inputs["input_ids"].shape[1]))])[0])
+        batch.join("bad")
+        assert {r: runner.table.start(r) for r in starts} == starts
+        picked[decode] = [runner.decode(batch, tokens) for _ in range(3)]
+    assert [step[:2] for step in picked["pool"]] == [step[:2] for step in picked["rows"]]
 
 
 def test_the_slot_table_knows_how_far_a_step_reads_and_how_far_after_compaction() -> None:

@@ -42,10 +42,21 @@ class SlotCache:
         device: Any,
         stride: int = 1,
         scratch: bool = False,
+        staging: int = 0,
     ) -> None:
         shape = (heads, pool + scratch, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # Where a move whose runs overlap (compaction sliding a slot down by less than its length)
+        # goes through, in pieces: allocated here, so a compaction never runs out of memory half way
+        # (a slot half moved is a row whose positions are wrong). 0: a clone per move instead.
+        self.staging = (
+            torch.zeros((heads, staging, head_dim), dtype=dtype, device=device) if staging else None
+        )
+        # The pool step reads every position of its extent, other rows' hidden by an additive mask,
+        # which hides no NaN or infinity (NaN + min is NaN, 0 x NaN too): one row whose activations
+        # overflowed would make every row's attention NaN. Its keys and values are written finite.
+        self.finite = scratch
         # Uniform layout: a slot's length (positions + 1); its last column is the scratch a fixed-shape
         # step writes to for a slot no running row holds. By need with `scratch`: one position past
         # the pool, where the pool step's padding rows write (workers/engine/pool_step.py).
@@ -80,6 +91,8 @@ class SlotCache:
         """Write one position per batch row ([rows, heads, 1, head_dim]) in place, or the positions of a
         call's chunks ([1, heads, n, head_dim]); return what attention reads."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.finite:
+            key_states, value_states = _finite(key_states), _finite(value_states)
         if self.chunk is not None:  # attention reads each chunk's slot (row_attention.per_chunk)
             keys[:, self.chunk] = key_states[0]
             values[:, self.chunk] = value_states[0]
@@ -104,6 +117,8 @@ class SlotCache:
         """A joining row's prefill cache ([heads, length, head_dim] per layer) into its slot: its one copy."""
         for index, (new_keys, new_values) in enumerate(layers):
             length = new_keys.shape[1]
+            if self.finite:
+                new_keys, new_values = _finite(new_keys), _finite(new_values)
             self.keys[index][:, start : start + length].copy_(new_keys)
             self.values[index][:, start : start + length].copy_(new_values)
 
@@ -114,8 +129,23 @@ class SlotCache:
         overlap = abs(new - old) < length - start
         for tensors in (self.keys, self.values):
             for tensor in tensors:
-                source = tensor[:, old + start : old + length]
-                tensor[:, new + start : new + length].copy_(source.clone() if overlap else source)
+                if not overlap:
+                    tensor[:, new + start : new + length].copy_(tensor[:, old + start : old + length])
+                elif self.staging is None:
+                    tensor[:, new + start : new + length].copy_(tensor[:, old + start : old + length].clone())
+                else:
+                    self._staged(tensor, old, new, start, length)
+
+    def _staged(self, tensor: torch.Tensor, old: int, new: int, start: int, length: int) -> None:
+        """An overlapping move through the staging buffer, a piece at a time: low pieces first when
+        moving down (each piece's target was read already), high pieces first when moving up."""
+        assert self.staging is not None
+        piece = self.staging.shape[1]
+        offsets = list(range(start, length, piece))
+        for offset in offsets if new < old else reversed(offsets):
+            size = min(piece, length - offset)
+            self.staging[:, :size].copy_(tensor[:, old + offset : old + offset + size])
+            tensor[:, new + offset : new + offset + size].copy_(self.staging[:, :size])
 
     def read(self, start: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of a slot's first positions (a retained prefix carried past its own slot's release)."""
@@ -123,6 +153,10 @@ class SlotCache:
             (keys[:, start : start + length].clone(), values[:, start : start + length].clone())
             for keys, values in zip(self.keys, self.values, strict=True)
         ]
+
+
+def _finite(states: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(states, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class SlotBatch:

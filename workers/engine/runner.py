@@ -62,7 +62,7 @@ class Runner:
         self.cache = SlotCache(
             int(text.num_hidden_layers), self.table.pool, heads, int(text.hidden_size) // heads,
             embeddings.dtype, embeddings.device, stride=positions + 1 if self.table.uniform else 1,
-            scratch=decode == "pool",
+            scratch=decode == "pool", staging=0 if self.table.uniform else positions,
         )  # fmt: skip
         self.table.mover = self.cache.move
         self._steps: dict[tuple[int, int], StaticStep] = {}
@@ -321,6 +321,8 @@ class Runner:
         table = self.table
         if self.decode_mode == "pool":
             bucket = lambda reach: pool_step.extent_bucket(reach, table.pool)  # noqa: E731
+            # It copies at most the extent's positions (each read and written once); a bucket less saves
+            # at least 29 % of every later step's reads: it pays back within about seven steps.
             if table.reach and bucket(table.reach) > bucket(table.packed_reach):
                 table.compact()
         elif rows_bucket(table.top, table.slots) > rows_bucket(table.packed_top, table.slots):

@@ -280,17 +280,42 @@ class SlotTable:
         there were several holes."""
         moves = []
         cursor = 0
-        for holder in sorted(self._start, key=self._start.__getitem__):
-            start = self._start[holder]
-            if start != cursor:
-                moves.append((start, cursor, self._length[holder]))
-                if self.mover is not None:
-                    self.mover(start, cursor, self._length[holder])
-                self.moved += self._length[holder]
-                self._start[holder] = start = cursor
-            cursor = start + self._size[holder]
-        self._free = [(cursor, self.pool - cursor)] if cursor < self.pool else []
+        try:
+            for holder in sorted(self._start, key=self._start.__getitem__):
+                start = self._start[holder]
+                if start != cursor:
+                    self._move(holder, cursor)
+                    moves.append((start, cursor, self._length[holder]))
+                    self.moved += self._length[holder]
+                    start = cursor
+                cursor = start + self._size[holder]
+        finally:  # a move that failed leaves the slots where they are now: the free runs between them
+            self._free = self._gaps()
         return moves
+
+    def _move(self, holder: str, to: int) -> None:
+        """One slot moved, in the cache and then in the table. A retained slot whose copy failed is
+        forgotten (its positions may be half moved); a row's stays where it was."""
+        try:
+            if self.mover is not None:
+                self.mover(self._start[holder], to, self._length[holder])
+        except BaseException:
+            if holder in self._retained:
+                self.index.remove(holder)
+                self._retained.discard(holder)
+                for table in (self._start, self._size, self._length):
+                    del table[holder]
+            raise
+        self._start[holder] = to
+
+    def _gaps(self) -> list[tuple[int, int]]:
+        """The free runs: what no slot spans, in order."""
+        gaps, cursor = [], 0
+        for start, size in sorted((self._start[h], self._size[h]) for h in self._start):
+            if start > cursor:
+                gaps.append((cursor, start - cursor))
+            cursor = start + size
+        return gaps + ([(cursor, self.pool - cursor)] if cursor < self.pool else [])
 
     # ---------------------------------------------------------------- reading it
     def start(self, row_id: str) -> int:
