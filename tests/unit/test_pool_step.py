@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.engine_runs import three_rows_one_gone, tiny_backend
+from tests.support.engine_runs import alone, three_rows_one_gone, tiny_backend
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import pool_step
@@ -132,6 +132,39 @@ def test_a_row_whose_keys_are_not_finite_changes_no_other_rows_tokens(backend: F
         assert {r: runner.table.start(r) for r in starts} == starts
         picked[decode] = [runner.decode(batch, tokens) for _ in range(3)]
     assert [step[:2] for step in picked["pool"]] == [step[:2] for step in picked["rows"]]
+
+
+@pytest.mark.parametrize("decode", ["rows", "fixed", "pool"])
+@torch.inference_mode()
+def test_a_row_placed_where_a_non_finite_row_was_gets_its_own_tokens(
+    backend: FuyuBackend, decode: str
+) -> None:
+    """Second review: the fixed step (CUDA's default) reads its slot's grid past the row's length
+    under the same additive mask, where the slot's previous row left its keys: one that overflowed
+    left NaN, and a shorter row placed there later picked token 0 from its second token on."""
+    big = GenerationInput(
+        torch.full((3, 240, 320), 90, dtype=torch.uint8), "What is written on the label?", 4
+    )
+    small = GenerationInput(torch.full((3, 48, 64), 150, dtype=torch.uint8), "Refund?", 6)
+    runner = backend.step_model(2, 256, decode=decode)
+    batch = runner.new_batch()
+    inputs, length = backend.row_inputs(big)
+    runner.begin("bad", inputs, length)
+    embeddings, hashes = runner._pending["bad"]
+    runner._pending["bad"] = (embeddings * embeddings.new_full((), float("nan")), hashes)
+    batch.join("bad")
+    runner.decode(batch, [runner.extend([("bad", length)])[0] or 0])
+    where = runner.table.start("bad")
+    batch.drop({"bad"})
+    inputs, length = backend.row_inputs(small)
+    runner.begin("good", inputs, length)
+    assert runner.table.start("good") == where
+    tokens = [runner.extend([("good", length)])[0] or 0]
+    batch.join("good")
+    for _ in range(small.max_new_tokens - 1):
+        tokens += runner.decode(batch, tokens[-1:])
+    expected = alone(backend, small)
+    assert tokens[: len(expected)] == expected
 
 
 def test_the_slot_table_knows_how_far_a_step_reads_and_how_far_after_compaction() -> None:

@@ -43,6 +43,7 @@ class SlotCache:
         stride: int = 1,
         scratch: bool = False,
         staging: int = 0,
+        finite: bool = False,
     ) -> None:
         shape = (heads, pool + scratch, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -53,10 +54,12 @@ class SlotCache:
         self.staging = (
             torch.zeros((heads, staging, head_dim), dtype=dtype, device=device) if staging else None
         )
-        # The pool step reads every position of its extent, other rows' hidden by an additive mask,
-        # which hides no NaN or infinity (NaN + min is NaN, 0 x NaN too): one row whose activations
-        # overflowed would make every row's attention NaN. Its keys and values are written finite.
-        self.finite = scratch
+        # The fixed-shape steps read positions no row of theirs holds under an additive mask, which hides
+        # no NaN or infinity (NaN + min is NaN, 0 x NaN too): the pool step every row's extent (one row
+        # whose activations overflowed made every row's attention NaN), the fixed step a slot's grid
+        # past its row's length (what its previous row left). With them, keys and values are written
+        # finite.
+        self.finite = finite
         # Uniform layout: a slot's length (positions + 1); its last column is the scratch a fixed-shape
         # step writes to for a slot no running row holds. By need with `scratch`: one position past
         # the pool, where the pool step's padding rows write (workers/engine/pool_step.py).

@@ -63,6 +63,7 @@ class Runner:
             int(text.num_hidden_layers), self.table.pool, heads, int(text.hidden_size) // heads,
             embeddings.dtype, embeddings.device, stride=positions + 1 if self.table.uniform else 1,
             scratch=decode == "pool", staging=0 if self.table.uniform else positions,
+            finite=decode != "rows",
         )  # fmt: skip
         self.table.mover = self.cache.move
         self._steps: dict[tuple[int, int], StaticStep] = {}
