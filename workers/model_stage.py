@@ -71,9 +71,11 @@ class ModelStage:
         self.positions = backend.slot_positions()
         fit, self.kv_measured = backend.kv_capacity()
         decode = str(getattr(backend, "decode_mode", lambda: "rows")())
+        grain = capacity.slot_grain(decode, backend.device)
         rows, self.pool = capacity.choose(
-            fit, settings.model_batch_max_jobs, settings.batch_token_budget, self.positions, decode == "fixed"
-        )
+            fit, settings.model_batch_max_jobs, settings.batch_token_budget, self.positions,
+            decode == "fixed", grain,
+        )  # fmt: skip
         reserved = min(settings.engine_reserved_rows, rows - 1)
         chunk = capacity.prefill_tokens(settings.engine_prefill_tokens, backend.device)
         self.limits = scheduler.Limits(
@@ -84,7 +86,7 @@ class ModelStage:
             prefill_tokens=chunk,
             hold_backlog=settings.engine_hold_backlog == "on"
             or (settings.engine_hold_backlog == "auto" and backend.device == "cpu"),
-            reserve_positions=capacity.reserve(reserved, self.pool, self.positions, decode == "fixed"),
+            reserve_positions=capacity.reserve(reserved, self.pool, self.positions, decode == "fixed", grain),
         )
         runner = backend.step_model(rows, self.positions, self.pool)
         self.cache_bytes = int(getattr(getattr(runner, "cache", None), "nbytes", 0))

@@ -12,6 +12,7 @@ import torch
 
 from shared.settings import Settings
 from tests.support.engine_runs import engine_tokens, random_items
+from tests.support.invariance import NEIGHBOURS, layouts_that_differ, unlike_alone
 from workers.backends.fuyu import FuyuBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -51,3 +52,23 @@ def test_captured_steps_give_the_eager_steps_tokens(decode: str) -> None:
         eager = engine_tokens(backend, items, arrivals, decode=decode)
         assert engine_tokens(backend, items, arrivals, decode=decode, capture=True) == eager
         assert engine_tokens(backend, items, arrivals, decode="rows") == eager
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_attention_kernel_sums_a_row_alike_wherever_its_slot_starts_on_the_grain(
+    dtype: torch.dtype,
+) -> None:
+    """The pool step's batch invariance on CUDA rests on its attention kernel reading keys in blocks
+    counted from the extent's start, no larger than the grain (workers/engine/pool_step.py's
+    KERNEL_BLOCK): one row's attention, bit for bit, wherever its slot starts on the grain."""
+    assert layouts_that_differ("cuda", dtype) == []
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "nf4"])
+def test_in_half_precision_a_pool_row_is_the_same_wherever_its_neighbours_put_it(quantization: str) -> None:
+    """A row decoded by the pool step beside neighbours that put its slot elsewhere writes the keys and
+    values it writes alone, every layer, bit for bit, and picks the same tokens."""
+    backend = FuyuBackend(Settings(model="tiny", home=HOME, quantization=quantization, device="cuda"))
+    backend.load()
+    for before in NEIGHBOURS:
+        assert unlike_alone(backend, before) == [], before

@@ -37,9 +37,11 @@ def _image(height: int, width: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=g)
 
 
-def test_same_job_same_tokens_in_30_engine_compositions(backend: FuyuBackend) -> None:
+@pytest.mark.parametrize("decode", ["rows", "fixed", "pool"])
+def test_same_job_same_tokens_in_30_engine_compositions(backend: FuyuBackend, decode: str) -> None:
     """NF4 on the CPU: the target's tokens alone equal its tokens beside any neighbours, joining at
-    any step (the fp32 oracle against generate() is tests/unit/test_engine.py)."""
+    any step, with every decode step (the fp32 oracle against generate() is tests/unit/test_engine.py;
+    bit for bit, the pool step's rows in tests/unit/test_pool_step.py)."""
     target = GenerationInput(_image(120, 200, 0), "Can I get a refund for this parcel?", 12)
     rng = random.Random(7)
     others = [
@@ -48,13 +50,13 @@ def test_same_job_same_tokens_in_30_engine_compositions(backend: FuyuBackend) ->
             ["a", "这是什么？", "what colour is the box", "x " * 30, "refund?", "😀 | \\n"], 1
         )
     ]
-    alone = engine_tokens(backend, [target], [0])[0]
+    alone = engine_tokens(backend, [target], [0], decode=decode)[0]
     for _ in range(30):
         batch = rng.sample(others, rng.randint(1, 5))
         position = rng.randint(0, len(batch))
         batch.insert(position, target)
         arrivals = [rng.randint(0, 6) for _ in batch]
-        assert engine_tokens(backend, batch, arrivals)[position] == alone
+        assert engine_tokens(backend, batch, arrivals, decode=decode)[position] == alone
 
 
 def test_out_of_memory_fails_only_the_job_that_cannot_fit_alone(

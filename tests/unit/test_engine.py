@@ -22,7 +22,7 @@ from tests.support.engine_runs import alone as _alone
 from tests.support.engine_runs import photo as _photo
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
-from workers.engine import scheduler
+from workers.engine import capacity, scheduler, slot_table
 from workers.engine.engine import Engine
 from workers.engine.sequence import Sequence
 
@@ -576,7 +576,8 @@ def test_a_job_that_needs_exactly_a_slots_positions_runs(backend: FuyuBackend, d
     item = _item(1, 1, 5)
     row = _sequence(backend, "exact", item, "interactive")
     positions = row.prompt_tokens + item.max_new_tokens - 1
-    runner = backend.step_model(2, positions, 2 * -(-positions // 16) * 16, decode=decode)
+    pool = slot_table.pool_for(2, positions, capacity.slot_grain(decode, "cpu"))
+    runner = backend.step_model(2, positions, pool, decode=decode)
     done: dict[str, Sequence] = {}
     engine = Engine(runner, scheduler.Limits(2, 0), lambda r: done.__setitem__(r.row_id, r))
     engine.submit(row)

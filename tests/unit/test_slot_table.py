@@ -27,6 +27,7 @@ OPERATIONS = st.lists(
 
 def _check_disjoint(table: SlotTable) -> None:
     runs = sorted((table.start(h), table.size(h)) for h in table._start)
+    assert all(start % table.grain == 0 for start, _ in runs), runs  # the pool step's kernel block
     runs += table._free
     runs.sort()
     cursor = 0
@@ -37,10 +38,14 @@ def _check_disjoint(table: SlotTable) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(pool=st.integers(128, 600), operations=OPERATIONS)
-def test_by_need_any_sequence_keeps_the_pool_consistent(pool: int, operations: list[tuple[str, int]]) -> None:
+@given(pool=st.integers(128, 600), operations=OPERATIONS, grain=st.sampled_from([UNIT, 32, 64]))
+def test_by_need_any_sequence_keeps_the_pool_consistent(
+    pool: int, operations: list[tuple[str, int]], grain: int
+) -> None:
+    """Also with slots on a grain larger than the index's block (the pool step's kernel block):
+    every slot starts on it, through first fit, compaction and retained slots' shrinking."""
     moved: list[tuple[int, int, int]] = []
-    table = SlotTable(8, positions=120, capacity=pool, mover=lambda *m: moved.append(m))
+    table = SlotTable(8, positions=120, capacity=pool, mover=lambda *m: moved.append(m), grain=grain)
     lengths: dict[str, int] = {}
     made = 0
     for kind, value in operations:
@@ -48,10 +53,10 @@ def test_by_need_any_sequence_keeps_the_pool_consistent(pool: int, operations: l
         if kind == "join":
             row = f"r{made}"
             made += 1
-            if rounded(value) <= table.spare:  # admission's rule: what the rows leave free
+            if rounded(value, grain) <= table.spare:  # admission's rule: what the rows leave free
                 start = table.assign(row, 0, value)
-                assert table.size(row) == rounded(value)
-                assert start % UNIT == 0
+                assert table.size(row) == rounded(value, grain)
+                assert start % grain == 0
                 lengths[row] = 0
             else:
                 with pytest.raises(NoFreeSlot):

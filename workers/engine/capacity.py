@@ -76,8 +76,16 @@ def positions_held(memory: int, per_token: int) -> int:
     return memory // max(1, per_token)
 
 
+def slot_grain(decode: str, device: Any) -> int:
+    """What slots by need are rounded up to, and start at multiples of: the pool step's attention
+    kernel's block (its batch invariance: workers/engine/pool_step.py), else the prefix index's block."""
+    from workers.engine import pool_step, slot_table
+
+    return pool_step.grain(device) if decode == "pool" else slot_table.UNIT
+
+
 def choose(
-    fit: int, wanted: int, token_budget: int, positions: int, uniform: bool = False
+    fit: int, wanted: int, token_budget: int, positions: int, uniform: bool = False, grain: int = 16
 ) -> tuple[int, int]:
     """(rows at most, positions in the pool) for `fit` positions that memory holds. By need: the pool
     is what memory holds, at most MRC_BATCH_TOKEN_BUDGET, at least one longest row (a job that fits
@@ -88,13 +96,13 @@ def choose(
     if uniform:
         slots = max(1, min(fit // (positions + 1), wanted, token_budget // max(1, positions)))
         return slots, slots * (positions + 1)
-    return wanted, max(rounded(positions), min(fit, token_budget))
+    return wanted, max(rounded(positions, grain), min(fit, token_budget))
 
 
-def reserve(tickets: int, pool: int, positions: int, uniform: bool = False) -> int:
+def reserve(tickets: int, pool: int, positions: int, uniform: bool = False, grain: int = 16) -> int:
     """Positions of the pool backlog rows never take: room for `tickets` tickets at their longest, at
     most what leaves one longest backlog row its room."""
     from workers.engine.slot_table import rounded
 
-    longest = positions + 1 if uniform else rounded(positions)
+    longest = positions + 1 if uniform else rounded(positions, grain)
     return max(0, min(tickets * longest, pool - longest))

@@ -30,6 +30,38 @@ from workers.engine.kv import SlotCache
 SMALLEST = 128  # the least extent a step reads
 GRAIN = 128  # extents are whole multiples of this
 
+# Batch invariance in half precision. A row's attention is one masked call over the extent, and the
+# kernel sums keys in blocks counted from the extent's first position, rescaling between blocks: a
+# row whose slot starts elsewhere in a block has its keys summed in other groups, rounded otherwise,
+# and in bf16 or nf4 its answer came to depend on where its neighbours put it (2-3 of 12 jobs differed
+# from alone, first at token 15-47). Slots start at multiples of the kernel's block (the table's grain)
+# and every other row's keys add exact zeros, so a row's sums are the same wherever it lies, whatever
+# the extent. The CPU's flash kernel sums keys in blocks of 512 (its kv split) and takes another path
+# under 4 query rows, so a step there runs at least 4 rows (tests/unit/test_pool_step.py checks both
+# on this torch, at bf16). CUDA's memory-efficient kernel reads keys 64 or 128 at a time over all of
+# them in one block of threads: 128 (tests/gpu/test_engine_cuda.py checks answers alone and together).
+KERNEL_BLOCK = {"cpu": 512, "cuda": 128}
+LEAST_ROWS = {"cpu": 4, "cuda": 1}
+
+
+def _kind(device: Any) -> str:
+    return "cuda" if str(device).startswith("cuda") else "cpu"
+
+
+def grain(device: Any) -> int:
+    """What the pool step's slots start at multiples of, on this device: its attention kernel's block."""
+    return KERNEL_BLOCK[_kind(device)]
+
+
+def least_rows(device: Any) -> int:
+    """The fewest query rows a pool step computes on this device (padding rows beyond the running)."""
+    return LEAST_ROWS[_kind(device)]
+
+
+def step_rows(count: int, slots: int, device: Any) -> int:
+    """Rows a step of `count` running rows computes: a power of two, at least the kernel's least."""
+    return max(rows_bucket(count, slots), least_rows(device))
+
 
 def extent_buckets(pool: int) -> list[int]:
     """The extents a step may read: from SMALLEST, each about 1.41x the one before (whole GRAINs),
@@ -49,9 +81,9 @@ def extent_bucket(extent: int, pool: int) -> int:
     return next(b for b in extent_buckets(pool) if b >= min(extent, pool))
 
 
-def buckets(rows: int, pool: int) -> list[tuple[int, int]]:
+def buckets(rows: int, pool: int, device: Any = "cuda") -> list[tuple[int, int]]:
     """Every (rows, extent) shape a step may take: what capture at warm-up covers."""
-    counts = sorted({rows_bucket(2**k, rows) for k in range(rows.bit_length() + 1)})
+    counts = sorted({step_rows(2**k, rows, device) for k in range(rows.bit_length() + 1)})
     return [(r, e) for r in counts for e in extent_buckets(pool)]
 
 

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import torch
 
+from workers.engine import capacity, pool_step, row_attention
 from workers.engine import masks as grammar_masks
-from workers.engine import pool_step, row_attention
 from workers.engine.fixed_step import FixedStep, StaticStep, buckets, rows_bucket, width_bucket
 from workers.engine.kv import SlotBatch, SlotCache
 from workers.engine.masks import MaskFn
@@ -58,7 +58,10 @@ class Runner:
         if decode == "fixed":
             self.table = SlotTable(slots, positions)
         else:
-            self.table = SlotTable(slots, positions, capacity=pool or pool_for(slots, positions))
+            grain = capacity.slot_grain(decode, embeddings.device)
+            self.table = SlotTable(
+                slots, positions, capacity=pool or pool_for(slots, positions, grain), grain=grain
+            )
         self.cache = SlotCache(
             int(text.num_hidden_layers), self.table.pool, heads, int(text.hidden_size) // heads,
             embeddings.dtype, embeddings.device, stride=positions + 1 if self.table.uniform else 1,
@@ -304,7 +307,8 @@ class Runner:
     def _decode_pool(self, batch: SlotBatch, starts: list[int], lengths: list[int], tokens: list[int]) -> Any:
         table = self.table
         reach = max(start + length + 1 for start, length in zip(starts, lengths, strict=True))
-        step = self.step(rows_bucket(len(starts), table.slots), pool_step.extent_bucket(reach, table.pool))
+        rows = pool_step.step_rows(len(starts), table.slots, self.cache.keys[0].device)
+        step = self.step(rows, pool_step.extent_bucket(reach, table.pool))
         assert isinstance(step, pool_step.PoolStep)
         if self.threads is not None:
             self.threads(step.rows * step.extent, "decode")
@@ -346,7 +350,7 @@ class Runner:
         run at once). Returns how many were captured."""
         pool = torch.cuda.graph_pool_handle()
         if self.decode_mode == "pool":
-            shapes = pool_step.buckets(self.table.slots, self.table.pool)
+            shapes = pool_step.buckets(self.table.slots, self.table.pool, self.cache.keys[0].device)
         else:
             shapes = buckets(self.table.slots, self.table.positions)
         for first, second in shapes:

@@ -6,8 +6,9 @@ its *slot* (`start`, `size`), so attention reads a row as a plain view and a dec
 position per row in place. A slot is sized when the row joins, one of two ways:
 
 - **by need** (`capacity` given; the CPU's rows decode): the row's prompt plus its own
-  `max_new_tokens` (less the last token, never fed), rounded up to UNIT positions. A 640x480 photo
-  with 64 new tokens holds ~450 positions, not the longest job's ~3,400: the same memory holds
+  `max_new_tokens` (less the last token, never fed), rounded up to UNIT positions (the pool step's
+  table: to its attention kernel's block, `grain`, so slots start at multiples of it). A 640x480
+  photo with 64 new tokens holds ~450 positions, not the longest job's ~3,400: the same memory holds
   several times the rows.
 - **uniform** (no `capacity`; the fixed-shape step's layout): every slot is `positions + 1` (the
   longest job, and a scratch column a fixed-shape step writes to for slots no row runs in), at a
@@ -43,15 +44,15 @@ UNIT = 16  # positions a slot held by need is rounded up to (the prefix index's 
 Mover = Callable[[int, int, int], None]
 
 
-def rounded(need: int) -> int:
-    """A need rounded up to whole UNITs."""
-    return max(UNIT, -(-need // UNIT) * UNIT)
+def rounded(need: int, grain: int = UNIT) -> int:
+    """A need rounded up to whole grains (UNITs unless said)."""
+    return max(grain, -(-need // grain) * grain)
 
 
-def pool_for(rows: int, positions: int) -> int:
+def pool_for(rows: int, positions: int, grain: int = UNIT) -> int:
     """The pool that holds `rows` rows of the longest job by need (the same memory as that many
-    uniform slots, give or take a unit)."""
-    return rows * rounded(positions)
+    uniform slots, give or take a grain)."""
+    return rows * rounded(positions, grain)
 
 
 class NoFreeSlot(RuntimeError):
@@ -65,6 +66,10 @@ class SlotTable:
     positions: int  # the most a row may hold
     capacity: int | None = None  # positions in the pool: slots by need; None: uniform slots
     mover: Mover | None = None  # copies a slot's positions when compaction moves it
+    # By need: what slots' sizes, and so their starts, are whole multiples of. The pool step's attention
+    # kernel sums a row's keys in blocks counted from the pool's first position: slots at multiples of
+    # its block put a row's keys in the same blocks wherever it lies (workers/engine/pool_step.py).
+    grain: int = UNIT
     index: PrefixIndex = field(default_factory=PrefixIndex)  # the prefixes the slots hold
     _start: dict[str, int] = field(default_factory=dict)  # holder -> first position of its slot
     _size: dict[str, int] = field(default_factory=dict)  # holder -> positions its slot spans
@@ -79,6 +84,8 @@ class SlotTable:
         if self.capacity is None:
             self.capacity = self.slots * (self.positions + 1)
         self.pool = self.capacity
+        if self.grain % UNIT:
+            raise ValueError(f"a grain of {self.grain} positions is no multiple of the index's {UNIT}")
         if self.pool < self.extent(self.positions):  # the longest row must fit, or it never runs
             raise ValueError(f"a pool of {self.pool} positions holds no row of {self.positions}")
         self._free = [(0, self.pool)]
@@ -87,13 +94,13 @@ class SlotTable:
     @property
     def unit(self) -> int:
         """What a slot's positions are rounded up to (the scheduler counts the same)."""
-        return self.positions + 1 if self.uniform else UNIT
+        return self.positions + 1 if self.uniform else self.grain
 
     def extent(self, need: int) -> int:
         """The positions a slot for a row that may hold `need` spans."""
         if self.uniform:
             return self.positions + 1
-        return rounded(need)
+        return rounded(need, self.grain)
 
     # ---------------------------------------------------------------- rows in and out
     def assign(self, row_id: str, length: int, need: int | None = None, keep: str | None = None) -> int:
