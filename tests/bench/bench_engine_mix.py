@@ -104,8 +104,11 @@ def engine_limits(
     settings = backend.settings
     positions = backend.slot_positions()
     fit, measured = backend.kv_capacity()
-    uniform = backend.decode_mode() == "fixed"
-    slots, pool = capacity.choose(fit, rows, (memory_rows or rows) * positions, positions, uniform)
+    decode = backend.decode_mode()
+    grain = capacity.slot_grain(decode, backend.device)
+    slots, pool = capacity.choose(
+        fit, rows, (memory_rows or rows) * positions, positions, decode == "fixed", grain
+    )
     chunk = capacity.prefill_tokens(settings.engine_prefill_tokens, backend.device)
     limits = scheduler.Limits(
         max_rows=slots,

@@ -1,5 +1,6 @@
 """Memory held by need: how many rows one cache budget holds at once, slots of the longest job against
-slots of each row's need (workers/engine/slot_table.py), for three mixes.
+slots of each row's need (workers/engine/slot_table.py), for three mixes; and by need with the pool
+step's slots, which start at multiples of its attention kernel's block (512 positions on the CPU).
 
 The budget is what the worker's defaults gave 8 slots before (8 x the longest job allowed: the
 largest image, MRC_MAX_PROMPT_TOKENS and MRC_MAX_NEW_TOKENS_LIMIT), shown also in GiB at Fuyu-8B's
@@ -68,18 +69,21 @@ def main() -> None:
     )
     header = ["mix", "positions a row needs (p50 / max)", "rows at once, slots of the longest job"]
     header += ["rows at once, by need", "ratio", "pool used by need"]
+    header += [f"rows at once, pool step (slots on {capacity.slot_grain('pool', 'cpu')})", "ratio"]
     print("| " + " | ".join(header) + " |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, draw in MIXES.items():
         rng = random.Random(7)
         rows: list[Sequence] = []
         while sum(rounded(r.need) for r in rows) < budget * 1.25:  # more than the pool holds
             rows.append(_row(backend, f"j{len(rows)}", *draw(rng)))
-        held, used = _at_once(backend, rows, longest, budget)
+        held, used = _at_once(backend, rows, longest, budget, "rows")
+        pooled, _ = _at_once(backend, [_again(row) for row in rows], longest, budget, "pool")
         needs = sorted(rounded(r.need) for r in rows)
         print(
             f"| {name} | {needs[len(needs) // 2]:,} / {needs[-1]:,} | {uniform_rows} | {held} | "
-            f"**{held / uniform_rows:.1f}x** | {used / budget:.0%} |",
+            f"**{held / uniform_rows:.1f}x** | {used / budget:.0%} | {pooled} | "
+            f"{pooled / uniform_rows:.1f}x |",
             flush=True,
         )
 
@@ -90,10 +94,20 @@ def _row(backend: FuyuBackend, row_id: str, width: int, height: int, new: int) -
     return Sequence(row_id, inputs, positions, new, backend.eos_id, "backlog", exact_steps=True)
 
 
-def _at_once(backend: FuyuBackend, rows: list[Sequence], longest: int, budget: int) -> tuple[int, int]:
+def _again(row: Sequence) -> Sequence:
+    """The same job, not yet run."""
+    return Sequence(
+        row.row_id, row.inputs, row.prompt_tokens, row.max_new_tokens, row.eos_id, row.lane, exact_steps=True
+    )
+
+
+def _at_once(
+    backend: FuyuBackend, rows: list[Sequence], longest: int, budget: int, decode: str
+) -> tuple[int, int]:
     """(rows in memory after the first step, positions their slots span); those rows then run on to
-    their last token together."""
-    runner = backend.step_model(len(rows), longest, budget, decode="rows")
+    their last token together, decoded by `decode`'s step (the pool step's slots start at multiples of
+    its kernel's block: workers/engine/pool_step.py)."""
+    runner = backend.step_model(len(rows), longest, budget, decode=decode)
     finished: list[Sequence] = []
     engine = Engine(runner, scheduler.Limits(max_rows=len(rows), reserved_interactive=0), finished.append)
     for row in rows:

@@ -220,9 +220,8 @@ def _prepare(runner: Runner, lengths: list[int], mode: str) -> None:
     if mode == "poolgraphs":
         starts = [table.start(f"r{index}") for index in range(len(lengths))]
         reach = max(start + length + 1 for start, length in zip(starts, lengths, strict=True))
-        step: Any = runner.step(
-            rows_bucket(len(lengths), table.slots), pool_step.extent_bucket(reach, table.pool)
-        )
+        rows = pool_step.step_rows(len(lengths), table.slots, runner.cache.keys[0].device)
+        step: Any = runner.step(rows, pool_step.extent_bucket(reach, table.pool))
         step.fill(starts, lengths, [1] * len(lengths))
     else:
         step = runner.step(
