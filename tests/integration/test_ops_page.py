@@ -105,7 +105,11 @@ def _dead_letter_one(ops_env: dict[str, str]) -> str:
 
 def _sign_in(browser: Any, api: str, key: str) -> None:
     """Sign in through the form, and wait until the page it leads to has replaced the form: a read
-    right after the click could meet the form still there (a fresh-clone run read '' for the 403)."""
+    right after the click could meet the form still there (a fresh-clone run read '' for the 403).
+    While the page changes, chromedriver may answer a look at the old button with an error of its own
+    ("unhandled inspector error: ... Node with given id does not belong to the document": a CI run
+    failed on it) before it says the button is stale: the wait asks again."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -114,14 +118,16 @@ def _sign_in(browser: Any, api: str, key: str) -> None:
     browser.find_element(By.ID, "ops-key").send_keys(key)
     button = browser.find_element(By.ID, "ops-login")
     button.click()
-    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(button))
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(WebDriverException,))
+    wait.until(expected_conditions.staleness_of(button))
 
 
 def _live(browser: Any, css: str, cell: int | None = None) -> str:
     """The text of the first element `css` finds (of its `cell`-th cell), '' when there is none. The
     page replaces its main part at every refresh: an element found a moment ago may be gone, so every
-    read finds it again, and a read that meets a replaced element is tried again."""
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    read finds it again, and a read that meets a replaced element is tried again (stale, gone, or
+    chromedriver's own error for a node no longer in the document: see _sign_in)."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
 
     for _attempt in range(20):
@@ -132,7 +138,7 @@ def _live(browser: Any, css: str, cell: int | None = None) -> str:
             if cell is None:
                 return str(found[0].text)
             return str(found[0].find_elements(By.TAG_NAME, "td")[cell].text)
-        except (StaleElementReferenceException, NoSuchElementException, IndexError):
+        except (WebDriverException, IndexError):
             time.sleep(0.05)
     return ""
 
