@@ -301,7 +301,9 @@ class FuyuBackend:
         dtype = self.model.get_input_embeddings().weight.dtype
         memory, how = capacity.memory_for_cache(self.device, self._largest_prefill())
         per_token = capacity.bytes_per_token(self.model.config, dtype)
-        return capacity.positions_held(memory, per_token), f"{how}, {per_token} bytes per position"
+        beside = capacity.beside_the_pool(self.model.config, dtype, self.slot_positions(), self.decode_mode())
+        held = capacity.positions_held(max(0, memory - beside), per_token)
+        return held, f"{how}, less {beside} bytes beside the pool, {per_token} bytes per position"
 
     def _largest_prefill(self) -> int:
         """Bytes the largest prefill allowed takes on CUDA beyond what is allocated now (0 on the CPU)."""

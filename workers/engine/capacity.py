@@ -43,6 +43,19 @@ def bytes_per_token(config: Any, dtype: Any) -> int:
     return 2 * layers * heads * head_dim * element
 
 
+def beside_the_pool(config: Any, dtype: Any, positions: int, decode: str) -> int:
+    """Bytes a cache allocates beside its pool's positions (workers/engine/kv.py): by need, a staging
+    buffer of one longest row (one layer's keys or values: what an overlapping compaction move goes
+    through) and, with the pool step, a scratch position past the pool. ~28 MB for Fuyu-8B, once
+    inside the 10 % margin unsaid: the sizing counts them now."""
+    if decode == "fixed":
+        return 0  # the uniform grid's scratch columns are inside its slots
+    per_position = bytes_per_token(config, dtype)
+    text = getattr(config, "text_config", config)
+    staging = positions * per_position // (2 * int(text.num_hidden_layers))
+    return staging + (per_position if decode == "pool" else 0)
+
+
 def _available_ram() -> int:
     try:
         with open("/proc/meminfo") as meminfo:

@@ -80,7 +80,9 @@ class SlotCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """What the cache allocated: the pool (and its scratch position), and the staging buffer."""
+        tensors = (*self.keys, *self.values, *([self.staging] if self.staging is not None else []))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def grid(self, tensor: torch.Tensor, slots: int, width: int) -> torch.Tensor:
         """The uniform layout's first `slots` slots, `width` positions each: [slots, heads, width, dim]."""
