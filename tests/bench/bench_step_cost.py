@@ -221,7 +221,7 @@ def _prepare(runner: Runner, lengths: list[int], mode: str) -> None:
         starts = [table.start(f"r{index}") for index in range(len(lengths))]
         reach = max(start + length + 1 for start, length in zip(starts, lengths, strict=True))
         rows = pool_step.step_rows(len(lengths), table.slots, runner.cache.keys[0].device)
-        step: Any = runner.step(rows, pool_step.extent_bucket(reach, table.pool))
+        step: Any = runner.step(rows, pool_step.extent_bucket(reach, table.pool, table.grain))
         step.fill(starts, lengths, [1] * len(lengths))
     else:
         step = runner.step(

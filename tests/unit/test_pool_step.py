@@ -50,7 +50,8 @@ def _two_rows_and_a_hole(backend: FuyuBackend) -> tuple[Any, Any, list[int], lis
 @torch.inference_mode()
 def test_the_step_compiles_as_one_graph_and_gives_the_rows_steps_tokens(running: Any) -> None:
     runner, batch, starts, lengths, tokens = running
-    extent = pool_step.extent_bucket(max(s + n + 1 for s, n in zip(starts, lengths, strict=True)), 2048)
+    reach = max(s + n + 1 for s, n in zip(starts, lengths, strict=True))
+    extent = pool_step.extent_bucket(reach, 2048, runner.table.grain)
     step = runner.step(4, extent)
     step.fill(starts, lengths, tokens)
     eager = step.forward().clone()
@@ -84,13 +85,13 @@ def test_a_decode_compacts_when_that_shrinks_the_extent_and_the_tokens_stay(back
     runner, batch, starts, lengths, tokens = _two_rows_and_a_hole(backend)
     expected = runner._decode_rows(batch, starts, lengths, tokens).argmax(-1).tolist()
     table = runner.table
-    assert pool_step.extent_bucket(table.reach, table.pool) > pool_step.extent_bucket(
-        table.packed_reach, table.pool
+    assert pool_step.extent_bucket(table.reach, table.pool, table.grain) > pool_step.extent_bucket(
+        table.packed_reach, table.pool, table.grain
     )
     assert runner.decode(batch, tokens) == expected
     assert table.moved > 0
     assert table.start(batch.row_ids[0]) < starts[0]
-    assert batch.read == pool_step.extent_bucket(table.packed_reach, table.pool)
+    assert batch.read == pool_step.extent_bucket(table.packed_reach, table.pool, table.grain)
     assert 0 < batch.padding < batch.read
 
 
@@ -211,18 +212,27 @@ def test_the_slot_table_knows_how_far_a_step_reads_and_how_far_after_compaction(
     assert table.reach == table.packed_reach == 0
 
 
-@pytest.mark.parametrize(("rows", "pool"), [(1, 100), (5, 1000), (16, 65536), (48, 9000)])
-def test_the_buckets_cover_every_shape_a_step_may_take(rows: int, pool: int) -> None:
-    shapes = set(pool_step.buckets(rows, pool))
-    extents = pool_step.extent_buckets(pool)
+@pytest.mark.parametrize(
+    ("rows", "grains", "device"),
+    [(1, 1, "cuda"), (5, 8, "cuda"), (16, 512, "cuda"), (48, 70, "cuda"), (3, 3, "cpu"), (16, 128, "cpu")],
+)
+def test_the_buckets_cover_every_shape_a_step_may_take(rows: int, grains: int, device: str) -> None:
+    """Every extent is whole kernel blocks (the device's grain): the kernel's last block of keys is
+    then as long for a row beside others as alone."""
+    grain = pool_step.grain(device)
+    pool = grains * grain
+    shapes = set(pool_step.buckets(rows, pool, device))
+    extents = pool_step.extent_buckets(pool, grain)
     assert extents == sorted(set(extents))
     assert extents[-1] == pool
+    assert all(extent % grain == 0 for extent in extents)
     for low, high in itertools.pairwise(extents):
-        assert high <= max(low * 1.5, low + pool_step.GRAIN)  # padding bounded by the ratio
+        assert high <= max(low * 1.5, low + grain)  # padding bounded by the ratio
     for count in range(1, rows + 1):
         for reach in sorted({1, pool // 3, pool - 1, pool, *[e for e in extents if e <= pool]}):
-            extent = pool_step.extent_bucket(reach, pool)
+            extent = pool_step.extent_bucket(reach, pool, grain)
             assert reach <= extent <= pool
             covered = next(r for r, _ in sorted(shapes) if r >= count)
+            assert covered >= pool_step.least_rows(device)
             assert (covered, extent) in shapes
     assert len(shapes) <= (rows.bit_length() + 1) * 2 * pool.bit_length()  # a handful to capture

@@ -109,7 +109,8 @@ def choose(
     if uniform:
         slots = max(1, min(fit // (positions + 1), wanted, token_budget // max(1, positions)))
         return slots, slots * (positions + 1)
-    return wanted, max(rounded(positions, grain), min(fit, token_budget))
+    pool = min(fit, token_budget)
+    return wanted, max(rounded(positions, grain), pool - pool % grain)  # no slot starts past the last grain
 
 
 def reserve(tickets: int, pool: int, positions: int, uniform: bool = False, grain: int = 16) -> int:

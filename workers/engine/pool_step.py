@@ -35,11 +35,14 @@ GRAIN = 128  # extents are whole multiples of this
 # row whose slot starts elsewhere in a block has its keys summed in other groups, rounded otherwise,
 # and in bf16 or nf4 its answer came to depend on where its neighbours put it (2-3 of 12 jobs differed
 # from alone, first at token 15-47). Slots start at multiples of the kernel's block (the table's grain)
-# and every other row's keys add exact zeros, so a row's sums are the same wherever it lies, whatever
-# the extent. The CPU's flash kernel sums keys in blocks of 512 (its kv split) and takes another path
-# under 4 query rows, so a step there runs at least 4 rows (tests/unit/test_pool_step.py checks both
-# on this torch, at bf16). CUDA's memory-efficient kernel reads keys 64 or 128 at a time over all of
-# them in one block of threads: 128 (tests/gpu/test_engine_cuda.py checks answers alone and together).
+# and every other row's keys add exact zeros, so a row's sums are the same wherever it lies. Extents
+# are whole blocks too: the kernel's last block is what is left of the extent, and a row whose last
+# keys fell in a 256-key tail alone and in a full block beside others was summed otherwise (rarely:
+# found by a second review, on a Fuyu of Fuyu-8B's head size). The CPU's flash kernel sums keys in
+# blocks of 512 (its kv split) and takes another path under 4 query rows, so a step there runs at
+# least 4 rows (tests/unit/test_pool_step.py checks both on this torch, at bf16 and fp16). CUDA's
+# memory-efficient kernel reads keys 64 or 128 at a time over all of them in one block of threads:
+# 128 (tests/gpu/test_engine_cuda.py checks a row beside others and alone there).
 KERNEL_BLOCK = {"cpu": 512, "cuda": 128}
 LEAST_ROWS = {"cpu": 4, "cuda": 1}
 
@@ -63,28 +66,31 @@ def step_rows(count: int, slots: int, device: Any) -> int:
     return max(rows_bucket(count, slots), least_rows(device))
 
 
-def extent_buckets(pool: int) -> list[int]:
-    """The extents a step may read: from SMALLEST, each about 1.41x the one before (whole GRAINs),
-    and the whole pool last."""
+def extent_buckets(pool: int, grain: int = GRAIN) -> list[int]:
+    """The extents a step may read: from SMALLEST, each about 1.41x the one before, in whole grains
+    (the kernel's block: every block of keys the kernel reads is whole, so a row's last block is as
+    long beside any rows as alone), and the whole pool (a multiple of the grain) last."""
+    if pool % grain:
+        raise ValueError(f"a pool of {pool} positions is no multiple of its grain of {grain}")
     buckets: list[int] = []
-    size = float(SMALLEST)
+    size = float(max(SMALLEST, grain))
     while size < pool:
-        bucket = -(-int(size) // GRAIN) * GRAIN
+        bucket = -(-int(size) // grain) * grain
         if not buckets or bucket > buckets[-1]:
             buckets.append(bucket)
         size *= 2**0.5
     return [b for b in buckets if b < pool] + [pool]
 
 
-def extent_bucket(extent: int, pool: int) -> int:
+def extent_bucket(extent: int, pool: int, grain: int = GRAIN) -> int:
     """Positions a step reads: the highest running row's end, rounded up to a bucket."""
-    return next(b for b in extent_buckets(pool) if b >= min(extent, pool))
+    return next(b for b in extent_buckets(pool, grain) if b >= min(extent, pool))
 
 
 def buckets(rows: int, pool: int, device: Any = "cuda") -> list[tuple[int, int]]:
     """Every (rows, extent) shape a step may take: what capture at warm-up covers."""
     counts = sorted({step_rows(2**k, rows, device) for k in range(rows.bit_length() + 1)})
-    return [(r, e) for r in counts for e in extent_buckets(pool)]
+    return [(r, e) for r in counts for e in extent_buckets(pool, grain(device))]
 
 
 class PoolStep(StaticStep):

@@ -59,9 +59,10 @@ class Runner:
             self.table = SlotTable(slots, positions)
         else:
             grain = capacity.slot_grain(decode, embeddings.device)
-            self.table = SlotTable(
-                slots, positions, capacity=pool or pool_for(slots, positions, grain), grain=grain
-            )
+            pool = pool or pool_for(slots, positions, grain)
+            if decode == "pool":  # the pool step reads whole kernel blocks (workers/engine/pool_step.py)
+                pool -= pool % grain
+            self.table = SlotTable(slots, positions, capacity=pool, grain=grain)
         self.cache = SlotCache(
             int(text.num_hidden_layers), self.table.pool, heads, int(text.hidden_size) // heads,
             embeddings.dtype, embeddings.device, stride=positions + 1 if self.table.uniform else 1,
@@ -308,7 +309,7 @@ class Runner:
         table = self.table
         reach = max(start + length + 1 for start, length in zip(starts, lengths, strict=True))
         rows = pool_step.step_rows(len(starts), table.slots, self.cache.keys[0].device)
-        step = self.step(rows, pool_step.extent_bucket(reach, table.pool))
+        step = self.step(rows, pool_step.extent_bucket(reach, table.pool, table.grain))
         assert isinstance(step, pool_step.PoolStep)
         if self.threads is not None:
             self.threads(step.rows * step.extent, "decode")
@@ -325,7 +326,7 @@ class Runner:
         would move nothing, every step)."""
         table = self.table
         if self.decode_mode == "pool":
-            bucket = lambda reach: pool_step.extent_bucket(reach, table.pool)  # noqa: E731
+            bucket = lambda reach: pool_step.extent_bucket(reach, table.pool, table.grain)  # noqa: E731
             # It copies at most the extent's positions (each read and written once); a bucket less saves
             # at least 29 % of every later step's reads: it pays back within about seven steps.
             if table.reach and bucket(table.reach) > bucket(table.packed_reach):
