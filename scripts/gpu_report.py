@@ -146,7 +146,9 @@ def _lines_prefill(prefill: dict[str, Any]) -> list[str]:
         )
     for r in prefill.get("prefill", []):
         chunks = [
-            f"chunks of {k[7:]} {v:.2f} ({v / r['whole']:.2f})" for k, v in r.items() if k[:7] == "chunks_"
+            f"{'chunks' if k[:7] == 'chunks_' else 'masked chunks'} of {k[7:]} {v:.2f} ({v / r['whole']:.2f})"
+            for k, v in r.items()
+            if k[:7] in ("chunks_", "masked_")
         ]
         lines.append(f"  {r['positions']} positions: whole {r['whole']:.2f}, " + ", ".join(chunks)
                      + f", prefix hit {r['hit']:.2f}")  # fmt: skip

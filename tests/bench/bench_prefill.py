@@ -4,7 +4,9 @@ each way timed side by side in one run on one model (the GPU proving ground runs
 1. One prompt of P positions (--positions): whole (one call), in chunks of C positions written in place
    (each C of --chunks; MRC_ENGINE_PREFILL_TOKENS is 512: a ticket waits for one chunk, not a whole
    12 MP photo), and as a prefix hit (the same image and prompt held by a retained slot: only the last
-   block's positions computed, <= 16). Goal: chunks cost <= 10 % more than one call.
+   block's positions computed, <= 16). Goal: chunks cost <= 10 % more than one call. Each chunk size
+   is timed twice: with SDPA's causal kernels and no mask (the engine's way since the fifteenth
+   session, row_attention.suffix_attention) and with the causal mask SDPA took before (`masked`).
 2. A step's chunks of several rows: N questions (--rows) about one photo of P positions, each with T
    positions of its own left once its prefix hit is copied (--tail: the question, and the photo's last
    part-block), computed one call a row (the engine before the twelfth session) against one call for
@@ -38,6 +40,19 @@ sys.path.insert(0, str(ROOT))
 from tests.bench.bench_step_cost import load_model  # noqa: E402 - after sys.path is set
 from workers.engine.runner import Runner  # noqa: E402 - after sys.path is set
 
+MASKED = "sdpa_with_masks"  # SDPA under another name: row_attention.per_chunk makes it masks, as before
+
+
+def _register_masked() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(MASKED, sdpa_attention_forward)
+
+
+def _language_config(model: Any) -> Any:
+    return model.model.language_model.config if hasattr(model, "model") else model.language_model.config
+
 
 def _ids(model: Any, count: int) -> torch.Tensor:
     return torch.randint(3, int(model.config.text_config.vocab_size), (1, count), device=model.device)
@@ -53,7 +68,9 @@ def time_prefill(
 ) -> dict[str, Any]:
     """Median ms of a text prefill of `length` positions: whole, in chunks of each size, a prefix hit."""
     inputs = {"input_ids": _ids(model, length)}
-    times: dict[str, list[float]] = {"whole": [], "hit": [], **{f"chunks_{c}": [] for c in chunks}}
+    ways = [f"{kind}_{c}" for c in chunks for kind in ("chunks", "masked")]
+    times: dict[str, list[float]] = {"whole": [], "hit": [], **{way: [] for way in ways}}
+    config = _language_config(model)
     for index in range(repeats + 1):  # the first round warms each path
         runner = Runner(model, 2, length + 8, threads, "rows")
         sync()
@@ -61,13 +78,21 @@ def time_prefill(
         runner.prefill([inputs])
         sync()
         times["whole"].append(time.perf_counter() - began)
-        for chunk in chunks:
-            began = time.perf_counter()
-            runner.begin("a", inputs, length, identity=("bench", index, chunk))
-            for stop in _stops(length, chunk):
-                runner.extend([("a", stop)])
-            sync()
-            times[f"chunks_{chunk}"].append(time.perf_counter() - began)
+        for way in ways if index % 2 else ways[::-1]:  # each way first in every other round
+            kind, chunk = way.split("_")
+            before, config._attn_implementation = (
+                config._attn_implementation,
+                MASKED if kind == "masked" else "sdpa",
+            )
+            try:
+                began = time.perf_counter()
+                runner.begin("a", inputs, length, identity=("bench", index, way))
+                for stop in _stops(length, int(chunk)):
+                    runner.extend([("a", stop)])
+                sync()
+                times[way].append(time.perf_counter() - began)
+            finally:
+                config._attn_implementation = before
             runner.table.release("a")
         runner.begin("a", inputs, length, identity=("bench", index))
         runner.extend([("a", length)])
@@ -119,12 +144,14 @@ def time_calls(
 
 
 def _table_prefill(results: list[dict[str, Any]], chunks: list[int]) -> None:
-    heads = " | ".join(f"chunks of {c} ms (calls) | / whole" for c in chunks)
+    heads = " | ".join(f"chunks of {c} ms (calls) | / whole | masked ms | / whole" for c in chunks)
     print(f"\n| prefill positions | whole ms | {heads} | prefix hit ms | hit / whole |")
-    print("|---" * (4 + 2 * len(chunks)) + "|")
+    print("|---" * (4 + 4 * len(chunks)) + "|")
     for r in results:
         cells = " | ".join(
-            f"{r[f'chunks_{c}']:.1f} ({len(_stops(r['positions'], c))}) | {r[f'chunks_{c}'] / r['whole']:.2f}"
+            f"{r[f'chunks_{c}']:.1f} ({len(_stops(r['positions'], c))}) | "
+            f"{r[f'chunks_{c}'] / r['whole']:.2f} | "
+            f"{r[f'masked_{c}']:.1f} | {r[f'masked_{c}'] / r['whole']:.2f}"
             for c in chunks
         )
         hit = f"{r['hit']:.1f} | {r['hit'] / r['whole']:.3f}"
@@ -160,6 +187,7 @@ def main() -> None:
     dtype = torch.bfloat16 if (args.dtype or ("bf16" if cuda else "fp32")) == "bf16" else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model, threads = load_model(model_name, args.device, dtype)
+    _register_masked()
     chunks = [int(c) for c in args.chunks.split(",")]
     positions = [int(p) for p in args.positions.split(",")]
     figures: dict[str, Any] = {"model": model_name, "device": args.device, "prefill": [], "calls": []}

@@ -72,3 +72,30 @@ def test_in_half_precision_a_pool_row_is_the_same_wherever_its_neighbours_put_it
     backend.load()
     for before in NEIGHBOURS:
         assert unlike_alone(backend, before) == [], before
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_a_later_prefill_chunk_takes_the_bottom_right_causal_kernel_on_cuda(
+    dtype: torch.dtype, tolerance: float
+) -> None:
+    """row_attention.suffix_attention on CUDA: the chunk's mask is the kernel's own (no mask made, no math
+    kernel), and it gives the explicit mask's attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.backends.attention import kernel_from_ops
+    from workers.engine.row_attention import suffix_attention
+
+    noise = torch.Generator(device="cuda").manual_seed(5)
+    start, stop, heads, dim = 1536, 2048, 8, 64
+    query = torch.randn(1, heads, stop - start, dim, device="cuda", generator=noise, dtype=dtype)
+    key, value = (torch.randn(1, heads, stop, dim, device="cuda", generator=noise, dtype=dtype) for _ in "kv")
+    with profile(activities=[ProfilerActivity.CPU]) as traced:
+        out = suffix_attention(query, key, value, start, None)
+    ran = {event.name for event in traced.events()}
+    assert ran & {"aten::_scaled_dot_product_flash_attention", "aten::_efficient_attention_forward"}, ran
+    assert kernel_from_ops(ran) != "math"
+    columns, rows = torch.arange(stop, device="cuda"), torch.arange(start, stop, device="cuda")
+    seen = columns.unsqueeze(0) <= rows.unsqueeze(1)
+    scores = (query.double() @ key.double().transpose(-1, -2)) * dim**-0.5
+    expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ value.double()).transpose(1, 2)
+    assert torch.allclose(out.double(), expected, atol=tolerance)

@@ -8,7 +8,9 @@ copied or gathered. Rows of one length whose slots follow each other at one stri
 admitted together) share one call, over a strided view of all of them.
 A prefill call's query is the positions of several rows' chunks laid end to end (one sequence: the
 model's linear layers run once for them all); each chunk attends to its own slot up to its own end,
-causally, through a view of the slot and a mask made once per call for every layer.
+causally, through a view of the slot. With SDPA (the default) no mask is made: a mask makes the
+kernels compute every query against every key, where a causal kernel skips the keys after the
+query (`suffix_attention`); other attention functions get a mask made once per call.
 transformers looks the attention function up by name at every call (`config._attn_implementation`), so
 `per_row` and `per_chunk` switch the language model to theirs for the length of one call, and back
 (an attention name transformers has no mask function for: it makes no mask of its own).
@@ -22,6 +24,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.persimmon.modeling_persimmon import eager_attention_forward
@@ -84,20 +88,58 @@ def chunk_attention(
 ) -> tuple[torch.Tensor, None]:  # fmt: skip
     """query [1, heads, every chunk's positions, head_dim]; key and value: the layer's whole pool. Each
     chunk's queries attend to its own slot's first `stop` positions (its chunk just written in place)."""
-    inner = _step.inner
-    outputs = [
-        inner(
-            module,
-            query[:, :, offset : offset + count],
-            key[:, base : base + stop].unsqueeze(0),
-            value[:, base : base + stop].unsqueeze(0),
-            mask,
-            scaling=scaling,
-            dropout=dropout,
-        )[0]
-        for offset, count, base, stop, mask in _step.chunks
-    ]
+    inner, masks = _step.inner, _step.masks
+    direct = masks is None and getattr(module, "num_key_value_groups", 1) == 1
+    outputs = []
+    for index, (offset, count, base, start, stop) in enumerate(_step.chunks):
+        own = query[:, :, offset : offset + count]
+        keys, values = key[:, base : base + stop].unsqueeze(0), value[:, base : base + stop].unsqueeze(0)
+        if direct:
+            outputs.append(suffix_attention(own, keys, values, start, scaling))
+        else:
+            mask = masks[index] if masks is not None else causal(start, stop, query.dtype, query.device)
+            outputs.append(inner(module, own, keys, values, mask, scaling=scaling, dropout=dropout)[0])
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def suffix_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, scale: float | None
+) -> torch.Tensor:
+    """A chunk's positions start..stop ([1, heads, stop - start, dim]) over its slot's 0..stop, each
+    seeing itself and what comes before, as [1, stop - start, heads, dim] (what transformers' attention
+    functions return). SDPA's own causal flag aligns the top left corners, right only for a chunk that
+    starts its slot; later chunks take the bottom-right causal kernel (CUDA) or, on the CPU, whose SDPA
+    has none (PyTorch would make the mask), the keys before the chunk and the chunk's own in two calls
+    whose results are merged by their log-sum-exps."""
+    count = query.shape[2]
+    if count == 1 or start == 0:  # one position sees every key; a first chunk is square
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=count > 1, scale=scale)
+    elif query.device.type == "cpu":
+        out = merged_attention(query, key, value, start, scale)
+    else:
+        out = lower_right_attention(query, key, value, scale)
+    return out.transpose(1, 2).contiguous()
+
+
+def lower_right_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Causal attention whose last query is the last key's (flash or memory-efficient on CUDA: the
+    masked keys are skipped, not read)."""
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
+
+
+def merged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, scale: float | None
+) -> torch.Tensor:
+    """The CPU's flash kernel twice: unmasked over the keys before `start`, causal over the chunk's own;
+    each part is normalised over its own keys, so the share of the first is sigmoid(lse1 - lse2)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    before, before_lse = flash(query, key[:, :, :start], value[:, :, :start], 0.0, False, scale=scale)
+    own, own_lse = flash(query, key[:, :, start:], value[:, :, start:], 0.0, True, scale=scale)
+    share = torch.sigmoid(before_lse - own_lse).unsqueeze(-1)
+    return torch.lerp(own.float(), before.float(), share).to(query.dtype)
 
 
 def causal(start: int, stop: int, dtype: Any, device: Any) -> torch.Tensor | None:
@@ -124,11 +166,15 @@ def per_row(config: Any, pairs: list[tuple[int, int]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def per_chunk(config: Any, chunks: list[tuple[int, int, int, int, torch.Tensor | None]]) -> Iterator[None]:
-    """For one prefill call: (first query position, positions, slot's start, chunk's stop, mask) of each
-    row's chunk, in the order the call lays them end to end."""
+def per_chunk(
+    config: Any, chunks: list[tuple[int, int, int, int, int]], dtype: Any, device: Any
+) -> Iterator[None]:
+    """For one prefill call: (first query position, positions, slot's start, chunk's start in the slot,
+    its stop) of each row's chunk, in the order the call lays them end to end."""
+    masked = config._attn_implementation != "sdpa"  # SDPA's chunks need none (suffix_attention)
     with _switched(config, CHUNKS):
         _step.chunks = chunks
+        _step.masks = [causal(start, stop, dtype, device) for *_, start, stop in chunks] if masked else None
         yield
 
 
@@ -140,4 +186,5 @@ def _switched(config: Any, name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        config._attn_implementation, _step.inner, _step.pairs, _step.chunks = before, None, None, None
+        config._attn_implementation, _step.inner, _step.pairs = before, None, None
+        _step.chunks = _step.masks = None

@@ -180,16 +180,16 @@ class Runner:
         device, dtype = embeddings[0].device, embeddings[0].dtype
         laid, offset = [], 0  # each chunk's place in the call
         for _, base, start, stop, _ in plans:
-            laid.append((offset, stop - start, base, stop, row_attention.causal(start, stop, dtype, device)))
+            laid.append((offset, stop - start, base, start, stop))
             offset += stop - start
         positions = torch.cat([torch.arange(start, stop, device=device) for _, _, start, stop, _ in plans])
         if len(plans) == 1:
             _, base, start, stop, _ = plans[0]
             cache.chunk = slice(base + start, base + stop)
         else:
-            cache.chunk = torch.cat([positions[o : o + n] + base for o, n, base, _, _ in laid])
+            cache.chunk = torch.cat([positions[o : o + n] + base for o, n, base, *_ in laid])
         try:
-            with row_attention.per_chunk(self.language.config, laid):
+            with row_attention.per_chunk(self.language.config, laid, dtype, device):
                 hidden = _freeing_on_oom(
                     lambda: (
                         self.language(
