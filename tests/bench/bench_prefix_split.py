@@ -8,7 +8,11 @@ any prefix cache can give (Amdahl): skipping a share `r` of the prompt positions
 prefill share is `p` makes it at most 1 / (1 - p r) faster. The run prints that bound beside the
 speed-up measured, for each pair of runs (on, off, alternated; the order flips in the second pair).
 
-    python tests/bench/bench_prefix_split.py [--pairs 2] [--quantization nf4]
+With `--model random-HIDDENxLAYERS` the engine runs a wider or deeper Fuyu of random weights (the tiny
+Fuyu's tokenizer and image processor, heads of 64; tests/bench/random_fuyu.py) instead of the tiny
+Fuyu the worker loads: the same jobs, with a prefill that is more of the time, as Fuyu-8B's is.
+
+    python tests/bench/bench_prefix_split.py [--pairs 2] [--quantization nf4] [--model random-512x8]
 """
 
 from __future__ import annotations
@@ -54,14 +58,33 @@ def _jobs(backend: FuyuBackend, count: int) -> list[Sequence]:
     return rows
 
 
-def _run(reuse: bool, quantization: str, count: int, rows: int) -> dict[str, Any]:
-    backend = FuyuBackend(
-        Settings(
-            model="tiny", home=str(ROOT / ".cache" / "mrc"), quantization=quantization, device="cpu",
-            engine_prefix_cache="on" if reuse else "off",
+def _random_source(model: str) -> Any:
+    """A Fuyu of random weights in bf16, the tiny Fuyu's kind, `random-HIDDENxLAYERS` wide and deep."""
+    from tests.bench import random_fuyu
+
+    hidden, layers = (int(part) for part in model.removeprefix("random-").split("x"))
+    config = random_fuyu.config_of("tiny")
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = hidden, 4 * hidden, layers
+    text.num_attention_heads = max(1, hidden // 64)
+    return random_fuyu.build(config, "cpu", torch.bfloat16)
+
+
+def _backend(reuse: bool, quantization: Any, source: Any) -> FuyuBackend:
+    settings = dict(quantization=quantization, device="cpu", engine_prefix_cache="on" if reuse else "off")
+    if source is not None:
+        from tests.bench import random_fuyu
+
+        return random_fuyu.backend(
+            source, quantization, "cpu", engine_prefix_cache=settings["engine_prefix_cache"]
         )
-    )  # fmt: skip
+    backend = FuyuBackend(Settings(model="tiny", home=str(ROOT / ".cache" / "mrc"), **settings))
     backend.load()
+    return backend
+
+
+def _run(reuse: bool, quantization: Any, count: int, rows: int, source: Any = None) -> dict[str, Any]:
+    backend = _backend(reuse, quantization, source)
     runner = backend.step_model(rows)
     spent = dict.fromkeys(PARTS, 0.0)
     for part in PARTS:
@@ -98,13 +121,15 @@ def main() -> None:
     parser.add_argument("--quantization", default="nf4", help="the worker's default on the CPU")
     parser.add_argument("--jobs", type=int, default=48)
     parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--model", default="tiny", help="tiny (the worker's) | random-HIDDENxLAYERS")
     args = parser.parse_args()
+    source = None if args.model == "tiny" else _random_source(args.model)
     print("| pair (order) | reuse | wall s | prefill s | decode s | admission s | other s | reused |")
     print("|---|---|---|---|---|---|---|---|")
     speedups, bounds = [], []
     for pair in range(args.pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)
-        runs = {reuse: _run(reuse, args.quantization, args.jobs, args.rows) for reuse in order}
+        runs = {reuse: _run(reuse, args.quantization, args.jobs, args.rows, source) for reuse in order}
         on, off = runs[True], runs[False]
         if on["answers"] != off["answers"]:
             raise SystemExit("the answers differ with reuse on and off")
@@ -125,7 +150,8 @@ def main() -> None:
         )
     print(
         f"\nengine alone, reuse on / off: {statistics.geometric_mean(speedups):.2f}x over {len(speedups)} "
-        f"pairs; Amdahl's bound: {statistics.geometric_mean(bounds):.2f}x (goal of the whole system: 2.5x)"
+        f"pairs; Amdahl's bound: {statistics.geometric_mean(bounds):.2f}x (goal of the whole system: 2.5x); "
+        f"{args.model}, {args.quantization}"
     )
 
 
