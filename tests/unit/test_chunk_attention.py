@@ -54,6 +54,11 @@ def test_a_chunk_without_a_mask_equals_the_masked_attention(
     assert torch.allclose(out.double(), _reference(query, key, value, start), atol=tolerance)
 
 
+def test_a_chunk_of_no_positions_attends_to_nothing() -> None:
+    query, key, value = _inputs(10, 10, torch.float32)
+    assert row_attention.suffix_attention(query, key, value, 10, None).shape == (1, 0, 4, 64)
+
+
 @pytest.mark.parametrize(("start", "stop"), [c for c in CHUNKS if c[0] > 0 and c[1] - c[0] > 1])
 def test_cudas_bottom_right_kernel_and_the_cpus_merge_put_the_mask_alike(start: int, stop: int) -> None:
     """The CUDA branch's semantics checked on the CPU (PyTorch makes the bottom-right mask there): the

@@ -112,6 +112,8 @@ def suffix_attention(
     has none (PyTorch would make the mask), the keys before the chunk and the chunk's own in two calls
     whose results are merged by their log-sum-exps."""
     count = query.shape[2]
+    if count == 0:  # nothing to attend (the CPU's flash kernel would fault on it, not raise)
+        return query.new_empty(1, 0, query.shape[1], value.shape[-1])
     if count == 1 or start == 0:  # one position sees every key; a first chunk is square
         out = F.scaled_dot_product_attention(query, key, value, is_causal=count > 1, scale=scale)
     elif query.device.type == "cpu":
