@@ -279,11 +279,12 @@ def run_row(
         rate, latencies, texts = naive(env, [wl.job(i) for i in range(jobs)], paths, work, wl.trickle_per_s)
         row["naive"], row["naive_p50"], row["naive_p99"] = rate, _pct(latencies, 0.5), _pct(latencies, 0.99)
         if "system" in parts:
-            row["answers_differ"] = _compare_answers(wl, measured["texts"], texts)
+            exact = env.get("MRC_QUANTIZATION", "nf4") == "fp32"
+            row["answers_differ"] = _compare_answers(wl, measured["texts"], texts, exact)
     return row
 
 
-def _compare_answers(wl: Workload, system_texts: list[str], naive_texts: list[str]) -> int:
+def _compare_answers(wl: Workload, system_texts: list[str], naive_texts: list[str], exact: bool) -> int:
     """Jobs whose answers differ between the system and the naive pipeline (printed)."""
     differ = [i for i, (a, b) in enumerate(zip(system_texts, naive_texts, strict=True)) if a != b]
     for i in differ:
@@ -291,6 +292,10 @@ def _compare_answers(wl: Workload, system_texts: list[str], naive_texts: list[st
     print(
         f"  [{wl.name}] answers: {len(system_texts) - len(differ)}/{len(system_texts)} the same", flush=True
     )
+    if differ and not exact:
+        # Not the oracle: in half precision a row's rounding follows its neighbours (docs/design.md).
+        print(f"  [{wl.name}] (half precision: rows beside others may round otherwise than alone; "
+              "--worker-env MRC_QUANTIZATION=fp32 checks the answers exactly)", flush=True)  # fmt: skip
     return len(differ)
 
 
