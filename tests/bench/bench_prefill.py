@@ -5,8 +5,9 @@ each way timed side by side in one run on one model (the GPU proving ground runs
    (each C of --chunks; MRC_ENGINE_PREFILL_TOKENS is 512: a ticket waits for one chunk, not a whole
    12 MP photo), and as a prefix hit (the same image and prompt held by a retained slot: only the last
    block's positions computed, <= 16). Goal: chunks cost <= 10 % more than one call. Each chunk size
-   is timed twice: with SDPA's causal kernels and no mask (the engine's way since the fifteenth
-   session, row_attention.suffix_attention) and with the causal mask SDPA took before (`masked`).
+   is timed twice: the engine's way and with the causal mask (`masked`). On CUDA the engine's way is
+   SDPA's causal kernels without a mask (row_attention.suffix_attention, since the fifteenth session);
+   on the CPU it is the mask too (row_attention's docstring says why), so the two columns agree.
 2. A step's chunks of several rows: N questions (--rows) about one photo of P positions, each with T
    positions of its own left once its prefix hit is copied (--tail: the question, and the photo's last
    part-block), computed one call a row (the engine before the twelfth session) against one call for

@@ -1,9 +1,10 @@
-"""A prefill chunk's attention without a mask (workers/engine/row_attention.py `suffix_attention`): a
-chunk of positions start..stop over its slot's 0..stop, each position seeing itself and what comes
-before. Every way it is computed (SDPA's causal flag for a first chunk, the CPU's two flash calls merged
-by their log-sum-exps, CUDA's bottom-right causal kernel, run here through PyTorch's own fallback) gives
-what the explicit mask gives; and a model prefilled in chunks through SDPA (no mask) and through the
-eager attention (a mask) writes the keys a whole prefill writes."""
+"""A prefill chunk's attention without a mask (workers/engine/row_attention.py `suffix_attention`, CUDA's
+way): a chunk of positions start..stop over its slot's 0..stop, each position seeing itself and what
+comes before. Every way it is computed (SDPA's causal flag for a first chunk, the bottom-right causal
+kernel for a later one: run here through PyTorch's own fallback, on CUDA by tests/gpu) gives what the
+explicit mask gives. The CPU's chunks keep the mask: a model prefilled in chunks through SDPA and
+through the eager attention writes the keys a whole prefill writes, and a prefix hit's positions are
+bit for bit those of the same prompt without the hit, in half precision too."""
 
 from __future__ import annotations
 
@@ -60,17 +61,16 @@ def test_a_chunk_of_no_positions_attends_to_nothing() -> None:
 
 
 @pytest.mark.parametrize(("start", "stop"), [c for c in CHUNKS if c[0] > 0 and c[1] - c[0] > 1])
-def test_cudas_bottom_right_kernel_and_the_cpus_merge_put_the_mask_alike(start: int, stop: int) -> None:
-    """The CUDA branch's semantics checked on the CPU (PyTorch makes the bottom-right mask there): the
-    chunk's last query sees every key, its first sees `start + 1`; top-left alignment would fail."""
+def test_a_later_chunk_puts_the_causal_corner_at_the_bottom_right(start: int, stop: int) -> None:
+    """The chunk's last query sees every key, its first `start + 1`; SDPA's own causal flag (top left)
+    would be wrong."""
     query, key, value = _inputs(start, stop, torch.float32)
-    expected = _reference(query, key, value, start).transpose(1, 2)
-    right = row_attention.lower_right_attention(query, key, value, None)
-    merged = row_attention.merged_attention(query, key, value, start, None)
-    assert torch.allclose(right.double(), expected, atol=1e-5)
-    assert torch.allclose(merged.double(), expected, atol=1e-5)
+    expected = _reference(query, key, value, start)
+    assert torch.allclose(
+        row_attention.suffix_attention(query, key, value, start, None).double(), expected, atol=1e-5
+    )
     top_left = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
-    assert not torch.allclose(top_left.double(), expected, atol=1e-3)
+    assert not torch.allclose(top_left.transpose(1, 2).double(), expected, atol=1e-3)
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
@@ -93,3 +93,61 @@ def test_a_prompt_prefilled_in_chunks_writes_the_keys_of_one_whole_call(
     for (keys, values), layer in zip(chunked.cache.read(start, length), cache.layers, strict=True):
         assert torch.allclose(keys, layer.keys[0], atol=1e-4)
         assert torch.allclose(values, layer.values[0], atol=1e-4)
+
+
+def test_on_the_cpu_a_prefix_hits_positions_are_those_of_the_prompt_without_it_bit_for_bit() -> None:
+    """bf16: the question's positions after its photo's hit (a chunk starting mid-prompt) write the keys
+    and values the same prompt's last chunk writes without the hit. A chunk attention split at the
+    chunk's start (tried: two flash calls merged) rounds otherwise and changed NF4 answers with reuse
+    on against off."""
+    backend = FuyuBackend(Settings(model="tiny", home=HOME, quantization="bf16", device="cpu"))
+    backend.load()
+    ids = torch.randint(3, int(backend.model.config.text_config.vocab_size), (1, 400))
+    inputs, length = {"input_ids": ids}, 400
+    for hit in (16, 160, 384):
+        runner = backend.step_model(3, length + 8)
+        runner.begin("whole", inputs, length)
+        runner.extend([("whole", length)])
+        runner.begin("tail", inputs, length)
+        runner.cache.move(runner.table.start("whole"), runner.table.start("tail"), hit)  # the hit's copy
+        runner.table.set_length("tail", hit)
+        runner.extend([("tail", length)])
+        whole, tail = runner.table.start("whole"), runner.table.start("tail")
+        for (keys, values), (tail_keys, tail_values) in zip(
+            runner.cache.read(whole, length), runner.cache.read(tail, length), strict=True
+        ):
+            assert torch.equal(keys[:, hit:], tail_keys[:, hit:]), hit
+            assert torch.equal(values[:, hit:], tail_values[:, hit:]), hit
+
+
+@pytest.mark.parametrize("size", [(480, 640), (700, 600), (768, 1024)])
+def test_on_the_cpu_a_second_question_about_a_photo_computes_what_it_would_alone(
+    size: tuple[int, int],
+) -> None:
+    """bf16, through the hit's own path (the prefix index, its copy, the patches past it projected): the
+    positions a photo's second question computes are bit for bit those it computes with no hit."""
+    from workers.backends.base import GenerationInput
+
+    backend = FuyuBackend(Settings(model="tiny", home=HOME, quantization="bf16", device="cpu"))
+    backend.load()
+    image = torch.randint(
+        0, 256, (3, *size), dtype=torch.uint8, generator=torch.Generator().manual_seed(size[0])
+    )
+    first, second = (
+        backend.prepare([GenerationInput(image, prompt, 4)]).inputs
+        for prompt in ("What colour is the parcel?", "Is the parcel damaged?")
+    )
+    lengths = int(first["input_ids"].shape[1]), int(second["input_ids"].shape[1])
+    runners = [backend.step_model(3, max(lengths) + 8) for _ in range(2)]
+    runners[0].begin("first", first, lengths[0], identity=("key", "photo"))
+    runners[0].extend([("first", lengths[0])])
+    runners[0].table.retain("first")
+    reused = runners[0].begin("second", second, lengths[1], identity=("key", "photo"))
+    assert reused > 0
+    runners[1].begin("second", second, lengths[1])
+    for runner in runners:
+        runner.extend([("second", lengths[1])])
+    with_hit, alone = (r.cache.read(r.table.start("second"), lengths[1]) for r in runners)
+    for (keys, values), (alone_keys, alone_values) in zip(with_hit, alone, strict=True):
+        assert torch.equal(keys[:, reused:], alone_keys[:, reused:])
+        assert torch.equal(values[:, reused:], alone_values[:, reused:])

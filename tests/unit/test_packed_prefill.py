@@ -20,6 +20,7 @@ from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import scheduler
 from workers.engine.engine import Engine
+from workers.engine.runner import PROJECTED_AT_LEAST
 from workers.engine.sequence import Sequence
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
@@ -255,3 +256,27 @@ def test_a_calls_cpu_threads_follow_what_its_rows_compute_in_all(backend: FuyuBa
     assert reused > 0
     runner.extend([("b", other)])
     assert sized[-1] == other - reused
+
+
+def test_a_prefix_hit_projects_only_the_patches_past_it(backend: FuyuBackend) -> None:
+    """A photo's question after a hit projects the image patches it still computes (64 at least), not
+    all, and the positions it computes get the embeddings a row without a hit gets."""
+    noise = torch.Generator().manual_seed(7)
+    image = torch.randint(0, 256, (3, 700, 600), dtype=torch.uint8, generator=noise)
+    inputs = backend.prepare([GenerationInput(image, "Is the parcel damaged?", 4)]).inputs
+    runner = backend.step_model(2)
+    vision = backend.model.model.vision_embed_tokens
+    projected: list[int] = []
+    hook = vision.register_forward_hook(lambda _m, args, _out: projected.append(int(args[0].shape[-2])))
+    try:
+        whole = runner._embeddings(inputs)
+        patches = projected.pop()
+        ids = inputs["input_ids"][0]
+        image_end = int((ids == backend.model.config.image_token_id).nonzero().max()) + 1
+        for reused in (1, 16, 300, image_end - 40, image_end - 1, image_end, int(ids.shape[0]) - 1):
+            part = runner._embeddings(inputs, reused)
+            assert torch.allclose(part[:, reused:], whole[:, reused:], rtol=0, atol=1e-5), reused
+            before = int((ids[:reused] == backend.model.config.image_token_id).sum())
+            assert projected.pop() == max(min(PROJECTED_AT_LEAST, patches), patches - before), reused
+    finally:
+        hook.remove()

@@ -8,9 +8,12 @@ copied or gathered. Rows of one length whose slots follow each other at one stri
 admitted together) share one call, over a strided view of all of them.
 A prefill call's query is the positions of several rows' chunks laid end to end (one sequence: the
 model's linear layers run once for them all); each chunk attends to its own slot up to its own end,
-causally, through a view of the slot. With SDPA (the default) no mask is made: a mask makes the
-kernels compute every query against every key, where a causal kernel skips the keys after the
-query (`suffix_attention`); other attention functions get a mask made once per call.
+causally, through a view of the slot and a mask made once per call for every layer. On CUDA with
+SDPA (the default there) no mask is made: a mask makes the kernels compute every query against every
+key and read the mask, where the bottom-right causal kernels skip the keys after each query
+(`suffix_attention`). The CPU keeps the mask: its SDPA has no such kernel, and the mask is what keeps
+a prefix hit's positions bit for bit those of the same prompt computed without the hit in half
+precision (the same keys in the same kernel blocks, whatever the chunk's start).
 transformers looks the attention function up by name at every call (`config._attn_implementation`), so
 `per_row` and `per_chunk` switch the language model to theirs for the length of one call, and back
 (an attention name transformers has no mask function for: it makes no mask of its own).
@@ -108,40 +111,18 @@ def suffix_attention(
     """A chunk's positions start..stop ([1, heads, stop - start, dim]) over its slot's 0..stop, each
     seeing itself and what comes before, as [1, stop - start, heads, dim] (what transformers' attention
     functions return). SDPA's own causal flag aligns the top left corners, right only for a chunk that
-    starts its slot; later chunks take the bottom-right causal kernel (CUDA) or, on the CPU, whose SDPA
-    has none (PyTorch would make the mask), the keys before the chunk and the chunk's own in two calls
-    whose results are merged by their log-sum-exps."""
+    starts its slot; later chunks take the bottom-right causal kernel (flash or memory-efficient on
+    CUDA; elsewhere PyTorch makes the mask)."""
     count = query.shape[2]
-    if count == 0:  # nothing to attend (the CPU's flash kernel would fault on it, not raise)
+    if count == 0:  # nothing to attend (a kernel may fault on it rather than raise)
         return query.new_empty(1, 0, query.shape[1], value.shape[-1])
     if count == 1 or start == 0:  # one position sees every key; a first chunk is square
         out = F.scaled_dot_product_attention(query, key, value, is_causal=count > 1, scale=scale)
-    elif query.device.type == "cpu":
-        out = merged_attention(query, key, value, start, scale)
     else:
-        out = lower_right_attention(query, key, value, scale)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(count, key.shape[2]), scale=scale
+        )
     return out.transpose(1, 2).contiguous()
-
-
-def lower_right_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
-) -> torch.Tensor:
-    """Causal attention whose last query is the last key's (flash or memory-efficient on CUDA: the
-    masked keys are skipped, not read)."""
-    bias = causal_lower_right(query.shape[2], key.shape[2])
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale)
-
-
-def merged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, scale: float | None
-) -> torch.Tensor:
-    """The CPU's flash kernel twice: unmasked over the keys before `start`, causal over the chunk's own;
-    each part is normalised over its own keys, so the share of the first is sigmoid(lse1 - lse2)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    before, before_lse = flash(query, key[:, :, :start], value[:, :, :start], 0.0, False, scale=scale)
-    own, own_lse = flash(query, key[:, :, start:], value[:, :, start:], 0.0, True, scale=scale)
-    share = torch.sigmoid(before_lse - own_lse).unsqueeze(-1)
-    return torch.lerp(own.float(), before.float(), share).to(query.dtype)
 
 
 def causal(start: int, stop: int, dtype: Any, device: Any) -> torch.Tensor | None:
@@ -173,7 +154,8 @@ def per_chunk(
 ) -> Iterator[None]:
     """For one prefill call: (first query position, positions, slot's start, chunk's start in the slot,
     its stop) of each row's chunk, in the order the call lays them end to end."""
-    masked = config._attn_implementation != "sdpa"  # SDPA's chunks need none (suffix_attention)
+    # CUDA's SDPA chunks need none (suffix_attention); the CPU keeps it (the module's docstring says why)
+    masked = config._attn_implementation != "sdpa" or torch.device(device).type != "cuda"
     with _switched(config, CHUNKS):
         _step.chunks = chunks
         _step.masks = [causal(start, stop, dtype, device) for *_, start, stop in chunks] if masked else None

@@ -30,6 +30,7 @@ from workers.engine.sequence import DEAD_END
 from workers.engine.slot_table import NoFreeSlot, SlotTable, pool_for
 
 DecodeMode = Literal["rows", "fixed", "pool"]
+PROJECTED_AT_LEAST = 64  # image patches projected for a row with a prefix hit (Runner._embeddings)
 
 
 # Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.
@@ -118,7 +119,7 @@ class Runner:
         elif not table.retained(hit.holder) or table.take_over(row_id, hit.holder, reused, need) is None:
             self._copy_hit(row_id, hit.holder, reused, need)
         table.index.add(row_id, hashes[: reused // table.index.block])
-        self._pending[row_id] = (self._embeddings(inputs), hashes)
+        self._pending[row_id] = (self._embeddings(inputs, reused), hashes)
         self._work[row_id] = length - reused
         return reused
 
@@ -241,19 +242,33 @@ class Runner:
             else:
                 self.table.release(row_id)
 
-    def _embeddings(self, inputs: Any) -> torch.Tensor:
+    def _embeddings(self, inputs: Any, reused: int = 0) -> torch.Tensor:
         """The row's input embeddings, image patches in place: what Fuyu's own forward does before its
-        language model, made once per row and sliced by each chunk."""
+        language model, made once per row and sliced by each chunk. The patches of the first `reused`
+        positions (a prefix hit: never computed again) are not projected: a photo's questions after
+        its first project only the patches past the hit, where each projected all (their positions
+        keep the placeholder's embedding, which no chunk reads)."""
         fuyu = self.model.model
         ids = inputs["input_ids"]
         embeddings: torch.Tensor = self.language.get_input_embeddings()(ids)
         pixels = inputs.get("pixel_values")
-        if pixels is not None:
-            patches = fuyu.get_image_features(pixels, return_dict=True).last_hidden_state
-            patches = patches.to(embeddings.device, embeddings.dtype)
-            placeholders = fuyu.get_placeholder_mask(ids, inputs_embeds=embeddings, image_features=patches)
-            embeddings = embeddings.masked_scatter(placeholders, patches)
-        return embeddings
+        if pixels is None:
+            return embeddings
+        placeholders = ids == fuyu.config.image_token_id
+        # What is projected keeps at least PROJECTED_AT_LEAST patches: a matrix product of a few rows
+        # takes other kernels than one of many (other last bits: measured under 12 rows on this CPU),
+        # and the positions past a hit are to be those of the same photo without it, bit for bit.
+        skipped = max(0, min(int(placeholders[0, :reused].sum()), pixels.shape[-2] - PROJECTED_AT_LEAST))
+        if skipped:
+            pixels = pixels[..., skipped:, :]
+            placeholders = placeholders & (placeholders.cumsum(-1) > skipped)
+        patches = fuyu.get_image_features(pixels, return_dict=True).last_hidden_state
+        patches = patches.to(embeddings.device, embeddings.dtype)
+        if int(placeholders.sum()) != patches.shape[:-1].numel():
+            raise ValueError(
+                f"{int(placeholders.sum())} image placeholders for {patches.shape[:-1].numel()} patches"
+            )
+        return embeddings.masked_scatter(placeholders.unsqueeze(-1).expand_as(embeddings), patches)
 
     @torch.inference_mode()
     def decode(self, batch: SlotBatch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
