@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from shared.errors import Abandoned, Cancelled, Expired, StoreUnavailable
+from shared.errors import Abandoned, Cancelled, Expired, ServiceUnreachable, StoreUnavailable
 from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
@@ -84,9 +84,12 @@ class Admission:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
 
     def start_group(self, group: list[Slot]) -> None:
-        """Before suspects run together: record the group's size (its jobs run in halves of it if their
-        worker dies again). A group of one is a lone run: counted, and a job that every lone run lost
-        is abandoned."""
+        """Before suspects run together: a job that every lone run so far lost, about to run alone again,
+        is abandoned. The run itself is counted by `group_started` as the engine admits each job, not
+        here: a group waits in the engine while other rows (another delivery's group) drain, and a
+        worker that died meanwhile must not count a lone run that never ran (a neighbour, abandoned)."""
+        for slot in group:
+            slot.group_size = len(group)
         if len(group) == 1:
             slot = group[0]
             if slot.solo_runs >= max(1, self.settings.max_attempts - 1):
@@ -94,9 +97,19 @@ class Admission:
                     f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
                     f"({slot.attempts - 1} deliveries in all); requeue it with `mrc dlq requeue` once fixed"
                 )
-                return
-            self.records.solo_run(slot.job_id)
-        self.records.suspect_group([slot.job_id for slot in group], len(group))
+
+    def group_started(self, slot: Slot) -> None:
+        """The engine admits a suspect, before any of its model work: record the size of the group it
+        runs in (its jobs run in halves of it if their worker dies now), and count a lone run. Raises
+        ServiceUnreachable when the record cannot be written: the job is retried, never run uncounted
+        (a job that kills its worker at once would otherwise never be abandoned)."""
+        try:
+            if slot.group_size == 1:
+                self.records.solo_run(slot.job_id)  # its group size too, in the same transaction
+            else:
+                self.records.suspect_group([slot.job_id], slot.group_size)
+        except Exception as exc:
+            raise ServiceUnreachable("the job records (Redis)", repr(exc)) from exc
 
     def _settled(self, slot: Slot, job: Job, record: dict[str, str]) -> bool:
         fingerprint = job.fingerprint()

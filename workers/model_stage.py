@@ -293,6 +293,7 @@ class ModelStage:
             deadline=self.admission.deadline_s(slot.job), constraint=constraint,
             identity=_identity(slot) if self.settings.engine_prefix_cache == "on" else None,
             stream_to=slot.job.job_id if slot.job.stream else None,
+            on_admitted=None if slot.group is None else partial(self.admission.group_started, slot),
         )  # fmt: skip
 
     def _take_row(self, slot: Slot, row: Row) -> None:

@@ -51,6 +51,7 @@ class Slot:
     finishing: bool = False
     suspect: bool = False  # its last delivery died with it in hand: it runs apart, in a group
     group: str | None = None  # the engine group it runs in (suspects): nothing else runs beside it
+    group_size: int = 0  # that group's size, recorded when the engine admits it (its run starts)
     solo_runs: int = 0  # earlier runs of it alone that never finished
     suspect_group: int = 0  # the size of the group it last started in as a suspect (0: never)
     attention_path: str | None = None  # causal (it decoded alone) or masked (beside other rows)
