@@ -62,6 +62,18 @@ class FailoverConnection(SentinelManagedConnection):
         super().connect_to(address)
         self._note()
 
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        """Every connect comes through here (connect_to's, redis-py's command retry, kombu's): each one
+        made is logged at debug level (MRC_LOG_LEVEL=DEBUG), noted or not, so a failover a process
+        never noted (seen twice in CI, cause not found) shows next time which path made the connection."""
+        fresh = self._sock is None
+        super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        if fresh and self._sock is not None:
+            logs.get_logger().debug(
+                "MRC_REDIS_CONNECTED", address=f"{self.host}:{self.port}", kind=type(self).__name__,
+                thread=threading.current_thread().name,
+            )  # fmt: skip
+
     def _note(self) -> None:
         pool = self.connection_pool
         if self._sock is not None and pool.is_master:
@@ -126,6 +138,8 @@ def note_master(group: tuple[Any, ...], address: tuple[str, int]) -> None:
     with _lock:
         old = _masters.get(group)
         _masters[group] = address
+        named = f"{address[0]}:{address[1]}"
+        logs.get_logger().debug("MRC_REDIS_NOTED", address=named, changed=old != address)
         if old is None or old == address:
             return
         failovers += 1

@@ -132,9 +132,10 @@ class Run:
         produce_s: float = 6,
         extras: bool = True,
     ) -> Outcome:
-        self.worker = services.start_worker(
-            {**self.env, "MRC_MODEL": "echo", "MRC_ECHO_TOKEN_MS": "5"}, self.workdir / "worker.log"
-        )
+        # At debug level the worker logs each Redis connection it makes and each it notes as the master
+        # (shared/redis_target.py): a failover it never noted (seen twice in CI) shows its path then.
+        env = {**self.env, "MRC_MODEL": "echo", "MRC_ECHO_TOKEN_MS": "5", "MRC_LOG_LEVEL": "DEBUG"}
+        self.worker = services.start_worker(env, self.workdir / "worker.log")
         # The backlog run and the lane exporter in one scenario only: each costs seconds, and the
         # suite runs four scenarios one after another.
         self.exporter = self._start_exporter() if extras else None
