@@ -100,6 +100,11 @@ class MemoryJobRecords:
             record.update(solo_runs=str(earlier + 1), suspect_group="1")
             return earlier
 
+    def withdraw_solo_run(self, job_id: str) -> None:
+        with self._lock:
+            record = self.records.setdefault(job_id, {})
+            record["solo_runs"] = str(int(record.get("solo_runs", "0")) - 1)
+
     def suspect_group(self, job_ids: list[str], size: int) -> None:
         with self._lock:
             for job_id in job_ids:

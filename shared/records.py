@@ -106,6 +106,7 @@ class JobRecords(Protocol):
     def begin(self, job_id: str) -> int: ...
     def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]: ...
     def solo_run(self, job_id: str) -> int: ...
+    def withdraw_solo_run(self, job_id: str) -> None: ...
     def suspect_group(self, job_ids: list[str], size: int) -> None: ...
     def reset_attempts(self, job_id: str, push_id: str) -> None: ...
     def count_usage(
@@ -327,6 +328,11 @@ class RedisJobRecords:
             pipe.hset(key, "suspect_group", "1")
             replies = pipe.execute()
         return int(replies[0]) - 1
+
+    def withdraw_solo_run(self, job_id: str) -> None:
+        """Take back the lone run `solo_run` counted last: the job waits in the engine behind others
+        and is counted again when it runs (workers/admission.py)."""
+        self._redis.hincrby(names.job_key(job_id), "solo_runs", -1)
 
     def suspect_group(self, job_ids: list[str], size: int) -> None:
         """Record that these suspects start a run together, `size` of them: if their worker dies again,

@@ -84,10 +84,12 @@ class Admission:
                 slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
 
     def start_group(self, group: list[Slot]) -> None:
-        """Before suspects run together: a job that every lone run so far lost, about to run alone again,
-        is abandoned. The run itself is counted by `group_started` as the engine admits each job, not
-        here: a group waits in the engine while other rows (another delivery's group) drain, and a
-        worker that died meanwhile must not count a lone run that never ran (a neighbour, abandoned)."""
+        """Before suspects run together: record the group's size (its jobs run in halves of it if their
+        worker dies again) and count a lone run, so a worker that dies while the job is prepared (its
+        photo decoded, its inputs built) counts it. A job that every lone run so far lost is abandoned
+        instead. While the group then waits in the engine (another delivery's group runs: a worker runs
+        several deliveries at once) its lone run is withdrawn (`group_waits`) and counted again as the
+        engine admits it (`group_started`): a death meanwhile is not this job's."""
         for slot in group:
             slot.group_size = len(group)
         if len(group) == 1:
@@ -97,19 +99,34 @@ class Admission:
                     f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
                     f"({slot.attempts - 1} deliveries in all); requeue it with `mrc dlq requeue` once fixed"
                 )
+                return
+            self.records.solo_run(slot.job_id)
+        self.records.suspect_group([slot.job_id for slot in group], len(group))
+
+    def group_waits(self, slot: Slot) -> None:
+        """A lone suspect handed to the engine waits there until the rows in memory drain: its lone run
+        is withdrawn until the engine admits it. Left counted when Redis cannot take the write (as a
+        lone run was counted before: a death meanwhile charged to it, never a run left uncounted)."""
+        if slot.group_size != 1:
+            return
+        try:
+            self.records.withdraw_solo_run(slot.job_id)
+        except Exception as exc:
+            self.log.warning("MRC_SUSPECT_RUN_KEPT", job_id=slot.job_id, error=repr(exc)[:200])
+            return
+        slot.withdrawn = True
 
     def group_started(self, slot: Slot) -> None:
-        """The engine admits a suspect, before any of its model work: record the size of the group it
-        runs in (its jobs run in halves of it if their worker dies now), and count a lone run. Raises
-        ServiceUnreachable when the record cannot be written: the job is retried, never run uncounted
-        (a job that kills its worker at once would otherwise never be abandoned)."""
+        """The engine admits a lone suspect, before any of its model work: its withdrawn lone run is
+        counted again. Raises ServiceUnreachable when the record cannot be written: the job is retried,
+        never run uncounted (a job that kills its worker at once would otherwise never be abandoned)."""
+        if not slot.withdrawn:
+            return
         try:
-            if slot.group_size == 1:
-                self.records.solo_run(slot.job_id)  # its group size too, in the same transaction
-            else:
-                self.records.suspect_group([slot.job_id], slot.group_size)
+            self.records.solo_run(slot.job_id)
         except Exception as exc:
             raise ServiceUnreachable("the job records (Redis)", repr(exc)) from exc
+        slot.withdrawn = False
 
     def _settled(self, slot: Slot, job: Job, record: dict[str, str]) -> bool:
         fingerprint = job.fingerprint()

@@ -11,6 +11,7 @@ import threading
 from functools import partial
 from typing import Any
 
+import pytest
 import torch
 
 from shared.errors import ModelError, ServiceUnreachable, WorkerUnusable
@@ -97,6 +98,55 @@ def test_a_suspect_group_is_halved_at_each_crash_and_only_the_killer_is_abandone
     for message in delivery:
         if message.request_id != "killer":
             assert store.get_result(message.request_id)["status"] == "succeeded", message.request_id
+
+
+class _KillsBeforeTheEngine(EchoBackend):
+    """The killer ends its worker before the engine admits it: while its photo is decoded (a
+    segfaulting decoder: SystemExit on the decode thread), or while its inputs are built."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def fit_image(self, image: Any) -> Any:
+        if self.where == "decode" and tuple(image.shape[-2:]) == (49, 65):
+            raise SystemExit("segfault decoding the image")
+        return super().fit_image(image)
+
+    def row_inputs(self, item: GenerationInput) -> tuple[Any, int]:
+        if self.where == "inputs" and "KILL" in item.prompt:
+            raise SystemExit("segfault building inputs")
+        return super().row_inputs(item)
+
+
+@pytest.mark.parametrize("where", ["decode", "inputs"])
+def test_a_job_that_kills_before_the_engine_admits_it_is_still_halved_and_abandoned(where: str) -> None:
+    """A review of the first fix found this: with the run counted only at admission, a killer that
+    dies while its photo is decoded or its inputs are built was never counted, and crashed its worker
+    (and its group's innocent jobs) forever. The group is recorded as it starts, the lone run too."""
+    store, records = _store(), MemoryJobRecords()
+    store.put_bytes("inputs/bomb.jpg", imagegen.photo(65, 49), "image/jpeg")
+    delivery = [_message(f"j{i}", "ok") for i in range(16)]
+    body = {"job_id": "killer", "image_uri": "s3://mrc/inputs/bomb.jpg", "prompt": "KILL"}
+    delivery[11] = Message("killer", {**body, "max_new_tokens": 64})
+    for message in delivery:
+        records.begin(message.request_id)
+    crashes, sizes = 0, []
+    while store.get_result("killer") is None:
+        assert crashes < 10, f"the killer was never abandoned: groups {sizes}"
+        pipeline = _pipeline(store, _KillsBeforeTheEngine(where), records)
+        try:
+            pipeline.run(delivery)
+        except (WorkerUnusable, SystemExit):
+            crashes += 1
+            sizes.append(int(records.get("killer")["suspect_group"]))
+        finally:
+            pipeline.close()
+    assert sizes == [8, 4, 2, 1, 1], sizes
+    assert "abandoned" in store.get_result("killer")["error"]["message"]
+    assert all(
+        store.get_result(m.request_id)["status"] == "succeeded" for m in delivery if m.request_id != "killer"
+    )
 
 
 def _slot(job_id: str, last_group: int = 0) -> Slot:
@@ -227,7 +277,8 @@ def test_a_lone_run_waiting_behind_another_deliverys_killer_is_not_counted_when_
         pipeline.close()
     assert all(isinstance(ended[j], WorkerUnusable) for j in ("killer", "innocent")), ended
     assert records.get("killer").get("solo_runs") == "1"
-    assert records.get("innocent").get("solo_runs") is None, "a lone run that never ran was counted"
+    # Counted as its delivery began the lone run, withdrawn while it waited in the engine: none left.
+    assert int(records.get("innocent").get("solo_runs", "0")) == 0, "a lone run that never ran was counted"
     # The next worker: the innocent job runs alone and succeeds; the killer, alone again, is abandoned.
     pipeline = _pipeline(store, EchoBackend(), records, max_attempts=2)
     try:
@@ -274,3 +325,20 @@ def test_a_row_is_announced_once_as_the_engine_admits_it_and_a_failed_announceme
     assert isinstance(done["c"].error, ServiceUnreachable)
     assert done["c"].error.retryable
     assert [done[n].error for n in ("a", "b")] == [None, None]
+
+
+class _NoWithdrawal(MemoryJobRecords):
+    def withdraw_solo_run(self, job_id: str) -> None:
+        raise ConnectionError("Redis refused the withdrawal")
+
+
+def test_a_lone_run_redis_will_not_withdraw_stays_counted_once_and_the_job_runs() -> None:
+    store, records = _store(), _NoWithdrawal()
+    records.begin("lone")
+    records.suspect_group(["lone"], 2)  # in a group of two when its last worker died: alone now
+    pipeline = _pipeline(store, EchoBackend(), records)
+    try:
+        assert pipeline.run([_message("lone", "ok")]) == ["succeeded"]
+    finally:
+        pipeline.close()
+    assert records.get("lone")["solo_runs"] == "1"  # counted as it began, never withdrawn, not again
