@@ -101,12 +101,26 @@ class Admission:
                 )
                 return
             self.records.solo_run(slot.job_id)
+            slot.lone_counted = True
         self.records.suspect_group([slot.job_id for slot in group], len(group))
+
+    def group_ended(self, group: list[Slot]) -> None:
+        """After the group's stages: a lone run counted as it began, for a job that never reached the
+        engine (its photo's fetch failed, retryably too: it comes back as a fresh job), is withdrawn;
+        it ran no model and no death came of it."""
+        for slot in group:
+            if slot.lone_counted and not slot.handed:
+                slot.lone_counted = False
+                try:
+                    self.records.withdraw_solo_run(slot.job_id)
+                except Exception as exc:
+                    self.log.warning("MRC_SUSPECT_RUN_KEPT", job_id=slot.job_id, error=repr(exc)[:200])
 
     def group_waits(self, slot: Slot) -> None:
         """A lone suspect handed to the engine waits there until the rows in memory drain: its lone run
         is withdrawn until the engine admits it. Left counted when Redis cannot take the write (as a
         lone run was counted before: a death meanwhile charged to it, never a run left uncounted)."""
+        slot.handed = True
         if slot.group_size != 1:
             return
         try:

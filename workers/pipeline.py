@@ -148,6 +148,7 @@ class Pipeline:
             for slot in group:
                 slot.group = name
             self._run_jobs(group, spent)
+            self.admission.group_ended(group)
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(
             "MRC_BATCH",

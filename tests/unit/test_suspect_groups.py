@@ -342,3 +342,33 @@ def test_a_lone_run_redis_will_not_withdraw_stays_counted_once_and_the_job_runs(
     finally:
         pipeline.close()
     assert records.get("lone")["solo_runs"] == "1"  # counted as it began, never withdrawn, not again
+
+
+def test_a_lone_run_that_never_reached_the_engine_is_withdrawn() -> None:
+    """A review's finding: a lone suspect whose photo fetch failed retryably went back to the queue
+    with its lone run counted, though no model ran and no worker died: one death fewer to abandon it."""
+    store, records = _store(), MemoryJobRecords()
+    records.begin("lone")
+    records.suspect_group(["lone"], 2)  # alone now
+    real = store.get_bytes
+
+    def blip(bucket: str, key: str, max_bytes: int) -> bytes:
+        if key.startswith("inputs/"):
+            raise ServiceUnreachable("the object store", "blip")
+        return real(bucket, key, max_bytes)
+
+    store.get_bytes = blip  # type: ignore[method-assign]  # an S3 blip for the photo, nothing else
+    pipeline = _pipeline(store, EchoBackend(), records, max_attempts=4)
+    try:
+        assert pipeline.run([_message("lone", "ok")]) == ["retry"]
+    finally:
+        pipeline.close()
+    assert records.get("lone")["solo_runs"] == "0"
+    store.get_bytes = real  # type: ignore[method-assign]
+    records.begin("lone")  # delivered again after a worker died with it in hand: alone, and it runs
+    records.suspect_group(["lone"], 2)
+    pipeline = _pipeline(store, EchoBackend(), records, max_attempts=2)
+    try:
+        assert pipeline.run([_message("lone", "ok")]) == ["succeeded"]
+    finally:
+        pipeline.close()
