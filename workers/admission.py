@@ -159,7 +159,12 @@ class Admission:
             return self._skip(slot, "job_id_reused")
         if existing.get("status") == "succeeded":
             return self._skip(slot, "already_succeeded")
-        return False  # failed before: the same job may run again (a requeued dead letter)
+        if record.get("state") == "failed":
+            # Its failure was written and its delivery died before the ack (a neighbour killed the
+            # worker): the outcome stands, written once. A requeued dead letter or a resubmission of
+            # the job says `queued` and runs again.
+            return self._skip(slot, "already_failed")
+        return False  # failed before and sent again: the same job may run again
 
     def _skip(self, slot: Slot, reason: str) -> bool:
         slot.outcome = "skipped"

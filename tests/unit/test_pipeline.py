@@ -146,6 +146,26 @@ def test_a_succeeded_job_delivered_again_is_not_recomputed(store: MemoryStore) -
     assert len(backend.prefills) == 1
 
 
+def test_a_failed_job_delivered_again_keeps_its_one_result_until_requeued(store: MemoryStore) -> None:
+    """An outside review's finding: a job that failed for its input wrote its result at once, while its
+    delivery went on (a neighbour's lone run); a worker killed then sent it round again, and it failed
+    and was written a second time (contract: a result is written once per outcome). Delivered again it
+    is skipped; requeued (`mrc dlq requeue`, or submitted again) it runs again."""
+    records = MemoryJobRecords()
+    pipeline = _pipeline(store, records=records)
+    bad = [_job("bad", image="s3://mrc/inputs/bad.jpg"), _job("too-long", prompt="x " * 900, truncate=False)]
+    try:
+        assert pipeline.run(bad) == ["failed", "failed"]
+        first = {job.request_id: store.get_result(job.request_id) for job in bad}
+        assert pipeline.run(bad) == ["skipped", "skipped"]  # the delivery given back unacked, again
+        assert {job.request_id: store.get_result(job.request_id) for job in bad} == first
+        records.reset_attempts("bad", "push-2")  # requeued: it runs again, its new outcome written
+        assert pipeline.run(bad[:1]) == ["failed"]
+        assert store.get_result("bad")["attempts"] == 1
+    finally:
+        pipeline.close()
+
+
 def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) -> None:
     class DownStore(MemoryStore):
         def put_result(self, job_id: str, result: dict[str, Any]) -> str:
@@ -164,7 +184,7 @@ def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) 
 def test_attempts_count_deliveries(store: MemoryStore) -> None:
     records = MemoryJobRecords()
     pipeline = _pipeline(store, EchoBackend(fail_on="x"), records)
-    pipeline.run([_job("retry", prompt="x")])
+    records.begin("retry")  # a first delivery whose worker died with it in hand
     pipeline.run([_job("retry", prompt="x")])
     assert store.get_result("retry")["attempts"] == 2
 
