@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from shared.errors import Abandoned, Cancelled, Expired, ServiceUnreachable, StoreUnavailable
+from shared.errors import Abandoned, Cancelled, Expired, StoreUnavailable
 from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
@@ -85,11 +85,9 @@ class Admission:
 
     def start_group(self, group: list[Slot]) -> None:
         """Before suspects run together: record the group's size (its jobs run in halves of it if their
-        worker dies again) and count a lone run, so a worker that dies while the job is prepared (its
-        photo decoded, its inputs built) counts it. A job that every lone run so far lost is abandoned
-        instead. While the group then waits in the engine (another delivery's group runs: a worker runs
-        several deliveries at once) its lone run is withdrawn (`group_waits`) and counted again as the
-        engine admits it (`group_started`): a death meanwhile is not this job's."""
+        worker dies again) and count a lone run, the worker its own from here to its result
+        (workers/solo_gate.py), so a death from its photo's decode on is its own. A job that every lone
+        run so far lost is abandoned instead."""
         for slot in group:
             slot.group_size = len(group)
         if len(group) == 1:
@@ -106,8 +104,8 @@ class Admission:
 
     def group_ended(self, group: list[Slot]) -> None:
         """After the group's stages: a lone run counted as it began, for a job that never reached the
-        engine (its photo's fetch failed, retryably too: it comes back as a fresh job), is withdrawn;
-        it ran no model and no death came of it."""
+        engine (its photo's fetch failed, retryably too: it comes back as a fresh job; its answer came
+        from the cache), is withdrawn: it ran no model and no death came of it."""
         for slot in group:
             if slot.lone_counted and not slot.handed:
                 slot.lone_counted = False
@@ -115,32 +113,6 @@ class Admission:
                     self.records.withdraw_solo_run(slot.job_id)
                 except Exception as exc:
                     self.log.warning("MRC_SUSPECT_RUN_KEPT", job_id=slot.job_id, error=repr(exc)[:200])
-
-    def group_waits(self, slot: Slot) -> None:
-        """A lone suspect handed to the engine waits there until the rows in memory drain: its lone run
-        is withdrawn until the engine admits it. Left counted when Redis cannot take the write (as a
-        lone run was counted before: a death meanwhile charged to it, never a run left uncounted)."""
-        slot.handed = True
-        if slot.group_size != 1:
-            return
-        try:
-            self.records.withdraw_solo_run(slot.job_id)
-        except Exception as exc:
-            self.log.warning("MRC_SUSPECT_RUN_KEPT", job_id=slot.job_id, error=repr(exc)[:200])
-            return
-        slot.withdrawn = True
-
-    def group_started(self, slot: Slot) -> None:
-        """The engine admits a lone suspect, before any of its model work: its withdrawn lone run is
-        counted again. Raises ServiceUnreachable when the record cannot be written: the job is retried,
-        never run uncounted (a job that kills its worker at once would otherwise never be abandoned)."""
-        if not slot.withdrawn:
-            return
-        try:
-            self.records.solo_run(slot.job_id)
-        except Exception as exc:
-            raise ServiceUnreachable("the job records (Redis)", repr(exc)) from exc
-        slot.withdrawn = False
 
     def _settled(self, slot: Slot, job: Job, record: dict[str, str]) -> bool:
         fingerprint = job.fingerprint()

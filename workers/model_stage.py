@@ -241,7 +241,7 @@ class ModelStage:
                 rows[self.engine.submit(self._row(job, settled))] = job.slot
         if grouped and decoded_all and not any(job.slot.group is not None for job in still):
             for _row, slot in grouped:
-                self.admission.group_waits(slot)
+                slot.handed = True  # its lone run stays counted (workers/admission.py `group_ended`)
             futures = self.engine.submit_many([row for row, _slot in grouped])
             rows.update(zip(futures, (slot for _row, slot in grouped), strict=True))
             grouped.clear()
@@ -295,7 +295,6 @@ class ModelStage:
             deadline=self.admission.deadline_s(slot.job), constraint=constraint,
             identity=_identity(slot) if self.settings.engine_prefix_cache == "on" else None,
             stream_to=slot.job.job_id if slot.job.stream else None,
-            on_admitted=None if slot.group_size != 1 else partial(self.admission.group_started, slot),
         )  # fmt: skip
 
     def _take_row(self, slot: Slot, row: Row) -> None:

@@ -4,7 +4,8 @@ decode -> claim (admission) -> prompt -> images (fetch, header checks) -> cache 
 
 Jobs whose last delivery died with them in hand (suspects) run after the rest, in groups that each
 have the engine to themselves (workers/admission.py `suspect_groups`: halved each time a group's
-worker dies again), so a job that kills its worker cannot take its neighbours with it again.
+worker dies again), so a job that kills its worker cannot take its neighbours with it again; a group
+of one has the whole worker to itself (workers/solo_gate.py), so a death then is its own.
 
 The stages' work lives beside it: workers/preparing.py (messages, prompts, image fetches),
 workers/cache_lookup.py, workers/model_stage.py, workers/finisher.py; workers/lane_pools.py holds
@@ -24,7 +25,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import TypeVar
 
@@ -43,6 +45,7 @@ from workers.lane_pools import LanePools
 from workers.metrics import Metrics
 from workers.model_stage import ModelStage
 from workers.slots import Message, Outcome, Slot
+from workers.solo_gate import SoloGate
 from workers.streaming import Sink, TextStreams
 
 Stage = Callable[[list[Slot]], None]
@@ -90,6 +93,7 @@ class Pipeline:
             backend, settings, metrics, admission, self._pool, self._finish_async, fetch, streams
         )
         self.in_hand = InHand(lambda: self.model.engine_at)  # for /healthz (workers/liveness.py)
+        self.gate = SoloGate(lambda: self.model.engine.fatal)
 
     @property
     def busy_ratio(self) -> float:
@@ -141,14 +145,14 @@ class Pipeline:
         self._stage("decode", self._decode, slots, spent)
         self._stage("claim", self.admission.admit, slots, spent)
         suspects = [s for s in slots if s.suspect and s.live]
-        self._run_jobs([s for s in slots if s not in suspects], spent)
+        plain = [s for s in slots if s not in suspects]
+        if any(s.live for s in plain):
+            with self._held(self.gate.shared()):
+                self._run_jobs(plain, spent)
+        else:
+            self._run_jobs(plain, spent)  # skipped, expired, cancelled: written, nothing run
         for group in suspect_groups(suspects):  # each group apart, its results written before the next
-            self.admission.start_group(group)
-            name = f"suspect-{next(self._groups)}"
-            for slot in group:
-                slot.group = name
-            self._run_jobs(group, spent)
-            self.admission.group_ended(group)
+            self._run_group(group, spent)
         self.metrics.batch_jobs.observe(len(slots))
         self.log.info(
             "MRC_BATCH",
@@ -161,6 +165,31 @@ class Pipeline:
             stages=",".join(f"{name}:{seconds * 1000:.1f}" for name, seconds in spent.items()),
         )
         return [slot.outcome or "failed" for slot in slots]
+
+    def _run_group(self, group: list[Slot], spent: dict[str, float]) -> None:
+        """A group of suspects; one alone has the worker to itself (workers/solo_gate.py), from the count
+        of its lone run to its result, so that a death meanwhile is its own."""
+        with self._held(self.gate.alone() if len(group) == 1 else self.gate.shared()) as waited:
+            if len(group) == 1:
+                self.log.info(
+                    "MRC_SUSPECT_ALONE", job_id=group[0].job_id, solo_runs=group[0].solo_runs,
+                    waited_s=round(waited or 0.0, 3),
+                )  # fmt: skip
+            self.admission.start_group(group)
+            name = f"suspect-{next(self._groups)}"
+            for slot in group:
+                slot.group = name
+            self._run_jobs(group, spent)
+            self.admission.group_ended(group)
+
+    @contextmanager
+    def _held(self, hold: AbstractContextManager[T]) -> Iterator[T]:
+        """The gate taken; while this delivery waits for it, it counts as moving with the engine (what it
+        waits for is other deliveries' work: /healthz judges that)."""
+        self.in_hand.moved(on_engine=True)
+        with hold as held:
+            self.in_hand.moved(on_engine=False)
+            yield held
 
     def _run_jobs(self, slots: list[Slot], spent: dict[str, float]) -> None:
         stages: list[tuple[str, Stage]] = [

@@ -52,7 +52,6 @@ class Slot:
     suspect: bool = False  # its last delivery died with it in hand: it runs apart, in a group
     group: str | None = None  # the engine group it runs in (suspects): nothing else runs beside it
     group_size: int = 0  # that group's size (1: a lone run)
-    withdrawn: bool = False  # its lone run withdrawn while it waits in the engine (workers/admission.py)
     lone_counted: bool = False  # its lone run counted as its group began (workers/admission.py)
     handed: bool = False  # its group was handed to the engine
     solo_runs: int = 0  # earlier runs of it alone that never finished

@@ -212,8 +212,6 @@ class Engine:
         now = self.clock()
         row.admitted_at = now
         row.first_admitted_at = row.first_admitted_at or now
-        if not self._announce(row):
-            return True
         try:
             reused = self.runner.begin(row.row_id, row.inputs, row.prompt_tokens, row.identity, row.need)
         except NoFreeSlot:  # the pool has not the room admission counted on: it waits, as for memory
@@ -237,19 +235,6 @@ class Engine:
             report.lookups += row.identity is not None
             report.hits += reused > 0
         report.reused += reused
-        return True
-
-    def _announce(self, row: Sequence) -> bool:
-        """A suspect's run starts: its hook counts it before anything of it can crash the worker. A run
-        that cannot be counted (Redis) fails the row with that (retryable) error: never run uncounted."""
-        announce, row.on_admitted = row.on_admitted, None
-        if announce is None:
-            return True
-        try:
-            announce()
-        except MrcError as exc:
-            self._fail(row, exc)
-            return False
         return True
 
     def _chunks(self, due: bool) -> list[Sequence]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,10 +28,6 @@ class Sequence:
     # Suspects run only beside their own group: a delivery's jobs that were in hand when its worker
     # died, or the rows of a decode step that failed (split in two at each failure, down to one row).
     group: str | None = None
-    # Called once, at its first admission, before any of its model work (its image's patches, its
-    # prefill): a suspect's run is counted when it really runs (workers/admission.py), not while its
-    # group waits for the rows in memory to drain. May raise MrcError: the row fails with it.
-    on_admitted: Callable[[], None] | None = field(default=None, repr=False)
     deadline: float | None = None  # wall-clock seconds; past it at admission, the row expires
     exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
     constraint: RowConstraint | None = None  # its grammar (structured answers); None: free text
