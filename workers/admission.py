@@ -95,7 +95,8 @@ class Admission:
             if slot.solo_runs >= max(1, self.settings.max_attempts - 1):
                 slot.error = Abandoned(
                     f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
-                    f"({slot.attempts - 1} deliveries in all); requeue it with `mrc dlq requeue` once fixed"
+                    f"(delivered {slot.attempts} times, this one included: the result's attempts); "
+                    "requeue it with `mrc dlq requeue` once fixed"
                 )
                 return
             self.records.solo_run(slot.job_id)

@@ -91,7 +91,12 @@ def test_a_suspect_group_is_halved_at_each_crash_and_only_the_killer_is_abandone
             pipeline.close()
     assert crashes == 5, sizes  # in groups of 8, 4, 2, then alone twice (solo runs 1 and 2)
     assert sizes == [8, 4, 2, 1, 1]
-    assert store.get_result("killer")["error"]["code"] == "internal_error"
+    abandoned = store.get_result("killer")
+    assert abandoned["error"]["code"] == "internal_error"
+    # Its count of deliveries is the result's (a review saw them one apart): the delivery in hand at the
+    # first crash, the 5 that crashed here, then this one.
+    assert abandoned["attempts"] == 7
+    assert "delivered 7 times" in abandoned["error"]["message"]
     assert [e["job_id"] for e in records.dlq] == ["killer"]
     for message in delivery:
         if message.request_id != "killer":
