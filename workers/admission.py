@@ -86,22 +86,27 @@ class Admission:
     def start_group(self, group: list[Slot]) -> None:
         """Before suspects run together: record the group's size (its jobs run in halves of it if their
         worker dies again) and count a lone run, the worker its own from here to its result
-        (workers/solo_gate.py), so a death from its photo's decode on is its own. A job that every lone
-        run so far lost is abandoned instead."""
+        (workers/solo_gate.py), so a death from its photo's fetch on is its own. A job abandoned
+        (`abandon_spent`) is neither."""
+        if len(group) == 1 and self.abandon_spent(group[0]):
+            return
         for slot in group:
             slot.group_size = len(group)
         if len(group) == 1:
-            slot = group[0]
-            if slot.solo_runs >= max(1, self.settings.max_attempts - 1):
-                slot.error = Abandoned(
-                    f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
-                    f"(delivered {slot.attempts} times, this one included: the result's attempts); "
-                    "requeue it with `mrc dlq requeue` once fixed"
-                )
-                return
-            self.records.solo_run(slot.job_id)
-            slot.lone_counted = True
+            self.records.solo_run(group[0].job_id)
+            group[0].lone_counted = True
         self.records.suspect_group([slot.job_id for slot in group], len(group))
+
+    def abandon_spent(self, slot: Slot) -> bool:
+        """A job to run alone that every lone run so far lost (MRC_MAX_ATTEMPTS - 1 of them) is
+        abandoned instead: True, its error set (it needs the worker to itself no more)."""
+        if slot.error is None and slot.solo_runs >= max(1, self.settings.max_attempts - 1):
+            slot.error = Abandoned(
+                f"abandoned: {slot.solo_runs} workers that ran this job alone died before it finished "
+                f"(delivered {slot.attempts} times, this one included: the result's attempts); "
+                "requeue it with `mrc dlq requeue` once fixed"
+            )
+        return isinstance(slot.error, Abandoned)
 
     def group_ended(self, group: list[Slot]) -> None:
         """After the group's stages: a lone run counted as it began, for a job that never reached the

@@ -169,8 +169,9 @@ class Pipeline:
     def _run_group(self, group: list[Slot], spent: dict[str, float]) -> None:
         """A group of suspects; one alone has the worker to itself (workers/solo_gate.py), from the count
         of its lone run to its result, so that a death meanwhile is its own."""
-        with self._held(self.gate.alone() if len(group) == 1 else self.gate.shared()) as waited:
-            if len(group) == 1:
+        alone = len(group) == 1 and not self.admission.abandon_spent(group[0])
+        with self._held(self.gate.alone() if alone else self.gate.shared()) as waited:
+            if alone:
                 self.log.info(
                     "MRC_SUSPECT_ALONE", job_id=group[0].job_id, solo_runs=group[0].solo_runs,
                     waited_s=round(waited or 0.0, 3),

@@ -284,3 +284,28 @@ def test_a_ticket_coming_during_a_lone_run_waits_for_it_and_neither_pauses_nor_r
     assert ended == {"lone": ["succeeded"], "ticket": ["succeeded"]}
     assert records.get("lone")["solo_runs"] == "1"  # counted once, never paused and counted again
     assert store.get_result("lone")["status"] == store.get_result("ticket")["status"] == "succeeded"
+
+
+def test_a_job_abandoned_instead_of_run_alone_does_not_wait_for_the_worker() -> None:
+    """A suspect whose lone runs are spent is abandoned without a run: it needs no quiet worker, and a
+    delivery in hand (here, stuck in a decode step) does not hold its failure back."""
+    store, _fetched = _store()
+    records = MemoryJobRecords()
+    records.begin("spent")
+    records.suspect_group(["spent"], 1)
+    records.solo_run("spent")  # one lone run died already: MRC_MAX_ATTEMPTS=2 allows no second
+    backend = _Backend("busy", dies=False)
+    steps, pipeline = backend.steps, _pipeline(store, records, backend)
+    ended: dict[str, Any] = {}
+    try:
+        busy = _deliver(pipeline, _message("busy"), ended)
+        assert steps.running.wait(30)
+        _deliver(pipeline, _message("spent", "b"), ended).join(30)
+        assert ended.get("spent") == ["failed"], ended  # while the other delivery still holds the gate
+        steps.release.set()
+        busy.join(30)
+    finally:
+        steps.release.set()
+        pipeline.close()
+    assert "abandoned" in store.get_result("spent")["error"]["message"]
+    assert ended["busy"] == ["succeeded"]
