@@ -109,11 +109,12 @@ class Admission:
         return isinstance(slot.error, Abandoned)
 
     def group_ended(self, group: list[Slot]) -> None:
-        """After the group's stages: a lone run counted as it began, for a job that never reached the
-        engine (its photo's fetch failed, retryably too: it comes back as a fresh job; its answer came
-        from the cache), is withdrawn: it ran no model and no death came of it."""
+        """The group's run ended with the worker alive (its results written, or a fault not the job's
+        ending the worker): a lone run counted as it began is withdrawn. `solo_runs` counts the lone
+        runs the worker died in; one that ended, or never reached the model (a failed fetch, a cached
+        answer), or came back for a retry, must not count against the job's next suspicion."""
         for slot in group:
-            if slot.lone_counted and not slot.handed:
+            if slot.lone_counted:
                 slot.lone_counted = False
                 try:
                     self.records.withdraw_solo_run(slot.job_id)

@@ -240,8 +240,6 @@ class ModelStage:
             else:
                 rows[self.engine.submit(self._row(job, settled))] = job.slot
         if grouped and decoded_all and not any(job.slot.group is not None for job in still):
-            for _row, slot in grouped:
-                slot.handed = True  # its lone run stays counted (workers/admission.py `group_ended`)
             futures = self.engine.submit_many([row for row, _slot in grouped])
             rows.update(zip(futures, (slot for _row, slot in grouped), strict=True))
             grouped.clear()

@@ -93,7 +93,7 @@ class Pipeline:
             backend, settings, metrics, admission, self._pool, self._finish_async, fetch, streams
         )
         self.in_hand = InHand(lambda: self.model.engine_at)  # for /healthz (workers/liveness.py)
-        self.gate = SoloGate(lambda: self.model.engine.fatal)
+        self.gate = SoloGate(lambda: self.model.engine.fatal, self._other_work)
 
     @property
     def busy_ratio(self) -> float:
@@ -143,14 +143,10 @@ class Pipeline:
             self.jobs_seen += len(slots)
         spent: dict[str, float] = {}
         self._stage("decode", self._decode, slots, spent)
-        self._stage("claim", self.admission.admit, slots, spent)
-        suspects = [s for s in slots if s.suspect and s.live]
-        plain = [s for s in slots if s not in suspects]
-        if any(s.live for s in plain):
-            with self._held(self.gate.shared()):
-                self._run_jobs(plain, spent)
-        else:
-            self._run_jobs(plain, spent)  # skipped, expired, cancelled: written, nothing run
+        with self._held(self.gate.shared()):  # not during a lone run: see _run_group
+            self._stage("claim", self.admission.admit, slots, spent)
+            suspects = [s for s in slots if s.suspect and s.live]
+            self._run_jobs([s for s in slots if s not in suspects], spent)
         for group in suspect_groups(suspects):  # each group apart, its results written before the next
             self._run_group(group, spent)
         self.metrics.batch_jobs.observe(len(slots))
@@ -180,8 +176,25 @@ class Pipeline:
             name = f"suspect-{next(self._groups)}"
             for slot in group:
                 slot.group = name
-            self._run_jobs(group, spent)
+            try:
+                self._run_jobs(group, spent)
+            except Exception:  # Redis or S3 gone: the worker ends for a fault not the job's. Its death
+                self.admission.group_ended(group)  # (WorkerUnusable: a BaseException) stays counted
+                raise
             self.admission.group_ended(group)
+
+    def _other_work(self, waited_s: float) -> bool:
+        """Work no holder of the gate has in hand and a lone run waits for: rows a delivery left in the
+        engine (a bug failed its model stage), or, for up to their limit, grammar compiles past it
+        (they run on after their job failed `invalid_job`; a compile that never ends must not stall
+        the worker)."""
+        if not self.model.engine.idle:
+            return True
+        compiles = self.model.grammars.compiles.counts()
+        return (
+            bool(compiles["running"] + compiles["overdue"])
+            and waited_s < self.settings.grammar_compile_timeout_s
+        )
 
     @contextmanager
     def _held(self, hold: AbstractContextManager[T]) -> Iterator[T]:

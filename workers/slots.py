@@ -53,7 +53,6 @@ class Slot:
     group: str | None = None  # the engine group it runs in (suspects): nothing else runs beside it
     group_size: int = 0  # that group's size (1: a lone run)
     lone_counted: bool = False  # its lone run counted as its group began (workers/admission.py)
-    handed: bool = False  # its group was handed to the engine
     solo_runs: int = 0  # earlier runs of it alone that never finished
     suspect_group: int = 0  # the size of the group it last started in as a suspect (0: never)
     attention_path: str | None = None  # causal (it decoded alone) or masked (beside other rows)

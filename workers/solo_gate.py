@@ -7,14 +7,16 @@ several deliveries at once (MRC_WORKER_DELIVERIES): another delivery's killer, d
 decode or in its engine rows while an innocent job ran alone, was charged to the innocent one (CI red
 twice, with MRC_MAX_ATTEMPTS=2: abandoned after one such coincidence).
 
-So every delivery's jobs (its plain ones, or a group of its suspects) hold the gate shared from their
-prompts to their results, and a lone run holds it alone, from the count of its run to its result. A
-lone run that waits keeps new work out, so that a busy worker is ever quiet for it; it starts once
-the work in hand has ended. Nothing here knows about jobs: the pipeline decides what holds what.
+So every delivery's jobs hold the gate shared from their claim to their results (the claim marks
+them `running`: one waiting outside is no suspect of a death it never saw), and a lone run holds it
+alone, from the count of its run to its result. A lone run that waits keeps new work out, so that a
+busy worker is ever quiet for it; it starts once the work in hand has ended, and what runs outside
+any holder has ended too (`busy`: rows a failed delivery left in the engine, a grammar compile past
+its limit). Nothing here knows about jobs: the pipeline decides what holds what.
 
-The gate breaks when a holder leaves through the worker's death (WorkerUnusable, or a BaseException
-that is no Exception: a segfault's stand-in in tests): whoever waits then leaves with WorkerUnusable
-rather than start work on a worker that is going (and count a lone run no death can be told from).
+The gate breaks when a holder leaves by any exception: the worker ends on it (workers/tasks.py exits
+on whatever leaves a delivery), and whoever waits leaves with WorkerUnusable rather than start work
+on a worker that is going (and count a lone run that the exit would charge).
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ _LOOK_S = 0.5
 
 
 class SoloGate:
-    def __init__(self, fatal: Callable[[], BaseException | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        fatal: Callable[[], BaseException | None] = lambda: None,
+        busy: Callable[[float], bool] = lambda waited_s: False,
+    ) -> None:
         self._fatal = fatal  # the engine's fatal error, once it has died
+        self._busy = busy  # work outside any holder still running, after waiting so long for it
         self._cond = threading.Condition()
         self._shared = 0
         self._alone = False
@@ -50,7 +57,7 @@ class SoloGate:
             self._shared += 1
         try:
             yield
-        except BaseException as exc:
+        except BaseException as exc:  # the worker ends: nothing may start on it now
             self._note_death(exc)
             raise
         finally:
@@ -65,7 +72,7 @@ class SoloGate:
         with self._cond:
             self._waiting_alone += 1
             try:
-                while self._alone or self._shared:
+                while self._alone or self._shared or self._busy(time.monotonic() - began):
                     self._raise_if_dying()
                     self._cond.wait(_LOOK_S)
                 self._raise_if_dying()
@@ -75,7 +82,7 @@ class SoloGate:
             self._alone = True
         try:
             yield time.monotonic() - began
-        except BaseException as exc:
+        except BaseException as exc:  # the worker ends: nothing may start on it now
             self._note_death(exc)
             raise
         finally:
@@ -91,7 +98,6 @@ class SoloGate:
             raise WorkerUnusable(f"the worker is dying: {fault!r}"[:500])
 
     def _note_death(self, exc: BaseException) -> None:
-        if isinstance(exc, WorkerUnusable) or not isinstance(exc, Exception):
-            with self._cond:
-                self._broken = self._broken or exc
-                self._cond.notify_all()
+        with self._cond:
+            self._broken = self._broken or exc
+            self._cond.notify_all()

@@ -63,6 +63,12 @@ class EngineService:
         """Unique within the process, even for two deliveries of one job."""
         return f"{next(self._ids)}:{job_id}"
 
+    @property
+    def idle(self) -> bool:
+        """No row in hand, handed in or in the engine (read from any thread)."""
+        with self._cond:
+            return not self._inbox and not self._futures
+
     def submit(self, row: Sequence) -> Future[Sequence]:
         return self.submit_many([row])[0]
 
@@ -115,8 +121,9 @@ class EngineService:
                     return False
                 self._cond.wait(_IDLE_WAIT_S)
             inbox, self._inbox = self._inbox, []
-        for row, future in inbox:
-            self._futures[row.row_id] = future
+            for row, future in inbox:  # in hand all along, for `idle` read on another thread
+                self._futures[row.row_id] = future
+        for row, _future in inbox:
             if row.stream_to is not None and self.streams is not None:
                 self._streaming[row.row_id] = (row, 0)
             self.engine.submit(row)
