@@ -55,11 +55,7 @@ class Admission:
         seen: set[str] = set()
         running: list[Slot] = []
         # `mrc backlog cancel` marks the run's queued jobs; they end failed (`cancelled`), not run
-        cancelled = {
-            s.job_id
-            for s, r in zip(parsed, records, strict=True)
-            if r.get("cancelled") == "1" or r.get("run_cancelled") == "1"
-        }
+        cancelled = {s.job_id for s, r in zip(parsed, records, strict=True) if _cancelled(r)}
         for slot, record in zip(parsed, records, strict=True):
             assert slot.job is not None
             if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
@@ -77,19 +73,30 @@ class Admission:
         ):
             assert slot.job is not None
             slot.attempts = attempts
-            deadline = self._deadline(slot.job)
-            if slot.error is None and slot.job_id in cancelled:
-                slot.error = Cancelled("its backlog run was cancelled before the job ran")
-            elif slot.error is None and deadline is not None and deadline < now:
-                slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
+            self._judge(slot, slot.job_id in cancelled, now)
+
+    def recheck(self, group: list[Slot]) -> None:
+        """After a wait for the worker to itself (a lone run waits for the deliveries in hand): a job
+        cancelled or past its deadline meanwhile is not run."""
+        now = datetime.now(UTC)
+        for slot, record in zip(group, self.records.get_many([s.job_id for s in group]), strict=True):
+            self._judge(slot, _cancelled(record), now)
+
+    def _judge(self, slot: Slot, cancelled: bool, now: datetime) -> None:
+        assert slot.job is not None
+        deadline = self._deadline(slot.job)
+        if slot.error is None and cancelled:
+            slot.error = Cancelled("its backlog run was cancelled before the job ran")
+        elif slot.error is None and deadline is not None and deadline < now:
+            slot.error = Expired(f"deadline {deadline.isoformat()} passed before the job ran")
 
     def start_group(self, group: list[Slot]) -> None:
         """Before suspects run together: record the group's size (its jobs run in halves of it if their
         worker dies again) and count a lone run, the worker its own from here to its result
         (workers/solo_gate.py), so a death from its photo's fetch on is its own. A job abandoned
         (`abandon_spent`) is neither."""
-        if len(group) == 1 and self.abandon_spent(group[0]):
-            return
+        if len(group) == 1 and (self.abandon_spent(group[0]) or not group[0].live):
+            return  # abandoned, or cancelled or expired while it waited: runs nothing
         for slot in group:
             slot.group_size = len(group)
         if len(group) == 1:
@@ -172,6 +179,10 @@ class Admission:
             else self.settings.deadline_interactive_s
         )
         return parse_rfc3339(job.submitted_at) + timedelta(seconds=seconds) if seconds > 0 else None
+
+
+def _cancelled(record: dict[str, str]) -> bool:
+    return record.get("cancelled") == "1" or record.get("run_cancelled") == "1"
 
 
 def suspect_groups(suspects: list[Slot]) -> list[list[Slot]]:

@@ -167,7 +167,9 @@ class Pipeline:
         of its lone run to its result, so that a death meanwhile is its own."""
         alone = len(group) == 1 and not self.admission.abandon_spent(group[0])
         with self._held(self.gate.alone() if alone else self.gate.shared()) as waited:
-            if alone:
+            if alone and waited:
+                self.admission.recheck(group)  # cancelled or expired while it waited
+            if alone and group[0].live:
                 self.log.info(
                     "MRC_SUSPECT_ALONE", job_id=group[0].job_id, solo_runs=group[0].solo_runs,
                     waited_s=round(waited or 0.0, 3),

@@ -500,3 +500,24 @@ def test_a_lone_run_the_worker_leaves_for_redis_is_withdrawn_not_charged() -> No
     finally:
         pipeline.close()
     assert records.get("lone")["solo_runs"] == "0"
+
+
+def test_a_lone_job_cancelled_while_it_waits_for_the_worker_is_not_run() -> None:
+    """A review's finding: cancellation was read at the claim only, and a lone run waits after it."""
+    store, fetched = _store()
+    records = _suspect_alone("lone")
+    backend = _Backend("busy", dies=False)
+    ended: dict[str, Any] = {}
+    steps, pipeline = backend.steps, _pipeline(store, records, backend)
+    real_alone = pipeline.gate.alone
+
+    def cancelled_meanwhile() -> AbstractContextManager[float]:
+        records.set_state("lone", "running", cancelled="1")  # `mrc backlog cancel` while it waits
+        return real_alone()
+
+    pipeline.gate.alone = cancelled_meanwhile  # type: ignore[method-assign]
+    _second_while_first_runs(pipeline, steps, [_message("busy")], _message("lone", "b"), ended)
+    assert ended == {"first": ["succeeded"], "lone": ["failed"]}
+    assert store.get_result("lone")["error"]["code"] == "cancelled"
+    assert "inputs/b.jpg" not in fetched
+    assert int(records.get("lone").get("solo_runs", "0")) == 0
