@@ -330,8 +330,8 @@ class RedisJobRecords:
         return int(replies[0]) - 1
 
     def withdraw_solo_run(self, job_id: str) -> None:
-        """Take back the lone run `solo_run` counted last: the job waits in the engine behind others
-        and is counted again when it runs (workers/admission.py)."""
+        """Take back the lone run `solo_run` counted last: it ended with the worker alive, and
+        `solo_runs` counts the lone runs a worker died in (workers/admission.py)."""
         self._redis.hincrby(names.job_key(job_id), "solo_runs", -1)
 
     def suspect_group(self, job_ids: list[str], size: int) -> None:

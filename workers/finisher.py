@@ -56,10 +56,15 @@ class Finisher:
             self._retry(slot, error.code, error.message)
             return
         result = outcomes.build_result(slot, self.backend)
-        if result.status == "failed" and self._would_overwrite(slot):
+        existing = self._kept(slot) if result.status == "failed" else None
+        if existing is not None:
             slot.outcome = "skipped"
             self.log.warning("MRC_SKIPPED", job_id=slot.job_id, reason="result_exists",
                              code=result.error.code if result.error else "")  # fmt: skip
+            if slot.job is not None and existing.get("job_fingerprint") in (None, slot.job.fingerprint()):
+                # Its record lagged its result (Redis lost the write as the worker ended): settled now,
+                # or it says `running` for good and a backlog run never ends.
+                self.records.set_state(slot.job_id, "succeeded")
             return
         if not self._put(slot.job_id, result.to_json_dict()):
             if slot.job is not None and not last:
@@ -85,16 +90,16 @@ class Finisher:
         if error is not None and (error.retryable or isinstance(error, Abandoned)):
             self._dead_letter(slot, error.code, error.message)
 
-    def _would_overwrite(self, slot: Slot) -> bool:
-        """A failed outcome never replaces a succeeded result, and a message that is not a valid job
-        never replaces any result (its id may be a real job's)."""
+    def _kept(self, slot: Slot) -> dict[str, Any] | None:
+        """The stored result a failed outcome must not replace: a succeeded one, or any one for a
+        message that is not a valid job (its id may be a real job's). None: write."""
         try:
             existing = self.results.get_result(slot.job_id)
         except StoreUnavailable:
-            return False  # writing will meet the same outage, and retry
-        if existing is None:
-            return False
-        return slot.job is None or existing.get("status") == "succeeded"
+            return None  # writing will meet the same outage, and retry
+        if existing is None or (slot.job is not None and existing.get("status") != "succeeded"):
+            return None
+        return existing
 
     def _remember(self, slot: Slot) -> None:
         """Only succeeded answers are cached; a cache that is down costs GPU time, never a job."""

@@ -245,3 +245,24 @@ def test_a_lone_run_that_never_reached_the_engine_is_withdrawn() -> None:
         assert pipeline.run([_message("lone", "ok")]) == ["succeeded"]
     finally:
         pipeline.close()
+
+
+def test_a_spent_suspect_whose_answer_was_written_settles_its_record_and_is_never_abandoned() -> None:
+    """A service-level review's finding: Redis went away as a lone run's succeeded result was written
+    (S3 had it, the record still said `running` with the lone run counted) and the worker ended. Next
+    delivery: spent, it was abandoned; the succeeded result was kept, but the record said `running`
+    for good. The failure never replaces the answer, and the record is settled from it."""
+    store, records = _store(), MemoryJobRecords()
+    pipeline = _pipeline(store, EchoBackend(), records, max_attempts=2)
+    try:
+        assert pipeline.run([_message("lone", "ok")]) == ["succeeded"]
+        answer = store.get_result("lone")
+        records.set_state("lone", "running", checked="1")  # the write Redis lost
+        records.suspect_group(["lone"], 1)
+        records.solo_run("lone")  # its withdrawal was refused (MRC_SUSPECT_RUN_KEPT)
+        assert pipeline.run([_message("lone", "ok")]) == ["skipped"]
+    finally:
+        pipeline.close()
+    assert store.get_result("lone") == answer
+    assert records.get("lone")["state"] == "succeeded"
+    assert records.dlq == []
