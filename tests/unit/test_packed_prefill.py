@@ -19,8 +19,8 @@ from tests.support.step_proxy import StepProxy
 from workers.backends.base import GenerationInput
 from workers.backends.fuyu import FuyuBackend
 from workers.engine import scheduler
+from workers.engine.embeddings import PROJECTED_AT_LEAST, embed
 from workers.engine.engine import Engine
-from workers.engine.runner import PROJECTED_AT_LEAST
 from workers.engine.sequence import Sequence
 
 HOME = str(Path(__file__).resolve().parents[2] / ".cache" / "mrc")
@@ -105,6 +105,39 @@ def test_questions_about_one_photo_admitted_together_compute_its_prefix_once(bac
     assert done["3"].cached_tokens >= image - 15
     computed = sum(n for call in runner.calls for _, n in call)
     assert computed == sum(row.prompt_tokens - done[row.row_id].cached_tokens for row in rows)
+
+
+def test_questions_about_one_photo_admitted_together_project_its_patches_once(backend: FuyuBackend) -> None:
+    """The rows that copy their photo's prefix from a question admitted with them (no hit yet at their
+    admission) project only the patches past what they copied, as a row with a hit does: a row's
+    embeddings are made as its first chunk runs, not as it is admitted."""
+    items = [_photo(3, 0, 0, 2), _photo(3, 0, 1, 2), _photo(2, 1, 2, 2), _photo(3, 0, 2, 2)]
+    identities = [("key", 0), ("key", 0), ("key", 1), ("key", 0)]
+    runner = backend.step_model(4)
+    done: dict[str, Sequence] = {}
+    engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
+    rows = [_row(backend, str(i), item, identities[i]) for i, item in enumerate(items)]
+    vision = backend.model.model.vision_embed_tokens
+    projected: list[int] = []
+    hook = vision.register_forward_hook(lambda _m, args, _out: projected.append(int(args[0].shape[-2])))
+    try:
+        for row in rows:
+            engine.submit(row)
+        while not engine.idle:
+            engine.step()
+    finally:
+        hook.remove()
+    image_id = backend.model.config.image_token_id
+    patches = [int((row.inputs["input_ids"][0] == image_id).sum()) for row in rows]
+    copied = [
+        int((row.inputs["input_ids"][0][: done[row.row_id].cached_tokens] == image_id).sum()) for row in rows
+    ]
+    assert min(copied[1], copied[3]) > PROJECTED_AT_LEAST  # they did copy their photo's prefix
+    assert projected == [  # in the order the calls made them: row 0, then rows 1, 2 and 3 in one call
+        max(min(PROJECTED_AT_LEAST, n), n - before) for n, before in zip(patches, copied, strict=True)
+    ]
+    for index, item in enumerate(items):
+        assert done[str(index)].tokens == _alone(backend, item), index
 
 
 def test_a_failed_call_of_several_rows_fails_only_the_row_that_fails_alone(backend: FuyuBackend) -> None:
@@ -264,17 +297,16 @@ def test_a_prefix_hit_projects_only_the_patches_past_it(backend: FuyuBackend) ->
     noise = torch.Generator().manual_seed(7)
     image = torch.randint(0, 256, (3, 700, 600), dtype=torch.uint8, generator=noise)
     inputs = backend.prepare([GenerationInput(image, "Is the parcel damaged?", 4)]).inputs
-    runner = backend.step_model(2)
     vision = backend.model.model.vision_embed_tokens
     projected: list[int] = []
     hook = vision.register_forward_hook(lambda _m, args, _out: projected.append(int(args[0].shape[-2])))
     try:
-        whole = runner._embeddings(inputs)
+        whole = embed(backend.model, inputs)
         patches = projected.pop()
         ids = inputs["input_ids"][0]
         image_end = int((ids == backend.model.config.image_token_id).nonzero().max()) + 1
         for reused in (1, 16, 300, image_end - 40, image_end - 1, image_end, int(ids.shape[0]) - 1):
-            part = runner._embeddings(inputs, reused)
+            part = embed(backend.model, inputs, reused)
             assert torch.allclose(part[:, reused:], whole[:, reused:], rtol=0, atol=1e-5), reused
             before = int((ids[:reused] == backend.model.config.image_token_id).sum())
             assert projected.pop() == max(min(PROJECTED_AT_LEAST, patches), patches - before), reused

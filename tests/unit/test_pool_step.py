@@ -127,8 +127,7 @@ def test_a_row_whose_keys_are_not_finite_changes_no_other_rows_tokens(backend: F
             [GenerationInput(torch.full((3, 30, 30), 90, dtype=torch.uint8), "?", 4)]
         ).inputs
         runner.begin("bad", inputs, int(inputs["input_ids"].shape[1]))
-        embeddings, hashes = runner._pending["bad"]
-        runner._pending["bad"] = (embeddings * poisoned, hashes)  # its activations overflowed
+        runner._pending["bad"].embeddings = runner.embedded("bad") * poisoned  # its activations overflowed
         tokens.append(runner.extend([("bad", int(inputs["input_ids"].shape[1]))])[0])
         batch.join("bad")
         assert {r: runner.table.start(r) for r in starts} == starts
@@ -152,8 +151,8 @@ def test_a_row_placed_where_a_non_finite_row_was_gets_its_own_tokens(
     batch = runner.new_batch()
     inputs, length = backend.row_inputs(big)
     runner.begin("bad", inputs, length)
-    embeddings, hashes = runner._pending["bad"]
-    runner._pending["bad"] = (embeddings * embeddings.new_full((), float("nan")), hashes)
+    embeddings = runner.embedded("bad")
+    runner._pending["bad"].embeddings = embeddings * embeddings.new_full((), float("nan"))
     batch.join("bad")
     runner.decode(batch, [runner.extend([("bad", length)])[0] or 0])
     where = runner.table.start("bad")

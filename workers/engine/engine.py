@@ -218,7 +218,7 @@ class Engine:
             self.runner.abandon(row.row_id)
             self._requeue([row], restart=False)
             return False
-        except Exception as exc:  # its embeddings run the model (the image's patches): its own failure
+        except Exception as exc:  # its slot and the prefix it copies (memory): its own failure
             error = inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
             self.runner.abandon(row.row_id)
             if isinstance(error, OutOfMemory) and self.in_memory:

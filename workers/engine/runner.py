@@ -22,6 +22,7 @@ import torch
 
 from workers.engine import capacity, pool_step, row_attention
 from workers.engine import masks as grammar_masks
+from workers.engine.embeddings import Prefill, embed
 from workers.engine.fixed_step import FixedStep, StaticStep, buckets, rows_bucket, width_bucket
 from workers.engine.kv import SlotBatch, SlotCache
 from workers.engine.masks import MaskFn
@@ -30,7 +31,6 @@ from workers.engine.sequence import DEAD_END
 from workers.engine.slot_table import NoFreeSlot, SlotTable, pool_for
 
 DecodeMode = Literal["rows", "fixed", "pool"]
-PROJECTED_AT_LEAST = 64  # image patches projected for a row with a prefix hit (Runner._embeddings)
 
 
 # Sets the CPU threads for a model call of that many positions (workers/cpu_threads.py); None: as is.
@@ -73,9 +73,9 @@ class Runner:
         self.table.mover = self.cache.move
         self._steps: dict[tuple[int, int], StaticStep] = {}
         self.captured = 0  # fixed-shape steps recorded as CUDA graphs
-        # Rows whose prefill is under way: their input embeddings (image patches in place, made once)
-        # and their prefix's block hashes.
-        self._pending: dict[str, tuple[torch.Tensor, list[bytes]]] = {}
+        # Rows whose prefill is under way: their inputs and prefix block hashes, and their embeddings
+        # once their first chunk runs (workers/engine/embeddings.py).
+        self._pending: dict[str, Prefill] = {}
         # Positions each of those rows' prefill computes in all (its prompt less what it reused): what
         # sizes a call's CPU threads, so a chunk of a long prompt gets the threads its prompt whole
         # would, and a question's few positions after its photo's prefix hit stay on one thread.
@@ -119,7 +119,7 @@ class Runner:
         elif not table.retained(hit.holder) or table.take_over(row_id, hit.holder, reused, need) is None:
             self._copy_hit(row_id, hit.holder, reused, need)
         table.index.add(row_id, hashes[: reused // table.index.block])
-        self._pending[row_id] = (self._embeddings(inputs, reused), hashes)
+        self._pending[row_id] = Prefill(inputs, hashes, length)
         self._work[row_id] = length - reused
         return reused
 
@@ -147,11 +147,11 @@ class Runner:
         photo admitted together: the first to prefill writes it for all), copied into its slot: how
         many it gained. A hit never depends on the order rows arrive in."""
         table = self.table
-        hashes = self._pending[row_id][1]
+        hashes = self._pending[row_id].hashes
         hit = table.index.match(hashes) if hashes else None
         if hit is None or hit.holder == row_id:
             return 0
-        have, total = table.length(row_id), int(self._pending[row_id][0].shape[1])
+        have, total = table.length(row_id), self._pending[row_id].length
         reused = min(hit.positions, total - 1)
         if reused <= have:
             return 0
@@ -171,13 +171,13 @@ class Runner:
         table, cache = self.table, self.cache
         plans = []  # (row, slot's start, chunk's start, stop, prompt length)
         for row_id, stop in chunks:
-            length, start = int(self._pending[row_id][0].shape[1]), table.length(row_id)
+            length, start = self._pending[row_id].length, table.length(row_id)
             if not start < stop <= length:
                 raise ValueError(f"row {row_id}: a chunk {start}..{stop} of {length} positions")
             plans.append((row_id, table.start(row_id), start, stop, length))
         if self.threads is not None:  # by the rows' whole prefills, not this call's part of them
             self.threads(sum(self._work[row_id] for row_id, *_ in plans), "prefill")
-        embeddings = [self._pending[row_id][0][:, start:stop] for row_id, _, start, stop, _ in plans]
+        embeddings = [self.embedded(row_id)[:, start:stop] for row_id, _, start, stop, _ in plans]
         device, dtype = embeddings[0].device, embeddings[0].dtype
         laid, offset = [], 0  # each chunk's place in the call
         for _, base, start, stop, _ in plans:
@@ -211,7 +211,7 @@ class Runner:
                 tokens[index] = token
         for row_id, _, _, stop, length in plans:
             table.set_length(row_id, stop)
-            table.index.add(row_id, self._pending[row_id][1][: stop // table.index.block])
+            table.index.add(row_id, self._pending[row_id].hashes[: stop // table.index.block])
             if stop == length:
                 del self._pending[row_id], self._work[row_id]
         return tokens
@@ -220,12 +220,12 @@ class Runner:
         """Whether these chunks (row, stop), about to run, write the block of prefix the row computes
         next (questions about one photo, admitted together): then it waits for them and copies it
         (catch_up), rather than compute it again beside them."""
-        hashes, block = self._pending[row_id][1], self.table.index.block
+        hashes, block = self._pending[row_id].hashes, self.table.index.block
         following = self.table.length(row_id) // block
         if following >= len(hashes):
             return False
         for writer, stop in writers:
-            theirs = self._pending[writer][1]
+            theirs = self._pending[writer].hashes
             writes = self.table.length(writer) < (following + 1) * block < stop + block  # not yet written
             if writes and theirs[following : following + 1] == [hashes[following]]:
                 return True
@@ -242,33 +242,15 @@ class Runner:
             else:
                 self.table.release(row_id)
 
-    def _embeddings(self, inputs: Any, reused: int = 0) -> torch.Tensor:
-        """The row's input embeddings, image patches in place: what Fuyu's own forward does before its
-        language model, made once per row and sliced by each chunk. The patches of the first `reused`
-        positions (a prefix hit: never computed again) are not projected: a photo's questions after
-        its first project only the patches past the hit, where each projected all (their positions
-        keep the placeholder's embedding, which no chunk reads)."""
-        fuyu = self.model.model
-        ids = inputs["input_ids"]
-        embeddings: torch.Tensor = self.language.get_input_embeddings()(ids)
-        pixels = inputs.get("pixel_values")
-        if pixels is None:
-            return embeddings
-        placeholders = ids == fuyu.config.image_token_id
-        # What is projected keeps at least PROJECTED_AT_LEAST patches: a matrix product of a few rows
-        # takes other kernels than one of many (other last bits: measured under 12 rows on this CPU),
-        # and the positions past a hit are to be those of the same photo without it, bit for bit.
-        skipped = max(0, min(int(placeholders[0, :reused].sum()), pixels.shape[-2] - PROJECTED_AT_LEAST))
-        if skipped:
-            pixels = pixels[..., skipped:, :]
-            placeholders = placeholders & (placeholders.cumsum(-1) > skipped)
-        patches = fuyu.get_image_features(pixels, return_dict=True).last_hidden_state
-        patches = patches.to(embeddings.device, embeddings.dtype)
-        if int(placeholders.sum()) != patches.shape[:-1].numel():
-            raise ValueError(
-                f"{int(placeholders.sum())} image placeholders for {patches.shape[:-1].numel()} patches"
-            )
-        return embeddings.masked_scatter(placeholders.unsqueeze(-1).expand_as(embeddings), patches)
+    def embedded(self, row_id: str) -> torch.Tensor:
+        """The row's input embeddings, made as its first chunk runs: what it copied of its photo's
+        prefix by then (a hit at admission, or catch_up from a question admitted with it) is not
+        projected, so questions about one photo admitted together project its patches once."""
+        pending = self._pending[row_id]
+        if pending.embeddings is None:
+            pending.embeddings = embed(self.model, pending.inputs, self.table.length(row_id))
+            pending.inputs = None  # the pixels are not needed again
+        return pending.embeddings
 
     @torch.inference_mode()
     def decode(self, batch: SlotBatch, last_tokens: list[int], masks: MaskFn | None = None) -> list[int]:
