@@ -229,6 +229,50 @@ def test_a_retirement_out_of_memory_during_a_calls_joins_sends_the_rest_back(bac
             assert done[str(index)].tokens == _alone(backend, item), (decode, index)
 
 
+def test_a_failed_call_run_row_by_row_stops_where_a_retirement_sent_the_rows_back(
+    backend: FuyuBackend,
+) -> None:
+    """Review finding: a call of three rows fails for its second row's image (its patches made as its
+    first chunk runs), and the rows run alone; the first ends at its first token and its retirement
+    runs out of memory, sending every row in memory back to waiting. The second then ran from a
+    prefilling list it was no longer in (KeyError: the engine's end, every job in hand failed). Now
+    the rows alone stop there; the bad row fails by itself and the others finish with their tokens."""
+    items = {"a": _photo(0, 0, 0, 1), "bad": _photo(2, 2, 2, 4), "c": _photo(1, 1, 1, 3)}
+    armed = [True]
+
+    class Failing(StepProxy):
+        def new_batch(self) -> Any:
+            batch = self.inner.new_batch()
+            drop = batch.drop
+
+            def failing_drop(row_ids: set[str], keep: bool = False) -> None:
+                if keep and armed[0]:
+                    armed[0] = False
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+                drop(row_ids, keep)
+
+            batch.drop = failing_drop
+            return batch
+
+    rows = []
+    for row_id, item in items.items():
+        row = _row(backend, row_id, item)
+        if row_id == "bad":
+            row.inputs = {**row.inputs, "pixel_values": row.inputs["pixel_values"][:-1]}
+        rows.append(row)
+    runner = backend.step_model(4)
+    done: dict[str, Sequence] = {}
+    engine = Engine(Failing(runner), scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
+    drive(engine, [(row, 0) for row in rows])
+    assert not armed[0], "the retirement never ran out of memory"
+    assert done["bad"].error is not None
+    assert done["bad"].error.code == "model_error"
+    for row_id in ("a", "c"):
+        assert done[row_id].error is None, row_id
+        assert done[row_id].tokens == _alone(backend, items[row_id]), row_id
+    assert (list(runner._pending), runner.table.used) == ([], 0)
+
+
 @pytest.mark.parametrize("budget", [130, 200, 250])
 def test_a_ticket_waiting_for_its_photos_prefix_keeps_its_place_ahead_of_the_backlog(
     backend: FuyuBackend, budget: int

@@ -277,8 +277,10 @@ class Engine:
         except Exception as exc:
             if len(call) > 1:
                 inference.classify(exc)  # raises WorkerUnusable: nothing here can run any more
-                alone = [chunk for chunk in call if chunk[0].row_id in self.prefilling]
-                return all(self._run_chunks([chunk], moved) for chunk in alone)
+                for chunk in call:  # stops where one alone sent the rows back (a retirement's memory)
+                    if chunk[0].row_id not in self.prefilling or not self._run_chunks([chunk], moved):
+                        return False
+                return True
             return self._chunk_failed(call[0][0], exc)
         for (row, stop), token in zip(call, tokens, strict=True):
             if row.row_id not in self.prefilling:  # sent back meanwhile (a retirement ran out of memory)
