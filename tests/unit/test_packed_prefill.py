@@ -80,6 +80,28 @@ def test_a_steps_chunks_of_several_rows_run_in_one_call_and_equal_each_job_alone
             assert sum(n for call in runner.calls for _, n in call) == sum(r.prompt_tokens for r in rows)
 
 
+class _RetiringOutOfMemory(StepProxy):
+    """The real runner; the first retirement (a finished row's slot left to the prefix cache) runs out
+    of memory, once."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.armed = True
+
+    def new_batch(self) -> Any:
+        batch = self.inner.new_batch()
+        drop = batch.drop
+
+        def failing_drop(row_ids: set[str], keep: bool = False) -> None:
+            if keep and self.armed:
+                self.armed = False
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+            drop(row_ids, keep)
+
+        batch.drop = failing_drop
+        return batch
+
+
 def test_questions_about_one_photo_admitted_together_compute_its_prefix_once(backend: FuyuBackend) -> None:
     """Three questions about one photo and one about another, all in one step: the photo's prefix is
     computed by its first question's chunk; the second waits for a second call and copies it, and the
@@ -199,31 +221,15 @@ def test_a_retirement_out_of_memory_during_a_calls_joins_sends_the_rest_back(bac
     joined from a prefilling list it was no longer in (KeyError: the engine's end). Now the joins stop
     there, and every row still finishes with its own tokens."""
     items = [_photo(0, 0, 0, 1), _photo(1, 1, 1, 4), _photo(2, 2, 2, 4)]
-    armed = [True]
-
-    class Failing(StepProxy):
-        def new_batch(self) -> Any:
-            batch = self.inner.new_batch()
-            drop = batch.drop
-
-            def failing_drop(row_ids: set[str], keep: bool = False) -> None:
-                if keep and armed[0]:
-                    armed[0] = False
-                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-                drop(row_ids, keep)
-
-            batch.drop = failing_drop
-            return batch
 
     for decode in ("rows", "fixed", "pool"):
-        armed[0] = True
+        runner = _RetiringOutOfMemory(backend.step_model(4, decode=decode))
         done: dict[str, Sequence] = {}
         engine = Engine(
-            Failing(backend.step_model(4, decode=decode)), scheduler.Limits(4, 0),
-            lambda row, done=done: done.__setitem__(row.row_id, row),
-        )  # fmt: skip
+            runner, scheduler.Limits(4, 0), lambda row, done=done: done.__setitem__(row.row_id, row)
+        )
         drive(engine, [(_row(backend, str(i), item), 0) for i, item in enumerate(items)])
-        assert not armed[0], "the retirement never ran out of memory"
+        assert not runner.armed, "the retirement never ran out of memory"
         for index, item in enumerate(items):
             assert done[str(index)].error is None, (decode, index)
             assert done[str(index)].tokens == _alone(backend, item), (decode, index)
@@ -238,21 +244,6 @@ def test_a_failed_call_run_row_by_row_stops_where_a_retirement_sent_the_rows_bac
     prefilling list it was no longer in (KeyError: the engine's end, every job in hand failed). Now
     the rows alone stop there; the bad row fails by itself and the others finish with their tokens."""
     items = {"a": _photo(0, 0, 0, 1), "bad": _photo(2, 2, 2, 4), "c": _photo(1, 1, 1, 3)}
-    armed = [True]
-
-    class Failing(StepProxy):
-        def new_batch(self) -> Any:
-            batch = self.inner.new_batch()
-            drop = batch.drop
-
-            def failing_drop(row_ids: set[str], keep: bool = False) -> None:
-                if keep and armed[0]:
-                    armed[0] = False
-                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-                drop(row_ids, keep)
-
-            batch.drop = failing_drop
-            return batch
 
     rows = []
     for row_id, item in items.items():
@@ -260,17 +251,17 @@ def test_a_failed_call_run_row_by_row_stops_where_a_retirement_sent_the_rows_bac
         if row_id == "bad":
             row.inputs = {**row.inputs, "pixel_values": row.inputs["pixel_values"][:-1]}
         rows.append(row)
-    runner = backend.step_model(4)
+    runner = _RetiringOutOfMemory(backend.step_model(4))
     done: dict[str, Sequence] = {}
-    engine = Engine(Failing(runner), scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
+    engine = Engine(runner, scheduler.Limits(4, 0), lambda row: done.__setitem__(row.row_id, row))
     drive(engine, [(row, 0) for row in rows])
-    assert not armed[0], "the retirement never ran out of memory"
+    assert not runner.armed, "the retirement never ran out of memory"
     assert done["bad"].error is not None
     assert done["bad"].error.code == "model_error"
     for row_id in ("a", "c"):
         assert done[row_id].error is None, row_id
         assert done[row_id].tokens == _alone(backend, items[row_id]), row_id
-    assert (list(runner._pending), runner.table.used) == ([], 0)
+    assert (list(runner.inner._pending), runner.inner.table.used) == ([], 0)
 
 
 @pytest.mark.parametrize("budget", [130, 200, 250])
