@@ -21,6 +21,7 @@ class MemoryJobRecords:
         self.events: list[dict[str, str]] = []
         self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
         self._lock = threading.Lock()
+        self._event_added = threading.Condition(self._lock)  # events_after's block, as XREAD's
 
     def pushed(self, push_id: str) -> bool:
         return False  # no broker here: nothing is ever pushed through these records
@@ -194,9 +195,16 @@ class MemoryJobRecords:
         with self._lock:
             self.events.append(dict(event))
             del self.events[:-keep]
+            self._event_added.notify_all()
             return f"{len(self.events)}-0"
 
     def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
         start = int(after.split("-")[0])
         with self._lock:
+            if block_s > 0:
+                self._event_added.wait_for(lambda: len(self.events) > start, timeout=block_s)
             return [{"id": f"{n}-0", **e} for n, e in enumerate(self.events, start=1) if n > start][:count]
+
+    def events_tail(self) -> str:
+        with self._lock:
+            return f"{len(self.events)}-0"

@@ -128,6 +128,7 @@ class JobRecords(Protocol):
     def purge_dead_letters(self) -> int: ...
     def add_event(self, event: dict[str, str], keep: int) -> str: ...
     def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]: ...
+    def events_tail(self) -> str: ...
 
 
 class RedisJobRecords:
@@ -363,6 +364,12 @@ class RedisJobRecords:
             for event_id, fields in entries:
                 out.append({"id": str(event_id), **fields})
         return out
+
+    def events_tail(self) -> str:
+        """The newest completion event's id ("0-0" when there is none): a wait that reads the events
+        after it from here on misses none that come after its first look at the job."""
+        reply: Any = self._redis.xrevrange(names.events_key(), count=1)
+        return str(reply[0][0]) if reply else "0-0"
 
 
 def unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ while a result is awaited: the job record is followed first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from producer.http.completions import Completions
 from shared import names, redis_target
 from shared.records import TERMINAL, unstored_result
 from shared.settings import Settings
@@ -53,11 +55,14 @@ class Waits:
                 **options,
             )
             self._redis = redis.Redis(connection_pool=connections)
+        # The result waits' wake-ups: one follower of the completion events, on its own connection.
+        self.completions = Completions(lambda: redis_target.client(settings, **options))
 
     async def _run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     def close(self) -> None:
+        self.completions.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._redis.close()
 
@@ -104,12 +109,20 @@ class Waits:
         describes, `result_stored: false`), else the job's state when the wait ends ("unknown": no
         such job).
 
-        The record is read every RECORD_POLL_S; S3 as soon as the record says the job ended, and at
-        most every S3_EVERY_S otherwise, whatever it says (an update of the record may have been lost).
+        The record is read as the job's completion event comes (producer/http/completions.py), and
+        every RECORD_POLL_S whatever comes; S3 as soon as the record says the job ended, and at most
+        every S3_EVERY_S otherwise, whatever it says (an update of the record may have been lost).
         No record and no result: no such job."""
+        with self.completions.watching(job_id) as completed:
+            return await self._result(job_id, wait_s, read_result, completed)
+
+    async def _result(
+        self, job_id: str, wait_s: float, read_result: ReadResult, completed: asyncio.Event
+    ) -> dict[str, Any] | str:
         deadline = time.monotonic() + wait_s
         next_look, ended_seen = 0.0, False  # the first pass always reads S3
         while True:
+            completed.clear()  # a completion from here on wakes the pause below
             record = await self.record(job_id)
             state = record.get("state")
             now = time.monotonic()
@@ -125,4 +138,6 @@ class Waits:
                     return unstored_result(job_id, record)
             if time.monotonic() >= deadline:
                 return str(state)
-            await asyncio.sleep(min(RECORD_POLL_S, max(0.0, deadline - time.monotonic())))
+            pause = min(RECORD_POLL_S, max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(completed.wait(), pause)

@@ -25,6 +25,7 @@ from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore, open_stores
 
 _CLAIM_TRIES = 3
+_EVENT_READ_S = 1.0  # one blocking read of the completion events at most this long (inside socket timeouts)
 
 
 class Queue:
@@ -247,6 +248,7 @@ class Queue:
         record update was lost is still found. A job that ended without a stored result (S3 refused
         it to the end) is reported from its record as failed, instead of a wait that times out."""
         deadline = time.monotonic() + timeout
+        after = self._events_tail()  # before the first look: no completion after it is missed
         next_look = time.monotonic() + 1.0  # the record is read first: S3 only if it says "ended"
         while True:
             record = self.records.get(job_id)
@@ -260,4 +262,31 @@ class Queue:
                     return unstored_result(job_id, record)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
-            time.sleep(self.settings.wait_poll_s)
+            pause = min(self.settings.wait_poll_s, max(0.0, deadline - time.monotonic()))
+            after = self._until_completed(job_id, after, pause)
+
+    def _events_tail(self) -> str | None:
+        try:
+            return self.records.events_tail()
+        except Exception:  # the stream is a hint: without it the wait polls
+            return None
+
+    def _until_completed(self, job_id: str, after: str | None, seconds: float) -> str | None:
+        """Sleep up to `seconds`, woken early by the job's completion event (workers/finisher.py
+        appends it once the result and the record are written), so the caller looks at once instead
+        of up to a poll interval later. A hint, never the truth: an event lost or never written costs
+        the poll interval. Returns where the next read of the stream starts (None: it cannot be read,
+        and the wait only polls)."""
+        until = time.monotonic() + seconds
+        try:
+            while after is not None and (left := until - time.monotonic()) > 0.001:
+                events = self.records.events_after(after, block_s=min(left, _EVENT_READ_S))
+                if not events:
+                    continue  # that read waited its time out
+                after = events[-1]["id"]
+                if any(event.get("job_id") == job_id for event in events):
+                    return after
+        except Exception:
+            after = None
+        time.sleep(max(0.0, until - time.monotonic()))
+        return after

@@ -1,0 +1,96 @@
+"""Wakes mrc-api's result waits as their jobs finish. One thread per API process follows the fleet's
+completion events (the stream workers/finisher.py appends to once a job's result and record are
+written) and sets the event of every request waiting for that job, so `GET /v1/jobs/ID/result?wait=`
+and a chat completion answer as their job ends, not up to a record poll later.
+
+A hint, never the truth: the waits still read the job's record every RECORD_POLL_S and S3 at their own
+pace (producer/http/waits.py), so an event lost, late or never written (Redis away, the follower
+restarting) costs the poll interval, never an answer. The follower starts with the first wait (an API
+whose Redis is away still starts), holds one Redis connection of its own, and reads from the newest
+event again after an error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from shared import names
+
+READ_MS = 1000  # one blocking read of the stream at most this long: well inside the socket timeout
+RETRY_S = 1.0  # after a failed read, the pause before the next connection
+
+
+class Completions:
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        """`connect`: a Redis client (decoded responses) for the follower's own use."""
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._waiting: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.following = threading.Event()  # set once the follower has read the stream's newest id
+
+    @contextlib.contextmanager
+    def watching(self, job_id: str) -> Iterator[asyncio.Event]:
+        """An event set when the job's completion event is read, for as long as the caller waits.
+        Registered before the caller's first look at the job: a completion after that look wakes it."""
+        entry = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiting.setdefault(job_id, []).append(entry)
+            self._start()
+        try:
+            yield entry[1]
+        finally:
+            with self._lock:
+                entries = self._waiting.get(job_id, [])
+                if entry in entries:
+                    entries.remove(entry)
+                if not entries:
+                    self._waiting.pop(job_id, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=READ_MS / 1000 + RETRY_S + 1)
+
+    def _start(self) -> None:
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._follow, name="mrc-completions", daemon=True)
+            self._thread.start()
+
+    def _follow(self) -> None:
+        client: Any = None
+        after: str | None = None
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = self._connect()
+                if after is None:  # from the newest: what came before is for the waits' own looks
+                    newest = client.xrevrange(names.events_key(), count=1)
+                    after = str(newest[0][0]) if newest else "0-0"
+                    self.following.set()
+                reply = client.xread({names.events_key(): after}, count=1000, block=READ_MS)
+                for _stream, entries in reply or []:
+                    for event_id, fields in entries:
+                        after = str(event_id)
+                        self._wake(fields.get("job_id"))
+            except Exception:  # Redis away or failing over: the waits poll meanwhile
+                self.following.clear()
+                with contextlib.suppress(Exception):
+                    if client is not None:
+                        client.close()
+                client, after = None, None
+                self._stop.wait(RETRY_S)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def _wake(self, job_id: str | None) -> None:
+        with self._lock:
+            entries = list(self._waiting.get(job_id or "", ()))
+        for loop, event in entries:
+            with contextlib.suppress(RuntimeError):  # its loop closed: the request is gone
+                loop.call_soon_threadsafe(event.set)

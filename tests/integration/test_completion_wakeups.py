@@ -1,0 +1,130 @@
+"""A wait for a job's result (`Client.wait`, mrc-api's `GET /v1/jobs/ID/result?wait=` and chat
+completions) answers as the job's completion event comes, not at its next poll of the record: the
+polls are made a minute long here, three times each wait, so a wait that answers before its own end
+was woken by the event (a poll would find the result only at the wait's end, or after it). Real Redis
+and S3; the job's end is written as the worker's finisher writes it (result, record, then the event)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from producer.client import Client
+from producer.http import waits as api_waits
+from scripts import devservices as services
+from shared.records import RedisJobRecords, connect
+
+pytestmark = pytest.mark.integration
+
+WAIT_S = 20.0  # each wait; the polls are 60 s
+FINISHED = {"schema": "mrc.result/1", "status": "succeeded", "text": "yes"}
+
+
+def _finish(client: Client, job_id: str) -> None:
+    """What workers/finisher.py does as a job succeeds, an unrelated job's event first."""
+    client.records.add_event({"job_id": f"other-{job_id}", "status": "succeeded"}, 1000)
+    client.results.put_result(job_id, {**FINISHED, "job_id": job_id})
+    client.records.set_state(job_id, "succeeded")
+    client.records.add_event({"job_id": job_id, "status": "succeeded"}, 1000)
+
+
+def _after(first_look: threading.Event, then: Any) -> threading.Thread:
+    def run() -> None:
+        assert first_look.wait(WAIT_S)
+        then()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_client_wait_answers_at_its_jobs_completion_event(env: dict[str, str], client: Client) -> None:
+    client.results.ensure_bucket()
+    settings = services.settings_from_env({**env, "MRC_WAIT_POLL_S": "60"})
+    job_id = f"wake-{uuid.uuid4().hex[:10]}"
+    assert client.records.claim(job_id, "interactive")  # queued
+    first_look = threading.Event()
+
+    class Looking(RedisJobRecords):
+        def get(self, key: str) -> dict[str, str]:
+            record = super().get(key)
+            first_look.set()  # the job is finished only after the wait's first look found it queued
+            return record
+
+    waiting = Client(settings)
+    waiting.records = Looking(connect(settings))
+    finisher = _after(first_look, lambda: _finish(client, job_id))
+    began = time.monotonic()
+    try:
+        result = waiting.wait(job_id, WAIT_S)
+    finally:
+        waiting.close()
+    finisher.join()
+    assert (result["job_id"], result["status"]) == (job_id, "succeeded")
+    assert time.monotonic() - began < WAIT_S / 2  # well before the wait's end: not a poll's doing
+
+
+def test_an_api_result_wait_answers_at_its_jobs_completion_event(
+    env: dict[str, str], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client.results.ensure_bucket()
+    monkeypatch.setattr(api_waits, "RECORD_POLL_S", 60.0)
+    monkeypatch.setattr(api_waits, "S3_EVERY_S", 60.0)
+    waits = api_waits.Waits(services.settings_from_env(env), 4)
+    job_id = f"wake-{uuid.uuid4().hex[:10]}"
+    assert client.records.claim(job_id, "interactive")
+    first_look = threading.Event()
+
+    def read_result(key: str) -> dict[str, Any] | None:
+        found = client.result(key)
+        if waits.completions.following.wait(WAIT_S):  # the follower reads the stream from here on
+            first_look.set()
+        return found
+
+    finisher = _after(first_look, lambda: _finish(client, job_id))
+    began = time.monotonic()
+    try:
+        found = asyncio.run(waits.result(job_id, WAIT_S, read_result))
+    finally:
+        waits.close()
+    finisher.join()
+    assert isinstance(found, dict), found  # "queued": woken by nothing, the wait ran out
+    assert (found["job_id"], found["status"]) == (job_id, "succeeded")
+    assert time.monotonic() - began < WAIT_S / 2  # well before the wait's end: not a poll's doing
+
+
+def test_the_follower_wakes_only_the_waits_for_the_job_that_ended(
+    env: dict[str, str], client: Client
+) -> None:
+    waits = api_waits.Waits(services.settings_from_env(env), 4)
+    mine, other = f"wake-{uuid.uuid4().hex[:10]}", f"wake-{uuid.uuid4().hex[:10]}"
+
+    async def watch() -> tuple[bool, bool]:
+        with waits.completions.watching(mine) as completed:
+            assert await asyncio.to_thread(waits.completions.following.wait, WAIT_S)
+            client.records.add_event({"job_id": other, "status": "succeeded"}, 1000)
+            client.records.add_event({"job_id": f"{mine}-not", "status": "failed"}, 1000)
+            early = await _set_within(completed, 1.0)
+            client.records.add_event({"job_id": mine, "status": "failed"}, 1000)
+            return early, await _set_within(completed, WAIT_S)
+
+    try:
+        early, woken = asyncio.run(watch())
+    finally:
+        waits.close()
+    assert not early  # other jobs' events (a longer id beginning with this one's too) woke nothing
+    assert woken
+    assert waits.completions._waiting == {}  # every wait's entry is gone with it
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
