@@ -83,12 +83,15 @@ class Finisher:
             slot.job_id, result.status, **({"error_code": result.error.code} if result.error else {})
         )
         self._count_usage(slot, result)
-        self._announce(result)
         outcomes.report(slot, result, self.backend, self.metrics, self.log)
         if result.status == "succeeded" and not slot.cache_hit:
             self._remember(slot)
         if error is not None and (error.retryable or isinstance(error, Abandoned)):
             self._dead_letter(slot, error.code, error.message)
+        # Last: the event wakes the waits for the job (producer/http/completions.py, Client.wait), and
+        # what they may look at next (its log line, metrics, cached answer, dead letter) is written.
+        # Its message is acked with its delivery's end, after it.
+        self._announce(result)
 
     def _kept(self, slot: Slot) -> dict[str, Any] | None:
         """The stored result a failed outcome must not replace: a succeeded one, or any one for a

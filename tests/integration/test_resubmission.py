@@ -101,6 +101,8 @@ def test_a_resubmission_pushes_a_message_that_is_nowhere_again_and_the_job_runs_
     elsewhere.heal(client)
     assert client.enqueue(job) is False  # the same job, pushed again
     assert client.wait(job.job_id, timeout=120)["status"] == "succeeded"
+    # Its message is acked with its delivery's end, after its result (the wait wakes at the result)
+    services.wait_for(lambda: _queued(redis, job.job_id) == 0, 60, "the job's message to be acked")
     for _ in range(2):  # resubmitted again once it ran: its marker says acked, nothing is pushed
         assert client.enqueue(job) is False
     assert _queued(redis, job.job_id) == 0

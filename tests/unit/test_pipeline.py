@@ -120,6 +120,43 @@ def test_out_of_memory_splits_then_retries_then_dead_letters(store: MemoryStore)
     assert [(e["job_id"], e["code"], e["attempts"]) for e in records.dlq] == [("huge", "out_of_memory", 3)]
 
 
+def test_a_jobs_completion_event_comes_after_everything_else_its_end_writes(store: MemoryStore) -> None:
+    """The event wakes the waits for the job (Client.wait, mrc-api's long-polls): what a caller may look
+    at once woken (the result, the record, the dead letter, the job's metrics) is written before it."""
+    from shared.errors import OutOfMemory
+
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    class Watching(MemoryJobRecords):
+        def add_event(self, event: dict[str, str], keep: int) -> str:
+            job_id = event["job_id"]
+            seen[job_id] = (
+                store.get_result(job_id) is not None,
+                self.get(job_id).get("state"),
+                [e["job_id"] for e in self.dlq],
+                _jobs_counted(pipeline),
+            )
+            return super().add_event(event, keep)
+
+    backend = EchoBackend(fail_on="HUGE", error=OutOfMemory("CUDA out of memory"))
+    records = Watching()
+    pipeline = _pipeline(store, backend, records, max_attempts=1)
+    assert pipeline.run([_job("fine"), _job("huge", prompt="HUGE")]) == ["succeeded", "failed"]
+    assert seen["fine"] == (True, "succeeded", [], 1.0)
+    assert seen["huge"] == (True, "failed", ["huge"], 2.0)
+
+
+def _jobs_counted(pipeline: Pipeline) -> float:
+    """mrc_jobs_total over every label: the jobs whose end was counted so far."""
+    return sum(
+        sample.value
+        for metric in pipeline.metrics.registry.collect()
+        if metric.name == "mrc_jobs"
+        for sample in metric.samples
+        if sample.name == "mrc_jobs_total"
+    )
+
+
 def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
     _pipeline(store, max_prompt_tokens=3).run([_job("long", prompt="one two three four five")])
     result = store.get_result("long")
