@@ -19,6 +19,7 @@ class MemoryJobRecords:
         self.dlq: list[dict[str, object]] = []  # oldest first
         self.processing: list[str] = []
         self.events: list[dict[str, str]] = []
+        self._event_ids: list[int] = []  # each kept event's id (a count that never goes back, as XADD's)
         self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
         self._lock = threading.Lock()
         self._event_added = threading.Condition(self._lock)  # events_after's block, as XREAD's
@@ -193,18 +194,24 @@ class MemoryJobRecords:
 
     def add_event(self, event: dict[str, str], keep: int) -> str:
         with self._lock:
+            number = (self._event_ids[-1] if self._event_ids else 0) + 1
             self.events.append(dict(event))
-            del self.events[:-keep]
+            self._event_ids.append(number)
+            del self.events[:-keep], self._event_ids[:-keep]
             self._event_added.notify_all()
-            return f"{len(self.events)}-0"
+            return f"{number}-0"
 
     def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
         start = int(after.split("-")[0])
         with self._lock:
             if block_s > 0:
-                self._event_added.wait_for(lambda: len(self.events) > start, timeout=block_s)
-            return [{"id": f"{n}-0", **e} for n, e in enumerate(self.events, start=1) if n > start][:count]
+                self._event_added.wait_for(lambda: self._newest_event() > start, timeout=block_s)
+            pairs = zip(self._event_ids, self.events, strict=True)
+            return [{"id": f"{n}-0", **e} for n, e in pairs if n > start][:count]
 
     def events_tail(self) -> str:
         with self._lock:
-            return f"{len(self.events)}-0"
+            return f"{self._newest_event()}-0"
+
+    def _newest_event(self) -> int:
+        return self._event_ids[-1] if self._event_ids else 0

@@ -6,8 +6,10 @@ and a chat completion answer as their job ends, not up to a record poll later.
 A hint, never the truth: the waits still read the job's record every RECORD_POLL_S and S3 at their own
 pace (producer/http/waits.py), so an event lost, late or never written (Redis away, the follower
 restarting) costs the poll interval, never an answer. The follower starts with the first wait (an API
-whose Redis is away still starts), holds one Redis connection of its own, and reads from the newest
-event again after an error."""
+whose Redis is away still starts), holds one Redis connection of its own, reads from the newest event
+again after an error, and logs MRC_COMPLETIONS_UNFOLLOWED once when it loses the stream (the waits
+poll until it is back). Closing it never blocks the caller (the API's event loop at shutdown): its
+connection is dropped, which ends a read in progress."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from shared import names
+from shared import logs, names
 
 READ_MS = 1000  # one blocking read of the stream at most this long: well inside the socket timeout
 RETRY_S = 1.0  # after a failed read, the pause before the next connection
@@ -31,6 +33,7 @@ class Completions:
         self._waiting: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._client: Any = None
         self.following = threading.Event()  # set once the follower has read the stream's newest id
 
     @contextlib.contextmanager
@@ -53,8 +56,10 @@ class Completions:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=READ_MS / 1000 + RETRY_S + 1)
+        client = self._client
+        if client is not None:  # ends a blocked read now (the thread sees the stop as it fails)
+            with contextlib.suppress(Exception):
+                client.connection_pool.disconnect()
 
     def _start(self) -> None:
         if self._thread is None and not self._stop.is_set():
@@ -62,28 +67,34 @@ class Completions:
             self._thread.start()
 
     def _follow(self) -> None:
-        client: Any = None
         after: str | None = None
+        told = False  # MRC_COMPLETIONS_UNFOLLOWED once per outage
         while not self._stop.is_set():
             try:
-                if client is None:
-                    client = self._connect()
+                if self._client is None:
+                    self._client = self._connect()
                 if after is None:  # from the newest: what came before is for the waits' own looks
-                    newest = client.xrevrange(names.events_key(), count=1)
+                    newest = self._client.xrevrange(names.events_key(), count=1)
                     after = str(newest[0][0]) if newest else "0-0"
                     self.following.set()
-                reply = client.xread({names.events_key(): after}, count=1000, block=READ_MS)
+                    told = False
+                reply = self._client.xread({names.events_key(): after}, count=1000, block=READ_MS)
                 for _stream, entries in reply or []:
                     for event_id, fields in entries:
                         after = str(event_id)
                         self._wake(fields.get("job_id"))
-            except Exception:  # Redis away or failing over: the waits poll meanwhile
+            except Exception as exc:  # Redis away, failing over or refusing: the waits poll meanwhile
                 self.following.clear()
-                with contextlib.suppress(Exception):
-                    if client is not None:
-                        client.close()
-                client, after = None, None
+                if not told and not self._stop.is_set():
+                    told = True
+                    logs.get_logger().warning("MRC_COMPLETIONS_UNFOLLOWED", error=repr(exc)[:200])
+                self._drop_client()
+                after = None
                 self._stop.wait(RETRY_S)
+        self._drop_client()
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()

@@ -14,9 +14,11 @@ import time
 from typing import Any
 
 from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from producer.queue import resubmission
-from shared import logs, names
+from shared import logs, names, redis_target
 from shared.celery_app import make_celery, send_job
 from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable
 from shared.jobs import Job
@@ -46,12 +48,16 @@ class Queue:
         self.records: JobRecords = records or RedisJobRecords(
             connect(settings, settings.connect_timeout_s, retries=3)
         )
+        # The completion events a wait wakes on (a hint): read on a connection of their own that never
+        # retries and times out soon after its longest block, so an unreachable Redis costs a wait no
+        # more than it did before. Records handed in (in-process ones) serve for both.
+        self._hints: JobRecords | None = records
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()
 
     def close(self) -> None:
         """Let go of the S3, Redis and broker connections this client opened."""
-        for part in (self.images, self.results, self.records):
+        for part in (self.images, self.results, self.records, self._hints):
             connection = getattr(part, "connection", None) or getattr(part, "_redis", None)
             if connection is not None:
                 connection.close()
@@ -265,9 +271,22 @@ class Queue:
             pause = min(self.settings.wait_poll_s, max(0.0, deadline - time.monotonic()))
             after = self._until_completed(job_id, after, pause)
 
+    def _events(self) -> JobRecords:
+        if self._hints is None:
+            self._hints = RedisJobRecords(
+                redis_target.client(
+                    self.settings,
+                    decode_responses=True,
+                    socket_timeout=_EVENT_READ_S + 1.0,
+                    socket_connect_timeout=min(1.0, self.settings.connect_timeout_s),
+                    retry=Retry(NoBackoff(), 0),
+                )
+            )
+        return self._hints
+
     def _events_tail(self) -> str | None:
         try:
-            return self.records.events_tail()
+            return self._events().events_tail()
         except Exception:  # the stream is a hint: without it the wait polls
             return None
 
@@ -280,7 +299,7 @@ class Queue:
         until = time.monotonic() + seconds
         try:
             while after is not None and (left := until - time.monotonic()) > 0.001:
-                events = self.records.events_after(after, block_s=min(left, _EVENT_READ_S))
+                events = self._events().events_after(after, block_s=min(left, _EVENT_READ_S))
                 if not events:
                     continue  # that read waited its time out
                 after = events[-1]["id"]

@@ -128,3 +128,74 @@ async def _set_within(event: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def test_closing_the_follower_ends_its_read_at_once_and_never_blocks(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review finding: close() joined the follower, whose read blocks up to READ_MS, on the API's event
+    loop at shutdown (and behind a frozen Redis, left it blocked). Now close() drops its connection."""
+    from producer.http import completions
+
+    monkeypatch.setattr(completions, "READ_MS", 60_000)  # a read that would outlast the socket timeout
+    waits = api_waits.Waits(services.settings_from_env(env), 4)
+
+    async def start() -> None:
+        with waits.completions.watching("nobody"):
+            assert await asyncio.to_thread(waits.completions.following.wait, WAIT_S)
+
+    asyncio.run(start())
+    follower = waits.completions._thread
+    assert follower is not None
+    closing = threading.Thread(target=waits.close, daemon=True)
+    closing.start()
+    # The read's socket timeout is 10 s: only the dropped connection ends it (and the close) this soon.
+    closing.join(5)
+    follower.join(5)
+    assert not closing.is_alive()
+    assert not follower.is_alive()
+
+
+def test_a_follower_that_loses_the_stream_says_so_once_and_the_waits_poll(
+    env: dict[str, str], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from structlog.testing import capture_logs
+
+    from producer.http import completions
+
+    monkeypatch.setattr(completions, "RETRY_S", 0.05)
+    client.results.ensure_bucket()
+    refused = completions.Completions(lambda: (_ for _ in ()).throw(ConnectionError("Redis refused")))
+    waits = api_waits.Waits(services.settings_from_env(env), 4)
+    waits.completions.close()
+    waits.completions = refused
+    job_id = f"wake-{uuid.uuid4().hex[:10]}"
+    assert client.records.claim(job_id, "interactive")
+    finisher = threading.Timer(0.5, lambda: _finish(client, job_id))
+    with capture_logs() as logged:
+        finisher.start()
+        try:
+            found = asyncio.run(waits.result(job_id, WAIT_S, client.result))  # polls every 0.25 s
+        finally:
+            finisher.join()
+            refused.close()
+            waits.close()
+    assert isinstance(found, dict), found
+    assert found["status"] == "succeeded"
+    told = [entry for entry in logged if entry["event"] == "MRC_COMPLETIONS_UNFOLLOWED"]
+    assert len(told) == 1, told  # once for the outage, not once a retry
+    assert "Redis refused" in told[0]["error"]
+
+
+def test_a_client_waits_stream_reads_never_retry_and_time_out_soon(env: dict[str, str]) -> None:
+    """A review finding: the hint reads went through the records' connection (10 s socket timeout, 3
+    retries): a frozen Redis made each read of the stream cost ~40 s more than the wait before it."""
+    waiting = Client(services.settings_from_env(env))
+    try:
+        hints = waiting._events()
+        kwargs = hints._redis.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        assert kwargs["socket_timeout"] <= 3
+        assert kwargs["retry"]._retries == 0
+        assert hints.events_tail()  # and it reads the stream
+    finally:
+        waiting.close()
