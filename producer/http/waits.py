@@ -113,6 +113,8 @@ class Waits:
         every RECORD_POLL_S whatever comes; S3 as soon as the record says the job ended, and at most
         every S3_EVERY_S otherwise, whatever it says (an update of the record may have been lost).
         No record and no result: no such job."""
+        if wait_s <= 0:  # one look: nothing to wake (and no follower started for it)
+            return await self._result(job_id, wait_s, read_result, asyncio.Event())
         with self.completions.watching(job_id) as completed:
             return await self._result(job_id, wait_s, read_result, completed)
 
