@@ -78,6 +78,8 @@ class Completions:
                     after = str(newest[0][0]) if newest else "0-0"
                     self.following.set()
                     told = False
+                if self._stop.is_set():  # closed while it connected: the close found no connection
+                    break
                 reply = self._client.xread({names.events_key(): after}, count=1000, block=READ_MS)
                 for _stream, entries in reply or []:
                     for event_id, fields in entries:

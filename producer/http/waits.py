@@ -18,6 +18,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from producer.http.completions import Completions
 from shared import names, redis_target
@@ -56,7 +58,10 @@ class Waits:
             )
             self._redis = redis.Redis(connection_pool=connections)
         # The result waits' wake-ups: one follower of the completion events, on its own connection.
-        self.completions = Completions(lambda: redis_target.client(settings, **options))
+        # It retries nothing itself (it starts again from the newest event), and its connection, dropped
+        # by close(), must not be made again under a read in progress (redis-py retries by default).
+        follower = {**options, "retry": Retry(NoBackoff(), 0)}
+        self.completions = Completions(lambda: redis_target.client(settings, **follower))
 
     async def _run(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
