@@ -123,8 +123,12 @@ def _start_redis(workdir: Path, appendonly: bool, port: int, tls: Any) -> Servic
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
 
     def ping() -> bool:
+        # Its own line first: a PING another test's server on the same port answers (both given it by
+        # free_port, this one then failing to bind) must not pass for this one's.
+        if b"Ready to accept connections" not in log_path.read_bytes():
+            return False
         if tls is not None:
-            return b"Ready to accept connections" in log_path.read_bytes()
+            return True
         with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
@@ -161,6 +165,11 @@ def _start_s3(workdir: Path, port: int) -> Service:
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
+        # Bound by this process (werkzeug says so once it listens): another test's moto_server on the same
+        # port (both given it by free_port; this one then exits, "Address already in use") answered the
+        # check before, and the test lost its S3 when that one stopped (a fresh-clone CI run).
+        if f"Running on {url}".encode() not in log_path.read_bytes():
+            return False
         with urllib.request.urlopen(url + "/moto-api/", timeout=1) as response:
             return int(response.status) == 200
 

@@ -111,6 +111,11 @@ def _start(args: list[str], workdir: Path, name: str, port: int) -> Service:
     service = Service(proc, f"redis://127.0.0.1:{port}/0", port, log_path)
 
     def up() -> bool:
+        # This process's own line first (a data node's, or a Sentinel's once it runs): a PING another
+        # test's server on the same port answers must not pass for this one (scripts/devservices.py).
+        said = log_path.read_bytes()
+        if b"Ready to accept connections" not in said and b"Sentinel ID is" not in said:
+            return False
         return bool(_client(port).ping())
 
     try:
