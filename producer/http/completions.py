@@ -9,7 +9,8 @@ restarting) costs the poll interval, never an answer. The follower starts with t
 whose Redis is away still starts), holds one Redis connection of its own, reads from the newest event
 again after an error, and logs MRC_COMPLETIONS_UNFOLLOWED once when it loses the stream (the waits
 poll until it is back). Closing it never blocks the caller (the API's event loop at shutdown): its
-connection is dropped, which ends a read in progress."""
+connection is dropped, which ends a read in progress (one just starting makes a new connection and
+runs its READ_MS out), and the follower ends there."""
 
 from __future__ import annotations
 
