@@ -225,10 +225,26 @@ def _ticket_goes_first(client: Client, events: redis_lib.Redis, mark: str, ticke
     # end, the backlog can have finished what the worker held when it came ((MRC_WORKER_DELIVERIES -
     # 1) x MRC_BATCH_MAX_JOBS = 32; a pop pending at the stop took one), a delivery more (16), and the
     # rows that shared the ticket's four steps. A ticket that waited its turn would come after all 200.
-    ended = events.xrange(names.events_key(), min=f"({mark}")
-    before = next(i for i, e in enumerate(ended) if e[1]["job_id"] == ticket)
+    ended = _events_through(events, mark, ticket)
+    before = len(ended) - 1
     backlog_first = sum(e[1]["lane"] == "backlog" for e in ended[:before])
     assert backlog_first <= 64, f"{backlog_first} backlog jobs ended before the ticket"
+
+
+def _events_through(events: redis_lib.Redis, mark: str, job_id: str) -> list[tuple[str, dict[str, str]]]:
+    """The fleet's completion events after `mark` up to the job's own. The wait returns once the
+    result is stored, and the finisher announces the event last (workers/finisher.py), so it may
+    come a moment after: read until it does."""
+    ended: list[tuple[str, dict[str, str]]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        reply = events.xread({names.events_key(): ended[-1][0] if ended else mark}, count=1000, block=1000)
+        for _stream, entries in reply or []:
+            for entry in entries:
+                ended.append(entry)
+                if entry[1]["job_id"] == job_id:
+                    return ended
+    raise AssertionError(f"no completion event for {job_id} in 60 s")
 
 
 def test_a_results_file_bigger_than_a_part_is_streamed_in_parts(own: dict[str, str]) -> None:
