@@ -6,11 +6,12 @@ and a chat completion answer as their job ends, not up to a record poll later.
 A hint, never the truth: the waits still read the job's record every RECORD_POLL_S and S3 at their own
 pace (producer/http/waits.py), so an event lost, late or never written (Redis away, the follower
 restarting) costs the poll interval, never an answer. The follower starts with the first wait (an API
-whose Redis is away still starts), holds one Redis connection of its own, reads from the newest event
-again after an error, and logs MRC_COMPLETIONS_UNFOLLOWED once when it loses the stream (the waits
-poll until it is back). Closing it never blocks the caller (the API's event loop at shutdown): its
-connection is dropped, which ends a read in progress (one just starting makes a new connection and
-runs its READ_MS out), and the follower ends there."""
+whose Redis is away still starts; one that ended is started again by the next wait), holds one Redis
+connection of its own, reads from the newest event again after an error, and logs
+MRC_COMPLETIONS_UNFOLLOWED once when it loses the stream (the waits poll until a read succeeds again).
+Closing it never blocks the caller (the API's event loop at shutdown): its connection is dropped,
+which ends a read in progress (one just starting makes a new connection and runs its READ_MS out),
+and the follower ends there."""
 
 from __future__ import annotations
 
@@ -63,9 +64,18 @@ class Completions:
                 client.connection_pool.disconnect()
 
     def _start(self) -> None:
-        if self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(target=self._follow, name="mrc-completions", daemon=True)
+        """The follower, unless it runs: started by the first wait, and again by a wait after it ended
+        (a fault in the thread itself). One that cannot start (no thread to be had) is tried again
+        by the next wait; this one polls meanwhile, as in an outage."""
+        if (self._thread is not None and self._thread.is_alive()) or self._stop.is_set():
+            return
+        self._thread = threading.Thread(target=self._follow, name="mrc-completions", daemon=True)
+        try:
             self._thread.start()
+        except Exception as exc:
+            self._thread = None
+            with contextlib.suppress(Exception):
+                logs.get_logger().warning("MRC_COMPLETIONS_UNFOLLOWED", error=repr(exc)[:200])
 
     def _follow(self) -> None:
         after: str | None = None
@@ -78,10 +88,10 @@ class Completions:
                     newest = self._client.xrevrange(names.events_key(), count=1)
                     after = str(newest[0][0]) if newest else "0-0"
                     self.following.set()
-                    told = False
                 if self._stop.is_set():  # closed while it connected: the close found no connection
                     break
                 reply = self._client.xread({names.events_key(): after}, count=1000, block=READ_MS)
+                told = False  # a read, not only a connection, ends an outage
                 for _stream, entries in reply or []:
                     for event_id, fields in entries:
                         after = str(event_id)
@@ -90,7 +100,8 @@ class Completions:
                 self.following.clear()
                 if not told and not self._stop.is_set():
                     told = True
-                    logs.get_logger().warning("MRC_COMPLETIONS_UNFOLLOWED", error=repr(exc)[:200])
+                    with contextlib.suppress(Exception):  # the log itself failing must not end the thread
+                        logs.get_logger().warning("MRC_COMPLETIONS_UNFOLLOWED", error=repr(exc)[:200])
                 self._drop_client()
                 after = None
                 self._stop.wait(RETRY_S)

@@ -103,8 +103,13 @@ class Waits:
         for the first, in slices."""
         deadline = time.monotonic() + wait_s
         while True:
+            # A blocked read's timeout can end a server tick late (redis_target.SERVER_TICK_S): no
+            # slice reaches past the deadline; the last tick is slept, then read without blocking.
             left = deadline - time.monotonic()
-            block = int(min(SLICE_S, left) * 1000) if left >= 0.001 else None
+            room = min(SLICE_S, left - redis_target.SERVER_TICK_S)
+            block = int(room * 1000) if room >= 0.005 else None
+            if block is None and left > 0:
+                await asyncio.sleep(left)
             found = await self._run(partial(self._read_events, after, block, count, owner))
             if found or block is None or time.monotonic() >= deadline:
                 return found

@@ -52,6 +52,7 @@ class Queue:
         # retries and times out soon after its longest block, so an unreachable Redis costs a wait no
         # more than it did before. Records handed in (in-process ones) serve for both.
         self._hints: JobRecords | None = records
+        self._hints_made = threading.Lock()
         self.celery = celery or make_celery(settings)
         self.log = logs.get_logger()
 
@@ -254,7 +255,10 @@ class Queue:
         record update was lost is still found. A job that ended without a stored result (S3 refused
         it to the end) is reported from its record as failed, instead of a wait that times out."""
         deadline = time.monotonic() + timeout
-        after = self._events_tail()  # before the first look: no completion after it is missed
+        # Before the first look: no completion after it is missed. A poll shorter than Redis's timer
+        # tick is kept by sleeping, not by blocked reads (their timeouts end on the tick).
+        woken = self.settings.wait_poll_s >= redis_target.SERVER_TICK_S
+        after = self._events_tail() if woken else None
         next_look = time.monotonic() + 1.0  # the record is read first: S3 only if it says "ended"
         while True:
             record = self.records.get(job_id)
@@ -268,21 +272,23 @@ class Queue:
                     return unstored_result(job_id, record)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
-            pause = min(self.settings.wait_poll_s, max(0.0, deadline - time.monotonic()))
-            after = self._until_completed(job_id, after, pause)
+            after = self._until_completed(
+                job_id, after, time.monotonic() + self.settings.wait_poll_s, deadline
+            )
 
     def _events(self) -> JobRecords:
-        if self._hints is None:
-            self._hints = RedisJobRecords(
-                redis_target.client(
-                    self.settings,
-                    decode_responses=True,
-                    socket_timeout=_EVENT_READ_S + 1.0,
-                    socket_connect_timeout=min(1.0, self.settings.connect_timeout_s),
-                    retry=Retry(NoBackoff(), 0),
+        with self._hints_made:  # waits on several threads: one connection pool, which close() closes
+            if self._hints is None:
+                self._hints = RedisJobRecords(
+                    redis_target.client(
+                        self.settings,
+                        decode_responses=True,
+                        socket_timeout=_EVENT_READ_S + 1.0,
+                        socket_connect_timeout=min(1.0, self.settings.connect_timeout_s),
+                        retry=Retry(NoBackoff(), 0),
+                    )
                 )
-            )
-        return self._hints
+            return self._hints
 
     def _events_tail(self) -> str | None:
         try:
@@ -290,16 +296,21 @@ class Queue:
         except Exception:  # the stream is a hint: without it the wait polls
             return None
 
-    def _until_completed(self, job_id: str, after: str | None, seconds: float) -> str | None:
-        """Sleep up to `seconds`, woken early by the job's completion event (workers/finisher.py
-        appends it once the result and the record are written), so the caller looks at once instead
-        of up to a poll interval later. A hint, never the truth: an event lost or never written costs
-        the poll interval. Returns where the next read of the stream starts (None: it cannot be read,
-        and the wait only polls)."""
-        until = time.monotonic() + seconds
+    def _until_completed(self, job_id: str, after: str | None, until: float, deadline: float) -> str | None:
+        """Sleep until `until` (the next look) or the deadline, woken early by the job's completion
+        event (workers/finisher.py appends it once the result and the record are written), so the
+        caller looks at once instead of up to a poll interval later. A hint, never the truth: an event
+        lost or never written costs the poll interval. A blocked read's timeout can end a server tick
+        late (redis_target.SERVER_TICK_S): that may delay a look, never the deadline, which no read
+        reaches past. Returns where the next read of the stream starts (None: it cannot be read, and
+        the wait only polls)."""
         try:
-            while after is not None and (left := until - time.monotonic()) > 0.001:
-                events = self._events().events_after(after, block_s=min(left, _EVENT_READ_S))
+            while after is not None:
+                now = time.monotonic()
+                block = min(until - now, deadline - redis_target.SERVER_TICK_S - now, _EVENT_READ_S)
+                if block < 0.005:
+                    break  # too short to block for: the rest is slept
+                events = self._events().events_after(after, block_s=block)
                 if not events:
                     continue  # that read waited its time out
                 after = events[-1]["id"]
@@ -307,5 +318,5 @@ class Queue:
                     return after
         except Exception:
             after = None
-        time.sleep(max(0.0, until - time.monotonic()))
+        time.sleep(max(0.0, min(until, deadline) - time.monotonic()))
         return after

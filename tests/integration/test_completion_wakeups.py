@@ -17,6 +17,7 @@ import pytest
 from producer.client import Client
 from producer.http import waits as api_waits
 from scripts import devservices as services
+from shared import redis_target
 from shared.records import RedisJobRecords, connect
 
 pytestmark = pytest.mark.integration
@@ -197,3 +198,62 @@ def test_a_client_waits_stream_reads_never_retry_and_time_out_soon(env: dict[str
         assert hints.events_tail()  # and it reads the stream
     finally:
         waiting.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the one made to end
+def test_a_follower_that_ended_or_never_started_is_started_by_the_next_wait(
+    env: dict[str, str], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review finding: the follower was started once; a thread that could not start (its error went
+    to the request) or that ended (a log call failing in its error path) left every later wait to poll
+    for the life of the process. Now the next wait starts it, and its log failing does not end it."""
+    from producer.http import completions
+
+    monkeypatch.setattr(completions, "RETRY_S", 0.05)
+    settings = services.settings_from_env(env)
+    connects = iter(["no thread", "refused", "exits"])
+
+    def connect() -> Any:
+        trouble = next(connects, None)
+        if trouble == "refused":
+            raise ConnectionError("Redis refused")  # logged by a logger that fails: the thread goes on
+        if trouble == "exits":
+            raise SystemExit  # the thread ends (not an Exception: nothing in it catches it)
+        return redis_target.client(settings, decode_responses=True)
+
+    thread = threading.Thread
+
+    class Unstartable(thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    class Failing:
+        def warning(self, *_args: Any, **_kwargs: Any) -> None:
+            raise OSError("stdout is gone")
+
+    follower = completions.Completions(connect)
+    mine = f"wake-{uuid.uuid4().hex[:10]}"
+
+    async def waits() -> bool:
+        monkeypatch.setattr(completions.threading, "Thread", Unstartable)
+        with follower.watching(mine):  # the thread cannot start: the wait goes on, polling
+            assert follower._thread is None
+        next(connects)  # that start never connected
+        monkeypatch.setattr(completions.threading, "Thread", thread)
+        monkeypatch.setattr(completions.logs, "get_logger", lambda: Failing())
+        with follower.watching(mine):  # starts it: refused (its log fails), then it ends
+            ended = follower._thread
+            assert ended is not None
+            await asyncio.to_thread(ended.join, WAIT_S)
+            assert not ended.is_alive()
+        with follower.watching(mine) as completed:  # starts it again: it follows
+            assert follower._thread is not ended
+            assert await asyncio.to_thread(follower.following.wait, WAIT_S)
+            client.records.add_event({"job_id": mine, "status": "succeeded"}, 1000)
+            return await _set_within(completed, WAIT_S)
+
+    try:
+        assert asyncio.run(waits())
+    finally:
+        follower.close()
+    assert follower._waiting == {}

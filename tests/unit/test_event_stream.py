@@ -1,12 +1,21 @@
 """The in-process records' completion events behave as the Redis stream does for the waits that wake
 on them (producer/queue/sender.py `Queue.wait`): ids that only grow, past the cap too, and a read that
-blocks until a newer event comes."""
+blocks until a newer event comes. And how `Client.wait` blocks on them."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
+import pytest
+
+from producer.client import Client
+from producer.http.waits import Waits
 from shared.memory_records import MemoryJobRecords
+from shared.redis_target import SERVER_TICK_S
+from shared.settings import Settings
+from shared.stores.memory import MemoryStore
 
 
 def test_ids_keep_growing_once_the_stream_is_capped_and_a_read_after_the_tail_sees_what_comes() -> None:
@@ -33,3 +42,66 @@ def test_a_blocking_read_wakes_as_an_event_comes_past_the_cap() -> None:
     finally:
         adding.join()
     assert [e["job_id"] for e in found] == ["mine"]
+
+
+class _Recording(MemoryJobRecords):
+    """Records each read of the stream: when it began and how long it asked to block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[float, float]] = []
+
+    def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
+        self.reads.append((time.monotonic(), block_s))
+        return super().events_after(after, block_s, count)
+
+
+def _waiting(poll_s: float) -> tuple[Client, _Recording]:
+    store, records = MemoryStore("mrc"), _Recording()
+    return Client(Settings(wait_poll_s=poll_s), images=store, results=store, records=records), records
+
+
+def test_a_client_waits_reads_of_the_stream_end_a_server_tick_before_its_deadline() -> None:
+    """A review finding: Redis ends a blocked read's timeout on its timer tick (every 100 ms), and the
+    wait's last read blocked right up to its deadline, so wait(t) returned up to ~0.1 s past t on a
+    quiet Redis (measured on redis 7). No read may block past the deadline less a tick."""
+    client, records = _waiting(0.25)
+    deadline = time.monotonic() + 0.7
+    with pytest.raises(TimeoutError):
+        client.wait("never-ends", 0.7)
+    assert records.reads  # it waited on the stream, not only slept
+    latest = max(began + block for began, block in records.reads)
+    assert latest <= deadline - SERVER_TICK_S + 0.05, (latest, deadline)
+
+
+def test_a_client_wait_polling_faster_than_a_server_tick_never_blocks_on_the_stream() -> None:
+    """MRC_WAIT_POLL_S below Redis's tick: a blocked read of 20 ms came back after ~100 ms, so the
+    record was read every 0.1 s, not as often as asked. Such a wait sleeps between looks."""
+    client, records = _waiting(0.02)
+    with pytest.raises(TimeoutError):
+        client.wait("never-ends", 0.2)
+    assert [block for _began, block in records.reads if block > 0] == []
+
+
+def test_an_api_events_long_poll_never_blocks_past_its_deadline_less_a_server_tick() -> None:
+    """`GET /v1/events?wait=` as `Client.wait`: its last slice blocked up to the deadline, and Redis
+    ended it up to a tick later. The reads are recorded here, none sent (nothing listens)."""
+    waits = Waits(Settings(), 2)
+    reads: list[tuple[float, int | None]] = []
+
+    def read(after: str, block_ms: int | None, count: int, owner: str | None) -> list[dict[str, str]]:
+        reads.append((time.monotonic(), block_ms))
+        if block_ms:
+            time.sleep(block_ms / 1000)  # a quiet stream: the read waits its time out
+        return []
+
+    waits._read_events = read  # type: ignore[method-assign]
+    deadline = time.monotonic() + 0.6
+    try:
+        assert asyncio.run(waits.events("0-0", 0.6)) == []
+    finally:
+        waits.close()
+    blocking = [(began, block) for began, block in reads if block]
+    assert blocking  # it blocked on the stream
+    assert max(began + block / 1000 for began, block in blocking) <= deadline - SERVER_TICK_S + 0.05
+    assert reads[-1][1] is None  # the last tick slept, then one read that does not block
