@@ -30,6 +30,7 @@ SOCKET_TIMEOUT_S = 10.0
 SLICE_S = 5.0  # one XREAD BLOCK at most this long: well inside SOCKET_TIMEOUT_S
 RECORD_POLL_S = 0.25
 S3_EVERY_S = 1.0  # at most one S3 read a second per waiting request
+LAST_TICK_READ_S = 0.01  # within a long-poll's last server tick, reads that do not block this often
 
 T = TypeVar("T")
 ReadResult = Callable[[str], dict[str, Any] | None]
@@ -104,15 +105,17 @@ class Waits:
         deadline = time.monotonic() + wait_s
         while True:
             # A blocked read's timeout can end a server tick late (redis_target.SERVER_TICK_S): no
-            # slice reaches past the deadline; the last tick is slept, then read without blocking.
+            # slice reaches past the deadline; within the last tick the stream is read without
+            # blocking every LAST_TICK_READ_S, so what comes then is still returned as it comes.
             left = deadline - time.monotonic()
             room = min(SLICE_S, left - redis_target.SERVER_TICK_S)
             block = int(room * 1000) if room >= 0.005 else None
-            if block is None and left > 0:
-                await asyncio.sleep(left)
             found = await self._run(partial(self._read_events, after, block, count, owner))
-            if found or block is None or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if found or left <= 0:
                 return found
+            if block is None:
+                await asyncio.sleep(min(LAST_TICK_READ_S, left))
 
     async def result(self, job_id: str, wait_s: float, read_result: ReadResult) -> dict[str, Any] | str:
         """The result (or, for a job that ended without a stored one, the failed result its record

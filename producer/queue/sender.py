@@ -27,6 +27,7 @@ from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore, open_stores
 
 _CLAIM_TRIES = 3
+_LAST_TICK_READ_S = 0.01  # within a wait's last server tick, reads of the stream that do not block
 _EVENT_READ_S = 1.0  # one blocking read of the completion events at most this long (inside socket timeouts)
 
 
@@ -304,19 +305,23 @@ class Queue:
         late (redis_target.SERVER_TICK_S): that may delay a look, never the deadline, which no read
         reaches past. Returns where the next read of the stream starts (None: it cannot be read, and
         the wait only polls)."""
+        end = min(until, deadline)
         try:
-            while after is not None:
-                now = time.monotonic()
-                block = min(until - now, deadline - redis_target.SERVER_TICK_S - now, _EVENT_READ_S)
-                if block < 0.005:
-                    break  # too short to block for: the rest is slept
+            while after is not None and (left := end - time.monotonic()) > 0:
+                block = min(
+                    until - time.monotonic(), deadline - redis_target.SERVER_TICK_S - time.monotonic()
+                )
+                block = min(block, _EVENT_READ_S)
+                if block < 0.005:  # the last tick: reads that do not block, so an event still wakes it
+                    block = 0.0
                 events = self._events().events_after(after, block_s=block)
-                if not events:
-                    continue  # that read waited its time out
-                after = events[-1]["id"]
-                if any(event.get("job_id") == job_id for event in events):
-                    return after
+                if events:
+                    after = events[-1]["id"]
+                    if any(event.get("job_id") == job_id for event in events):
+                        return after
+                elif block == 0.0:
+                    time.sleep(min(_LAST_TICK_READ_S, max(0.0, left)))
         except Exception:
             after = None
-        time.sleep(max(0.0, min(until, deadline) - time.monotonic()))
+        time.sleep(max(0.0, end - time.monotonic()))
         return after

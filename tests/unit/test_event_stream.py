@@ -69,9 +69,12 @@ def test_a_client_waits_reads_of_the_stream_end_a_server_tick_before_its_deadlin
     deadline = time.monotonic() + 0.7
     with pytest.raises(TimeoutError):
         client.wait("never-ends", 0.7)
-    assert records.reads  # it waited on the stream, not only slept
-    latest = max(began + block for began, block in records.reads)
+    blocking = [(began, block) for began, block in records.reads if block > 0]
+    assert blocking  # it waited on the stream, not only slept
+    latest = max(began + block for began, block in blocking)
     assert latest <= deadline - SERVER_TICK_S + 0.05, (latest, deadline)
+    # The last tick is read without blocking (an event then still wakes the wait), not slept blind.
+    assert any(began > deadline - SERVER_TICK_S for began, block in records.reads if block == 0)
 
 
 def test_a_client_wait_polling_faster_than_a_server_tick_never_blocks_on_the_stream() -> None:
@@ -105,3 +108,32 @@ def test_an_api_events_long_poll_never_blocks_past_its_deadline_less_a_server_ti
     assert blocking  # it blocked on the stream
     assert max(began + block / 1000 for began, block in blocking) <= deadline - SERVER_TICK_S + 0.05
     assert reads[-1][1] is None  # the last tick slept, then one read that does not block
+
+
+def test_an_api_events_long_poll_shorter_than_a_tick_reads_before_it_sleeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review finding: a wait of a tick or less slept out its whole time before its one read, so
+    events already in the stream came back up to 0.1 s late. It reads first, and returns them."""
+    from producer.http import waits as waits_module
+
+    waits = Waits(Settings(), 2)
+    done: list[str] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        done.append("sleep")
+        await real_sleep(seconds)
+
+    def read(after: str, block_ms: int | None, count: int, owner: str | None) -> list[dict[str, str]]:
+        done.append("read")
+        return [{"id": "7-0", "job_id": "there-already"}]
+
+    monkeypatch.setattr(waits_module.asyncio, "sleep", sleep)
+    waits._read_events = read  # type: ignore[method-assign]
+    try:
+        found = asyncio.run(waits.events("0-0", 0.1))
+    finally:
+        waits.close()
+    assert [e["job_id"] for e in found] == ["there-already"]
+    assert done == ["read"]
