@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared import names, redis_target
+from shared import names, redis_target, transport_qos
 from shared.settings import Settings
 
 
@@ -47,9 +47,9 @@ def make_celery(settings: Settings) -> Celery:
             "unacked_key": names.UNACKED_KEY,
             "unacked_index_key": names.UNACKED_INDEX_KEY,
             # The restore mutex outlives a worker killed while holding it: then nobody restores for
-            # this long (kombu's default, 300 s). A restore takes milliseconds, and each message's is
-            # a WATCHed transaction, so two restorers cannot hand one message out twice.
-            "unacked_mutex_expire": 60,
+            # this long (kombu's default, 300 s; 60 s let a killed worker's jobs wait 12 visibility
+            # timeouts of 5 s in a fault test run).
+            "unacked_mutex_expire": transport_qos.restore_mutex_expiry(settings.visibility_timeout_s),
             "socket_timeout": 30,
             "socket_connect_timeout": 10,
             "retry_on_timeout": True,

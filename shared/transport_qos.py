@@ -55,6 +55,15 @@ def heartbeat_interval(visibility_timeout_s: float) -> float:
     return min(60.0, max(0.05, visibility_timeout_s / 4))
 
 
+def restore_mutex_expiry(visibility_timeout_s: float) -> int:
+    """How long kombu's restore mutex lives: a worker killed while holding it (a restore takes
+    milliseconds, but a kill can land in one) holds up every other worker's restores this long, on
+    top of the visibility timeout its jobs already wait. A quarter of the timeout, at most a minute:
+    a restore that outlives it is harmless, since each message's restore is its own WATCHed
+    transaction and a second restorer cannot hand one message out twice."""
+    return int(min(60.0, max(1.0, visibility_timeout_s / 4)))
+
+
 class QoS(kombu_redis.QoS):
     """kombu's Redis QoS, minus the second write of records the pop script made, and with a restore
     that sets aside a record it cannot read instead of raising (which stopped every later restore).
