@@ -14,6 +14,12 @@ Fuyu's tokenizer and image processor, heads of 64; tests/bench/random_fuyu.py) i
 Fuyu the worker loads: the same jobs, with a prefill that is more of the time, as Fuyu-8B's is.
 
     python tests/bench/bench_prefix_split.py [--pairs 2] [--quantization nf4] [--model random-512x8]
+        [--workload mixed-sizes-64] [--prefill-tokens 512]
+
+`--workload` takes another of bench_throughput's rows; `--prefill-tokens`, a step's budget of prefill
+positions (by default a row's prefill is whole, as photo-questions' rows come in waves; the worker's
+on the CPU is 512). In half precision a split prefill can turn a near tie (docs/design.md): answers
+that differ with reuse on and off are counted, not fatal.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ from workers.engine.sequence import Sequence  # noqa: E402 - after sys.path is s
 PARTS = ("extend", "decode", "begin")  # the runner's calls: prefill chunks, decode steps, admission
 
 
-def _jobs(backend: FuyuBackend, count: int) -> list[Sequence]:
+def _jobs(backend: FuyuBackend, count: int, name: str = "photo-questions") -> list[Sequence]:
     """The workload's jobs in its order, each with its photo's identity (what the worker gives)."""
-    workload = WORKLOADS["photo-questions"]
+    workload = WORKLOADS[name]
     photos: dict[int, torch.Tensor] = {}
     rows = []
     for i in range(count):
@@ -84,7 +90,10 @@ def _backend(reuse: bool, quantization: Any, source: Any) -> FuyuBackend:
     return backend
 
 
-def _run(reuse: bool, quantization: Any, count: int, rows: int, source: Any = None) -> dict[str, Any]:
+def _run(
+    reuse: bool, quantization: Any, count: int, rows: int, source: Any = None,
+    workload: str = "photo-questions", chunk: int = 1 << 30,
+) -> dict[str, Any]:  # fmt: skip
     backend = _backend(reuse, quantization, source)
     runner = backend.step_model(rows)
     spent = dict.fromkeys(PARTS, 0.0)
@@ -100,8 +109,9 @@ def _run(reuse: bool, quantization: Any, count: int, rows: int, source: Any = No
 
         setattr(runner, part, timed)
     done: dict[str, Sequence] = {}
-    engine = Engine(runner, scheduler.Limits(rows, 0), lambda row: done.__setitem__(row.row_id, row))
-    jobs = _jobs(backend, count)
+    limits = scheduler.Limits(rows, 0, prefill_tokens=chunk)
+    engine = Engine(runner, limits, lambda row: done.__setitem__(row.row_id, row))
+    jobs = _jobs(backend, count, workload)
     began = time.perf_counter()
     for row in jobs:
         engine.submit(row)
@@ -123,6 +133,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=48)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--model", default="tiny", help="tiny (the worker's) | random-HIDDENxLAYERS")
+    parser.add_argument("--workload", default="photo-questions", choices=sorted(WORKLOADS))
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=1 << 30, help="prefill positions a step (the CPU worker's: 512)"
+    )
     args = parser.parse_args()
     source = None if args.model == "tiny" else _random_source(args.model)
     print("| pair (order) | reuse | wall s | prefill s | decode s | admission s | other s | reused |")
@@ -130,10 +144,16 @@ def main() -> None:
     speedups, bounds = [], []
     for pair in range(args.pairs):
         order = (True, False) if pair % 2 == 0 else (False, True)
-        runs = {reuse: _run(reuse, args.quantization, args.jobs, args.rows, source) for reuse in order}
+        runs = {
+            reuse: _run(
+                reuse, args.quantization, args.jobs, args.rows, source, args.workload, args.prefill_tokens
+            )
+            for reuse in order
+        }
         on, off = runs[True], runs[False]
-        if on["answers"] != off["answers"]:
-            raise SystemExit("the answers differ with reuse on and off")
+        differ = sum(a != b for a, b in zip(on["answers"], off["answers"], strict=True))
+        if differ:  # half precision: a split prefill can turn a near tie (docs/design.md)
+            print(f"(pair {pair + 1}: {differ} of {len(on['answers'])} answers differ with reuse on and off)")
         for reuse in order:
             r = runs[reuse]
             other = r["wall"] - sum(r[p] for p in PARTS)
@@ -152,7 +172,7 @@ def main() -> None:
     print(
         f"\nengine alone, reuse on / off: {statistics.geometric_mean(speedups):.2f}x over {len(speedups)} "
         f"pairs; Amdahl's bound: {statistics.geometric_mean(bounds):.2f}x (goal of the whole system: 2.5x); "
-        f"{args.model}, {args.quantization}"
+        f"{args.model}, {args.quantization}, {args.workload}"
     )
 
 
