@@ -61,9 +61,17 @@ def multipart_schema() -> dict[str, Any]:
     return {"type": "object", "required": ["image", "prompt"], "properties": properties}
 
 
+class ErrorResponse(JSONResponse):
+    """An error's JSON, written whatever text it quotes: a message that names what a client sent (a URL,
+    an id, a model) may carry a lone surrogate, which plain UTF-8 cannot write (it was a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return encoding.to_bytes(content, separators=(",", ":"))
+
+
 def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The contract's error body, `{"error": {"code", "message"}}`: every route's 4xx and 5xx."""
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+    return ErrorResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
 def invalid_job(errors: list[Any], where: str = "body") -> JSONResponse:

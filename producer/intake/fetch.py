@@ -10,9 +10,9 @@ empty, no URL is fetched. A fetch:
   socket's peer is that address; HTTPS verifies the certificate against the host name;
 - follows at most MAX_REDIRECTS redirects, each to an allowed host and checked the same way;
 - reads at most MRC_MAX_IMAGE_BYTES (a larger `Content-Length`, or more bytes than that, ends it);
-- gives up past CONNECT_S to connect and MRC_IMAGE_URL_TIMEOUT_S in all: a watchdog shuts the
-  socket at the deadline, so a server that trickles its headers, its chunk sizes or its body is cut
-  there, not at each read's timeout.
+- gives up past CONNECT_S to connect and MRC_IMAGE_URL_TIMEOUT_S in all, the name's lookups
+  included: a watchdog shuts the socket at the deadline, so a server that trickles its headers, its
+  chunk sizes or its body is cut there, not at each read's timeout.
 
 Each refusal is a `FetchRefused` whose code names it: `image_url_host_not_allowed`,
 `image_url_fetch_failed`, `image_too_large`; no other exception leaves `fetch` (whatever the URL or
@@ -31,6 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 from shared.errors import UsageError
@@ -99,6 +100,8 @@ class _Slots:
 
 
 slots = _Slots()
+LOOKUPS = SLOTS  # host name lookups running at once in one process (_lookup)
+_lookups = threading.BoundedSemaphore(LOOKUPS)
 
 
 def host_allowed(host: str, patterns: tuple[str, ...]) -> bool:
@@ -195,7 +198,7 @@ def _target(url: str, settings: Settings) -> tuple[str, int, bool, str]:
 
 def _get(url: str, settings: Settings, deadline: float) -> tuple[int, str | None, bytes]:
     host, port, tls, path = _target(url, settings)
-    address = _resolve(host, port, settings.image_url_private)
+    address = _resolve(host, port, settings.image_url_private, deadline)
     watchdog = _Watchdog(deadline)
     connection = (_PinnedTLS if tls else _Pinned)(host, address, port, watchdog)
     response: http.client.HTTPResponse | None = None
@@ -225,11 +228,11 @@ def _get(url: str, settings: Settings, deadline: float) -> tuple[int, str | None
         connection.close()
 
 
-def _resolve(host: str, port: int, private: bool) -> str:
+def _resolve(host: str, port: int, private: bool, deadline: float) -> str:
     """The first address of `host` that may be fetched from; every address is checked, and a name
     with any address that may not is refused (it could answer either)."""
     try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        found = _lookup(host, port, deadline)
     except (OSError, UnicodeError) as exc:
         raise FetchRefused("image_url_fetch_failed", f"{host[:100]} does not resolve ({_why(exc)})") from None
     addresses = [str(info[4][0]) for info in found]
@@ -240,6 +243,35 @@ def _resolve(host: str, port: int, private: bool) -> str:
     if not addresses:
         raise FetchRefused("image_url_fetch_failed", f"{host[:100]} has no address")
     return addresses[0]
+
+
+def _lookup(host: str, port: int, deadline: float) -> list[Any]:
+    """getaddrinfo, within the fetch's deadline: the resolver's own timeouts (5 s a server, tried in
+    turn) ran past MRC_IMAGE_URL_TIMEOUT_S (review: 10 s for a limit of 4). It cannot be cancelled, so
+    it runs on a thread of its own that ends with the resolver; LOOKUPS of those at most, those given
+    up on included, so a name that never answers cannot pile threads up."""
+    if not _lookups.acquire(blocking=False):
+        raise FetchBusy(f"{LOOKUPS} host names are being looked up already; retry shortly")
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def look() -> None:
+        try:
+            outcome["found"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except BaseException as exc:  # handed to the fetch, if it still waits
+            outcome["error"] = exc
+        finally:
+            _lookups.release()
+            done.set()
+
+    threading.Thread(target=look, name="mrc-url-lookup", daemon=True).start()
+    if not done.wait(_left(deadline)):
+        raise FetchRefused(
+            "image_url_fetch_failed", f"{host[:100]} did not resolve within MRC_IMAGE_URL_TIMEOUT_S"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return list(outcome["found"])
 
 
 class _Watchdog:

@@ -33,7 +33,7 @@ from producer.intake import fetch
 from producer.openai import chat_messages
 from producer.openai.errors import OpenAIError
 from producer.openai.protocol import ChatRequest, JsonObjectFormat, TextFormat
-from shared import names
+from shared import encoding, names
 from shared import response_format as response_formats
 from shared.jobs import limit_problem
 from shared.settings import Settings
@@ -319,10 +319,16 @@ def _fetched(url: str, settings: Settings, param: str, batch: bool, owner: str) 
 
 
 def read_json(raw: bytes | bytearray) -> object:
-    """A request body as JSON; OpenAIError 400 when it is not."""
+    """A request body as JSON; OpenAIError 400 when it is not, or when a string in it is not valid
+    Unicode (a lone surrogate, `\\udcff` on the wire): no store, key or answer could carry it."""
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (ValueError, RecursionError):
         raise OpenAIError(
             400, "the body is not JSON (or is nested too deeply)", None, "invalid_json"
         ) from None
+    problem = encoding.unwritable(data)
+    if problem:
+        where = problem.split(":", 1)[0]
+        raise OpenAIError(400, problem[:300], None if where == "value" else where[:100], "invalid_value")
+    return data

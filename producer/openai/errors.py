@@ -20,6 +20,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from producer.http.forms import ErrorResponse
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 ASGIApp = Callable[
@@ -99,7 +101,7 @@ class OpenAIError(Exception):
         return {"error": {**error, "code": self.code, **self.extra}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def openai_body(status: int, raw: bytes) -> dict[str, Any]:

@@ -94,6 +94,55 @@ def test_text_no_store_could_write_is_refused_at_every_door(
     assert "nested" in done.stderr
 
 
+def test_text_no_store_could_write_is_a_400_on_the_openai_doors_never_a_500(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chat and batch bodies: a lone surrogate in a model name, an image URL (its host, its path,
+    an s3:// key), a message or a batch's file id is refused by name (review: the URL refusals and the
+    batch's file lookup quoted it into a 500). No error path fails to write what it quotes."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    api_env = {
+        **env,
+        "MRC_API_KEYS": hashlib.sha256(KEY.encode()).hexdigest(),
+        "MRC_IMAGE_URL_HOSTS": "localhost",
+    }
+
+    def chat(model: str, part: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}, part]}],
+        }
+
+    def url(where: str) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": where}}
+
+    bodies = [
+        ("/v1/chat/completions", chat(HALF_EMOJI, {"type": "text", "text": "Refund?"})),
+        ("/v1/chat/completions", chat("tiny", url("http://\udcff.localhost/x.jpg"))),
+        ("/v1/chat/completions", chat("tiny", url("http://localhost:9/\udcff.jpg"))),
+        ("/v1/chat/completions", chat("tiny", url(f"s3://{env['MRC_S3_BUCKET']}/inputs/\udcff.jpg"))),
+        ("/v1/chat/completions", chat("tiny", {"type": "text", "text": f"Refund {HALF_EMOJI}?"})),
+        ("/v1/batches", {"input_file_id": "file-\udcff", "endpoint": "/v1/chat/completions",
+                         "completion_window": "24h"}),
+        ("/v1/batches", {"input_file_id": "file-x", "endpoint": "/v1/chat/completions",
+                         "completion_window": "24h", "metadata": {"k": HALF_EMOJI}}),
+    ]  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with TestClient(create_app(services.settings_from_env(api_env)), raise_server_exceptions=False) as api:
+        for path, body in bodies:
+            raw = json.dumps(body, ensure_ascii=True).replace("\\\\udcff", "\\udcff")
+            reply = api.post(path, content=raw, headers=headers)
+            assert reply.status_code == 400, (path, body, reply.text)
+            error = reply.json()["error"]
+            assert error["code"] == "invalid_value", error
+            assert "not valid Unicode" in error["message"], error
+        for path in ("/v1/files/file-%ED%B3%BF", "/v1/batches/batch_%ED%B3%BF", "/v1/jobs/%ED%B3%BF",
+                     "/v1/files/file-%ED%B3%BF/content"):  # fmt: skip
+            reply = api.get(path, headers=headers)
+            assert reply.status_code == 404, (path, reply.text)
+
+
 def _result(client: Client, job_id: str) -> dict[str, Any]:
     return client.wait(job_id, 180)
 

@@ -4,6 +4,7 @@ name that resolves to loopback, a body past the limit, a server that stalls or t
 
 from __future__ import annotations
 
+import socket
 import ssl
 import threading
 import time
@@ -258,3 +259,40 @@ def test_a_key_whose_urls_hang_holds_its_own_fetch_slots_only(port: int) -> None
         thread.join()
     assert errors == ["image_url_fetch_failed"] * fetch.PER_KEY
     assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "slow-key") == IMAGE  # slots back
+
+
+def test_a_name_that_never_resolves_ends_at_the_fetch_timeout_and_lookups_are_bounded(
+    port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resolver that does not answer (review: the system's lookup ran 10 s past a limit of 4 s): the
+    fetch ends at MRC_IMAGE_URL_TIMEOUT_S, before the lookup does; lookups given up on still count,
+    so past LOOKUPS of them the next fetch is refused at once (429), and they free as they end."""
+    answer = threading.Event()
+    returned: list[str] = []
+    real = socket.getaddrinfo
+
+    def resolver(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "stuck.example":  # a name server that never answers, until the test lets it
+            answer.wait(60)
+            returned.append(host)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    settings = _settings(image_url_hosts="stuck.example,localhost", image_url_timeout_s=0.2)
+    try:
+        for _ in range(fetch.LOOKUPS):
+            with pytest.raises(FetchRefused) as refused:
+                fetch.fetch("http://stuck.example/parcel.png", settings, "a-key")
+            assert refused.value.reason == "image_url_fetch_failed"
+            assert "did not resolve within MRC_IMAGE_URL_TIMEOUT_S" in refused.value.detail
+        assert not returned, "the fetches waited for the lookups"
+        with pytest.raises(fetch.FetchBusy):
+            fetch.fetch("http://stuck.example/parcel.png", settings, "a-key")
+    finally:
+        answer.set()
+    deadline = time.monotonic() + 30
+    while fetch._lookups._value < fetch.LOOKUPS and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)  # each lookup's thread gives its place back as its lookup ends
+    assert len(returned) == fetch.LOOKUPS
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "a-key") == IMAGE

@@ -280,3 +280,14 @@ def test_a_batch_line_names_no_url_to_fetch() -> None:
         "messages[0].content[1].image_url.url",
         "image_source_forbidden",
     )
+
+
+def test_an_error_that_quotes_text_no_store_could_write_still_answers() -> None:
+    """Refusals quote what a client sent (a URL's host, a model, an id): one with a lone surrogate is
+    still written, the surrogate replaced, in both error shapes (review: it was a 500)."""
+    from producer.http.forms import error
+
+    for response in (OpenAIError(400, "model \udcff is unknown", "model", "model_not_found").response(),
+                     error(404, "not_found", "no job x\ud83d")):  # fmt: skip
+        message = json.loads(response.body.decode("utf-8"))["error"]["message"]
+        assert "\ufffd" in message, message
