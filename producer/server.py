@@ -97,7 +97,7 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     JobRoutes(state).mount(app)
     openai.mount(app)
     ops.mount(app)
-    state.registry.register(UsageCollector(usage_redis))
+    state.usage_registry.register(UsageCollector(usage_redis))
     keys = Keys(settings.api_keys)
     limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
     app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=state.count)

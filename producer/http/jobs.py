@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from producer.http.forms import JobRequest, error, job_fields, multipart_schema
 from producer.http.front import caller_of
-from producer.http.guard import Caller
+from producer.http.guard import Caller, Keys
 from producer.http.state import ApiState
 from producer.intake.request import Submission
 from shared import names, redis_target, tenants
@@ -52,6 +52,7 @@ def _stored_id(caller: Caller, job_id: str) -> str | None:
 class JobRoutes:
     def __init__(self, state: ApiState) -> None:
         self.state = state
+        self.keys = Keys(state.settings.api_keys)
         self._probe: Any = None  # one S3 connection for /readyz (boto3 clients are made once, not per probe)
 
     def mount(self, app: FastAPI) -> None:
@@ -152,11 +153,17 @@ class JobRoutes:
             self._probe = S3Connection(self.state.settings, attempts=1)
         self._probe.probe(self.state.settings.s3_bucket)
 
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text. /metrics needs no key, so every key's usage totals (mrc_usage_*) come only
+        to a scrape whose key may see every tenant's (`ops` or `all-tenants`), or when keys are off:
+        a tenant never reads another's volume (review)."""
+        registries = [self.state.registry]
+        caller = self.keys.caller(request.headers.get("authorization"), "metrics")
+        if caller is not None and (caller.ops or caller.all_tenants):
+            registries.append(self.state.usage_registry)
         # Off the event loop: the usage totals are read from Redis at scrape time.
-        return Response(
-            await run_in_threadpool(generate_latest, self.state.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        text = await run_in_threadpool(lambda: b"".join(generate_latest(r) for r in registries))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     def _enqueue(self, fields: dict[str, Any], data: bytes | None, namespace: str | None) -> Response:
         """The request's job through the intake (its checks, its upload), then queued: 202, or 200

@@ -26,6 +26,9 @@ class ApiState:
         )
         self.seconds = Histogram("mrc_api_request_seconds", "Request time", ["route"], registry=self.registry)
         self.registry.register(redis_target.FailoverCollector())
+        # Every key's usage (mrc_usage_*): served on /metrics only to a scrape with an `ops` or
+        # `all-tenants` key when keys are on, since /metrics needs no key (producer/http/jobs.py).
+        self.usage_registry = CollectorRegistry()
 
     @property
     def queue(self) -> Queue:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -29,7 +30,7 @@ from tests.support.api_server import serve
 
 pytestmark = pytest.mark.integration
 
-KEY, RATED_KEY = "k-openai-full", "k-openai-rated"
+KEY, RATED_KEY, OPS_KEY = "k-openai-full", "k-openai-rated", "k-openai-ops"
 KEY_ID, RATED_ID = (hashlib.sha256(k.encode()).hexdigest()[:12] for k in (KEY, RATED_KEY))
 FINAL = ("completed", "failed", "expired", "cancelled")
 REFUND = {
@@ -51,7 +52,7 @@ def oai_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
             patch.setenv(name, env[name])
         yield {
             **env,
-            "MRC_API_KEYS": _keys(KEY, RATED_KEY),
+            "MRC_API_KEYS": f"{_keys(KEY, RATED_KEY)},{_keys(OPS_KEY)}@ops",
             "MRC_MAX_IMAGE_BYTES": "200000",
             "MRC_OPENAI_BATCH_POLL_S": "0.2",
             "MRC_API_RATE_PER_S": "0",
@@ -173,8 +174,14 @@ def test_a_chat_completion_answers_a_photo_with_usage_once_per_idempotency_key(
     assert mine["jobs"] >= 1
     assert mine["prompt_tokens"] >= usage.prompt_tokens
     assert mine["image_tokens"] >= image_tokens
-    metrics = sdk._client.get(f"{base_url}/metrics").text  # the API's /metrics (no key needed)
-    assert f'mrc_usage_tokens_total{{api_key="{KEY_ID}",kind="prompt"}}' in metrics
+    # The API's /metrics needs no key, and so shows no key's usage; an ops key's scrape sees every key's.
+    series = f'mrc_usage_tokens_total{{api_key="{KEY_ID}",kind="prompt"}}'
+    for key, shown in ((None, False), (KEY, False), (OPS_KEY, True)):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        metrics = httpx.get(f"{base_url}/metrics", headers=headers)
+        assert metrics.status_code == 200
+        assert "mrc_api_requests_total" in metrics.text
+        assert (series in metrics.text) is shown, key
 
 
 def test_a_second_question_about_a_photo_reuses_its_positions_and_another_key_does_not(
