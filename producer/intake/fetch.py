@@ -30,7 +30,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
@@ -73,35 +73,49 @@ class FetchBusy(FetchRefused):
 
 
 class _Slots:
-    """Counted fetches, by key and in all (threads of one process)."""
+    """Counted places, by key and in all (threads of one process): fetches, or name lookups."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int, what: str) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[str, int] = {}
         self._all = 0
+        self.limit, self.what = limit, what
 
-    @contextlib.contextmanager
-    def take(self, owner: str) -> Iterator[None]:
+    def take(self, owner: str) -> Callable[[], None]:
+        """A place for `owner`, and how to give it back (once), or FetchBusy."""
         with self._lock:
             if self._by_key.get(owner, 0) >= PER_KEY:
-                raise FetchBusy(f"this key has {PER_KEY} image URLs being fetched already; retry shortly")
-            if self._all >= SLOTS:
-                raise FetchBusy(f"{SLOTS} image URLs are being fetched already; retry shortly")
+                raise FetchBusy(f"this key has {PER_KEY} {self.what} under way already; retry shortly")
+            if self._all >= self.limit:
+                raise FetchBusy(f"{self.limit} {self.what} are under way already; retry shortly")
             self._by_key[owner] = self._by_key.get(owner, 0) + 1
             self._all += 1
-        try:
-            yield
-        finally:
+        given = threading.Event()
+
+        def release() -> None:
             with self._lock:
+                if given.is_set():
+                    return
+                given.set()
                 self._all -= 1
                 self._by_key[owner] -= 1
                 if not self._by_key[owner]:
                     del self._by_key[owner]
 
+        return release
 
-slots = _Slots()
-LOOKUPS = SLOTS  # host name lookups running at once in one process (_lookup)
-_lookups = threading.BoundedSemaphore(LOOKUPS)
+    @contextlib.contextmanager
+    def held(self, owner: str) -> Iterator[None]:
+        release = self.take(owner)
+        try:
+            yield
+        finally:
+            release()
+
+
+LOOKUPS = SLOTS  # host name lookups at once in one process (_lookup), those given up on included
+slots = _Slots(SLOTS, "image URL fetches")
+lookups = _Slots(LOOKUPS, "host name lookups")
 
 
 def host_allowed(host: str, patterns: tuple[str, ...]) -> bool:
@@ -145,18 +159,18 @@ def _reached(
 def fetch(url: str, settings: Settings, owner: str = "") -> bytes:
     """The image at `url`, fetched for `owner` (a key's id), or FetchRefused (and nothing else)."""
     try:
-        with slots.take(owner):
-            return _fetch(url, settings)
+        with slots.held(owner):
+            return _fetch(url, settings, owner)
     except FetchRefused:
         raise
     except Exception as exc:  # a URL or an answer no rule above foresaw: refused, never a 500
         raise FetchRefused("image_url_fetch_failed", f"{_show(url)}: {_why(exc)}") from None
 
 
-def _fetch(url: str, settings: Settings) -> bytes:
+def _fetch(url: str, settings: Settings, owner: str) -> bytes:
     deadline = time.monotonic() + settings.image_url_timeout_s
     for _ in range(MAX_REDIRECTS + 1):
-        status, location, body = _get(url, settings, deadline)
+        status, location, body = _get(url, settings, deadline, owner)
         if status in _REDIRECTS:
             if not location:
                 raise FetchRefused(
@@ -196,9 +210,9 @@ def _target(url: str, settings: Settings) -> tuple[str, int, bool, str]:
     return host, port or (443 if tls else 80), tls, path
 
 
-def _get(url: str, settings: Settings, deadline: float) -> tuple[int, str | None, bytes]:
+def _get(url: str, settings: Settings, deadline: float, owner: str) -> tuple[int, str | None, bytes]:
     host, port, tls, path = _target(url, settings)
-    address = _resolve(host, port, settings.image_url_private, deadline)
+    address = _resolve(host, port, settings.image_url_private, deadline, owner)
     watchdog = _Watchdog(deadline)
     connection = (_PinnedTLS if tls else _Pinned)(host, address, port, watchdog)
     response: http.client.HTTPResponse | None = None
@@ -228,11 +242,11 @@ def _get(url: str, settings: Settings, deadline: float) -> tuple[int, str | None
         connection.close()
 
 
-def _resolve(host: str, port: int, private: bool, deadline: float) -> str:
+def _resolve(host: str, port: int, private: bool, deadline: float, owner: str) -> str:
     """The first address of `host` that may be fetched from; every address is checked, and a name
     with any address that may not is refused (it could answer either)."""
     try:
-        found = _lookup(host, port, deadline)
+        found = _lookup(host, port, deadline, owner)
     except (OSError, UnicodeError) as exc:
         raise FetchRefused("image_url_fetch_failed", f"{host[:100]} does not resolve ({_why(exc)})") from None
     addresses = [str(info[4][0]) for info in found]
@@ -245,13 +259,13 @@ def _resolve(host: str, port: int, private: bool, deadline: float) -> str:
     return addresses[0]
 
 
-def _lookup(host: str, port: int, deadline: float) -> list[Any]:
+def _lookup(host: str, port: int, deadline: float, owner: str) -> list[Any]:
     """getaddrinfo, within the fetch's deadline: the resolver's own timeouts (5 s a server, tried in
     turn) ran past MRC_IMAGE_URL_TIMEOUT_S (review: 10 s for a limit of 4). It cannot be cancelled, so
-    it runs on a thread of its own that ends with the resolver; LOOKUPS of those at most, those given
-    up on included, so a name that never answers cannot pile threads up."""
-    if not _lookups.acquire(blocking=False):
-        raise FetchBusy(f"{LOOKUPS} host names are being looked up already; retry shortly")
+    it runs on a thread of its own that ends with the resolver, counted as the fetches are (`lookups`:
+    the process's LOOKUPS and the key's PER_KEY, those given up on included) so a name that never
+    answers piles no threads up, and one key's stuck names hold that key's lookups only."""
+    release = lookups.take(owner)
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
@@ -261,10 +275,14 @@ def _lookup(host: str, port: int, deadline: float) -> list[Any]:
         except BaseException as exc:  # handed to the fetch, if it still waits
             outcome["error"] = exc
         finally:
-            _lookups.release()
+            release()
             done.set()
 
-    threading.Thread(target=look, name="mrc-url-lookup", daemon=True).start()
+    try:
+        threading.Thread(target=look, name="mrc-url-lookup", daemon=True).start()
+    except BaseException:  # no thread (a limit): its place back, or it would be lost for good
+        release()
+        raise
     if not done.wait(_left(deadline)):
         raise FetchRefused(
             "image_url_fetch_failed", f"{host[:100]} did not resolve within MRC_IMAGE_URL_TIMEOUT_S"
@@ -297,7 +315,9 @@ class _Watchdog:
         self.fired = True
         if self.sock is not None:
             with contextlib.suppress(OSError):  # already closed: nothing to end
-                self.sock.shutdown(socket.SHUT_RDWR)
+                # socket's own shutdown, also for a TLS socket: its descriptor, not the TLS state the
+                # reading thread is using
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
 
 class _Pinned(http.client.HTTPConnection):
@@ -319,8 +339,17 @@ class _PinnedTLS(http.client.HTTPSConnection):
         self.address, self.watchdog = address, watchdog
 
     def connect(self) -> None:
-        raw = self.watchdog.sock = _connect(self.address, self.port, self.watchdog.deadline)
-        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)  # type: ignore[attr-defined]
+        raw = _connect(self.address, self.port, self.watchdog.deadline)
+        # wrap_socket takes the raw socket's descriptor over (the raw one is closed then): the watchdog
+        # shuts the TLS socket, handshake included (review: it shut nothing, and a server trickling
+        # over HTTPS held a fetch past its deadline for as long as it kept sending).
+        wrapped = self._context.wrap_socket(  # type: ignore[attr-defined]
+            raw, server_hostname=self.host, do_handshake_on_connect=False
+        )
+        self.sock = self.watchdog.sock = wrapped
+        if self.watchdog.fired:  # the deadline came between the two: nothing would shut this one
+            raise TimeoutError("the deadline passed while connecting")
+        wrapped.do_handshake()
 
 
 def _connect(address: str, port: int, deadline: float) -> socket.socket:

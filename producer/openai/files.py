@@ -20,7 +20,7 @@ from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import BotoCoreError, ClientError
 
 from producer.openai.errors import OpenAIError
-from shared import names
+from shared import encoding, names
 from shared.errors import StoreUnavailable
 from shared.settings import Settings
 from shared.stores.s3 import S3Connection
@@ -127,7 +127,9 @@ class Files:
             "object": "file",
             "bytes": size,
             "created_at": int(time.time()),
-            "filename": filename[:255] or "upload.jsonl",
+            # the name as the client's multipart header gave it, in the charset it named: one that
+            # decodes to a lone surrogate (charset=utf-7) made every later answer about it a 500
+            "filename": encoding.clean(filename[:255]) or "upload.jsonl",
             "purpose": purpose,
             "status": "processed",
             "status_details": None,
@@ -146,7 +148,10 @@ class Files:
         data = self.connection.get(self.bucket, self._meta_key(owner, file_id), _META_MAX_BYTES)
         if data is None:
             raise not_found(file_id)
-        return dict(json.loads(data))
+        meta = dict(json.loads(data))
+        if isinstance(meta.get("filename"), str):  # one stored before names were cleaned
+            meta["filename"] = encoding.clean(meta["filename"])
+        return meta
 
     def content(self, owner: str, file_id: str) -> Iterator[bytes]:
         """The file's bytes, streamed from S3 (the first request is made before this returns, so a

@@ -137,6 +137,35 @@ def test_text_no_store_could_write_is_a_400_on_the_openai_doors_never_a_500(
             error = reply.json()["error"]
             assert error["code"] == "invalid_value", error
             assert "not valid Unicode" in error["message"], error
+        # A multipart header may name its charset; utf-7's "+3P8-" decodes to a lone surrogate (review:
+        # the upload was stored, then it and every listing of the key's files answered 500).
+        line = json.dumps(
+            {
+                "custom_id": "c1",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            }
+        )
+        form = (
+            b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="file"; filename="+3P8-.jsonl"\r\n'
+            b"Content-Type: application/jsonl\r\n\r\n" + line.encode() + b"\r\n--B--\r\n"
+        )
+        sent = api.post(
+            "/v1/files",
+            content=form,
+            headers={
+                "Authorization": f"Bearer {KEY}",
+                "Content-Type": "multipart/form-data; boundary=B; charset=utf-7",
+            },
+        )
+        assert sent.status_code == 200, sent.text
+        assert sent.json()["filename"] == "\ufffd.jsonl"
+        listed = api.get("/v1/files", headers=headers)
+        assert listed.status_code == 200, listed.text
+        assert sent.json()["id"] in [f["id"] for f in listed.json()["data"]]
+        assert api.get(f"/v1/files/{sent.json()['id']}", headers=headers).status_code == 200
         for path in ("/v1/files/file-%ED%B3%BF", "/v1/batches/batch_%ED%B3%BF", "/v1/jobs/%ED%B3%BF",
                      "/v1/files/file-%ED%B3%BF/content"):  # fmt: skip
             reply = api.get(path, headers=headers)

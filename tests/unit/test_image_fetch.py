@@ -27,7 +27,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *_: Any) -> None:  # quiet
         pass
 
+    served: threading.Event | None = None  # set once a request's whole answer is sent
+
     def do_GET(self) -> None:
+        self._answer()
+        if _Handler.served is not None:
+            _Handler.served.set()
+
+    def _answer(self) -> None:
         port = self.server.server_address[1]
         route = {
             "/parcel.png": lambda: self._send(IMAGE),
@@ -265,8 +272,10 @@ def test_a_name_that_never_resolves_ends_at_the_fetch_timeout_and_lookups_are_bo
     port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A resolver that does not answer (review: the system's lookup ran 10 s past a limit of 4 s): the
-    fetch ends at MRC_IMAGE_URL_TIMEOUT_S, before the lookup does; lookups given up on still count,
-    so past LOOKUPS of them the next fetch is refused at once (429), and they free as they end."""
+    fetch ends at MRC_IMAGE_URL_TIMEOUT_S, before the lookup does. Lookups given up on still count,
+    as fetches do: past PER_KEY of one key's, that key's next fetch is refused at once (429) and
+    another key's goes through (review: one key's stuck names took every place); past LOOKUPS in all,
+    every key's is; they free as they end."""
     answer = threading.Event()
     returned: list[str] = []
     real = socket.getaddrinfo
@@ -280,19 +289,72 @@ def test_a_name_that_never_resolves_ends_at_the_fetch_timeout_and_lookups_are_bo
 
     monkeypatch.setattr(socket, "getaddrinfo", resolver)
     settings = _settings(image_url_hosts="stuck.example,localhost", image_url_timeout_s=0.2)
+    keys = [f"key-{n}" for n in range(fetch.LOOKUPS // fetch.PER_KEY)]
     try:
-        for _ in range(fetch.LOOKUPS):
+        for _ in range(fetch.PER_KEY):
             with pytest.raises(FetchRefused) as refused:
-                fetch.fetch("http://stuck.example/parcel.png", settings, "a-key")
+                fetch.fetch("http://stuck.example/parcel.png", settings, keys[0])
             assert refused.value.reason == "image_url_fetch_failed"
             assert "did not resolve within MRC_IMAGE_URL_TIMEOUT_S" in refused.value.detail
         assert not returned, "the fetches waited for the lookups"
-        with pytest.raises(fetch.FetchBusy):
-            fetch.fetch("http://stuck.example/parcel.png", settings, "a-key")
+        with pytest.raises(fetch.FetchBusy, match="this key"):
+            fetch.fetch(f"http://localhost:{port}/parcel.png", settings, keys[0])
+        assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, keys[1]) == IMAGE
+        for key in keys[1:]:
+            for _ in range(fetch.PER_KEY):
+                with pytest.raises(FetchRefused):
+                    fetch.fetch("http://stuck.example/parcel.png", settings, key)
+        with pytest.raises(fetch.FetchBusy, match="host name lookups"):
+            fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "another-key")
     finally:
         answer.set()
     deadline = time.monotonic() + 30
-    while fetch._lookups._value < fetch.LOOKUPS and time.monotonic() < deadline:  # type: ignore[attr-defined]
+    while fetch.lookups._all and time.monotonic() < deadline:
         time.sleep(0.01)  # each lookup's thread gives its place back as its lookup ends
     assert len(returned) == fetch.LOOKUPS
-    assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, "a-key") == IMAGE
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", settings, keys[0]) == IMAGE
+
+
+def test_a_lookup_whose_thread_cannot_start_gives_its_place_back(
+    port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread limit reached: the fetch is refused, and the place it took is free again (review: it
+    was lost for good, and after LOOKUPS such fetches every later one was refused)."""
+    real = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "mrc-url-lookup":
+            raise RuntimeError("can't start new thread")
+        real(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    for _ in range(fetch.LOOKUPS + 1):
+        assert _refusal(f"http://localhost:{port}/parcel.png", _settings()) == "image_url_fetch_failed"
+    assert fetch.lookups._all == 0
+    monkeypatch.setattr(threading.Thread, "start", real)
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", _settings()) == IMAGE
+
+
+@pytest.mark.parametrize("path", ["/slow-headers", "/slow-chunk", "/trickle"])
+def test_an_https_server_that_trickles_is_cut_at_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Over TLS as over plain HTTP the watchdog ends the fetch at MRC_IMAGE_URL_TIMEOUT_S (review: it
+    shut the raw socket TLS had taken over, so a server that kept sending held the fetch for as long
+    as it did): the fetch is refused while the server is still sending."""
+    certs = tls.make(tmp_path / "tls")
+    monkeypatch.setenv("SSL_CERT_FILE", str(certs.ca))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.cert, certs.key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    served = _Handler.served = threading.Event()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"https://localhost:{server.server_address[1]}{path}"
+        assert _refusal(url, _settings(image_url_timeout_s=0.5)) == "image_url_fetch_failed"
+        assert not served.is_set(), "the fetch waited for the server to stop sending"
+    finally:
+        server.shutdown()
+        server.server_close()
