@@ -329,6 +329,8 @@ class _Pinned(http.client.HTTPConnection):
 
     def connect(self) -> None:
         self.sock = self.watchdog.sock = _connect(self.address, self.port, self.watchdog.deadline)
+        if self.watchdog.fired:  # the deadline came before the watchdog knew the socket: nothing shut it
+            raise TimeoutError("the deadline passed while connecting")
 
 
 class _PinnedTLS(http.client.HTTPSConnection):

@@ -27,12 +27,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *_: Any) -> None:  # quiet
         pass
 
-    served: threading.Event | None = None  # set once a request's whole answer is sent
+    served: threading.Event | None = None  # a subclass's own: set once a request's whole answer is sent
 
     def do_GET(self) -> None:
         self._answer()
-        if _Handler.served is not None:
-            _Handler.served.set()
+        if self.served is not None:
+            self.served.set()
 
     def _answer(self) -> None:
         port = self.server.server_address[1]
@@ -344,12 +344,13 @@ def test_an_https_server_that_trickles_is_cut_at_the_deadline(
     as it did): the fetch is refused while the server is still sending."""
     certs = tls.make(tmp_path / "tls")
     monkeypatch.setenv("SSL_CERT_FILE", str(certs.ca))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    served = threading.Event()  # this server's own (the module's plain server's handlers may still run)
+    handler = type("_Served", (_Handler,), {"served": served})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(certs.cert, certs.key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
-    served = _Handler.served = threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"https://localhost:{server.server_address[1]}{path}"
