@@ -163,7 +163,11 @@ class Translator:
         except (ValueError, RecursionError):
             return _error(400, "the line is not JSON", None, "invalid_json")
         custom = data.get("custom_id") if isinstance(data, dict) else None
-        custom_id = custom if isinstance(custom, str) else None
+        custom_id = encoding.clean(custom) if isinstance(custom, str) else None  # as the error file writes it
+        problem = encoding.unwritable(data)
+        if problem:  # refused as the chat route refuses its body (read_json), naming the place in it
+            where = problem.split(":", 1)[0].removeprefix("body.")
+            return {**_error(400, problem[:300], where[:100], "invalid_value"), "custom_id": custom_id}
         try:
             return self._request(number, data, custom_id)
         except OpenAIError as exc:

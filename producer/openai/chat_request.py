@@ -23,7 +23,7 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,6 +316,18 @@ def _fetched(url: str, settings: Settings, param: str, batch: bool, owner: str) 
         raise OpenAIError(429, busy.detail, param, busy.reason, headers={"Retry-After": "2"}) from None
     except fetch.FetchRefused as refused:
         raise OpenAIError(400, refused.detail, param, refused.reason) from None
+
+
+def idempotency_key(headers: Mapping[str, str]) -> str | None:
+    """The request's Idempotency-Key, checked alike on every route that takes one (chat, files,
+    batches): 1-255 printable ASCII characters, as the SDKs send (review: files and batches took an
+    empty or non-ASCII key that chat refused)."""
+    key = headers.get("idempotency-key")
+    if key is not None and not (1 <= len(key) <= 255 and key.isprintable() and key.isascii()):
+        raise OpenAIError(
+            400, "Idempotency-Key: 1-255 printable ASCII characters", "Idempotency-Key", "invalid_value"
+        )
+    return key
 
 
 def read_json(raw: bytes | bytearray) -> object:

@@ -24,7 +24,7 @@ from producer.openai.batch_book import BatchBook
 from producer.openai.batch_run import Keeper, Runner
 from producer.openai.batches import Batches, CreateBatch
 from producer.openai.chat import Chat
-from producer.openai.chat_request import read_json
+from producer.openai.chat_request import idempotency_key, read_json
 from producer.openai.errors import OpenAIError
 from producer.openai.files import PURPOSES, Files, new_file_id, public
 from producer.openai.models import Models
@@ -160,7 +160,7 @@ class OpenAIRoutes:
                     "purpose",
                     "unsupported_value",
                 )
-            key = request.headers.get("idempotency-key")
+            key = idempotency_key(request.headers)
             file_id, fresh = new_file_id(), True
             if key is not None:
                 file_id, fresh = await run_in_threadpool(
@@ -222,8 +222,9 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ batches
     async def create_batch(self, request: Request) -> Response:
         _, batches = await run_in_threadpool(self._stack)
+        key = idempotency_key(request.headers)
         body = await run_in_threadpool(read_json, await request.body())  # parsed off the event loop
-        caller, key = caller_of(request.scope), request.headers.get("idempotency-key")
+        caller = caller_of(request.scope)
         return JSONResponse(await run_in_threadpool(batches.create, caller, body, key))
 
     async def list_batches(self, request: Request) -> Response:

@@ -184,6 +184,31 @@ def test_a_chat_completion_answers_a_photo_with_usage_once_per_idempotency_key(
         assert (series in metrics.text) is shown, key
 
 
+def test_an_idempotency_key_is_checked_alike_on_chat_files_and_batches(
+    sdk: openai.OpenAI, model: str, base_url: str
+) -> None:
+    """Chat refused an empty, over-long or non-ASCII Idempotency-Key that files and batches took
+    (review): each route refuses it the same way, before anything is stored or enqueued."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    line = request_line("k", model, "Refund?", data_url(imagegen.photo(32, 32, seed=47)))
+    requests: list[tuple[str, dict[str, Any]]] = [
+        ("chat/completions", {"json": {"model": model, "messages": ask("Refund?", "s3://b/x.jpg")}}),
+        ("files", {"files": {"file": ("k.jsonl", line.encode())}, "data": {"purpose": "batch"}}),
+        ("batches", {"json": {"input_file_id": "file-x", "endpoint": "/v1/chat/completions",
+                              "completion_window": "24h"}}),
+    ]  # fmt: skip
+    files_before = len(sdk.files.list().data)
+    for bad in (b"", b"caf\xe9", b"k" * 256):
+        for route, sent in requests:
+            reply = httpx.post(
+                f"{base_url}/v1/{route}", headers={**auth, "Idempotency-Key": bad}, timeout=30, **sent
+            )
+            assert reply.status_code == 400, (route, bad, reply.text)
+            error = reply.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_value", "Idempotency-Key"), (route, bad)
+    assert len(sdk.files.list().data) == files_before
+
+
 def test_a_second_question_about_a_photo_reuses_its_positions_and_another_key_does_not(
     sdk: openai.OpenAI, model: str, base_url: str
 ) -> None:
@@ -433,6 +458,14 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         request_line("c", model, "What colour is it?", inline, metadata={"ticket_id": "T-3"}),
         request_line("m", "no-such-model", "Refund?", inline),
         request_line("h", model, "Refund?", "http://example.com/x.jpg"),
+        # Text no store could write (a lone surrogate, half an emoji) is refused by name, as the chat
+        # route refuses its body (review: `user` and `metadata` went through, the rest answered 404,
+        # invalid_job or a pydantic message).
+        request_line("s", model, "Refund \ud83d?", inline),
+        request_line("u", model, "Refund?", inline, user="\udcff"),
+        request_line("v", model, "Refund?", inline, metadata={"note": "\udcff"}),
+        request_line("w", "tiny\udcff", "Refund?", inline),
+        request_line("x\udcff", model, "Refund?", inline),
     ]
     upload = sdk.files.create(file=("backlog.jsonl", "\n".join(lines).encode()), purpose="batch")
     assert (upload.purpose, upload.object) == ("batch", "file")
@@ -445,11 +478,14 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert first.status in ("validating", "in_progress")
     done = wait_final(sdk, first.id)
     assert done.status == "completed"
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 3, 5)  # type: ignore[union-attr]
+    counts = done.request_counts
+    assert counts is not None
+    assert (counts.total, counts.completed, counts.failed) == (13, 3, 10)
     outputs, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
     assert sorted(line["custom_id"] for line in outputs) == ["a", "b", "c"]
-    assert sorted(str(line["custom_id"]) for line in errors) == ["None", "a", "h", "m", "t"]
-    assert len({line["id"] for line in outputs + errors}) == 8  # every request once, in one file only
+    ids = sorted(str(line["custom_id"]) for line in errors)
+    assert ids == ["None", "a", "h", "m", "s", "t", "u", "v", "w", "x\ufffd"]
+    assert len({line["id"] for line in outputs + errors}) == 13  # every request once, in one file only
     for line in outputs:
         body = line["response"]["body"]
         assert (line["response"]["status_code"], body["object"], line["error"]) == (
@@ -467,6 +503,12 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         REFUND,
     )
     by_id = {str(line["custom_id"]): line["response"] for line in errors}
+    surrogates = {"s": "messages[0].content[0].text", "u": "user", "v": "metadata.note", "w": "model"}
+    surrogates["x\ufffd"] = "custom_id"  # the error file writes the id it could not keep cleaned
+    for custom_id, param in surrogates.items():
+        error = by_id.pop(custom_id)["body"]["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", param), custom_id
+        assert "not valid Unicode" in error["message"], error
     assert {k: (v["status_code"], v["body"]["error"]["code"]) for k, v in by_id.items()} == {
         "None": (400, "invalid_json"),
         "t": (400, "unsupported_value"),
@@ -480,7 +522,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.usage.input_tokens == prompt > 0
     status = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
     assert status["usage"]["prompt_tokens"] == prompt
-    assert (status["succeeded"], status["invalid_lines"]) == (3, 5)
+    assert (status["succeeded"], status["invalid_lines"]) == (3, 10)
 
     second = wait_final(
         sdk,
