@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared import tenants
+from shared import tenants, url_hosts
 
 Quantization = Literal["nf4", "bf16", "fp16", "fp32"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -71,7 +71,8 @@ class Settings(BaseSettings):
     # key. Empty: a key names only what it uploaded.
     api_key_sources: str = ""
     # Hosts whose http(s) image URLs mrc-api fetches (chat `image_url` parts; producer/intake/fetch.py):
-    # comma-separated names, `*.example.com` for the names below it. Empty: no URL is fetched.
+    # comma-separated names, `*.example.com` for the names below it, each with `:port` to allow that
+    # port only (shared/url_hosts.py). Empty: no URL is fetched.
     image_url_hosts: str = ""
     # Fetch from private, loopback and link-local addresses too (a lab's own image server). Off: such an
     # address is refused whatever the allowed name resolves to.
@@ -305,6 +306,12 @@ class Settings(BaseSettings):
         """MRC_API_KEY_SOURCES read: owner (12 hex, or `*`) -> the sources it may name images from."""
         return tenants.parse_sources(self.api_key_sources)
 
+    @field_validator("image_url_hosts")
+    @classmethod
+    def _url_hosts_usable(cls, value: str) -> str:
+        url_hosts.parse(value)  # ValueError names the bad entry
+        return value
+
     @field_validator("s3_endpoint_url")
     @classmethod
     def _endpoint_usable(cls, value: str) -> str:
@@ -349,8 +356,8 @@ class Settings(BaseSettings):
         return frozenset([self.s3_bucket, *self.allowed_buckets])
 
     @property
-    def image_url_host_patterns(self) -> tuple[str, ...]:
-        return tuple(h.strip().lower().rstrip(".") for h in self.image_url_hosts.split(",") if h.strip())
+    def image_url_host_patterns(self) -> tuple[url_hosts.HostPattern, ...]:
+        return url_hosts.parse(self.image_url_hosts)
 
     @property
     def image_sources(self) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Images by URL: fetched by mrc-api (never by a worker), only from hosts an operator allowed.
 
-`MRC_IMAGE_URL_HOSTS` names the hosts (`photos.example.com`, or `*.example.com` for its subdomains);
+`MRC_IMAGE_URL_HOSTS` names the hosts (`photos.example.com`, or `*.example.com` for its subdomains;
+`:port` to allow one port only: shared/url_hosts.py);
 empty, no URL is fetched. A fetch:
 
 - resolves the name once and refuses private, loopback, link-local, multicast, reserved and
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
+from shared import url_hosts
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -118,18 +120,6 @@ slots = _Slots(SLOTS, "image URL fetches")
 lookups = _Slots(LOOKUPS, "host name lookups")
 
 
-def host_allowed(host: str, patterns: tuple[str, ...]) -> bool:
-    """Whether `host` is one of the operator's names (`*.example.com`: any name below example.com)."""
-    host = host.lower().rstrip(".")
-    for pattern in patterns:
-        if pattern.startswith("*."):
-            if host.endswith(pattern[1:]) and len(host) > len(pattern) - 1:
-                return True
-        elif host == pattern:
-            return True
-    return False
-
-
 def address_problem(address: str, private: bool) -> str | None:
     """Why an address may not be fetched from, or None."""
     ip = _reached(ipaddress.ip_address(address.split("%", 1)[0]))
@@ -197,17 +187,19 @@ def _target(url: str, settings: Settings) -> tuple[str, int, bool, str]:
         host = parts.hostname.encode("idna").decode("ascii").lower()
     except UnicodeError:
         raise FetchRefused("image_url_fetch_failed", f"{_show(url)}: the host name is not valid") from None
-    if not host_allowed(host, settings.image_url_host_patterns):
-        raise FetchRefused(
-            "image_url_host_not_allowed", f"{host[:100]} is not among the hosts MRC_IMAGE_URL_HOSTS allows"
-        )
     if port == 0:
         raise FetchRefused("image_url_fetch_failed", f"{_show(url)}: port 0")
     tls = parts.scheme.lower() == "https"
+    port = port or (443 if tls else 80)
+    if not url_hosts.allowed(host, port, settings.image_url_host_patterns):
+        raise FetchRefused(
+            "image_url_host_not_allowed",
+            f"{host[:100]}:{port} is not among the hosts (and ports) MRC_IMAGE_URL_HOSTS allows",
+        )
     path = quote(parts.path or "/", safe=_PATH_SAFE)
     if parts.query:
         path += "?" + quote(parts.query, safe=_PATH_SAFE + "?")
-    return host, port or (443 if tls else 80), tls, path
+    return host, port, tls, path
 
 
 def _get(url: str, settings: Settings, deadline: float, owner: str) -> tuple[int, str | None, bytes]:

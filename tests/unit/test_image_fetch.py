@@ -17,6 +17,7 @@ import pytest
 
 from producer.intake import fetch
 from producer.intake.fetch import FetchRefused
+from shared import url_hosts
 from shared.settings import Settings
 from tests.support import tls
 
@@ -40,6 +41,7 @@ class _Handler(BaseHTTPRequestHandler):
             "/parcel.png": lambda: self._send(IMAGE),
             "/to-parcel": lambda: self._redirect(f"http://localhost:{port}/parcel.png"),
             "/to-ip": lambda: self._redirect(f"http://127.0.0.1:{port}/parcel.png"),
+            "/to-next-port": lambda: self._redirect(f"http://localhost:{port + 1}/parcel.png"),
             "/loop": lambda: self._redirect("/loop"),
             "/big": lambda: self._send(IMAGE * 10),
             "/big-unsized": lambda: self._send(IMAGE * 10, sized=False),
@@ -178,18 +180,52 @@ def test_only_public_addresses_unless_private_ones_are_allowed(address: str, all
 
 
 def test_host_patterns_match_names_not_substrings() -> None:
-    patterns = ("photos.example.com", "*.cdn.example.net")
-    assert fetch.host_allowed("photos.example.com", patterns)
-    assert fetch.host_allowed("PHOTOS.example.com.", patterns)
-    assert fetch.host_allowed("a.cdn.example.net", patterns)
-    assert not fetch.host_allowed("cdn.example.net", patterns)
-    assert not fetch.host_allowed("evilcdn.example.net", patterns)
-    assert not fetch.host_allowed("photos.example.com.evil.org", patterns)
-    assert not fetch.host_allowed("example.com", patterns)
+    patterns = url_hosts.parse("photos.example.com, *.cdn.example.net")
+    for host in ("photos.example.com", "PHOTOS.example.com.", "a.cdn.example.net"):
+        assert url_hosts.allowed(host, 443, patterns), host
+    for host in ("cdn.example.net", "evilcdn.example.net", "photos.example.com.evil.org", "example.com"):
+        assert not url_hosts.allowed(host, 443, patterns), host
     assert (
         Settings(image_url_hosts=" Photos.Example.com , *.cdn.example.net ").image_url_host_patterns
         == patterns
     )
+
+
+def test_a_host_named_with_a_port_allows_that_port_only() -> None:
+    """`name:port` binds a host to one port (review: an allowed host's every port was open, a redirect
+    to another port followed); a name alone keeps allowing any port, IPv6 in brackets, IDNA names."""
+    patterns = url_hosts.parse("photos.example.com:443,*.cdn.example.net:8443,10.0.0.5,[2001:db8::1]:80")
+    assert url_hosts.allowed("photos.example.com", 443, patterns)
+    assert not url_hosts.allowed("photos.example.com", 80, patterns)
+    assert url_hosts.allowed("a.cdn.example.net", 8443, patterns)
+    assert not url_hosts.allowed("a.cdn.example.net", 443, patterns)
+    assert url_hosts.allowed("10.0.0.5", 6379, patterns)
+    assert url_hosts.allowed("2001:db8::1", 80, patterns)
+    assert not url_hosts.allowed("2001:db8::1", 81, patterns)
+    assert url_hosts.allowed("xn--bcher-kva.example", 443, url_hosts.parse("Bücher.example"))
+    for bad in (
+        "photos.example.com:",
+        "photos.example.com:0",
+        "photos.example.com:65536",
+        "a:b",
+        "[::1]x",
+        "*.",
+        "a*.example.com",
+        "user@host",
+        "a..b",
+        "host/path",
+        "h:\u0663",
+    ):
+        with pytest.raises(ValueError, match="MRC_IMAGE_URL_HOSTS"):
+            Settings(image_url_hosts=f"ok.example.com,{bad}")
+
+
+def test_a_port_bound_host_refuses_its_other_ports_and_redirects_to_them(port: int) -> None:
+    bound = _settings(image_url_hosts=f"localhost:{port}")
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", bound) == IMAGE
+    assert _refusal(f"http://localhost:{port}/to-next-port", _settings()) == "image_url_fetch_failed"
+    assert _refusal(f"http://localhost:{port}/to-next-port", bound) == "image_url_host_not_allowed"
+    assert _refusal(f"http://localhost:{port + 1}/parcel.png", bound) == "image_url_host_not_allowed"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,71 @@
+"""MRC_IMAGE_URL_HOSTS read: the hosts (and, where named, the ports) whose http(s) image URLs
+mrc-api may fetch (producer/intake/fetch.py). Plain Python, no I/O: Settings checks the value at
+start, the fetch matches every URL and every redirect against it.
+
+An entry is `name`, `*.name` (every name below it, not the name itself), an IPv4 address or an IPv6
+one in brackets, each optionally with `:port`. Without a port any port of that host is allowed (as
+before ports could be named); with one, only that port: `photos.example.com:443` keeps a redirect to
+`photos.example.com:8080` off. Names are compared as DNS carries them (IDNA, lower case, no final
+dot), so `bücher.example` matches the URL `http://BÜCHER.example./`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class HostPattern(NamedTuple):
+    name: str  # as DNS carries it; `*.` first for every name below
+    port: int | None  # None: any port
+
+
+def parse(value: str) -> tuple[HostPattern, ...]:
+    """The comma-separated entries of MRC_IMAGE_URL_HOSTS; ValueError naming the first bad one."""
+    return tuple(_entry(part.strip()) for part in value.split(",") if part.strip())
+
+
+def allowed(host: str, port: int, patterns: tuple[HostPattern, ...]) -> bool:
+    """Whether `host` (as DNS carries it) on `port` is one the operator named."""
+    host = host.lower().rstrip(".")
+    for pattern in patterns:
+        if pattern.port is not None and pattern.port != port:
+            continue
+        if pattern.name.startswith("*."):
+            if host.endswith(pattern.name[1:]) and len(host) > len(pattern.name) - 1:
+                return True
+        elif host == pattern.name:
+            return True
+    return False
+
+
+def _entry(entry: str) -> HostPattern:
+    name, port = _split(entry)
+    wildcard = name.startswith("*.")
+    bare = name[2:] if wildcard else name
+    if not bare or "*" in bare or "/" in bare or "@" in bare:
+        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a host name (name, *.name, name:port)")
+    if ":" not in bare:  # an IPv6 address is kept as written; a name as DNS carries it
+        try:
+            bare = bare.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a valid host name") from None
+    return HostPattern(("*." if wildcard else "") + bare.lower().rstrip("."), port)
+
+
+def _split(entry: str) -> tuple[str, int | None]:
+    """(host, port or None) of `host`, `host:port`, `[v6]`, `[v6]:port`."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not [address] or [address]:port")
+        return host, _port(entry, rest[1:]) if rest else None
+    if entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+        return host, _port(entry, port)
+    return entry, None  # no port (or an IPv6 address without brackets: no port can follow it)
+
+
+def _port(entry: str, text: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r}: the port must be 1-65535")
+    return int(text)
