@@ -261,7 +261,13 @@ class Queue:
         woken = self.settings.wait_poll_s >= redis_target.SERVER_TICK_S
         after = self._events_tail() if woken else None
         next_look = time.monotonic() + 1.0  # the record is read first: S3 only if it says "ended"
+        next_tail = next_look
         while True:
+            if woken and after is None and time.monotonic() >= next_tail:
+                # The stream could not be read (Redis away, a failover): find its tail again, at most
+                # once a second, before the next look, so no completion after that look is missed.
+                next_tail = time.monotonic() + 1.0
+                after = self._events_tail()
             record = self.records.get(job_id)
             state = record.get("state")
             if state in TERMINAL or state is None or time.monotonic() >= next_look:

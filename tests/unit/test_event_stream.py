@@ -86,6 +86,33 @@ def test_a_client_wait_polling_faster_than_a_server_tick_never_blocks_on_the_str
     assert [block for _began, block in records.reads if block > 0] == []
 
 
+class _Failing(_Recording):
+    """A stream whose reads fail for a while (Redis away, a failover), then come back."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:
+        if self.failures:
+            self.failures -= 1
+            self.reads.append((time.monotonic(), -1.0))
+            raise ConnectionError("the stream is away")
+        return super().events_after(after, block_s, count)
+
+
+def test_a_client_wait_goes_back_to_the_stream_after_a_failed_read() -> None:
+    """After one failed read a wait only polled for the rest of its time (left out in an earlier
+    session): it finds the stream's tail again within a second and blocks on it once more."""
+    store, records = MemoryStore("mrc"), _Failing(failures=1)
+    client = Client(Settings(wait_poll_s=0.25), images=store, results=store, records=records)
+    with pytest.raises(TimeoutError):
+        client.wait("never-ends", 2.5)
+    failed = [began for began, block in records.reads if block < 0]
+    assert len(failed) == 1
+    assert [block for began, block in records.reads if began > failed[0] and block > 0]  # back on it
+
+
 def test_an_api_events_long_poll_never_blocks_past_its_deadline_less_a_server_tick() -> None:
     """`GET /v1/events?wait=` as `Client.wait`: its last slice blocked up to the deadline, and Redis
     ended it up to a tick later. The reads are recorded here, none sent (nothing listens)."""
