@@ -119,6 +119,8 @@ class Channel(kombu_redis.Channel):
         (list key, message text) for the caller to push itself, e.g. in one Lua step with its job's
         record (`mrc backlog`: a job is queued and recorded together, or neither). The exchange's
         bindings are read once per block instead of once per message."""
+        if self._captured is not None:  # a second capture would end the first's: its messages sent
+            raise RuntimeError("this channel is already capturing (one capture at a time per channel)")
         captured: list[tuple[str, str]] = []
         self._captured, self._tables = captured, {}
         try:

@@ -14,6 +14,7 @@ what `status`, `report` and `cancel` read, in manifest order, without holding th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,10 @@ class Backlog(RunReader):
         )
         self.files = files or open_run_files(self.settings)
         self._producer: Any = None  # kombu producer whose channel captures messages (`_capture`)
+        # One capture at a time: mrc-api enqueues several batches at once through this one producer, and
+        # a channel's capture is its own state (review: another thread's messages were sent for real,
+        # outside the step that records them, and lines were refused whose jobs then ran).
+        self._capture_lock = threading.Lock()
 
     # ------------------------------------------------------------------ enqueue
     def enqueue(
@@ -271,12 +276,14 @@ class Backlog(RunReader):
     def _capture(self, jobs: list[Job]) -> list[Queued]:
         """Each job's message exactly as Celery and kombu would publish it, captured instead of sent."""
         app = self.queue.celery
-        if self._producer is None:  # one connection for every part: nothing is sent through it
-            self._producer = app.amqp.Producer(app.connection_for_write().default_channel)
-        producer = self._producer
-        with producer.channel.capturing() as captured:
-            for n, job in enumerate(jobs):
-                send_job(app, job.to_message(), job.lane, producer=producer, declare=None if n == 0 else [])
+        with self._capture_lock:
+            if self._producer is None:  # one connection for every part: nothing is sent through it
+                self._producer = app.amqp.Producer(app.connection_for_write().default_channel)
+            producer = self._producer
+            with producer.channel.capturing() as captured:
+                for n, job in enumerate(jobs):
+                    declare: list[Any] | None = None if n == 0 else []
+                    send_job(app, job.to_message(), job.lane, producer=producer, declare=declare)
         return [
             Queued(job.job_id, job.lane, job.fingerprint(), key, message)
             for job, (key, message) in zip(jobs, captured, strict=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,38 @@ def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
     backlog = Backlog(Client(services.settings_from_env(own)))
     backlog.files.page_size = 50  # type: ignore[attr-defined]  # the S3 implementation's page size
     assert sum(1 for _ in backlog.files.list_keys("complaints/2026/")) == 300
+
+
+def test_runs_enqueued_at_once_through_one_backlog_queue_every_line_as_itself(own: dict[str, str]) -> None:
+    """mrc-api enqueues several batches at once through one Backlog and so one kombu channel, whose
+    capture is its own state: one thread ending its capture sent another's messages for real, outside
+    the step that records them, and their lines were refused although their jobs ran (review, 2 of 4
+    runs of 4-6 concurrent batches). Every line is queued once, as its own job, and indexed."""
+    backlog = Backlog(Client(services.settings_from_env(own)))
+    runs = {f"at-once-{n}": 150 for n in range(6)}
+
+    def enqueue(run_id: str) -> int:
+        rows = [
+            json.dumps({"custom_id": f"c{i}", "image": "s3://mrc-backlog/p.jpg", "prompt": f"{run_id} {i}?"})
+            for i in range(runs[run_id])
+        ]
+        return backlog.enqueue(((n + 1, row.encode()) for n, row in enumerate(rows)), run_id, "test").enqueued
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        queued = dict(zip(runs, pool.map(enqueue, runs), strict=True))
+    assert queued == runs
+    client = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    messages = [json.loads(m) for key in names.queue_keys("backlog") for m in client.lrange(key, 0, -1)]
+    expected = {manifest.job_id_for(run_id, f"c{i}") for run_id, n in runs.items() for i in range(n)}
+    assert len(messages) == len(expected)
+    assert {m["headers"]["id"] for m in messages} == expected
+    for m in messages:  # each message carries its own job, not a neighbour's
+        body = json.loads(base64.b64decode(m["body"]))
+        run_id, custom_id = m["headers"]["id"].split(".", 1)
+        assert body[1]["job"]["prompt"] == f"{run_id} {custom_id[1:]}?"
+    for run_id, n in runs.items():
+        status = backlog.status(run_id)
+        assert (status["queued"], status["invalid_lines"]) == (n, 0), status
 
 
 def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp_path: Path) -> None:
