@@ -65,13 +65,19 @@ class Keeper:
         self.poll_s, self.active, self.runner = poll_s, active, runner
         self._stop = threading.Event()
         self._quiet_until = 0.0
+        self._thread: threading.Thread | None = None
         self.log = logs.get_logger()
 
     def start(self) -> None:
-        threading.Thread(target=self._keep, name="mrc-batch-keeper", daemon=True).start()
+        self._thread = threading.Thread(target=self._keep, name="mrc-batch-keeper", daemon=True)
+        self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 5.0) -> None:
+        """Ends the looking at the next batch (not after a whole pass over every batch in flight, whose
+        S3 reads could outlive the process's services: a shutdown then logged store errors)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(wait_s)
 
     def _keep(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -80,6 +86,8 @@ class Keeper:
                 if batch_ids:
                     runner = self.runner()
                     for batch_id in batch_ids:
+                        if self._stop.is_set():
+                            break
                         runner.advance(batch_id)
             except Exception as exc:  # Redis or S3 away: the next pass tries again; logged once a minute
                 if time.monotonic() >= self._quiet_until:

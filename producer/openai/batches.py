@@ -199,8 +199,9 @@ class Batches:
         the batch is final. A batch already being cancelled answers as it is."""
         record = self._mine(caller, batch_id)
         if record.get("ended_by") != "cancelled" and not self.runner.end(batch_id, "cancelled"):
-            status = self.book.get(batch_id).get("status") or record.get("status")
-            if status != "cancelled":
+            latest = self.book.get(batch_id)  # another cancel may have won since: answered as it is
+            status = latest.get("status") or record.get("status")
+            if latest.get("ended_by") != "cancelled" and status != "cancelled":
                 raise OpenAIError(
                     409,
                     f"batch {batch_id} is {status}; every request has ended, there is nothing to cancel",

@@ -10,8 +10,10 @@ import contextlib
 import hashlib
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -606,6 +608,59 @@ def test_cancel_resume_and_the_window_end_leave_every_line_in_the_error_file(oai
         errors = lines_of(sdk, done.error_file_id)
         assert [line["error"]["code"] for line in errors] == ["batch_expired"] * 3
         assert [line["custom_id"] for line in errors] == ["r0", "r1", "r2"]
+
+
+def test_batches_listed_while_created_and_cancelled_twice_at_once_answer_as_they_are(
+    oai_env: dict[str, str],
+) -> None:
+    """Review: a walk of `GET /v1/batches` following `after` repeated a batch whenever the key created
+    one between the cursor's rank and the page (20 of 24 walks); two cancels at once answered the
+    loser 409 while the batch was `cancelling` (7 of 10 rounds). Walks never repeat an id now, and
+    every cancel of a batch being cancelled answers it as it is."""
+    inline = data_url(imagegen.photo(40, 40, seed=48))
+    line = request_line("r", oai_env["MRC_MODEL"], "Refund?", inline)
+    with idle_stack(oai_env, 5) as (sdk, _client):
+        upload = sdk.files.create(file=("one.jsonl", line.encode()), purpose="batch")
+
+        def create() -> str:
+            made = sdk.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            return made.id
+
+        made = [create() for _ in range(4)]
+        creating = threading.Event()
+
+        def keep_creating() -> None:
+            while not creating.is_set():
+                made.append(create())
+
+        walks: list[list[str]] = []
+        maker = threading.Thread(target=keep_creating)
+        maker.start()
+        try:
+            for _ in range(8):
+                walk, after = [], None
+                while True:
+                    page = sdk.batches.list(limit=1, after=after) if after else sdk.batches.list(limit=1)
+                    walk += [b.id for b in page.data]
+                    if not page.has_more:
+                        break
+                    after = page.data[-1].id
+                walks.append(walk)
+        finally:
+            creating.set()
+            maker.join()
+        for walk in walks:
+            assert len(walk) == len(set(walk)), walk
+        assert {b for walk in walks for b in walk} <= set(made)
+
+        for batch_id in made[:6]:
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda _n, b=batch_id: sdk.batches.cancel(b).status, range(4)))
+            assert set(answers) <= {"cancelling", "cancelled"}, answers
+        for batch_id in made[:6]:
+            assert wait_final(sdk, batch_id, 60).status == "cancelled"
 
 
 def test_schemathesis_finds_no_server_error_on_the_openai_routes(oai_env: dict[str, str]) -> None:
