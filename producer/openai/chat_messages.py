@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from producer.openai.errors import OpenAIError
-from producer.openai.protocol import ImagePart, ImageURL, Message, TextPart
+from producer.openai.protocol import ImagePart, ImageURL, Message, RefusalPart, TextPart
 
 INSTRUCTIONS = ("system", "developer")
 TURNS = {"user": "User", "assistant": "Assistant"}
@@ -91,15 +91,10 @@ def fold(messages: list[Message]) -> Folded:
 def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | None]:
     """A message's text (its text parts, one per line) and its image part, if any (user messages only)."""
     where = f"messages[{index}]"
-    if message.role not in (*INSTRUCTIONS, *TURNS):
-        raise OpenAIError(
-            400,
-            f"{message.role!r} messages are not taken (tools and functions are not offered): system, "
-            "developer, user and assistant are",
-            f"{where}.role",
-            "unsupported_value",
-        )
+    _admitted(message, where)
     if message.content is None:
+        if message.refusal is not None:  # an earlier answer that refused: the refusal is its text
+            return message.refusal, None
         raise OpenAIError(
             400,
             f"{message.role!r} messages need content here (tool calls are not offered)",
@@ -110,9 +105,10 @@ def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | Non
         return message.content, None
     texts, image = [], None
     for part_index, part in enumerate(message.content):
-        if isinstance(part, TextPart):
-            if part.text.strip():  # an empty part adds nothing, not an empty line
-                texts.append(part.text)
+        if isinstance(part, TextPart | RefusalPart):
+            text = part.text if isinstance(part, TextPart) else part.refusal
+            if text.strip():  # an empty part adds nothing, not an empty line
+                texts.append(text)
         elif isinstance(part, ImagePart):
             param = f"{where}.content[{part_index}].image_url.url"
             if message.role != "user":
@@ -132,6 +128,42 @@ def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | Non
                 )
             image = (part.image_url, param)
     return "\n".join(texts), image
+
+
+def _admitted(message: Message, where: str) -> None:
+    """OpenAIError for a role mrc does not take, or what an earlier answer may carry besides its text
+    and mrc does not offer: empty tool calls and annotations (kept out of the prompt) pass; a tool
+    call, a function call or audio is refused by name, and a refusal anywhere but an assistant's."""
+    if message.role not in (*INSTRUCTIONS, *TURNS):
+        raise OpenAIError(
+            400,
+            f"{message.role!r} messages are not taken (tools and functions are not offered): system, "
+            "developer, user and assistant are",
+            f"{where}.role",
+            "unsupported_value",
+        )
+    offered = {
+        "tool_calls": bool(message.tool_calls),
+        "function_call": message.function_call is not None,
+        "audio": message.audio is not None,
+        "tool_call_id": message.tool_call_id is not None,
+    }
+    for field, present in offered.items():
+        if present:
+            raise OpenAIError(
+                400,
+                f"{where}.{field}: tools, functions and audio are not offered (a conversation of text "
+                "and one photo is)",
+                f"{where}.{field}",
+                "unsupported_value",
+            )
+    parts = message.content if isinstance(message.content, list) else []
+    refusals = [f"{where}.content[{i}]" for i, p in enumerate(parts) if isinstance(p, RefusalPart)]
+    refusals += [f"{where}.refusal"] if message.refusal is not None else []
+    if refusals and message.role != "assistant":
+        raise OpenAIError(
+            400, f"a refusal is an assistant's, not {message.role!r}", refusals[0], "unsupported_value"
+        )
 
 
 def _text_param(message: Message, index: int) -> str:

@@ -28,13 +28,28 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class RefusalPart(_Strict):
+    """An assistant's refusal, as an earlier turn sends it back."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+Part = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")]
 
 
 class Message(_Strict):
     role: str = Field(description="system, developer, user or assistant (producer/openai/chat_messages.py)")
     content: str | list[Part] | None = None
     name: str | None = None
+    # What an SDK sends back with an earlier answer (`messages.append(choice.message)`): taken when
+    # empty; a refusal is the turn's text; tools and audio are refused by name (chat_messages.py).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_call_id: str | None = None
 
 
 class JsonSchemaSpec(_Strict):

@@ -165,6 +165,14 @@ def test_a_chat_completion_answers_a_photo_with_usage_once_per_idempotency_key(
     )
     assert (again.id, again.choices[0].message.content) == (done.id, done.choices[0].message.content)
     assert client.records.get(stored)["attempts"] == "1"  # one job, run once
+    # The conversation goes on with the SDK's own answer appended as it is (review: its `refusal`
+    # and `annotations` fields were refused as unknown parameters).
+    history: list[Any] = [*ask("Is the parcel damaged?", url), done.choices[0].message]
+    follow = sdk.chat.completions.create(
+        model=model, messages=[*history, {"role": "user", "content": "Refund?"}], max_tokens=2
+    )
+    assert follow.usage is not None
+    assert follow.usage.prompt_tokens > usage.prompt_tokens  # the earlier turn is in its prompt
     with pytest.raises(openai.ConflictError) as conflict:  # the key again, for another question
         sdk.chat.completions.create(
             model=model, messages=ask("Another question?", url), extra_headers={"Idempotency-Key": key}

@@ -112,6 +112,18 @@ def test_a_streamed_request_asks_for_its_usage_chunk_only_when_it_streams() -> N
          "messages[0].content", "invalid_value"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
          "messages[0].content[0]", "invalid_value"),
+        # A tool's answer carries its call's id: refused for its role, not for the id (review).
+        ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "42"},
+                       {"role": "user", "content": "Hm?"}]}, 400, "messages[0].role", "unsupported_value"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+                       {"role": "user", "content": "Hm?"}]}, 400, "messages[0].tool_calls",
+         "unsupported_value"),
+        ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a1"}},
+                       {"role": "user", "content": "Hm?"}]}, 400, "messages[0].audio", "unsupported_value"),
+        ({"messages": [{"role": "user", "content": "x", "refusal": "no"}]}, 400, "messages[0].refusal",
+         "unsupported_value"),
+        ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, 400,
+         "messages[0].content[0]", "unsupported_value"),
         ({"model": None}, 400, "model", "invalid_value"),
     ],
 )  # fmt: skip
@@ -291,3 +303,22 @@ def test_an_error_that_quotes_text_no_store_could_write_still_answers() -> None:
                      error(404, "not_found", "no job x\ud83d")):  # fmt: skip
         message = json.loads(response.body.decode("utf-8"))["error"]["message"]
         assert "\ufffd" in message, message
+
+
+def test_an_earlier_answer_sent_back_as_the_sdk_sends_it_is_a_turn() -> None:
+    """`messages.append(choice.message)` sends mrc's own answer back with `refusal: null`,
+    `annotations: []`, `audio`, `function_call` and `tool_calls` null (review: refused as unknown
+    parameters, so a conversation could not go on); a refusal, as text or as a part, is that turn's
+    text."""
+    question = {"role": "user", "content": [_image_part(), {"type": "text", "text": "What colour?"}]}
+    echoed = {"role": "assistant", "content": "Brown.", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None}  # fmt: skip
+    follow_up = {"role": "user", "content": "Is it torn?"}
+    chat = parse_chat(_request(messages=[question, echoed, follow_up]), SETTINGS)
+    assert chat.prompt == "User: What colour?\nAssistant: Brown.\n\nIs it torn?"
+    for refused in (
+        {"role": "assistant", "content": None, "refusal": "I cannot say."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot say."}], "tool_calls": []},
+    ):
+        chat = parse_chat(_request(messages=[question, refused, follow_up]), SETTINGS)
+        assert chat.prompt == "User: What colour?\nAssistant: I cannot say.\n\nIs it torn?"
