@@ -44,6 +44,19 @@ class Constraint:
         """The answer so far is a whole answer (the grammar's root is matched)."""
         return bool(self.matcher.is_completed())
 
+    def only_end_left(self, eos_id: int) -> bool:
+        """The answer is whole and nothing may follow it but end-of-text: the next step's token is
+        forced, so the row ends now, `stop` (a whole answer at exactly max_new_tokens ended `length`,
+        and the SDKs' `parse` refuses that; every constrained row spent one more step for it)."""
+        if not self.matcher.is_completed():
+            return False
+        from xgrammar import allocate_token_bitmask
+
+        mask = allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(mask)
+        word, bit = divmod(eos_id, 32)
+        return int(mask[0, word]) & 0xFFFFFFFF == 1 << bit and int((mask != 0).sum()) == 1
+
     def reset(self) -> None:
         """Back to an empty answer (the row is recomputed from its prompt)."""
         self.matcher.reset()

@@ -211,6 +211,23 @@ def test_a_constrained_answer_cut_by_max_new_tokens_is_answer_incomplete(backend
     assert backend.detokenize(row.tokens).startswith("{")
 
 
+@pytest.mark.parametrize(
+    "fmt",
+    [{"type": "json_schema", "schema": REFUND}, {"type": "choice", "choices": ["refund", "replace", "no"]}],
+)
+def test_a_whole_answer_that_only_end_of_text_may_follow_stops_there(backend: FuyuBackend, fmt: Any) -> None:
+    """Review: a whole answer at exactly max_new_tokens ended `length` (the SDKs' `parse` refuses it),
+    although the grammar allowed nothing after it but end-of-text. The row ends `stop` at its last
+    token, the same tokens as with room to spare, and without the step that only confirmed it."""
+    roomy = _alone(backend, _item(0, 80), fmt)
+    assert roomy.finish_reason == "stop"
+    assert roomy.constraint is not None
+    assert roomy.constraint.only_end_left(backend.eos_id)
+    exact = _alone(backend, _item(0, len(roomy.tokens)), fmt)
+    assert (exact.tokens, exact.finish_reason, exact.error) == (roomy.tokens, "stop", None)
+    assert _answer(backend, exact, fmt) == _answer(backend, roomy, fmt)
+
+
 def test_a_paused_constrained_row_restarts_its_grammar(backend: FuyuBackend) -> None:
     """Recomputed from its prompt (a pause), the row's matcher starts over: the same answer again."""
     fmt = {"type": "json_schema", "schema": REFUND}

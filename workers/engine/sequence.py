@@ -87,6 +87,13 @@ class Sequence:
             self.finish_reason = "stop"
             return True
         self.tokens.append(token)
+        if (
+            self.constraint is not None
+            and not self.exact_steps
+            and self.constraint.only_end_left(self.eos_id)
+        ):
+            self.finish_reason = "stop"  # whole, and only end-of-text may follow: the step is saved
+            return True
         if len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
             if self.constraint is not None and not self.constraint.complete:
