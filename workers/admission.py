@@ -3,7 +3,8 @@
 - A job id holds one job for life (its fingerprint: image, prompt, max_new_tokens). A different job
   under a used id is refused and never overwrites the first one's result.
 - A job that already succeeded is not computed again; the result object is the truth when the Redis
-  record is gone (expired), says the job ended, or was not checked against S3 by the producer.
+  record is gone (expired), says the job ended or a worker died with it (`running`: it may have
+  written the result and not the record), or was not checked against S3 by the producer.
 - A job whose previous delivery ended with the job in hand (record still `running`: the worker died)
   is a suspect: it runs after the rest of its delivery, in a group with nothing beside it, the groups
   one after another. Each time its worker dies again its group is halved (`suspect_groups`), so a job
@@ -132,8 +133,11 @@ class Admission:
         fingerprint = job.fingerprint()
         if record.get("fingerprint") not in (None, "", fingerprint):
             return self._skip(slot, "job_id_reused")
-        if record.get("state") not in _ENDED_OR_UNKNOWN and record.get("checked") == "1":
-            return False  # submitted through the producer, which found no earlier result
+        state = record.get("state")
+        if state not in _ENDED_OR_UNKNOWN and state != "running" and record.get("checked") == "1":
+            # Submitted through the producer, which found no earlier result, and never taken since. A
+            # `running` record is a worker that died with it: its result may be stored, its record not.
+            return False
         try:
             existing = self.results.get_result(slot.job_id)
         except StoreUnavailable as exc:
@@ -144,6 +148,8 @@ class Admission:
         if existing.get("job_fingerprint") not in (None, fingerprint):
             return self._skip(slot, "job_id_reused")
         if existing.get("status") == "succeeded":
+            if state not in _ENDED_OR_UNKNOWN:  # its worker died between the result and the record
+                self.records.set_state(slot.job_id, "succeeded")
             return self._skip(slot, "already_succeeded")
         if record.get("state") == "failed":
             # Its failure was written and its delivery died before the ack (a neighbour killed the

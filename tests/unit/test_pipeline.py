@@ -183,6 +183,27 @@ def test_a_succeeded_job_delivered_again_is_not_recomputed(store: MemoryStore) -
     assert len(backend.prefills) == 1
 
 
+def test_a_result_stored_by_a_worker_that_died_before_its_record_is_not_computed_again(
+    store: MemoryStore,
+) -> None:
+    """Review (helper-48): a worker killed between writing a job's result and its record left the
+    record `running` (the producer had checked it, `checked=1`); the next delivery took it for a
+    suspect, computed it again and overwrote the result (attempts 1 -> 2, a new finished_at). Its
+    stored result is found, it is skipped, and its record says succeeded."""
+    records, backend = MemoryJobRecords(), EchoBackend()
+    token = records.claim("half-done", "interactive", "")
+    assert token is not None
+    records.confirm("half-done", token, checked=True)  # as the producer leaves it
+    pipeline = _pipeline(store, backend, records)
+    assert pipeline.run([_job("half-done")]) == ["succeeded"]
+    stored = store.get_result("half-done")
+    records.set_state("half-done", "running")  # the record update that the kill lost
+    assert pipeline.run([_job("half-done")]) == ["skipped"]
+    assert store.get_result("half-done") == stored
+    assert len(backend.prefills) == 1
+    assert records.get("half-done")["state"] == "succeeded"
+
+
 def test_a_failed_job_delivered_again_keeps_its_one_result_until_requeued(store: MemoryStore) -> None:
     """An outside review's finding: a job that failed for its input wrote its result at once, while its
     delivery went on (a neighbour's lone run); a worker killed then sent it round again, and it failed
