@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from producer.backlog import outages
 from shared.errors import UsageError
 from shared.settings import Settings
 
@@ -97,15 +98,38 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print(run_id, flush=True)
         display = Display(interval_s=args.interval)
         try:
-            progress = backlog.enqueue(
-                lines(), run_id, source, block=not args.no_block, rate=args.rate,
-                on_progress=lambda p: display.show(p.snapshot()),
-            )  # fmt: skip
+
+            def enqueue() -> Any:
+                return backlog.enqueue(
+                    lines(), run_id, source, block=not args.no_block, rate=args.rate,
+                    on_progress=lambda p: display.show(p.snapshot()),
+                )  # fmt: skip
+
+            deadline = time.monotonic() + settings.backlog_outage_s
+            progress = outages.outlast(
+                enqueue, deadline, f"enqueueing run {run_id} (it resumes where it was)"
+            )
+        except outages.Outage as exc:
+            return _gave_up(run_id, exc)
         finally:
             display.close()
     if not args.wait:
         return EXIT_FAILED if progress.invalid else EXIT_OK
-    return _wait_and_report(backlog, run_id, args.timeout, args.interval)
+    try:
+        return _wait_and_report(backlog, run_id, args.timeout, args.interval, settings.backlog_outage_s)
+    except outages.Outage as exc:
+        return _gave_up(run_id, exc)
+
+
+def _gave_up(run_id: str, exc: Exception) -> int:
+    """Redis or S3 stayed away past MRC_BACKLOG_OUTAGE_S after the run began: not exit 5 (that says
+    nothing was enqueued, and a retry without --run-id would enqueue the run again under new ids)."""
+    print(
+        f"mrc: run {run_id} is not whole: {exc}; its jobs so far stay queued. Go on with: "
+        f"mrc backlog --resume {run_id} [--wait]",
+        file=sys.stderr,
+    )
+    return EXIT_TIMEOUT
 
 
 Lines = Callable[[], Iterator[tuple[int, bytes]]]
@@ -192,7 +216,7 @@ def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespac
     return _exit_for(summary)
 
 
-def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float) -> int:
+def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float, outage_s: float) -> int:
     from producer.backlog.progress import Display
 
     display = Display(interval_s=interval)
@@ -200,7 +224,9 @@ def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float)
     try:
         while True:
             began = time.monotonic()
-            status = backlog.status(run_id)
+            status = outages.outlast(
+                lambda: backlog.status(run_id), min(deadline, began + outage_s), f"waiting for run {run_id}"
+            )
             display.show(status)
             if status["queued"] + status["running"] == 0:
                 break
@@ -211,7 +237,9 @@ def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float)
             time.sleep(max(1.0, 2 * (time.monotonic() - began)))
     finally:
         display.close()
-    summary = backlog.report(run_id)
+    summary = outages.outlast(
+        lambda: backlog.report(run_id), time.monotonic() + outage_s, f"writing run {run_id}'s report"
+    )
     print(json.dumps(summary))
     return _exit_for(summary)
 

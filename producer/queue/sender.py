@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+import redis
 from celery import Celery
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -249,7 +250,8 @@ class Queue:
         return status
 
     def wait(self, job_id: str, timeout: float) -> dict[str, Any]:
-        """Block until the job has a result; raise TimeoutError after `timeout` seconds.
+        """Block until the job has a result; raise TimeoutError after `timeout` seconds (also when Redis
+        or S3 stayed away: the job was queued, and an outage is waited out, never raised).
 
         The result object is the truth and the record a hint: S3 is read whenever the record says the
         job ended (or has no record), and at least once a second whatever it says, so a result whose
@@ -262,23 +264,31 @@ class Queue:
         after = self._events_tail() if woken else None
         next_look = time.monotonic() + 1.0  # the record is read first: S3 only if it says "ended"
         next_tail = next_look
+        fault: Exception | None = None  # the last outage the wait rode out, named if it times out
         while True:
             if woken and after is None and time.monotonic() >= next_tail:
                 # The stream could not be read (Redis away, a failover): find its tail again, at most
                 # once a second, before the next look, so no completion after that look is missed.
                 next_tail = time.monotonic() + 1.0
                 after = self._events_tail()
-            record = self.records.get(job_id)
-            state = record.get("state")
-            if state in TERMINAL or state is None or time.monotonic() >= next_look:
+            try:
+                record = self.records.get(job_id)
+                due = record.get("state") in TERMINAL or record.get("state") is None
+            except (redis.RedisError, OSError) as exc:  # Redis away: the job is queued all the same,
+                record, due, fault = {}, False, exc  # and S3 is still looked at once a second
+            if due or time.monotonic() >= next_look:
                 next_look = time.monotonic() + 1.0
-                result = self.result(job_id)
+                try:
+                    result = self.result(job_id)
+                except StoreUnavailable as exc:  # S3 away: looked at again until the deadline
+                    result, fault = None, exc
                 if result is not None:
                     return result
-                if state == "failed" and record.get("error_code"):
+                if record.get("state") == "failed" and record.get("error_code"):
                     return unstored_result(job_id, record)
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no result for {job_id} after {timeout:g} s")
+                why = f" (last fault: {str(fault).splitlines()[0][:200]})" if fault else ""
+                raise TimeoutError(f"no result for {job_id} after {timeout:g} s{why}")
             after = self._until_completed(
                 job_id, after, time.monotonic() + self.settings.wait_poll_s, deadline
             )

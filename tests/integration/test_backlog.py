@@ -24,6 +24,7 @@ from shared import names
 from shared.stores import open_run_files
 from tests.conftest import MODEL_HOME, TEST_CPU_THREADS
 from tests.support import imagegen
+from tests.support.proxy import Proxy
 
 pytestmark = pytest.mark.integration
 
@@ -199,6 +200,54 @@ def test_runs_enqueued_at_once_through_one_backlog_queue_every_line_as_itself(ow
     for run_id, n in runs.items():
         status = backlog.status(run_id)
         assert (status["queued"], status["invalid_lines"]) == (n, 0), status
+
+
+def test_a_run_waits_out_redis_away_and_ends_whole(own: dict[str, str], tmp_path: Path) -> None:
+    """Review (helper-48): Redis restarted while `mrc backlog` waited for room in the lane, or while
+    `--wait` waited, and it exited 5 ("nothing enqueued") with part or all of the run queued; a cron
+    job's retry would have enqueued the run again under a new id. It waits the outage out, resumes
+    its enqueue where it was, and ends with every job once."""
+    redis_port = int(own["MRC_REDIS_URL"].rsplit(":", 1)[1].split("/")[0])
+    proxy = Proxy(redis_port, services.free_port())
+    proxy.start()
+    through = {**own, "MRC_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0", "MRC_CONNECT_TIMEOUT_S": "0.5",
+               "MRC_BACKLOG_MAX_DEPTH": "4"}  # fmt: skip
+    _path, uri = _photo(Client(services.settings_from_env(own)), tmp_path, seed=12)
+    rows = [{"custom_id": f"w{i}", "image": uri, "prompt": f"Q {i}?", "max_new_tokens": 10}
+            for i in range(12)]  # fmt: skip
+    manifest_file = _write(tmp_path / "m.jsonl", rows)
+    records = redis_lib.Redis.from_url(own["MRC_REDIS_URL"], decode_responses=True)
+    worker = None
+    try:
+        producer = subprocess.Popen(
+            [str(services.BIN / "mrc"), "backlog", str(manifest_file), "--run-id", "away", "--wait",
+             "--interval", "0.2"],
+            env=through, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        services.wait_for(lambda: len(_queued_ids(own)) == 4, 60, "the lane full", producer)
+        proxy.stop()  # Redis away while the enqueue waits for room
+        time.sleep(5)
+        proxy.start()
+        worker = services.start_worker({**own, "MRC_MODEL": "echo", "MRC_ECHO_TOKEN_MS": "150"},
+                                        tmp_path / "worker.log")  # fmt: skip
+        enqueued = lambda: records.hget(names.run_record_key("away"), "state") == "enqueued"  # noqa: E731
+        services.wait_for(enqueued, 120, "the run enqueued", producer)
+        proxy.stop()  # and while --wait waits: the worker, on Redis itself, goes on
+        time.sleep(5)
+        proxy.start()
+        out, err = producer.communicate(timeout=180)
+    finally:
+        if worker is not None:
+            worker.stop()
+        proxy.close()
+        records.close()
+    assert producer.returncode == 0, err
+    report = json.loads(out.decode().splitlines()[-1])
+    assert report["counts"].get("succeeded") == 12, report
+    assert "trying again" in err.decode()
+    results = _file(own, "away", "results.jsonl")
+    assert sorted(r["custom_id"] for r in results) == sorted(f"w{i}" for i in range(12))
+    assert {r["status"] for r in results} == {"succeeded"}
 
 
 def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp_path: Path) -> None:

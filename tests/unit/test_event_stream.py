@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from producer.client import Client
 from producer.http.waits import Waits
@@ -111,6 +112,26 @@ def test_a_client_wait_goes_back_to_the_stream_after_a_failed_read() -> None:
     failed = [began for began, block in records.reads if block < 0]
     assert len(failed) == 1
     assert [block for began, block in records.reads if began > failed[0] and block > 0]  # back on it
+
+
+class _Away(_Recording):
+    """Records Redis cannot answer for (a restart): every read of a job's record fails."""
+
+    def get(self, job_id: str) -> dict[str, str]:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+
+def test_a_client_wait_rides_out_redis_away_and_finds_the_result_in_s3() -> None:
+    """Review (helper-48): `mrc submit --wait` exited 5 ("nothing enqueued") with nothing on stdout
+    when Redis restarted during the wait, for a job that was queued and then succeeded. The wait
+    looks at the result object while the record cannot be read, and a timeout names the fault."""
+    store, records = MemoryStore("mrc"), _Away()
+    client = Client(Settings(wait_poll_s=0.1), images=store, results=store, records=records)
+    with pytest.raises(TimeoutError, match="Connection refused"):
+        client.wait("queued-before", 0.5)
+    done = {"job_id": "queued-before", "status": "succeeded", "text": "yes"}
+    threading.Timer(0.3, lambda: store.put_result("queued-before", done)).start()
+    assert client.wait("queued-before", 10)["text"] == "yes"
 
 
 def test_an_api_events_long_poll_never_blocks_past_its_deadline_less_a_server_tick() -> None:
