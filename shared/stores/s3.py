@@ -11,7 +11,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
-from shared import encoding, names
+from shared import encoding, logs, names
 from shared.errors import ImageTooLarge, StoreUnavailable
 from shared.settings import Settings
 
@@ -98,7 +98,17 @@ class S3Connection:
         return True
 
     def put(self, bucket: str, key: str, data: bytes, content_type: str) -> None:
-        self.call("put_object", Bucket=bucket, Key=key, Body=data, ContentType=content_type)
+        try:
+            self.call("put_object", Bucket=bucket, Key=key, Body=data, ContentType=content_type)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) != "NoSuchBucket":
+                raise
+            # The bucket went away under us (deleted, or a store that lost its data): made again, as at
+            # start, instead of every writer failing (review: every worker exited 70 on it). Said loudly:
+            # what it held is gone.
+            logs.get_logger().warning("MRC_BUCKET_RECREATED", bucket=bucket, key=key)
+            self.ensure_bucket(bucket)
+            self.call("put_object", Bucket=bucket, Key=key, Body=data, ContentType=content_type)
 
     def ensure_bucket(self, bucket: str) -> None:
         try:

@@ -84,3 +84,26 @@ def test_s3_compatible_options_and_a_bucket_outside_us_east_1(env: dict[str, str
     assert connection.get(bucket, "a.txt", 10) == b"x"
     virtual = S3Connection(services.settings_from_env({**env, "MRC_S3_ADDRESSING_STYLE": "virtual"}))
     assert virtual.client.meta.config.s3["addressing_style"] == "virtual"
+
+
+def test_a_result_written_after_its_bucket_went_away_makes_it_again(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (helper-48): the S3 store lost its data (restarted empty) while workers wrote results,
+    and every worker exited 70 on NoSuchBucket, the fleet down until restarted by hand. The write
+    makes the bucket again, as a start does, and says so in the log."""
+    import uuid
+
+    from shared.stores.s3 import S3Connection
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    bucket = f"mrc-gone-{uuid.uuid4().hex[:8]}"
+    settings = services.settings_from_env({**env, "MRC_S3_BUCKET": bucket})
+    _images, results = open_stores(settings)
+    results.ensure_bucket()
+    admin = S3Connection(settings).client
+    admin.delete_bucket(Bucket=bucket)  # empty: no result written yet
+    uri = results.put_result("after-the-loss", {"job_id": "after-the-loss", "status": "succeeded"})
+    assert uri == f"s3://{bucket}/results/after-the-loss.json"
+    assert results.get_result("after-the-loss") == {"job_id": "after-the-loss", "status": "succeeded"}
