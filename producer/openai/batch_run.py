@@ -128,11 +128,16 @@ class Runner:
             self.book.move(batch_id, RUNNING, ended_by="cancelled", status="cancelling", cancelling_at=now())
             return
         if status == "validating" and int(run.get("lines", 0)) > 0:
-            self.book.update(batch_id, status="in_progress", in_progress_at=now())
+            self._started(batch_id)
         if run.get("state") == "enqueuing":
             self._begin(batch_id, "enqueue", self._enqueue)
         elif run.get("state") == "enqueued":
             self._settle(batch_id)
+
+    def _started(self, batch_id: str) -> None:
+        """`validating` -> `in_progress`, in one step that a cancel or the window's end wins over (a
+        read-then-write could put `in_progress` over a cancel's `cancelling`: review)."""
+        self.book.move(batch_id, ("validating",), status="in_progress", in_progress_at=now())
 
     def _settle(self, batch_id: str) -> None:
         """Every request ended: the files are written now, unless a cancel came first (then the next
@@ -194,8 +199,7 @@ class Runner:
             renew()
             if self.backlog.runs.cancelled(batch_id):
                 raise _Stopped("cancelled")
-            if self.book.get(batch_id).get("status") == "validating":  # its first requests go in now
-                self.book.update(batch_id, status="in_progress", in_progress_at=now())
+            self._started(batch_id)  # its first requests go in now
 
         translator = Translator(
             self.backlog.intake,

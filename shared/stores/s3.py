@@ -40,6 +40,9 @@ class S3Connection:
             retries={"total_max_attempts": attempts, "mode": "standard"},
             connect_timeout=settings.connect_timeout_s,
             read_timeout=30,
+            # mrc-api's batches store 8 images at a time each, several batches at once: boto3's pool
+            # of 10 discarded connections under that ("Connection pool is full", review).
+            max_pool_connections=64,
             s3={"addressing_style": _addressing(settings)},  # type: ignore[arg-type]  # a Literal there
             request_checksum_calculation=settings.s3_checksums,
             response_checksum_validation=settings.s3_checksums,

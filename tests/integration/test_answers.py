@@ -176,3 +176,6 @@ def test_a_cancel_too_late_to_stop_anything_is_refused_and_the_batch_completes(
     assert book.move(other, RUNNING, ended_by="cancelled", status="cancelling", cancelling_at=now)
     assert not book.move(other, RUNNING, status="finalizing", finalizing_at=now)
     assert book.get(other)["status"] == "cancelling"
+    # Nor does the enqueue's `validating` -> `in_progress` (Runner._started) put itself over it.
+    assert not book.move(other, ("validating",), status="in_progress", in_progress_at=now)
+    assert book.get(other)["status"] == "cancelling"
