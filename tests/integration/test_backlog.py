@@ -226,14 +226,14 @@ def test_a_run_waits_out_redis_away_and_ends_whole(own: dict[str, str], tmp_path
         )  # fmt: skip
         services.wait_for(lambda: len(_queued_ids(own)) == 4, 60, "the lane full", producer)
         proxy.stop()  # Redis away while the enqueue waits for room
-        time.sleep(5)
+        time.sleep(3)
         proxy.start()
         worker = services.start_worker({**own, "MRC_MODEL": "echo", "MRC_ECHO_TOKEN_MS": "150"},
                                         tmp_path / "worker.log")  # fmt: skip
         enqueued = lambda: records.hget(names.run_record_key("away"), "state") == "enqueued"  # noqa: E731
         services.wait_for(enqueued, 120, "the run enqueued", producer)
         proxy.stop()  # and while --wait waits: the worker, on Redis itself, goes on
-        time.sleep(5)
+        time.sleep(3)
         proxy.start()
         out, err = producer.communicate(timeout=180)
     finally:
