@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -39,8 +39,12 @@ class Admission:
         metrics: Metrics,
         log: Any,
         worker: str = "",
+        settle: Callable[[dict[str, Any], str | None], None] = lambda _result, _key: None,
     ) -> None:
         self.worker = worker  # this worker's name, kept in the records of the jobs it runs
+        # What a job's end would have written after its result (record, usage, event), for a result a
+        # dead worker stored and never followed up (workers/finisher.py `settle_stored`).
+        self.settle = settle
         self.records = records
         self.results = results
         self.settings = settings
@@ -149,7 +153,7 @@ class Admission:
             return self._skip(slot, "job_id_reused")
         if existing.get("status") == "succeeded":
             if state not in _ENDED_OR_UNKNOWN:  # its worker died between the result and the record
-                self.records.set_state(slot.job_id, "succeeded")
+                self.settle(existing, job.api_key)
             return self._skip(slot, "already_succeeded")
         if record.get("state") == "failed":
             # Its failure was written and its delivery died before the ack (a neighbour killed the

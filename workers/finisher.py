@@ -93,6 +93,29 @@ class Finisher:
         # Its message is acked with its delivery's end, after it.
         self._announce(result)
 
+    def settle_stored(self, stored: dict[str, Any], api_key: str | None) -> None:
+        """A succeeded result a worker stored and died before following up (its record still says
+        `running`): the record settled, its usage counted (once per job: shared/usage.py) and its
+        completion event written, as its own end would have (review: the skip left all three out).
+        Best effort, as they are: the result is the truth, and the next delivery settles it again."""
+        try:
+            result = JobResult.model_validate(stored)
+            self.records.set_state(result.job_id, "succeeded")
+        except Exception as exc:
+            self.log.warning("MRC_SETTLE_FAILED", job_id=str(stored.get("job_id")), error=repr(exc)[:200])
+            return
+        try:
+            self.records.count_usage(
+                result.job_id,
+                api_key,
+                result.usage.model_dump(),
+                result.cache_hit,
+                ops_counts.Finished(result.lane, result.status, "", _latency_s(result)),
+            )
+        except Exception as exc:
+            self.log.warning("MRC_USAGE_COUNT_FAILED", job_id=result.job_id, error=repr(exc)[:200])
+        self._announce(result)
+
     def _kept(self, slot: Slot) -> dict[str, Any] | None:
         """The stored result a failed outcome must not replace: a succeeded one, or any one for a
         message that is not a valid job (its id may be a real job's). None: write."""

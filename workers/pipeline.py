@@ -300,7 +300,7 @@ def assemble(
     cache = cache if settings.cache_ttl_s > 0 else None
     log = logs.get_logger()
     finisher = Finisher(backend, results, records, settings, metrics, log, requeue, sleep, cache)
-    admission = Admission(records, results, settings, metrics, log, worker)
+    admission = Admission(records, results, settings, metrics, log, worker, finisher.settle_stored)
     publisher = None
     if streams is not None:  # streamed answers' text, published from a thread of its own
         publisher = TextStreams(

@@ -197,11 +197,18 @@ def test_a_result_stored_by_a_worker_that_died_before_its_record_is_not_computed
     pipeline = _pipeline(store, backend, records)
     assert pipeline.run([_job("half-done")]) == ["succeeded"]
     stored = store.get_result("half-done")
-    records.set_state("half-done", "running")  # the record update that the kill lost
+    # What the kill lost: the record's update, and the usage and the event that come after it.
+    records.records["half-done"] = {**records.get("half-done"), "state": "running"}
+    records.records["half-done"].pop("usage_counted")
+    events_before = len(records.events)
     assert pipeline.run([_job("half-done")]) == ["skipped"]
     assert store.get_result("half-done") == stored
     assert len(backend.prefills) == 1
     assert records.get("half-done")["state"] == "succeeded"
+    assert records.get("half-done")["usage_counted"] == "1"  # counted once, as its own end would have
+    assert [(e["job_id"], e["status"]) for e in records.events[events_before:]] == [
+        ("half-done", "succeeded")
+    ]
 
 
 def test_a_failed_job_delivered_again_keeps_its_one_result_until_requeued(store: MemoryStore) -> None:
