@@ -50,6 +50,7 @@ class Message(_Strict):
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     tool_call_id: str | None = None
+    parsed: Any = None  # what the SDK's `parse()` read the answer into: the content says the same
 
 
 class JsonSchemaSpec(_Strict):

@@ -16,6 +16,8 @@ from shared.errors import ImageTooLarge, StoreUnavailable
 from shared.settings import Settings
 
 _MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
+# A create that lost to another's: ours already (a bucket owned by someone else then fails the write).
+_MADE = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
 _RESULT_MAX_BYTES = 16 * 1024 * 1024
 _TEXT_MAX_BYTES = 256 * 1024 * 1024
 _PART_BYTES = 8 * 1024 * 1024  # multipart parts: S3 wants >= 5 MiB for every part but the last
@@ -126,7 +128,11 @@ class S3Connection:
                 if region in (None, "", "us-east-1")
                 else {"CreateBucketConfiguration": {"LocationConstraint": region}}
             )
-            self.call("create_bucket", Bucket=bucket, **where)
+            try:
+                self.call("create_bucket", Bucket=bucket, **where)
+            except ClientError as race:  # another writer made it first (review: 8 at once, most lost)
+                if str(race.response.get("Error", {}).get("Code", "")) not in _MADE:
+                    raise
 
     def probe(self, bucket: str) -> None:
         """One cheap request that needs the endpoint, the credentials and (if it exists) the bucket."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,49 @@ def test_a_result_written_after_its_bucket_went_away_makes_it_again(
     uri = results.put_result("after-the-loss", {"job_id": "after-the-loss", "status": "succeeded"})
     assert uri == f"s3://{bucket}/results/after-the-loss.json"
     assert results.get_result("after-the-loss") == {"job_id": "after-the-loss", "status": "succeeded"}
+
+
+def _write_at_once(
+    writer: Any, bucket: str, name: str, barrier: threading.Barrier, errors: list[str]
+) -> None:
+    barrier.wait()
+    try:
+        writer.put(bucket, f"results/{name}.json", b"{}", "application/json")
+    except Exception as exc:
+        errors.append(repr(exc)[:200])
+
+
+def test_writers_that_find_the_bucket_gone_at_once_all_store(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (helper-50): outside us-east-1 every writer but the first to make the bucket again got
+    BucketAlreadyOwnedByYou, not retried (2-7 of 8 writes stored a round). A create that loses to
+    another's is the bucket made."""
+    import uuid
+
+    from shared.stores.s3 import S3Connection
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    bucket = f"mrc-race-{uuid.uuid4().hex[:8]}"
+    settings = services.settings_from_env({**env, "MRC_S3_BUCKET": bucket, "MRC_S3_REGION": "eu-west-1"})
+    writers = [S3Connection(settings) for _ in range(8)]
+    for _round in range(3):
+        writers[0].ensure_bucket(bucket)
+        admin = writers[0].client
+        for listed in admin.list_objects_v2(Bucket=bucket).get("Contents", []):
+            admin.delete_object(Bucket=bucket, Key=listed["Key"])
+        admin.delete_bucket(Bucket=bucket)
+        barrier, errors = threading.Barrier(len(writers)), []
+        threads = [
+            threading.Thread(
+                target=_write_at_once, args=(writers[i], bucket, f"{_round}-{i}", barrier, errors)
+            )
+            for i in range(len(writers))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert len(admin.list_objects_v2(Bucket=bucket).get("Contents", [])) == len(writers)

@@ -312,7 +312,7 @@ def test_an_earlier_answer_sent_back_as_the_sdk_sends_it_is_a_turn() -> None:
     text."""
     question = {"role": "user", "content": [_image_part(), {"type": "text", "text": "What colour?"}]}
     echoed = {"role": "assistant", "content": "Brown.", "refusal": None, "annotations": [], "audio": None,
-              "function_call": None, "tool_calls": None}  # fmt: skip
+              "function_call": None, "tool_calls": None, "parsed": {"colour": "brown"}}  # fmt: skip
     follow_up = {"role": "user", "content": "Is it torn?"}
     chat = parse_chat(_request(messages=[question, echoed, follow_up]), SETTINGS)
     assert chat.prompt == "User: What colour?\nAssistant: Brown.\n\nIs it torn?"
