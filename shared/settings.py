@@ -243,7 +243,7 @@ class Settings(BaseSettings):
     # Backpressure: submissions to the backlog lane wait (or fail with queue_full) above this depth, so a
     # million-line backlog never sits in Redis memory at once. Interactive submissions never wait.
     backlog_max_depth: int = Field(default=10_000, ge=1)
-    # How long `mrc backlog` waits out Redis or S3 being away once its run has begun (its enqueue
+    # How long `mrc backlog` waits out each outage of Redis or S3 once its run has begun (its enqueue
     # resumes where it was, its --wait goes on): a restart never ends a nightly run.
     backlog_outage_s: float = Field(default=300.0, ge=0, le=24 * 3600)
     # How long a command or a starting worker waits for Redis or S3 before it says which one it cannot

@@ -97,20 +97,24 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             _strict(lines(), run_id, settings)
         print(run_id, flush=True)
         display = Display(interval_s=args.interval)
-        try:
+        heard = [0.0]  # when the enqueue last reported progress (or a look at a full lane): it works
 
-            def enqueue() -> Any:
-                return backlog.enqueue(
-                    lines(), run_id, source, block=not args.no_block, rate=args.rate,
-                    on_progress=lambda p: display.show(p.snapshot()),
-                )  # fmt: skip
+        def shown(progress: Any) -> None:
+            heard[0] = time.monotonic()
+            display.show(progress.snapshot())
 
-            deadline = time.monotonic() + settings.backlog_outage_s
-            progress = outages.outlast(
-                enqueue, deadline, f"enqueueing run {run_id} (it resumes where it was)"
+        def enqueue() -> Any:
+            return backlog.enqueue(
+                lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown
             )
+
+        try:
+            progress = outages.outlast(
+                enqueue, settings.backlog_outage_s, f"enqueueing run {run_id} (it resumes where it was)",
+                heard=lambda: heard[0],
+            )  # fmt: skip
         except outages.Outage as exc:
-            return _gave_up(run_id, exc)
+            return _gave_up(run_id, source, exc)
         finally:
             display.close()
     if not args.wait:
@@ -118,15 +122,17 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         return _wait_and_report(backlog, run_id, args.timeout, args.interval, settings.backlog_outage_s)
     except outages.Outage as exc:
-        return _gave_up(run_id, exc)
+        return _gave_up(run_id, source, exc)
 
 
-def _gave_up(run_id: str, exc: Exception) -> int:
+def _gave_up(run_id: str, source: str, exc: Exception) -> int:
     """Redis or S3 stayed away past MRC_BACKLOG_OUTAGE_S after the run began: not exit 5 (that says
     nothing was enqueued, and a retry without --run-id would enqueue the run again under new ids)."""
+    again = (
+        f"mrc backlog - --run-id {run_id} < MANIFEST" if source == "-" else f"mrc backlog --resume {run_id}"
+    )
     print(
-        f"mrc: run {run_id} is not whole: {exc}; its jobs so far stay queued. Go on with: "
-        f"mrc backlog --resume {run_id} [--wait]",
+        f"mrc: run {run_id} is not whole: {exc}; its jobs so far stay queued. Go on with: {again} [--wait]",
         file=sys.stderr,
     )
     return EXIT_TIMEOUT
@@ -225,7 +231,7 @@ def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float,
         while True:
             began = time.monotonic()
             status = outages.outlast(
-                lambda: backlog.status(run_id), min(deadline, began + outage_s), f"waiting for run {run_id}"
+                lambda: backlog.status(run_id), outage_s, f"waiting for run {run_id}", until=deadline
             )
             display.show(status)
             if status["queued"] + status["running"] == 0:
@@ -237,9 +243,7 @@ def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float,
             time.sleep(max(1.0, 2 * (time.monotonic() - began)))
     finally:
         display.close()
-    summary = outages.outlast(
-        lambda: backlog.report(run_id), time.monotonic() + outage_s, f"writing run {run_id}'s report"
-    )
+    summary = outages.outlast(lambda: backlog.report(run_id), outage_s, f"writing run {run_id}'s report")
     print(json.dumps(summary))
     return _exit_for(summary)
 

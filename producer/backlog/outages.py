@@ -37,20 +37,44 @@ class Outage(Exception):
     """Redis or S3 stayed away past the deadline."""
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether `exc` is Redis or S3 being away (a restart, a failover, replicas gone) rather than a
+    fault an operator must see at once. redis-py wraps a pipeline's error in text ("Command # 1 (...)
+    of pipeline caused error: NOREPLICAS ..."), so a refusal is read by its words."""
+    if isinstance(exc, OUTAGES):
+        return True
+    return isinstance(exc, redis.ResponseError) and any(word in str(exc) for word in _AWAY_WORDS)
+
+
+_AWAY_WORDS = ("NOREPLICAS", "MASTERDOWN", "LOADING", "READONLY", "TRYAGAIN")
+
+
 def outlast(
     step: Callable[[], T],
-    deadline: float,
+    budget_s: float,
     what: str,
+    *,
+    heard: Callable[[], float] = lambda: 0.0,
+    until: float = float("inf"),
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """`step()`, tried again through outages until `deadline` (time.monotonic()); Outage past it."""
-    pause, told = 1.0, False
+    """`step()`, tried again through each outage for up to `budget_s` from the outage's start (a step
+    that ran for hours and then met a restart gets its whole budget: review), never past `until`
+    (time.monotonic()). `heard()`: when the step last showed it was working (its progress callback);
+    a failure after that begins a new outage. Outage when one lasts past its budget."""
+    pause, told, began = 1.0, False, None
     while True:
         try:
             return step()
-        except OUTAGES as exc:
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            now = clock()
+            if began is None or heard() > began:  # a new outage: the step worked since the last one
+                began, pause, told = now, 1.0, False
+            left = min(until, began + budget_s) - now
             fault = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            left = deadline - time.monotonic()
             if left <= 0:
                 raise Outage(f"Redis or S3 still away ({fault})") from exc
             if not told:  # once an outage: the progress display goes on after it

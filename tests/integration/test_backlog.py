@@ -16,11 +16,12 @@ import boto3
 import pytest
 import redis as redis_lib
 
-from producer.backlog import manifest
+from producer.backlog import manifest, outages
 from producer.backlog.run import Backlog
 from producer.client import Client
 from scripts import devservices as services
 from shared import names
+from shared.errors import StoreUnavailable
 from shared.stores import open_run_files
 from tests.conftest import MODEL_HOME, TEST_CPU_THREADS
 from tests.support import imagegen
@@ -248,6 +249,38 @@ def test_a_run_waits_out_redis_away_and_ends_whole(own: dict[str, str], tmp_path
     results = _file(own, "away", "results.jsonl")
     assert sorted(r["custom_id"] for r in results) == sorted(f"w{i}" for i in range(12))
     assert {r["status"] for r in results} == {"succeeded"}
+
+
+def test_an_upload_that_meets_s3_away_is_waited_out_not_a_line_refused(
+    own: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (helper-50): a local photo whose upload met an S3 blip made its line invalid for good
+    (indexed so; a resume kept it), the run exiting 1. The blip is raised, and the enqueue, tried
+    again as `mrc backlog` does, queues every line once."""
+    backlog = Backlog(Client(services.settings_from_env(own)))
+    real, calls = backlog.intake.upload_image, []
+
+    def blip(path: Path) -> tuple[str, str]:
+        calls.append(path)
+        if len(calls) == 1:
+            raise StoreUnavailable("S3 put_object failed: Could not connect to the endpoint URL")
+        return real(path)
+
+    monkeypatch.setattr(backlog.intake, "upload_image", blip)
+    rows = []
+    for i in range(3):
+        photo = tmp_path / f"p{i}.jpg"
+        photo.write_bytes(imagegen.photo(64, 48, seed=20 + i))
+        rows.append({"custom_id": f"u{i}", "image": str(photo), "prompt": "Q?"})
+    manifest_file = _write(tmp_path / "m.jsonl", rows)
+
+    def enqueue() -> Any:
+        with manifest_file.open("rb") as handle:
+            return backlog.enqueue(manifest.read_lines(handle), "blip", str(manifest_file))
+
+    progress = outages.outlast(enqueue, 60, "testing", sleep=lambda _s: None)
+    assert (progress.enqueued, progress.invalid) == (3, 0)
+    assert sorted(_queued_ids(own)) == [f"blip.u{i}" for i in range(3)]
 
 
 def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp_path: Path) -> None:
