@@ -271,8 +271,9 @@ class Queue:
                 # once a second, before the next look, so no completion after that look is missed.
                 next_tail = time.monotonic() + 1.0
                 after = self._events_tail()
-            try:
-                record = self.records.get(job_id)
+            try:  # on the hints' connection: short timeouts, no retries (a Redis that hangs held the
+                # wait 10 s a read, three times over, past its timeout and its once-a-second S3 look)
+                record = self._events().get(job_id)
                 due = record.get("state") in TERMINAL or record.get("state") is None
             except (redis.RedisError, OSError) as exc:  # Redis away: the job is queued all the same,
                 record, due, fault = {}, False, exc  # and S3 is still looked at once a second

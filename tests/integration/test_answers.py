@@ -54,6 +54,29 @@ def _queued(redis_url: str) -> int:
         client.close()
 
 
+def test_a_client_wait_through_a_redis_that_hangs_finds_the_result_in_s3(
+    env: dict[str, str], cut_redis: tuple[services.Service, Proxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review (helper-50): with Redis hanging (not refusing), `mrc submit --wait --timeout 15` read the
+    job's record for 10 s at a time, three retries over, and returned 69 s after its result was
+    stored. The record is read on the hints' connection (short timeouts, no retries); S3 is looked at."""
+    _redis, proxy = cut_redis
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    through = {**env, "MRC_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0", "MRC_CONNECT_TIMEOUT_S": "0.5"}
+    client = Client(services.settings_from_env(through))
+    job_id = f"hung-{uuid.uuid4().hex[:8]}"
+    client.results.put_result(job_id, {"job_id": job_id, "status": "succeeded", "text": "yes"})
+    proxy.hang()
+    began = time.monotonic()
+    try:
+        assert client.wait(job_id, 8)["text"] == "yes"
+        assert time.monotonic() - began < 8 + 12  # within its timeout and a read's slack (was 171 s)
+    finally:
+        proxy.unhang()
+        client.close()
+
+
 def test_redis_lost_after_the_push_answers_with_the_job_and_a_retry_is_the_same_job(
     env: dict[str, str], cut_redis: tuple[services.Service, Proxy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
