@@ -1,6 +1,7 @@
 """MRC_IMAGE_URL_HOSTS read: the hosts (and, where named, the ports) whose http(s) image URLs
-mrc-api may fetch (producer/intake/fetch.py). Plain Python, no I/O: Settings checks the value at
-start, the fetch matches every URL and every redirect against it.
+mrc-api may fetch (producer/intake/fetch.py). Plain Python, no I/O: Settings refuses a malformed
+value at start (every process that reads the settings), the fetch matches every URL and every
+redirect against it.
 
 An entry is `name`, `*.name` (every name below it, not the name itself), an IPv4 address or an IPv6
 one in brackets, each optionally with `:port`. Without a port any port of that host is allowed (as
@@ -11,6 +12,8 @@ dot), so `bücher.example` matches the URL `http://BÜCHER.example./`.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import NamedTuple
 
 
@@ -27,6 +30,11 @@ def parse(value: str) -> tuple[HostPattern, ...]:
 def allowed(host: str, port: int, patterns: tuple[HostPattern, ...]) -> bool:
     """Whether `host` (as DNS carries it) on `port` is one the operator named."""
     host = host.lower().rstrip(".")
+    if ":" in host:  # an IPv6 address however the URL wrote it (2001:0db8:0::1 is 2001:db8::1)
+        try:
+            host = str(ipaddress.IPv6Address(host))
+        except ValueError:
+            return False
     for pattern in patterns:
         if pattern.port is not None and pattern.port != port:
             continue
@@ -39,24 +47,34 @@ def allowed(host: str, port: int, patterns: tuple[HostPattern, ...]) -> bool:
 
 
 def _entry(entry: str) -> HostPattern:
+    if "/" in entry or "@" in entry:  # `https://photos.example.com`, `user@host`: a URL, not a host
+        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is a URL; name the host alone (name:port at most)")
     name, port = _split(entry)
     wildcard = name.startswith("*.")
     bare = name[2:] if wildcard else name
-    if not bare or "*" in bare or "/" in bare or "@" in bare:
-        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a host name (name, *.name, name:port)")
-    if ":" not in bare:  # an IPv6 address is kept as written; a name as DNS carries it
+    if ":" in bare or entry.startswith("["):  # an IPv6 address, compressed and lower case as URLs give it
         try:
-            bare = bare.encode("idna").decode("ascii")
-        except UnicodeError:
-            raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a valid host name") from None
-    return HostPattern(("*." if wildcard else "") + bare.lower().rstrip("."), port)
+            address = ipaddress.IPv6Address(bare)
+        except ValueError:
+            raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not an IPv6 address") from None
+        return HostPattern(str(address), port)
+    try:
+        bare = bare.encode("idna").decode("ascii").lower().rstrip(".")
+    except UnicodeError:
+        bare = ""
+    if not _NAME.fullmatch(bare):
+        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a host name (name, *.name, name:port)")
+    return HostPattern(("*." if wildcard else "") + bare, port)
+
+
+_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
 
 
 def _split(entry: str) -> tuple[str, int | None]:
     """(host, port or None) of `host`, `host:port`, `[v6]`, `[v6]:port`."""
     if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        if rest and not rest.startswith(":"):
+        host, closed, rest = entry[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
             raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not [address] or [address]:port")
         return host, _port(entry, rest[1:]) if rest else None
     if entry.count(":") == 1:

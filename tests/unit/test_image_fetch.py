@@ -202,6 +202,9 @@ def test_a_host_named_with_a_port_allows_that_port_only() -> None:
     assert url_hosts.allowed("10.0.0.5", 6379, patterns)
     assert url_hosts.allowed("2001:db8::1", 80, patterns)
     assert not url_hosts.allowed("2001:db8::1", 81, patterns)
+    assert url_hosts.allowed("2001:0db8:0:0::1", 80, patterns)  # as a URL may write it
+    with pytest.raises(ValueError, match="is a URL; name the host alone"):
+        Settings(image_url_hosts="https://photos.example.com")
     assert url_hosts.allowed("xn--bcher-kva.example", 443, url_hosts.parse("Bücher.example"))
     for bad in (
         "photos.example.com:",
@@ -215,6 +218,10 @@ def test_a_host_named_with_a_port_allows_that_port_only() -> None:
         "a..b",
         "host/path",
         "h:\u0663",
+        "[::1",
+        "photos.example.com :443",
+        "photos example.com",
+        "[not-an-address]:80",
     ):
         with pytest.raises(ValueError, match="MRC_IMAGE_URL_HOSTS"):
             Settings(image_url_hosts=f"ok.example.com,{bad}")
