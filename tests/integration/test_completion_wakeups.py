@@ -58,7 +58,7 @@ def test_client_wait_answers_at_its_jobs_completion_event(env: dict[str, str], c
             return record
 
     waiting = Client(settings)
-    waiting.records = Looking(connect(settings))
+    waiting._hints = Looking(connect(settings))  # a wait reads the record on the hints' connection
     finisher = _after(first_look, lambda: _finish(client, job_id))
     began = time.monotonic()
     try:
