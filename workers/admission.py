@@ -138,9 +138,11 @@ class Admission:
         if record.get("fingerprint") not in (None, "", fingerprint):
             return self._skip(slot, "job_id_reused")
         state = record.get("state")
-        if state not in _ENDED_OR_UNKNOWN and state != "running" and record.get("checked") == "1":
+        fresh = state not in _ENDED_OR_UNKNOWN and state != "running" and not record.get("retry_reason")
+        if fresh and record.get("checked") == "1":
             # Submitted through the producer, which found no earlier result, and never taken since. A
-            # `running` record is a worker that died with it: its result may be stored, its record not.
+            # `running` record is a worker that died with it, a retry one whose look at S3 failed: its
+            # result may be stored, its record not (review).
             return False
         try:
             existing = self.results.get_result(slot.job_id)

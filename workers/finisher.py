@@ -63,8 +63,8 @@ class Finisher:
                              code=result.error.code if result.error else "")  # fmt: skip
             if slot.job is not None and existing.get("job_fingerprint") in (None, slot.job.fingerprint()):
                 # Its record lagged its result (Redis lost the write as the worker ended): settled now,
-                # or it says `running` for good and a backlog run never ends.
-                self.records.set_state(slot.job_id, "succeeded")
+                # usage and event too, or it says `running` for good and a backlog run never ends.
+                self.settle_stored(existing, slot.job.api_key)
             return
         if not self._put(slot.job_id, result.to_json_dict()):
             if slot.job is not None and not last:
@@ -97,11 +97,12 @@ class Finisher:
         """A succeeded result a worker stored and died before following up (its record still says
         `running`): the record settled, its usage counted (once per job: shared/usage.py) and its
         completion event written, as its own end would have (review: the skip left all three out).
-        Best effort, as they are: the result is the truth, and the next delivery settles it again."""
+        The record first, and a failure to write it raised (the delivery is then given back, not acked:
+        a swallowed one left the record `running` for good, review); usage and event best effort."""
+        self.records.set_state(str(stored["job_id"]), "succeeded")
         try:
             result = JobResult.model_validate(stored)
-            self.records.set_state(result.job_id, "succeeded")
-        except Exception as exc:
+        except Exception as exc:  # a result of an older schema: settled, nothing more to tell from it
             self.log.warning("MRC_SETTLE_FAILED", job_id=str(stored.get("job_id")), error=repr(exc)[:200])
             return
         try:

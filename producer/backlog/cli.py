@@ -97,10 +97,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             _strict(lines(), run_id, settings)
         print(run_id, flush=True)
         display = Display(interval_s=args.interval)
-        heard = [0.0]  # when the enqueue last reported progress (or a look at a full lane): it works
+        heard = outages.Heard()
 
         def shown(progress: Any) -> None:
-            heard[0] = time.monotonic()
+            heard.saw(progress)
             display.show(progress.snapshot())
 
         def enqueue() -> Any:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         try:
             progress = outages.outlast(
                 enqueue, settings.backlog_outage_s, f"enqueueing run {run_id} (it resumes where it was)",
-                heard=lambda: heard[0],
+                heard=heard.last,
             )  # fmt: skip
         except outages.Outage as exc:
             return _gave_up(run_id, source, exc)

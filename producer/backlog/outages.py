@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from kombu.exceptions import OperationalError
@@ -25,12 +25,30 @@ OUTAGES: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.BusyLoadingError,
-    redis.ReadOnlyError,
     OperationalError,
     StoreUnavailable,
     ConnectionError,
     TimeoutError,
 )
+
+
+class Heard:
+    """When an enqueue last did something new (queued a job, or looked at a full lane): it works then.
+    Not every progress report: a try re-reads the indexes of the chunks already done, which works
+    while writes fail (review: a write-only fault looped with a fresh budget each time)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+        self._progress, self._enqueued = 0, 0
+
+    def saw(self, progress: Any) -> None:
+        before = self._enqueued if id(progress) == self._progress else 0  # each try has its own Progress
+        if progress.waiting_for_room or progress.enqueued > before:
+            self.at = time.monotonic()
+        self._progress, self._enqueued = id(progress), progress.enqueued
+
+    def last(self) -> float:
+        return self.at
 
 
 class Outage(Exception):
@@ -43,10 +61,15 @@ def is_outage(exc: BaseException) -> bool:
     of pipeline caused error: NOREPLICAS ..."), so a refusal is read by its words."""
     if isinstance(exc, OUTAGES):
         return True
-    return isinstance(exc, redis.ResponseError) and any(word in str(exc) for word in _AWAY_WORDS)
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    said = str(exc).rsplit("caused error: ", 1)[-1]  # Redis's own words, not the command it quotes
+    return said.startswith(_AWAY_WORDS)
 
 
-_AWAY_WORDS = ("NOREPLICAS", "MASTERDOWN", "LOADING", "READONLY", "TRYAGAIN")
+# Refusals that end when Redis is whole again. Not READONLY: without Sentinel the connection stays on
+# the replica (a retry cannot succeed: review), and through Sentinel redis-py reconnects by itself.
+_AWAY_WORDS = ("NOREPLICAS", "MASTERDOWN", "LOADING", "TRYAGAIN")
 
 
 def outlast(

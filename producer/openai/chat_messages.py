@@ -160,9 +160,13 @@ def _admitted(message: Message, where: str) -> None:
     parts = message.content if isinstance(message.content, list) else []
     refusals = [f"{where}.content[{i}]" for i, p in enumerate(parts) if isinstance(p, RefusalPart)]
     refusals += [f"{where}.refusal"] if message.refusal is not None else []
+    refusals += [f"{where}.parsed"] if message.parsed is not None else []  # an answer's, as a refusal
     if refusals and message.role != "assistant":
         raise OpenAIError(
-            400, f"a refusal is an assistant's, not {message.role!r}", refusals[0], "unsupported_value"
+            400,
+            f"a refusal or a parsed answer is an assistant's, not {message.role!r}",
+            refusals[0],
+            "unsupported_value",
         )
 
 

@@ -131,7 +131,10 @@ class S3Connection:
             try:
                 self.call("create_bucket", Bucket=bucket, **where)
             except ClientError as race:  # another writer made it first (review: 8 at once, most lost)
-                if str(race.response.get("Error", {}).get("Code", "")) not in _MADE:
+                code = str(race.response.get("Error", {}).get("Code", ""))
+                if code == "OperationAborted":  # AWS, right after a delete: retried as an outage is
+                    raise StoreUnavailable(f"S3 create_bucket {bucket}: {race}") from race
+                if code not in _MADE:
                     raise
 
     def probe(self, bucket: str) -> None:

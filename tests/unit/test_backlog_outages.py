@@ -41,6 +41,12 @@ def test_past_its_budget_an_outage_is_named_and_other_faults_pass_at_once() -> N
 
     with pytest.raises(redis.ResponseError):
         outages.outlast(refused, 60, "testing", sleep=lambda _s: None)
+    for words in (  # Redis's own words decide, not the command a pipeline's error quotes (review)
+        "Command # 1 (EVALSHA x 1 mrc:run:LOADING-dock) of pipeline caused error: OOM command not allowed",
+        "READONLY You can't write against a read only replica.",  # retrying cannot help without Sentinel
+    ):
+        assert not outages.is_outage(redis.ResponseError(words))
+    assert outages.is_outage(redis.ResponseError("MASTERDOWN Link with MASTER is down"))
     with pytest.raises(UsageError):
         outages.outlast(lambda: (_ for _ in ()).throw(UsageError("cancelled")), 60, "testing")
     assert calls == [1]
@@ -77,3 +83,30 @@ def test_each_outage_gets_the_whole_budget_once_the_step_has_worked_again(worked
     else:
         with pytest.raises(outages.Outage):  # 50 s of one outage: past its 45 s
             run()
+
+
+def test_only_new_work_says_the_enqueue_works_not_reports_of_chunks_already_done() -> None:
+    """Review (helper-51): every try re-read the indexes of the chunks already done and reported them,
+    which works while writes fail; each report began a new outage with a fresh budget, and a
+    write-only fault looped for good. Only a job queued, or a look at a full lane, counts."""
+    from producer.backlog.run import Progress
+
+    heard = outages.Heard()
+    first = Progress("r")
+    first.enqueued = 5000
+    heard.saw(first)
+    assert heard.last() > 0
+    since = heard.last()
+    again = Progress("r")  # the next try: chunk 1 done (already), chunk 2's writes fail
+    again.already = 5000
+    heard.saw(again)
+    heard.saw(again)
+    assert heard.last() == since
+    again.enqueued = 1  # it queued something new: it works
+    heard.saw(again)
+    assert heard.last() > since
+    full = Progress("r")
+    full.waiting_for_room = True
+    since = heard.last()
+    heard.saw(full)
+    assert heard.last() >= since

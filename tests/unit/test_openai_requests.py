@@ -124,6 +124,8 @@ def test_a_streamed_request_asks_for_its_usage_chunk_only_when_it_streams() -> N
          "unsupported_value"),
         ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, 400,
          "messages[0].content[0]", "unsupported_value"),
+        ({"messages": [{"role": "user", "content": "x", "parsed": {"a": 1}}]}, 400, "messages[0].parsed",
+         "unsupported_value"),
         ({"model": None}, 400, "model", "invalid_value"),
     ],
 )  # fmt: skip

@@ -211,6 +211,41 @@ def test_a_result_stored_by_a_worker_that_died_before_its_record_is_not_computed
     ]
 
 
+def test_a_stored_result_is_found_after_a_retry_and_a_settle_that_fails_gives_the_delivery_back(
+    store: MemoryStore,
+) -> None:
+    """Review (helper-51): a job sent back for a retry (its record `queued` again, still `checked`)
+    after its result was stored was computed again and its result overwritten: the next delivery
+    skipped the look at S3. And a settle whose record write failed was swallowed: the delivery was
+    acked with the record `running` for good. The look is made; the failure is raised."""
+    records, backend = MemoryJobRecords(), EchoBackend()
+    token = records.claim("retried", "interactive", "")
+    assert token is not None
+    records.confirm("retried", token, checked=True)
+    pipeline = _pipeline(store, backend, records)
+    assert pipeline.run([_job("retried")]) == ["succeeded"]
+    records.records["retried"] = {
+        **records.get("retried"),
+        "state": "queued",
+        "retry_reason": "internal_error",
+    }
+    assert pipeline.run([_job("retried")]) == ["skipped"]
+    assert len(backend.prefills) == 1
+    assert records.get("retried")["state"] == "succeeded"
+
+    class Flaky(MemoryJobRecords):
+        def set_state(self, job_id: str, state: Any, **fields: str) -> None:
+            if state == "succeeded" and not fields:
+                raise ConnectionError("Redis is restarting")
+            super().set_state(job_id, state, **fields)
+
+    flaky = Flaky()
+    flaky.records["retried"] = {**records.get("retried"), "state": "running"}
+    with pytest.raises(ConnectionError):  # not acked as skipped: it comes back, and is settled then
+        _pipeline(store, backend, flaky).run([_job("retried")])
+    assert flaky.get("retried")["state"] == "running"
+
+
 def test_a_failed_job_delivered_again_keeps_its_one_result_until_requeued(store: MemoryStore) -> None:
     """An outside review's finding: a job that failed for its input wrote its result at once, while its
     delivery went on (a neighbour's lone run); a worker killed then sent it round again, and it failed
