@@ -19,8 +19,8 @@ from shared.errors import StoreUnavailable
 
 T = TypeVar("T")
 
-# What an outage looks like from here: the connection, not a command Redis refused (a ResponseError
-# other than a read-only replica's is a fault an operator must see, raised as it is).
+# What an outage looks like from here: the connection, not a command Redis refused (a ResponseError is
+# a fault an operator must see, raised as it is, unless Redis's own words say it is away: is_outage).
 OUTAGES: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -84,7 +84,7 @@ def outlast(
 ) -> T:
     """`step()`, tried again through each outage for up to `budget_s` from the outage's start (a step
     that ran for hours and then met a restart gets its whole budget: review), never past `until`
-    (time.monotonic()). `heard()`: when the step last showed it was working (its progress callback);
+    (on `clock`). `heard()`: when the step last showed it was working (its progress callback);
     a failure after that begins a new outage. Outage when one lasts past its budget."""
     pause, told, began = 1.0, False, None
     while True:
