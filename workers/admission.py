@@ -147,7 +147,13 @@ class Admission:
         try:
             existing = self.results.get_result(slot.job_id)
         except StoreUnavailable as exc:
-            slot.error = exc  # cannot tell whether it ran: retried (attempts counted), never run blind
+            # A record says `succeeded` only after its result is stored: done, S3 away or not (review:
+            # it was retried, failed over its success at its last attempt, and counted twice once
+            # requeued). Otherwise it cannot tell whether it ran: retried (attempts counted), never
+            # run blind.
+            if state == "succeeded":
+                return self._skip(slot, "already_succeeded")
+            slot.error = exc
             return False
         if existing is None:
             return False

@@ -496,6 +496,15 @@ def test_a_result_check_that_meets_an_s3_outage_is_retried_and_counted(store: Me
     assert records.get("unchecked")["attempts"] == "1"
     assert pipeline.run([_job("unchecked")]) == ["failed"]  # the budget ends; never run blind
     assert [e["job_id"] for e in records.dlq] == ["unchecked"]
+    # A job whose record says it succeeded (its ack lost) is done, S3 away or not: not retried, not
+    # failed over its success at its last attempt, so never counted twice once requeued (review).
+    assert _pipeline(store, records=records).run([_job("done")]) == ["succeeded"]
+    counted = dict(records.get("done"))
+    assert _pipeline(down, records=records, requeue=requeued, max_attempts=1).run([_job("done")]) == [
+        "skipped"
+    ]
+    assert records.get("done") == counted
+    assert "done" not in [e["job_id"] for e in records.dlq]
 
 
 def test_failures_beside_a_success_do_not_count_towards_the_streak(store: MemoryStore) -> None:
