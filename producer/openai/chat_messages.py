@@ -133,7 +133,8 @@ def _read(message: Message, index: int) -> tuple[str, tuple[ImageURL, str] | Non
 def _admitted(message: Message, where: str) -> None:
     """OpenAIError for a role mrc does not take, or what an earlier answer may carry besides its text
     and mrc does not offer: empty tool calls and annotations (kept out of the prompt) pass; a tool
-    call, a function call or audio is refused by name, and a refusal anywhere but an assistant's."""
+    call, a function call or audio is refused by name, and a refusal, a parsed answer or annotations
+    anywhere but an assistant's."""
     if message.role not in (*INSTRUCTIONS, *TURNS):
         raise OpenAIError(
             400,
@@ -161,10 +162,11 @@ def _admitted(message: Message, where: str) -> None:
     refusals = [f"{where}.content[{i}]" for i, p in enumerate(parts) if isinstance(p, RefusalPart)]
     refusals += [f"{where}.refusal"] if message.refusal is not None else []
     refusals += [f"{where}.parsed"] if message.parsed is not None else []  # an answer's, as a refusal
+    refusals += [f"{where}.annotations"] if message.annotations is not None else []
     if refusals and message.role != "assistant":
         raise OpenAIError(
             400,
-            f"a refusal or a parsed answer is an assistant's, not {message.role!r}",
+            f"a refusal, a parsed answer or annotations are an assistant's, not {message.role!r}",
             refusals[0],
             "unsupported_value",
         )

@@ -126,6 +126,9 @@ def test_a_streamed_request_asks_for_its_usage_chunk_only_when_it_streams() -> N
          "messages[0].content[0]", "unsupported_value"),
         ({"messages": [{"role": "user", "content": "x", "parsed": {"a": 1}}]}, 400, "messages[0].parsed",
          "unsupported_value"),
+        ({"messages": [{"role": "system", "content": "x", "annotations": []},
+                       {"role": "user", "content": "Hm?"}]}, 400, "messages[0].annotations",
+         "unsupported_value"),
         ({"model": None}, 400, "model", "invalid_value"),
     ],
 )  # fmt: skip
