@@ -9,7 +9,8 @@ import hashlib
 import json
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 
@@ -18,6 +19,8 @@ from shared.runs import RUN_TTL_S
 
 FINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 IDEMPOTENCY_TTL_S = 24 * 3600
+IDEMPOTENT_WAIT_S = 10.0  # a request meeting its twin at work waits this long for what it makes
+T = TypeVar("T")
 _TIMES = (
     "created_at",
     "in_progress_at",
@@ -146,6 +149,21 @@ class BatchBook:
         if self._redis.set(mapping, new_id, nx=True, ex=IDEMPOTENCY_TTL_S):
             return new_id, True
         return str(self._redis.get(mapping)), False
+
+    def made(
+        self, scope: str, owner: str, key: str, object_id: str, look: Callable[[], T | None]
+    ) -> T | None:
+        """What a request under the same Idempotency-Key is making at once (`object_id`), once `look`
+        finds it: waited for up to IDEMPOTENT_WAIT_S while the key still names it (review: the losers
+        were answered 409 while a large input was copied, more than the SDK's two retries wait). None
+        when it is not made in time, or could not be made (the key was forgotten: a retry makes it)."""
+        mapping = names.idempotency_key(scope, owner, hashlib.sha256(key.encode()).hexdigest()[:32])
+        until = time.monotonic() + IDEMPOTENT_WAIT_S
+        while (found := look()) is None and time.monotonic() < until:
+            if self._redis.get(mapping) != object_id:
+                return None
+            time.sleep(0.05)
+        return found
 
     def unmap(self, scope: str, owner: str, key: str) -> None:
         """Forget a mapping whose object could not be made (a retry then makes it afresh)."""

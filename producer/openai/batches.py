@@ -60,7 +60,7 @@ class Batches:
         if idempotency_key is not None:
             batch_id, fresh = self.book.idempotent("batch", caller.owner, idempotency_key, batch_id)
             if not fresh:
-                return self._again(caller, batch_id, request.input_file_id)
+                return self._again(caller, batch_id, request.input_file_id, idempotency_key)
         try:
             self._start(caller, batch_id, request, meta)
         except BaseException:
@@ -153,9 +153,9 @@ class Batches:
             )
         return meta
 
-    def _again(self, caller: Caller, batch_id: str, input_file_id: str) -> dict[str, Any]:
-        """A retried create (the same Idempotency-Key): the batch the first one made."""
-        record = self.book.get(batch_id)
+    def _again(self, caller: Caller, batch_id: str, input_file_id: str, key: str) -> dict[str, Any]:
+        """A retried create (the same Idempotency-Key): the batch the first one made, once made."""
+        record = self.book.made("batch", caller.owner, key, batch_id, lambda: self.book.get(batch_id) or None)
         if not record:
             raise OpenAIError(
                 409,

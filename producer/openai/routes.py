@@ -52,17 +52,25 @@ def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     return int(raw)
 
 
-def _stored(files: Files, owner: str, file_id: str) -> dict[str, Any]:
-    try:
-        return public(files.get(owner, file_id))
-    except OpenAIError:
+def _stored(book: BatchBook, files: Files, owner: str, key: str, file_id: str) -> dict[str, Any]:
+    """A retried upload (the same Idempotency-Key): the file the first one stored, once stored."""
+
+    def look() -> dict[str, Any] | None:
+        try:
+            return files.get(owner, file_id)
+        except OpenAIError:
+            return None
+
+    meta = book.made("file", owner, key, file_id, look)
+    if meta is None:
         raise OpenAIError(
             409,
             "a file with this Idempotency-Key is being stored; retry shortly",
             None,
             "conflict",
             headers={"x-should-retry": "true", "retry-after": "1"},
-        ) from None
+        )
+    return public(meta)
 
 
 class OpenAIRoutes:
@@ -166,8 +174,9 @@ class OpenAIRoutes:
                 file_id, fresh = await run_in_threadpool(
                     batches.book.idempotent, "file", caller.owner, key, new_file_id()
                 )
-            if not fresh:  # a retried upload: the file the first one stored
-                return JSONResponse(await run_in_threadpool(_stored, files, caller.owner, file_id))
+            if key is not None and not fresh:  # a retried upload: the file the first one stored
+                stored = await run_in_threadpool(_stored, batches.book, files, caller.owner, key, file_id)
+                return JSONResponse(stored)
             try:
                 meta = await run_in_threadpool(
                     files.create, caller.owner, upload.file, upload.filename or "", str(purpose), file_id
