@@ -22,6 +22,7 @@ delivery to finish.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -263,9 +264,12 @@ class Pipeline:
         self._finish_async([s for s in slots if s.cache_hit and not s.live and s.error is None])
 
     def _write_results(self, slots: list[Slot]) -> None:
-        """Write what the model stage has not already sent off, then wait for every write."""
+        """Write what the model stage has not already sent off, then wait for every write: all of
+        them, before the first failure is raised (the worker may then exit; a write still in flight
+        would be cut off half done)."""
         self._finish_async([s for s in slots if s.outcome != "skipped"])
         pending, self._local.writes = self._local.writes, []
+        concurrent.futures.wait(pending)
         for future in pending:
             future.result()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -462,6 +463,31 @@ def test_redis_gone_during_claim_raises_instead_of_failing_the_jobs(store: Memor
     with pytest.raises(ConnectionError):
         _pipeline(store, records=Down()).run([_job("keep-me")])
     assert store.get_result("keep-me") is None  # no permanent failed result for a transient outage
+
+
+def test_a_failed_write_is_raised_after_its_neighbours_writes_end(store: MemoryStore) -> None:
+    """The first write that failed was raised at once, the worker then exiting with its neighbours'
+    writes in flight, cut off half done (a result stored, its record still `running`)."""
+
+    failed: list[str] = []
+
+    class Slow(MemoryJobRecords):
+        def set_state(self, job_id: str, state: Any, **fields: str) -> None:
+            if state != "running" and not failed:  # the first write to end fails
+                failed.append(job_id)
+                raise ConnectionError("Redis is restarting")
+            if state != "running":
+                time.sleep(0.3)
+            super().set_state(job_id, state, **fields)
+
+    records = Slow()
+    with pytest.raises(ConnectionError):
+        # One writer thread: the writes run in the order they were sent off, the first failing.
+        _pipeline(store, records=records, fetch_threads=1).run([_job("one"), _job("two"), _job("three")])
+    assert [records.get(j)["state"] for j in ("one", "two", "three") if j not in failed] == [
+        "succeeded",
+        "succeeded",
+    ]
 
 
 def test_a_cache_that_is_down_is_a_miss(store: MemoryStore) -> None:
