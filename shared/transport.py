@@ -31,11 +31,12 @@ from collections.abc import Callable, Iterator
 from queue import Empty
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.utils import json as kombu_json
 from kombu.utils.encoding import bytes_to_str
 
-from shared import names, pushes, queue_entries, redis_target, unacked
+from shared import logs, names, pushes, queue_entries, redis_target, unacked
 from shared.errors import NotReplicated
 from shared.transport_qos import QoS
 
@@ -48,6 +49,11 @@ on_poll: Callable[[], None] | None = None
 # held by backlog work, a ticket would wait in Redis until a whole backlog delivery finished.
 lane_limits: dict[str, int] = {}
 IDLE_KEY = f"{names.REDIS_PREFIX}idle"  # never written: a consumer with no queue open blocks on it
+# Replies that refuse a pop until Redis is whole again, besides OOM (out of memory under `noeviction`,
+# redis-py's OutOfMemoryError): BUSY, a script running long; the rest a failover's, which Sentinel
+# connections already turn into a reconnect.
+REFUSALS_FOR_NOW = ("BUSY ", "TRYAGAIN", *redis_target.TRANSIENT_REPLIES)
+REFUSED_PAUSE_S = 1.0
 
 
 class _Taking:
@@ -108,6 +114,7 @@ class Channel(kombu_redis.Channel):
         if self.global_keyprefix:
             raise ValueError("mrc's Redis transport does not support global_keyprefix")
         self._waiting = False  # the command in flight is the idle wait, not a pop
+        self._refused_since: float | None = None  # when Redis began refusing pops (REFUSALS_FOR_NOW)
         self.recorded_by_pop: set[str] = set()  # tags the pop script recorded as unacked
         self._no_ack_queues: set[str] = set()
         self._captured: list[tuple[str, str]] | None = None
@@ -252,6 +259,12 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except redis.ResponseError as exc:
+                if not (isinstance(exc, redis.OutOfMemoryError) or str(exc).startswith(REFUSALS_FOR_NOW)):
+                    raise
+                self._refused(exc)
+                raise Empty() from None
+            self._refused_since = None
             if waiting:
                 raise Empty()  # woken (or timed out): the next command pops
             if not reply:
@@ -280,6 +293,15 @@ class Channel(kombu_redis.Channel):
                 taking.end_pop()
             self._in_poll = None  # type: ignore[assignment]  # kombu declares it otherwise
             self._flush_brpop_reauth()
+
+    def _refused(self, exc: redis.ResponseError) -> None:
+        """Redis refused the pop for now (out of memory under `noeviction`, a failover's replies without
+        Sentinel): said once per spell, and the next pop a second later. It reached kombu as a plain
+        error, and an idle worker exited 1 at once, to reload its model and exit again (review)."""
+        if self._refused_since is None:
+            self._refused_since = time.monotonic()
+            logs.get_logger().warning("MRC_BROKER_REFUSED", error=str(exc)[:200])
+        time.sleep(REFUSED_PAUSE_S)
 
     def _get(self, queue: str, timeout: Any = None) -> dict[str, Any]:
         with self.conn_or_acquire() as client:

@@ -138,6 +138,30 @@ def test_an_idle_consumer_wakes_for_new_messages_and_keeps_their_order(redis_url
     assert received == [0, 1, 2, 3, 4]
 
 
+def test_a_redis_out_of_memory_is_waited_out_not_raised(redis_url: str) -> None:
+    """Review: Redis refusing the pop (`OOM`, under `noeviction`) reached kombu as a plain error and an
+    idle worker exited 1 at once, to reload its model and exit again while Redis stayed full."""
+    received: list[int] = []
+    client = redis_lib.Redis.from_url(redis_url)
+    with _connect(redis_url) as conn:
+        channel = conn.channel()
+        callback = lambda body, message: (received.append(body["n"]), message.ack())  # noqa: E731 - a one-line callback
+        with Consumer(channel, [QUEUE], accept=["json"], callbacks=[callback]):
+            client.config_set("maxmemory", 1)  # the idle wait (BLMOVE) is a write Redis refuses now
+            try:
+                with pytest.raises(TimeoutError):
+                    conn.drain_events(timeout=2.5)
+            finally:
+                client.config_set("maxmemory", 0)
+            _publish(redis_url, *({"n": n} for n in range(3)))
+            deadline = time.monotonic() + 10
+            while len(received) < 3 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+    assert received == [0, 1, 2]
+    assert _where(client) == (0, 0)
+
+
 @contextlib.contextmanager
 def _consuming(redis_url: str, count: int) -> Iterator[tuple[Connection, Any, list[Any]]]:
     """A consumer (prefetch 4) that has taken `count` messages and holds them unacked."""
