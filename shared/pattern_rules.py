@@ -34,7 +34,38 @@ def problem(pattern: str) -> str | None:
         return f"not a regular expression: {exc}"
     if parsed.state.flags & ~_UNICODE:
         return "inline flags ((?i), (?s), ...) are not enforced by the decoder"
-    return _items(list(parsed))
+    return _items(list(parsed)) or _anchors(list(parsed))
+
+
+def _anchors(items: list[tuple[Any, Any]]) -> str | None:
+    """`^` and `$` anywhere but the pattern's very start and end: the decoder drops them there (review:
+    `(a+)+$(a+)+$` let it write text the pattern refuses), so answers would not match."""
+    last = len(items) - 1
+    inner = [
+        value
+        for i, (op, value) in enumerate(items)
+        if op is sre.AT
+        and not ((i == 0 and value is sre.AT_BEGINNING) or (i == last and value is sre.AT_END))
+    ]
+    stack = [item for op, value in items if op is not sre.AT for item in _children(op, value)]
+    while stack:
+        op, value = stack.pop()
+        if op is sre.AT:
+            inner.append(value)
+        stack.extend(_children(op, value))
+    if inner:
+        return "^ and $ are enforced only at the very start and end of the pattern (not inside groups)"
+    return None
+
+
+def _children(op: Any, value: Any) -> list[tuple[Any, Any]]:
+    if op in _REPEATS:
+        return list(value[2])
+    if op is sre.SUBPATTERN:
+        return list(value[3])
+    if op is sre.BRANCH:
+        return [item for branch in value[1] for item in branch]
+    return []
 
 
 def shortest(pattern: str) -> int:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from shared import encoding, schema_bounds, schema_rules, schema_values
+from shared import encoding, pattern_match, schema_bounds, schema_rules, schema_values
 
 # A ceiling whatever the deployment's own (smaller) limit says: checked before the schema is walked.
 HARD_MAX_BYTES = 1 << 20
@@ -169,8 +169,7 @@ def read_output(fmt: JsonSchemaFormat | ChoiceFormat, text: str) -> Any:
 
 
 def _validator(schema: dict[str, Any]) -> Any:
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema)
+    return pattern_match.validator(schema)  # `pattern` in bounded time, never `re`'s backtracking
 
 
 def parse_choice_list(text: str) -> list[str]:

@@ -25,9 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
-import jsonschema
-
-from shared import pattern_rules, schema_values
+from shared import pattern_match, pattern_rules, schema_values
 
 ENFORCED = frozenset(
     {
@@ -164,9 +162,13 @@ def _listed_values_problem(node: dict[str, Any], where: str) -> str | None:
     rest = {k: v for k, v in node.items() if k not in (key, *_BESIDE_ALONE)}
     if not rest:
         return None
-    validator = jsonschema.Draft202012Validator(rest)
+    validator = pattern_match.validator(rest)  # a `pattern` beside: bounded time (re backtracks)
     for value in values:
-        if not validator.is_valid(value):
+        try:
+            fits = validator.is_valid(value)
+        except pattern_match.PatternTooCostly as exc:
+            return _refuse(where, key, f"the values cannot be checked against the pattern beside: {exc}")
+        if not fits:
             return _refuse(
                 where, key, f"the value {_short(value)} breaks {sorted(rest)[0]!r} beside it, which the "
                 f"decoder does not enforce beside {key!r}; list only values that fit",

@@ -88,6 +88,13 @@ def _schema(schema: Any) -> dict[str, Any]:
         ({"type": "string", "pattern": "^(a)\\1$"}, "backreferences"),
         ({"type": "string", "pattern": "^(?!a)[a-c]$"}, "lookarounds"),
         ({"type": "string", "pattern": "^a\\Z"}, "only ^ and $"),
+        # The decoder drops an anchor inside: review, `(a+)+$(a+)+$` let it write what `re` refuses
+        # (and took `re` exponential time to refuse, the worker frozen).
+        ({"type": "string", "pattern": "(a+)+$(a+)+$"}, "only at the very start and end"),
+        ({"type": "string", "pattern": "a$|b"}, "only at the very start and end"),
+        ({"type": "string", "pattern": "^(a$)"}, "only at the very start and end"),
+        # An enum value checked against a pattern beside it: in bounded time (re backtracks: forever).
+        ({"type": "string", "enum": ["a" * 40 + "!"], "pattern": "^(a+)+$"}, "breaks 'pattern'"),
         ({"type": "string", "pattern": "^\\s$"}, "only the classes \\d and \\w"),
         ({"type": "string", "pattern": "^[\\U00010000-\\U0010ffff]$"}, "past U+FFFF"),
         ({"type": "string", "pattern": "\\ud800"}, "surrogates"),
