@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 TEST_PROCS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 < 6 ? n + 1 : 6 )))
 XDIST = $(if $(filter 1,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadfile)
 
-.PHONY: install demo test test-fast test-unit test-integration test-kombu lint bench gpu-bundle gpu-smoke clean
+.PHONY: install demo test test-fast test-unit test-integration test-kombu lint bench gpu-bundle gpu-smoke producer-smoke clean
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,11 @@ bench: install
 	$(PY) tests/bench/bench_parcel_accuracy.py
 	$(PY) tests/bench/bench_parcel_fidelity.py
 	$(PY) tests/bench/bench_throughput.py --model parcels --parts system,naive
+
+# The producer side as its users install it: `.[producer,api]` in a fresh virtualenv (no torch), every
+# module imported, mrc submit / status / backlog and mrc-api run against real services (~1 min).
+producer-smoke: install
+	$(PY) -m scripts.producer_smoke .cache/producer-smoke
 
 # The GPU proving ground (scripts/gpu_checks.sh; docs/benchmarks.md, "GPU, H200"). gpu-bundle: the wheels
 # the GPU machine lacks, for its Python 3.12 (prints the size; at most 56 MiB with the working tree).

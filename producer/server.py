@@ -7,6 +7,7 @@ OpenAI routes OpenAI's error shape (producer/openai/errors.py)."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -135,6 +136,10 @@ def main() -> int:
     except (ServiceUnreachable, StoreUnavailable, MrcError) as exc:
         print(f"mrc-api: {exc.message}", file=sys.stderr)
         return 5
+    taken = _port_problem(settings.api_host, settings.api_port)
+    if taken:  # said before "listening" and as a setting's fault (review: logged listening, then exit 3)
+        print(f"mrc-api: bad settings: MRC_API_PORT {settings.api_port}: {taken}", file=sys.stderr)
+        return 2
     log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
     options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
     if settings.api_workers > 1:  # worker processes import the app themselves
@@ -148,6 +153,18 @@ def main() -> int:
     else:
         uvicorn.run(app, access_log=False, **options)
     return 0
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the API could not listen on host:port (taken, not this host's address), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 if __name__ == "__main__":

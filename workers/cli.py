@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pydantic import ValidationError
 
 from shared import logs, names, reach, redis_target
-from shared.errors import ServiceUnreachable
+from shared.errors import MrcError, ServiceUnreachable, StoreUnavailable
 from shared.settings import Settings, describe_error, unknown_variables
 
 if TYPE_CHECKING:
@@ -73,9 +73,27 @@ def _route_celery_console(log: Any) -> None:
 EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
 
 
+# What the worker needs beyond the producer's packages (`pip install 'mrc[worker]'`).
+WORKER_MODULES = ("torch", "transformers", "celery_batches", "bitsandbytes", "xgrammar", "PIL")
+
+
+def missing_modules(modules: Sequence[str]) -> list[str]:
+    import importlib.util
+
+    return [name for name in modules if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     lanes = _lanes(args.lanes)
+    missing = missing_modules(WORKER_MODULES)
+    if missing:  # a producer-only install: say what to install, not a traceback (review)
+        print(
+            f"mrc-worker: the worker's packages are not installed (no module {', '.join(missing)}): "
+            "pip install 'mrc[worker]' (see README.md, Install)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         settings = Settings()
     except ValidationError as exc:
@@ -126,15 +144,35 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     transport.lane_limits = {
         names.queue_name("backlog"): (settings.worker_deliveries - 1) * settings.batch_max_jobs
     }
-    server = health.serve(
-        settings.metrics_port, state, metrics, liveness=liveness,
-        redis_status=lambda: redis_target.status(settings),
-    )  # fmt: skip
+    try:
+        server = health.serve(
+            settings.metrics_port, state, metrics, liveness=liveness,
+            redis_status=lambda: redis_target.status(settings),
+        )  # fmt: skip
+    except OSError as exc:  # the port taken (a second worker on the host): before the model loads
+        message = f"MRC_METRICS_PORT {settings.metrics_port} cannot be served: {exc.strerror or exc}"
+        log.critical("MRC_FATAL", error=message)
+        print(f"mrc-worker: {message} (give each worker on a host its own port)", file=sys.stderr)
+        return EXIT_USAGE
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
+    images_from, results = open_stores(settings)
+    try:  # before the model loads, as the reach check: minutes of loading for a worker that cannot write
+        results.ensure_bucket()
+    except StoreUnavailable as exc:
+        log.critical("MRC_FATAL", error=exc.message)
+        print(f"mrc-worker: {exc.message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
 
     backend = make_backend(settings)
     began = time.perf_counter()
-    backend.load()
+    try:
+        backend.load()
+    except (MrcError, OSError, ValueError) as exc:  # no such model, or not one (review: a traceback)
+        said = exc.message if isinstance(exc, MrcError) else f"{type(exc).__name__}: {exc}"
+        message = f"MRC_MODEL {settings.model!r} cannot be loaded: {' '.join(said.split())[:400]}"
+        log.critical("MRC_FATAL", error=message)
+        print(f"mrc-worker: bad settings: {message}", file=sys.stderr)
+        return EXIT_USAGE
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
     kernel = backend.warm_up()
@@ -146,8 +184,6 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
 
     hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
-    images_from, results = open_stores(settings)
-    results.ensure_bucket()
     records = RedisJobRecords.from_settings(settings)
     app = make_celery(settings)
     cache = RedisResultCache(connect(settings))

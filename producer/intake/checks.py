@@ -58,7 +58,9 @@ def image_reference(settings: Settings, sub: Submission, *, from_network: bool) 
     after the job is queued. A URL of any other scheme is never fetched."""
     text = str(sub.image)
     if text.startswith("s3://"):
-        problem = source_problem(settings, text, sub.api_key) if from_network else _s3_problem(text)
+        problem = (
+            source_problem(settings, text, sub.api_key) if from_network else readable_problem(settings, text)
+        )
         if problem:
             raise UsageError(problem)
     elif from_network:
@@ -69,17 +71,10 @@ def image_reference(settings: Settings, sub: Submission, *, from_network: bool) 
         local_image(settings, Path(text))
 
 
-def _s3_problem(uri: str) -> str | None:
-    try:
-        names.parse_s3_uri(uri)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def source_problem(settings: Settings, uri: str, owner: str | None) -> str | None:
-    """Why a request over the network may not name the image `uri`: a place the workers may not
-    read, or, for a key, a place that is neither its own nor allowed for it (shared/tenants.py)."""
+def readable_problem(settings: Settings, uri: str) -> str | None:
+    """Why the workers could not read the image `uri`: not an S3 URI, or a bucket (or a prefix of
+    it) they may not read. `mrc submit`, a manifest and `Client` are refused alike, before anything is
+    queued (review: `mrc submit` queued it, for the worker to fail it)."""
     try:
         bucket, key = names.parse_s3_uri(uri)
     except ValueError as exc:
@@ -88,6 +83,15 @@ def source_problem(settings: Settings, uri: str, owner: str | None) -> str | Non
     if prefix is None or not names.key_allowed(key, prefix):
         where = f"s3://{bucket}/ (under {prefix or 'any prefix'})"
         return f"image_source_forbidden: {where} is not where the workers may read images"
+    return None
+
+
+def source_problem(settings: Settings, uri: str, owner: str | None) -> str | None:
+    """Why a request over the network may not name the image `uri`: a place the workers may not
+    read, or, for a key, a place that is neither its own nor allowed for it (shared/tenants.py)."""
+    problem = readable_problem(settings, uri)
+    if problem:
+        return problem
     if owner is None:
         return None
     return tenants.source_problem(uri, owner, settings.s3_bucket, settings.s3_prefix, settings.key_sources)

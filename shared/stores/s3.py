@@ -116,6 +116,20 @@ class S3Connection:
             self.call("put_object", Bucket=bucket, Key=key, Body=data, ContentType=content_type)
 
     def ensure_bucket(self, bucket: str) -> None:
+        """The bucket made if missing. A refusal (AccessDenied: a misspelt bucket, or credentials that
+        may not create it) is StoreUnavailable naming it: a command exits 5 with one line, a worker
+        before its model loads (review: a traceback and exit 1, the worker after minutes of loading)."""
+        try:
+            self._ensure_bucket(bucket)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            said = f"{error.get('Code', '?')}: {str(error.get('Message', ''))[:120]}"
+            raise StoreUnavailable(
+                f"S3 refused bucket {bucket!r} ({said}): create it, check MRC_S3_BUCKET, or let these "
+                "credentials create it"
+            ) from exc
+
+    def _ensure_bucket(self, bucket: str) -> None:
         try:
             self.call("head_bucket", Bucket=bucket)
         except ClientError as exc:

@@ -3,12 +3,17 @@ code, within a few seconds, never a traceback and never a job reported as failed
 
 from __future__ import annotations
 
+import http.server
+import socket
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from scripts import devservices as services
+from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +32,7 @@ def _one_line(stderr: str) -> str:
 @pytest.mark.parametrize(
     "args",
     [
-        ("submit", "--image", "s3://mrc-test/inputs/x.jpg", "--prompt", "refund?"),
+        ("submit", "--image", "s3://{bucket}/inputs/x.jpg", "--prompt", "refund?"),
         ("status", "some-job"),
         ("queues", "--json"),
         ("dlq", "list"),
@@ -35,6 +40,7 @@ def _one_line(stderr: str) -> str:
 )
 def test_redis_unreachable_is_exit_5_naming_redis(env: dict[str, str], args: tuple[str, ...]) -> None:
     began = time.monotonic()
+    args = tuple(arg.format(bucket=env["MRC_S3_BUCKET"]) for arg in args)
     done = services.run_cli({**env, "MRC_REDIS_URL": _dead_url("redis") + "/0"}, *args, timeout=30)
     assert done.returncode == 5, done.stderr
     assert "Redis" in _one_line(done.stderr)
@@ -44,12 +50,13 @@ def test_redis_unreachable_is_exit_5_naming_redis(env: dict[str, str], args: tup
 
 @pytest.mark.parametrize(
     "args",
-    [("submit", "--image", "s3://mrc-test/inputs/x.jpg", "--prompt", "refund?"), ("result", "some-job")],
+    [("submit", "--image", "s3://{bucket}/inputs/x.jpg", "--prompt", "refund?"), ("result", "some-job")],
 )
 def test_s3_unreachable_is_exit_5_naming_s3(
     env: dict[str, str], redis_service: services.Service, args: tuple[str, ...]
 ) -> None:
     began = time.monotonic()
+    args = tuple(arg.format(bucket=env["MRC_S3_BUCKET"]) for arg in args)
     done = services.run_cli({**env, "MRC_S3_ENDPOINT_URL": _dead_url("http")}, *args, timeout=30)
     assert done.returncode == 5, done.stderr
     assert "S3" in _one_line(done.stderr)
@@ -107,3 +114,100 @@ def test_a_job_id_no_submit_could_make_is_exit_2_before_any_service(
     assert done.returncode == 2, done.stderr
     assert "job_id" in _one_line(done.stderr)
     assert done.stdout == ""
+
+
+def test_an_image_in_a_bucket_the_workers_may_not_read_is_exit_2_before_anything_is_queued(
+    env: dict[str, str],
+) -> None:
+    """Review: `mrc submit` queued it (exit 0), for the worker to fail it `image_source_forbidden`."""
+    dead = {"MRC_REDIS_URL": _dead_url("redis") + "/0", "MRC_S3_ENDPOINT_URL": _dead_url("http")}
+    done = services.run_cli({**env, **dead}, "submit", "--image", "s3://elsewhere/x.jpg", "--prompt", "hi?")
+    assert done.returncode == 2, done.stderr
+    assert "image_source_forbidden" in _one_line(done.stderr)
+
+
+class _RefusingS3(http.server.BaseHTTPRequestHandler):
+    """What S3 answers a role without s3:CreateBucket for a misspelt bucket: no such bucket, and
+    AccessDenied to its creation."""
+
+    def do_HEAD(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+        self.send_response(403)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT
+
+    def log_message(self, *_args: object) -> None:
+        return None
+
+
+def test_a_bucket_s3_refuses_to_make_is_exit_5_and_a_worker_says_so_before_loading(
+    env: dict[str, str], redis_service: services.Service, tmp_path: Path
+) -> None:
+    """Review: a traceback and exit 1 from `mrc submit`; the worker loaded its model first, then died."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RefusingS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        refusing = {**env, "MRC_S3_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}"}
+        photo = tmp_path / "parcel.jpg"
+        photo.write_bytes(imagegen.photo(32, 32))
+        done = services.run_cli(refusing, "submit", "--image", str(photo), "--prompt", "hi?", timeout=60)
+        assert done.returncode == 5, done.stderr
+        assert "AccessDenied" in _one_line(done.stderr)
+        worker = _worker(refusing)
+        assert worker.returncode == 5, worker.stderr
+        assert "AccessDenied" in worker.stderr
+        assert "MRC_MODEL_LOADED" not in worker.stdout + worker.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_port_already_taken_is_exit_2_naming_its_setting(env: dict[str, str]) -> None:
+    """Review: a second worker on a host died with a traceback (exit 1); mrc-api logged that it was
+    listening, then exited 3."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        worker = _worker({**env, "MRC_METRICS_PORT": port})
+        api = subprocess.run(
+            [str(services.BIN / "mrc-api")], env={**env, "MRC_API_HOST": "127.0.0.1", "MRC_API_PORT": port},
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert worker.returncode == 2, worker.stderr
+    assert "MRC_METRICS_PORT" in worker.stderr
+    assert "MRC_MODEL_LOADED" not in worker.stdout + worker.stderr
+    assert api.returncode == 2, api.stderr
+    assert "MRC_API_PORT" in api.stderr
+    assert "MRC_HTTP_LISTENING" not in api.stdout + api.stderr
+    helped = subprocess.run(
+        [str(services.BIN / "mrc-api"), "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (helped.returncode, helped.stdout.startswith("usage: mrc-api")) == (0, True), helped.stderr
+
+
+@pytest.mark.parametrize("model", ["nonexistent/model", "{tmp}"])
+def test_a_model_that_cannot_be_loaded_is_exit_2_in_one_line(
+    env: dict[str, str], tmp_path: Path, model: str
+) -> None:
+    """Review: 40 lines of traceback and exit 1 for a model name that is not there, or a folder that
+    holds no model."""
+    done = _worker({**env, "MRC_MODEL": model.format(tmp=tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "MRC_MODEL" in next(line for line in done.stderr.splitlines() if "bad settings" in line)

@@ -274,16 +274,13 @@ def exit_constants(module: str) -> dict[str, int]:
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Each console script's parser, built in-process (pyproject.toml's [project.scripts])."""
-    from producer import cli
-    from producer import server as api
+    from producer import api_cli, cli
     from workers import cli as worker_cli
 
-    api_parser = getattr(api, "_parser", None)
     return {
         "mrc": cli._parser(),
         "mrc-worker": worker_cli._parser(),
-        # mrc-api reads its settings from the environment only; a parser, once it has one
-        "mrc-api": api_parser() if api_parser else argparse.ArgumentParser(prog="mrc-api"),
+        "mrc-api": api_cli._parser(),  # its settings come from the environment only
     }
 
 

@@ -1,0 +1,42 @@
+"""`mrc-api`'s command line: `--help`, a clear line when the API's packages are not installed, then the
+server (producer/server.py). Its settings come from MRC_* environment variables only, so that one
+container spec serves every replica; nothing here imports FastAPI until it is known to be there."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+API_MODULES = ("fastapi", "uvicorn", "multipart")  # `pip install 'mrc[api]'`
+
+
+def _parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="mrc-api",
+        description="The HTTP intake: mrc's own routes (/v1/jobs, /v1/events, /ops) and the "
+        "OpenAI-compatible ones (/v1/chat/completions, /v1/files, /v1/batches). Every setting comes "
+        "from MRC_* environment variables (README.md, Settings): MRC_API_HOST, MRC_API_PORT, "
+        "MRC_API_WORKERS, MRC_API_KEYS, MRC_REDIS_URL, MRC_S3_BUCKET, ...",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _parser().parse_args(argv)  # --help, and no argument taken silently (review: --help started it)
+    missing = [name for name in API_MODULES if importlib.util.find_spec(name) is None]
+    if missing:  # a producer-only install: what to install, not a traceback (review)
+        print(
+            f"mrc-api: the API's packages are not installed (no module {', '.join(missing)}): "
+            "pip install 'mrc[api]' (see README.md, Install)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    from producer import server
+
+    return server.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
