@@ -59,7 +59,10 @@ def limits(settings: Settings) -> Limits:
         ("/v1/jobs", "multipart/form-data", capped(settings.max_image_bytes + (1 << 20))),
         ("/v1/jobs", "", capped(job_json_bytes(settings))),
     )
-    return Limits(capped(SMALL_BODY_BYTES), settings.api_max_bodies, settings.api_drain_bytes, paths=paths)
+    return Limits(
+        capped(SMALL_BODY_BYTES), settings.api_max_bodies, settings.api_drain_bytes,
+        body_read_s=settings.api_body_timeout_s, paths=paths,
+    )  # fmt: skip
 
 
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:

@@ -85,6 +85,8 @@ class Settings(BaseSettings):
     # Request bodies read at once per process: memory for bodies is this x the body limit (8 x 33 MiB
     # fits the 1 GiB of deploy/k8s/api.yaml with room for the multipart copy); more wait, then 503.
     api_max_bodies: int = Field(default=8, ge=1)
+    # A body must arrive within this of its turn to be read, or 408 (a trickling client holds a turn).
+    api_body_timeout_s: float = Field(default=120.0, gt=0)
     # Past the body limit, this much more is read and dropped before closing, so a client that writes
     # its whole body before reading (urllib, requests) sees the 413 instead of a reset connection.
     api_drain_bytes: int = Field(default=128 * 1024 * 1024, ge=0)

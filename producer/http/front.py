@@ -2,12 +2,14 @@
 
 1. measured: every response is counted, 401s, 413s and 500s included (`mrc_api_requests_total`);
 2. authenticated and rate-limited from its headers alone, before one byte of its body is read;
-3. a body is read only while fewer than MRC_API_MAX_BODIES are being read (memory = that x the limit),
-   and only up to its route's limit (an image's worth where one comes, a job's JSON, a few KiB for
-   a batch create: `limits` in producer/server.py): past it the rest of the body is read and dropped (up to
-   MRC_API_DRAIN_BYTES, nothing kept) and the answer is 413, so a client that writes its whole body
-   before reading sees the 413 instead of a reset connection. A refused caller's body (401, 429) is
-   never read;
+3. a body is read only while fewer than MRC_API_MAX_BODIES are being read (memory = that x the limit;
+   one key at most half of them, callers without a key from a pool of their own: body_slots.py), within
+   MRC_API_BODY_TIMEOUT_S of its turn (else 408), and only up to its route's limit (an image's worth
+   where one comes, a job's JSON, a few KiB for a batch create: `limits` in producer/server.py): past
+   it the rest of the body is read and dropped (up to MRC_API_DRAIN_BYTES, nothing kept) and the
+   answer is 413, so a client that writes its whole body before reading sees the 413 instead of a
+   reset connection. A refused caller's body (401, 429) is never read; a client that leaves mid-body
+   is counted 499, not a fault;
 4. a fault becomes JSON: Redis or S3 out of reach -> 503 `service_unavailable` with Retry-After; any
    other exception -> 500 `internal_error` (logged with its traceback), never plain text.
 """
@@ -24,7 +26,9 @@ from typing import Any
 
 import redis
 from kombu.exceptions import OperationalError
+from starlette.requests import ClientDisconnect
 
+from producer.http.body_slots import BodySlots
 from producer.http.guard import Caller, Keys, RateLimiter
 from shared import logs
 from shared.errors import ServiceUnreachable, StoreUnavailable
@@ -46,6 +50,7 @@ UNAVAILABLE = (
     ServiceUnreachable,
 )
 RETRY_AFTER_S = "5"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _OPEN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc")
 
 
@@ -55,6 +60,7 @@ class Limits:
     bodies: int  # request bodies being read at once
     drain_bytes: int  # past the limit, read and drop at most this much before closing
     body_wait_s: float = 10.0  # wait this long for a turn to read a body, then 503
+    body_read_s: float = 120.0  # a body must arrive within this of its turn, or 408 (MRC_API_BODY_TIMEOUT_S)
     # (path prefix, content type or "" for any, limit), the first that matches: each route's bodies
     # bounded by what it carries (an image in a multipart job or a chat request, a batch input file,
     # a few KiB of JSON for a batch create).
@@ -87,7 +93,7 @@ class Front:
         count: Callable[[str, str, int, float], None],
     ) -> None:
         self.app, self.keys, self.limiter, self.limits, self.count = app, keys, limiter, limits, count
-        self._bodies: asyncio.Semaphore | None = None
+        self._bodies = BodySlots(limits.bodies, limits.body_wait_s)
         self.log = logs.get_logger()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,7 +111,9 @@ class Front:
             await self._serve(scope, receive, sent, status)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.count(route, str(scope.get("method", "")), status[0] or 500, time.perf_counter() - began)
+            method = str(scope.get("method", ""))
+            method = method if method in _METHODS else "other"  # a label per invented method: unbounded
+            self.count(route, method, status[0] or 500, time.perf_counter() - began)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, status: list[int]) -> None:
         refused = self._gate(scope)
@@ -117,6 +125,8 @@ class Front:
                 await self._with_body(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
+        except ClientDisconnect:  # the client left mid-body: nobody to answer, and not our fault
+            status[0] = status[0] or 499
         except Exception as exc:  # the route failed: a JSON answer, unless one is already on its way
             if status[0]:
                 raise
@@ -158,35 +168,33 @@ class Front:
             await _drain(receive, self.limits.drain_bytes, int(declared))
             await _reply(send, _too_large(limit))
             return
-        if self._bodies is None:  # made in the serving loop, on first use
-            self._bodies = asyncio.Semaphore(self.limits.bodies)
-        try:
-            await asyncio.wait_for(self._bodies.acquire(), self.limits.body_wait_s)
-        except TimeoutError:
+        caller = (scope.get("state") or {}).get("caller")
+        turn = await self._bodies.take(caller.name if caller is not None else None)
+        if isinstance(turn, str):
             await _drain(receive, self.limits.drain_bytes, None)
-            await _reply(send, json_body(503, "busy", "too many uploads at once", {"Retry-After": "2"}))
+            await _reply(send, json_body(503, "busy", turn, {"Retry-After": "2"}))
             return
-        bodies, held = self._bodies, [True]
-
-        def done_with_body() -> None:
-            if held[0]:
-                held[0] = False
-                bodies.release()
-
         # A route that goes on long after it let go of its body (a chat completion waiting for its
         # answer) gives its turn back early by calling this; every other route holds it to its end.
-        scope.setdefault("state", {})["done_with_body"] = done_with_body
+        scope.setdefault("state", {})["done_with_body"] = turn
         try:
             await self._limited(scope, receive, send, limit)
         finally:
-            done_with_body()
+            turn()
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
-        seen, over, ended = 0, False, False
+        seen, over, ended, late = 0, False, False, False
+        until = time.monotonic() + self.limits.body_read_s
 
         async def counted() -> Message:
-            nonlocal seen, over, ended
-            message = await receive()
+            nonlocal seen, over, ended, late
+            if ended:
+                return await receive()  # the body is in: what comes next is the client leaving
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, until - time.monotonic()))
+            except TimeoutError:
+                late = True
+                raise _TooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 ended = not message.get("more_body", False)
@@ -198,6 +206,10 @@ class Front:
         try:
             await self.app(scope, counted, send)
         except Exception:
+            if late:  # no drain: a client this slow is not waited for again
+                message = f"the request body did not arrive within {self.limits.body_read_s:g} s"
+                await _reply(send, json_body(408, "request_timeout", message, {"Connection": "close"}))
+                return
             if not over:
                 raise
             if not ended:  # the last part already came: nothing left to drain
@@ -235,6 +247,10 @@ def caller_of(scope: Scope) -> Caller:
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _TooSlow(Exception):
     pass
 
 

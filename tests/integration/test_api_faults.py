@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -26,7 +27,7 @@ from producer.http import waits as api_waits
 from producer.server import create_app
 from scripts import devservices as services
 from shared import logs, tenants
-from tests.integration.test_api import AUTH, KEYS, OWNER
+from tests.integration.test_api import AUTH, BACKLOG_KEY, KEYS, OWNER
 from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
@@ -251,6 +252,54 @@ def test_a_client_that_writes_its_whole_body_first_reads_the_413(
         assert status == 413, reply
         assert reply["error"]["code"] == "invalid_job"
     finally:
+        api.stop()
+
+
+def _trickle(api: Api, path: str, headers: dict[str, str]) -> socket.socket:
+    """A client that sends a POST's headers and a first byte of its 4,000-byte body, then no more."""
+    conn = socket.create_connection(("127.0.0.1", api.port))
+    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "Host": "x", "Content-Length": "4000"}.items())
+    conn.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\nk".encode())
+    return conn
+
+
+def test_trickling_bodies_hold_no_turn_for_long_and_no_caller_holds_them_all(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review: eight keyless connections trickling `POST /ops/login` bodies held every body turn with no
+    deadline, and every keyed POST answered 503 `busy` for as long as they stayed. A key takes at most
+    half the turns, callers without a key a pool of their own, and a body arrives in time or ends 408."""
+    settings = {"MRC_API_MAX_BODIES": "4", "MRC_API_BODY_TIMEOUT_S": "3"}
+    api = Api({**api_env, **settings}, tmp_path / "api.log")
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    held = [_trickle(api, "/ops/login", form) for _ in range(8)]  # no key
+    held += [_trickle(api, "/v1/jobs", {**AUTH, "Content-Type": "application/json"}) for _ in range(2)]
+    try:
+        time.sleep(0.5)  # they all asked for their turns
+        status, reply = api.post_json({"image_uri": "s3://elsewhere/x.jpg", "prompt": "Refund?"})
+        assert (status, reply["error"]["code"]) == (503, "busy"), reply  # the key's half is taken
+        other = {"Authorization": f"Bearer {BACKLOG_KEY}", "Content-Type": "application/json"}
+        request = urllib.request.Request(api.url("/v1/jobs"), data=b"{}", headers=other)
+        status, reply = api.call(request, timeout=8)
+        assert status == 422, reply  # another key's body is read at once (and refused for what it is)
+        held[-1].settimeout(20)
+        answer = held[-1].recv(4096).decode("latin-1")  # the trickle ends 408 after its 3 s
+        assert answer.startswith("HTTP/1.1 408"), answer[:200]
+        # A client that leaves mid-body is its own doing (review: a 500 and a traceback), and a method
+        # it invents is no new metric series.
+        _trickle(api, "/v1/jobs", {**AUTH, "Content-Type": "application/json"}).close()
+        with socket.create_connection(("127.0.0.1", api.port)) as odd:
+            odd.sendall(b"QXYZ" + b"X" * 40 + b" /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            odd.recv(4096)
+        time.sleep(0.5)
+        metrics = urllib.request.urlopen(api.url("/metrics"), timeout=10).read().decode()
+        assert 'status="500"' not in metrics
+        assert "QXYZ" not in metrics
+        assert 'method="other"' in metrics
+        assert "MRC_API_ERROR" not in api.log.read_text()
+    finally:
+        for conn in held:
+            conn.close()
         api.stop()
 
 
