@@ -60,7 +60,7 @@ class Admission:
         seen: set[str] = set()
         running: list[Slot] = []
         # `mrc backlog cancel` marks the run's queued jobs; they end failed (`cancelled`), not run
-        cancelled = {s.job_id for s, r in zip(parsed, records, strict=True) if _cancelled(r)}
+        cancelled = {s.job_id for s, r in zip(parsed, records, strict=True) if is_cancelled(r)}
         for slot, record in zip(parsed, records, strict=True):
             assert slot.job is not None
             if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
@@ -85,7 +85,7 @@ class Admission:
         cancelled or past its deadline meanwhile is not run."""
         now = datetime.now(UTC)
         for slot, record in zip(group, self.records.get_many([s.job_id for s in group]), strict=True):
-            self._judge(slot, _cancelled(record), now)
+            self._judge(slot, is_cancelled(record), now)
 
     def _judge(self, slot: Slot, cancelled: bool, now: datetime) -> None:
         assert slot.job is not None
@@ -199,7 +199,7 @@ class Admission:
         return parse_rfc3339(job.submitted_at) + timedelta(seconds=seconds) if seconds > 0 else None
 
 
-def _cancelled(record: dict[str, str]) -> bool:
+def is_cancelled(record: dict[str, str]) -> bool:
     return record.get("cancelled") == "1" or record.get("run_cancelled") == "1"
 
 

@@ -23,6 +23,7 @@ from shared.settings import Settings
 from workers import images, stages
 from workers.admission import Admission
 from workers.backends.base import GenerationInput, ModelBackend
+from workers.cancel_watch import CancelWatch
 from workers.engine import capacity, scheduler
 from workers.engine.sequence import Sequence as Row
 from workers.engine.service import EngineService
@@ -222,6 +223,7 @@ class ModelStage:
         parked: list[_Parked],
         rows: dict[Future[Row], Slot],
         grouped: list[tuple[Row, Slot]],
+        watch: CancelWatch,
         decoded_all: bool = True,
     ) -> list[_Parked]:
         """Submit every parked job whose grammar is settled (suspects: together, once every one of the
@@ -236,9 +238,9 @@ class ModelStage:
             elif isinstance(settled, MrcError):
                 job.slot.error = settled  # written with the delivery's end, as every failure is
             elif job.slot.group is not None:
-                grouped.append((self._row(job, settled), job.slot))
+                grouped.append((self._row(job, settled, watch), job.slot))
             else:
-                rows[self.engine.submit(self._row(job, settled))] = job.slot
+                rows[self.engine.submit(self._row(job, settled, watch))] = job.slot
         if grouped and decoded_all and not any(job.slot.group is not None for job in still):
             futures = self.engine.submit_many([row for row, _slot in grouped])
             rows.update(zip(futures, (slot for _row, slot in grouped), strict=True))
@@ -259,10 +261,13 @@ class ModelStage:
         grouped: list[tuple[Row, Slot]] = []
         failed: list[Slot] = []
         taken: set[Future[Row]] = set()
+        watch = CancelWatch(self.admission.records)
         while decodes or parked or len(taken) < len(rows):
+            watch.poll()
             running = set(rows) - taken
             compiling = {job.ask.future for job in parked if job.ask.future is not None}
-            timeout = min((job.wait_s for job in parked), default=None)
+            waits = [job.wait_s for job in parked] + [w for w in (watch.wait_s(),) if w is not None]
+            timeout = min(waits, default=None)
             watched = running | compiling | {future for _slot, _ask, future in decodes}
             # Only the rows of what ended are kept: a decode's future holds its image until its inputs.
             finished = wait(watched, timeout=timeout, return_when=FIRST_COMPLETED).done & running
@@ -281,19 +286,22 @@ class ModelStage:
                     self._finish([slot])
                 elif isinstance(slot.error, ModelError):
                     failed.append(slot)
-            parked = self._hand_over(parked, rows, grouped, decoded_all=not decodes)
+            parked = self._hand_over(parked, rows, grouped, watch, decoded_all=not decodes)
         return failed, len(rows)
 
-    def _row(self, job: _Parked, constraint: Any) -> Row:
+    def _row(self, job: _Parked, constraint: Any, watch: CancelWatch) -> Row:
         slot = job.slot
         assert slot.job is not None
-        return Row(
+        row = Row(
             self.engine.row_id(slot.job.job_id), job.inputs, job.positions, slot.job.max_new_tokens,
             self.backend.eos_id, lane=slot.job.lane, group=slot.group,
             deadline=self.admission.deadline_s(slot.job), constraint=constraint,
             identity=_identity(slot) if self.settings.engine_prefix_cache == "on" else None,
             stream_to=slot.job.job_id if slot.job.stream else None,
         )  # fmt: skip
+        if slot.job.lane == "backlog":  # a run's job: its run may be cancelled while it waits
+            watch.track(slot.job_id, row)
+        return row
 
     def _take_row(self, slot: Slot, row: Row) -> None:
         """What the engine made of one job: its text, or its own error; the failure streak."""

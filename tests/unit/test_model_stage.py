@@ -545,3 +545,32 @@ def test_a_failure_in_the_model_waits_for_the_deliverys_end_so_a_fatal_error_lea
     assert isinstance(ended[0], WorkerUnusable)
     assert requeued == []
     assert not _written(store)
+
+
+def test_a_backlog_job_whose_run_is_cancelled_while_it_waits_for_the_engine_is_not_run(
+    store: MemoryStore,
+) -> None:
+    """Review: a cancel came while a delivery's backlog jobs waited for the one row the engine runs at
+    once; it answered 0 and they ran. The rows not yet admitted are read again once a second."""
+    records = MemoryJobRecords()
+    backend = EchoBackend(token_s=0.25)
+    settings = Settings(model_batch_max_jobs=1, engine_reserved_rows=0)
+    pipeline = assemble(backend, store, store, records, settings, sleep=lambda _s: None)
+    lanes = {"lane": "backlog"}
+
+    def cancel_when_running() -> None:
+        deadline = time.monotonic() + GUARD_S
+        while records.get("first").get("state") != "running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the first is decoding; the second waits for its turn
+        records.records["second"]["cancelled"] = "1"
+
+    canceller = threading.Thread(target=cancel_when_running)
+    canceller.start()
+    try:
+        outcomes = pipeline.run([_job("first", **lanes), _job("second", **lanes)])
+    finally:
+        canceller.join()
+        pipeline.close()
+    assert outcomes == ["succeeded", "failed"]
+    assert store.get_result("second")["error"]["code"] == "cancelled"

@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from shared.errors import Expired, InvalidJob, OutOfMemory
+from shared.errors import Cancelled, Expired, InvalidJob, OutOfMemory
 from workers import inference
 from workers.engine import rows as rows_of
 from workers.engine import scheduler
@@ -119,6 +119,9 @@ class Engine(Settling):
         for row in [r for r in self.waiting if r.deadline is not None and r.deadline < now]:
             self.waiting.remove(row)
             self._fail(row, Expired("the job's deadline passed while it waited for the model"))
+        for row in [r for r in self.waiting if r.cancelled and r.first_admitted_at is None]:
+            self.waiting.remove(row)
+            self._fail(row, Cancelled("its backlog run was cancelled before the job ran"))
 
     def _refuse_oversized(self) -> None:
         """A row that could outgrow its slot fails alone, before it takes one. The worker sizes slots

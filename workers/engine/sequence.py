@@ -29,6 +29,7 @@ class Sequence:
     # died, or the rows of a decode step that failed (split in two at each failure, down to one row).
     group: str | None = None
     deadline: float | None = None  # wall-clock seconds; past it at admission, the row expires
+    cancelled: bool = False  # its run was cancelled while it waited (workers/cancel_watch.py): dropped
     exact_steps: bool = False  # generate max_new_tokens past end-of-text (timing probes only)
     constraint: RowConstraint | None = None  # its grammar (structured answers); None: free text
     # What decides its prefix's positions besides the token ids (workers/engine/prefix_index.py): the
