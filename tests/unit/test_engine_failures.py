@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from shared.errors import AnswerIncomplete, ModelError
 from tests.support.engine_runs import drive
 from tests.support.step_proxy import StepProxy
 from workers.backends.base import GenerationInput
@@ -206,6 +207,20 @@ def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
     assert generated == sum(len(row.tokens) for row in rows)  # answers only: no end-of-text, no reruns
     assert discarded is not None
     assert discarded >= 5
+
+
+def test_an_incomplete_structured_answer_counts_its_tokens_as_generated() -> None:
+    """Review: its tokens went to the discarded counter, though they are its answer, handed out and
+    billed; a failed row's tokens are discarded."""
+    metrics = Metrics()
+    service = EngineService(ECHO.step_model(), scheduler.Limits(max_rows=2, reserved_interactive=0), metrics)
+    incomplete, failed = _row("a"), _row("b")
+    incomplete.tokens, incomplete.error = [5, 6, 7], AnswerIncomplete("max_new_tokens reached")
+    failed.tokens, failed.error = [5, 6], ModelError("the model failed on this row")
+    service._finished(incomplete)
+    service._finished(failed)
+    assert metrics.registry.get_sample_value("mrc_engine_generated_tokens_total") == 3
+    assert metrics.registry.get_sample_value("mrc_engine_discarded_tokens_total") == 2
 
 
 def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin(

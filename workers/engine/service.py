@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from shared import logs
-from shared.errors import WorkerUnusable
+from shared.errors import AnswerIncomplete, WorkerUnusable
 from workers.engine import scheduler
 from workers.engine.engine import Engine, StepReport
 from workers.engine.sequence import Sequence
@@ -154,7 +154,9 @@ class EngineService:
             )
         # The tokens of its answer, counted once it is whole: end-of-text is not one, and neither are
         # the tokens of a run that was paused, restarted or failed (mrc_engine_discarded_tokens_total).
-        (self.metrics.generated if row.error is None else self.metrics.discarded).inc(len(row.tokens))
+        # An incomplete structured answer's are its answer's: handed out and billed (review).
+        kept = row.error is None or isinstance(row.error, AnswerIncomplete)
+        (self.metrics.generated if kept else self.metrics.discarded).inc(len(row.tokens))
         if future is not None:
             future.set_result(row)
 
