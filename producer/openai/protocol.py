@@ -28,6 +28,10 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
+MAX_MESSAGES = 256  # a request's messages
+MAX_PARTS = 64  # a message's content parts
+
+
 class RefusalPart(_Strict):
     """An assistant's refusal, as an earlier turn sends it back."""
 
@@ -40,7 +44,7 @@ Part = Annotated[TextPart | ImagePart | RefusalPart, Field(discriminator="type")
 
 class Message(_Strict):
     role: str = Field(description="system, developer, user or assistant (producer/openai/chat_messages.py)")
-    content: str | list[Part] | None = None
+    content: str | Annotated[list[Part], Field(max_length=MAX_PARTS)] | None = None
     name: str | None = None
     # What an SDK sends back with an earlier answer (`messages.append(choice.message)`): taken when
     # empty; a refusal is the turn's text; tools and audio are refused by name (chat_messages.py).
@@ -80,7 +84,10 @@ class ChatRequest(_Strict):
     """The fields OpenAI's chat completions define; what mrc does with each: module docstring."""
 
     model: str
-    messages: list[Message]
+    # Bounded before its items are validated (review: 1.3 million empty messages, a legal 43 MB body,
+    # held the API's event loop 9 s): a conversation about one photo is far shorter, and its prompt is
+    # bounded in tokens anyway (MRC_MAX_PROMPT_TOKENS).
+    messages: list[Message] = Field(max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     response_format: Format | None = None
