@@ -130,7 +130,9 @@ class Translator:
     def _translate(self, group: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         read = [(number, self._read(number, raw)) for number, raw in group]
         uploads = [
-            (i, item[1]) for i, (_n, item) in enumerate(read) if isinstance(item, tuple) and item[1].data
+            (i, item[1])
+            for i, (_n, item) in enumerate(read)
+            if isinstance(item, tuple) and item[1].data is not None  # an empty data: URL is checked too
         ]
         with ThreadPoolExecutor(_UPLOAD_THREADS) as pool:
             uris = dict(

@@ -476,6 +476,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         request_line("v", model, "Refund?", inline, metadata={"note": "\udcff"}),
         request_line("w", "tiny\udcff", "Refund?", inline),
         request_line("x\udcff", model, "Refund?", inline),
+        request_line("e", model, "Refund?", "data:image/png;base64,"),  # review: refused as no image
     ]
     upload = sdk.files.create(file=("backlog.jsonl", "\n".join(lines).encode()), purpose="batch")
     assert (upload.purpose, upload.object) == ("batch", "file")
@@ -490,12 +491,12 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.status == "completed"
     counts = done.request_counts
     assert counts is not None
-    assert (counts.total, counts.completed, counts.failed) == (13, 3, 10)
+    assert (counts.total, counts.completed, counts.failed) == (14, 3, 11)
     outputs, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
     assert sorted(line["custom_id"] for line in outputs) == ["a", "b", "c"]
     ids = sorted(str(line["custom_id"]) for line in errors)
-    assert ids == ["None", "a", "h", "m", "s", "t", "u", "v", "w", "x\ufffd"]
-    assert len({line["id"] for line in outputs + errors}) == 13  # every request once, in one file only
+    assert ids == ["None", "a", "e", "h", "m", "s", "t", "u", "v", "w", "x\ufffd"]
+    assert len({line["id"] for line in outputs + errors}) == 14  # every request once, in one file only
     for line in outputs:
         body = line["response"]["body"]
         assert (line["response"]["status_code"], body["object"], line["error"]) == (
@@ -525,6 +526,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         "a": (400, "duplicate_custom_id"),
         "m": (404, "model_not_found"),
         "h": (400, "image_source_forbidden"),
+        "e": (400, "unsupported_image_format"),
     }
     assert by_id["t"]["body"]["error"]["param"] == "temperature"
     prompt = sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in outputs)
@@ -532,7 +534,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.usage.input_tokens == prompt > 0
     status = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
     assert status["usage"]["prompt_tokens"] == prompt
-    assert (status["succeeded"], status["invalid_lines"]) == (3, 10)
+    assert (status["succeeded"], status["invalid_lines"]) == (3, 11)
 
     second = wait_final(
         sdk,
