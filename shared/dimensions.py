@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import struct
 
+from shared import frames
+
 # JPEG start-of-frame markers (baseline, extended, progressive, lossless, arithmetic); not DHT/JPG/DAC.
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
@@ -28,11 +30,18 @@ def _png(data: bytes) -> tuple[int, int] | None:
 
 
 def _gif(data: bytes) -> tuple[int, int]:
-    width, height = struct.unpack("<HH", data[6:10])
-    return int(width), int(height)
+    """The logical screen, grown to hold every frame: a decoder draws a frame past the screen on a
+    canvas that large (review: a 1x1 screen around one 20000x20000 frame passed as 1 pixel)."""
+    width, height = (int(n) for n in struct.unpack("<HH", data[6:10]))
+    for left, top, w, h in frames.gif_frames(data):
+        width, height = max(width, left + w), max(height, top + h)
+    return width, height
 
 
 def _bmp(data: bytes) -> tuple[int, int]:
+    if struct.unpack("<I", data[14:18])[0] == 12:  # OS/2 BITMAPCOREHEADER: 16-bit sizes (review)
+        width, height = struct.unpack("<HH", data[18:22])
+        return int(width), int(height)
     width, height = struct.unpack("<ii", data[18:26])
     return abs(int(width)), abs(int(height))
 

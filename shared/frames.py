@@ -9,6 +9,7 @@ Python over bytes (no PIL, no torch), so the producer side can use it as well.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 
 def frame_count(data: bytes, fmt: str) -> int:
@@ -32,24 +33,30 @@ def _color_table_size(flags: int) -> int:
     return 3 * (2 ** ((flags & 0x07) + 1)) if flags & 0x80 else 0
 
 
-def _gif_frames(data: bytes) -> int:
+def gif_frames(data: bytes) -> Iterator[tuple[int, int, int, int]]:
+    """Each frame's (left, top, width, height), from its image descriptor; a descriptor cut short
+    still counts, as (0, 0, 0, 0)."""
     if len(data) < 13:
-        return 1
+        return
     pos = 13 + _color_table_size(data[10])
-    frames = 0
     while pos < len(data):
         block = data[pos]
         if block == 0x2C:  # image descriptor: one frame
-            frames += 1
             if pos + 10 > len(data):
-                break
+                yield 0, 0, 0, 0
+                return
+            left, top, width, height = struct.unpack("<HHHH", data[pos + 1 : pos + 9])
+            yield int(left), int(top), int(width), int(height)
             pos += 10 + _color_table_size(data[pos + 9]) + 1  # + LZW minimum code size
             pos = _skip_sub_blocks(data, pos)
         elif block == 0x21:  # extension: label, then sub-blocks
             pos = _skip_sub_blocks(data, pos + 2)
         else:  # trailer (0x3B) or garbage: nothing after it is drawn
-            break
-    return frames
+            return
+
+
+def _gif_frames(data: bytes) -> int:
+    return sum(1 for _frame in gif_frames(data)) if len(data) >= 13 else 1
 
 
 def _png_frames(data: bytes) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -55,3 +56,20 @@ def test_truncated_or_odd_headers_give_none_not_an_error(data: bytes) -> None:
     fmt = sniff_format(data) or "jpg"
     assert image_size(data, fmt) is None or isinstance(image_size(data, fmt), tuple)
     assert image_size(data, "tiff") is None
+
+
+def _os2_bmp(width: int, height: int) -> bytes:
+    row = (width * 3 + 3) // 4 * 4
+    core = struct.pack("<IHHHH", 12, width, height, 1, 24)  # BITMAPCOREHEADER: 16-bit sizes
+    return b"BM" + struct.pack("<IHHI", 26 + row * height, 0, 0, 26) + core + b"\0" * row * height
+
+
+def test_a_gif_frame_past_its_screen_and_an_os2_bmp_are_read_as_pil_reads_them() -> None:
+    """Review: a 1x1 GIF screen around a 3000x2000 frame read as 1x1, and a BMP with the old 12-byte
+    header as garbage: both passed mrc-api's pixel limit, to be refused by the worker after upload."""
+    frame = (
+        b"\x2c" + struct.pack("<HHHHB", 5, 7, 3000, 2000, 0x80) + b"\0\0\0\xff\xff\xff\x02\x02\x4c\x01\x00"
+    )
+    gif = b"GIF89a" + struct.pack("<HHBBB", 1, 1, 0, 0, 0) + frame + b"\x3b"
+    for data, fmt in ((gif, "gif"), (_os2_bmp(300, 200), "bmp")):
+        assert image_size(data, fmt) == Image.open(io.BytesIO(data)).size, fmt
