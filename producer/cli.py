@@ -17,6 +17,7 @@ import redis
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
+from producer import pipe_out
 from producer.backlog import cli as backlog_cli
 from shared import logs, names, reach, redis_target
 from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
@@ -334,6 +335,7 @@ def _refused_by_redis(exc: redis.ResponseError, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    pipe_out.guard_stdout()
     args = _parser().parse_args(argv)
     try:
         settings = Settings()

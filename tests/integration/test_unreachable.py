@@ -211,3 +211,17 @@ def test_a_model_that_cannot_be_loaded_is_exit_2_in_one_line(
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "MRC_MODEL" in next(line for line in done.stderr.splitlines() if "bad settings" in line)
+
+
+def test_a_reader_that_leaves_early_ends_no_command_in_a_traceback(env: dict[str, str]) -> None:
+    """Review: `mrc ... --json | head -c 300` ended in a BrokenPipeError traceback; what is written after
+    the reader left is dropped and the command ends with its own exit code."""
+    proc = subprocess.Popen(
+        [str(services.BIN / "mrc"), "queues", "--json"], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader is gone before the first byte
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err
