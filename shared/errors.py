@@ -60,6 +60,10 @@ class PromptTooLong(MrcError):
 
     code = "prompt_too_long"
 
+    def __init__(self, message: str, original_tokens: int = 0) -> None:
+        super().__init__(message)
+        self.original_tokens = original_tokens  # the prompt's tokens, for its result's `prompt`
+
 
 class OutOfMemory(MrcError):
     """The accelerator ran out of memory even for this job alone."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from shared.errors import InternalError
+from shared.errors import InternalError, PromptTooLong
 from shared.jobs import (
     ErrorInfo,
     ImageInfo,
@@ -41,6 +41,8 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             truncated=slot.plan.truncated,
             original_tokens=slot.plan.original_tokens,
         )
+    elif isinstance(slot.error, PromptTooLong):  # refused whole: the model saw none of its tokens
+        prompt = PromptInfo(chars=prompt.chars, original_tokens=slot.error.original_tokens)
     failed = slot.error is not None or slot.text is None
     error = slot.error or (InternalError("no output was produced") if failed else None)
     first_token_ms = 0.0

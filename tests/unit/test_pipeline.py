@@ -169,6 +169,13 @@ def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
     # A job that asks not to be cut (a folded conversation) fails where the worker would truncate.
     _pipeline(store, max_prompt_tokens=3).run([_job("long3", prompt="one two three four", truncate=False)])
     assert store.get_result("long3")["error"]["code"] == "prompt_too_long"
+    # What it had is said (review: 0 and 0 beside "prompt has 4 tokens"); the model saw none of it.
+    assert store.get_result("long3")["prompt"] == {
+        "chars": 18,
+        "tokens": 0,
+        "truncated": False,
+        "original_tokens": 4,
+    }
 
 
 def test_over_limit_max_new_tokens_is_invalid(store: MemoryStore) -> None:

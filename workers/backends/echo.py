@@ -226,7 +226,7 @@ class EchoBackend:
         if len(words) <= max_tokens:
             return PromptPlan(prompt, len(words), len(words), False)
         if not truncate:
-            raise PromptTooLong(f"prompt has {len(words)} tokens; the limit is {max_tokens}")
+            raise PromptTooLong(f"prompt has {len(words)} tokens; the limit is {max_tokens}", len(words))
         return PromptPlan(" ".join(words[:max_tokens]), max_tokens, len(words), True)
 
     def image_tokens(self, height: int, width: int) -> int:

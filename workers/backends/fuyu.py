@@ -141,7 +141,7 @@ class FuyuBackend:
         if len(ids) <= max_tokens:
             return PromptPlan(text, len(ids), len(ids), False, tuple(ids))
         if not truncate:
-            raise PromptTooLong(f"prompt has {len(ids)} tokens; the limit is {max_tokens}")
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the limit is {max_tokens}", len(ids))
         kept = ids[:max_tokens]
         return PromptPlan(tokenizer.decode(kept), max_tokens, len(ids), True, tuple(kept))
 
