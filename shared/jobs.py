@@ -35,8 +35,23 @@ def now_rfc3339() -> str:
     return rfc3339()
 
 
+# RFC 3339's date-time: `T` or `t` (or a space, which its section 5.6 allows for readability), seconds
+# always, a zone always, `Z` or `z` for UTC. Python's ISO 8601 reader took forms RFC 3339 has not
+# (20300630T120000Z, 12:00Z) and refused some it has (lower case, a leap second): review.
+_RFC3339 = re.compile(
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}):(\d{2})(\.\d{1,6})?\d*([Zz]|[+-]\d{2}:\d{2})", re.ASCII
+)
+
+
 def parse_rfc3339(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    """An RFC 3339 date-time; ValueError for anything else. A leap second (:60) reads as :59."""
+    found = _RFC3339.fullmatch(value)
+    if found is None:
+        raise ValueError(f"not an RFC 3339 date-time: {value[:40]!r}")
+    day, minutes, seconds, fraction, zone = found.groups()
+    seconds = "59" if seconds == "60" else seconds
+    zone = "+00:00" if zone in ("Z", "z") else zone
+    return datetime.fromisoformat(f"{day}T{minutes}:{seconds}{fraction or ''}{zone}")
 
 
 def prompt_problem(prompt: str) -> str | None:

@@ -31,12 +31,23 @@ def test_round_trip_through_the_message_form() -> None:
         {"image_uri": None},
         {"deadline": "tomorrow"},
         {"deadline": "2026-12-01T10:00:00"},
+        {"deadline": "20300630T120000Z"},  # ISO 8601's basic form, not RFC 3339 (review)
+        {"deadline": "2030-06-30T12:00Z"},  # no seconds
+        {"deadline": "2030-06-30T12:00:00+0200"},  # a zone without its colon
         {"submitted_at": "not a time"},
     ],
 )
 def test_bad_fields_are_invalid_job(change: dict[str, object]) -> None:
     with pytest.raises(InvalidJob):
         Job.from_message({**GOOD, **change})
+
+
+@pytest.mark.parametrize(
+    "deadline", ["2030-06-30t12:00:00z", "2030-06-30T23:59:60Z", "2030-06-30 12:00:00.123456789+02:00"]
+)
+def test_every_rfc_3339_form_is_a_deadline(deadline: str) -> None:
+    """Review: lower case and a leap second were refused (RFC 3339 has both)."""
+    assert Job.from_message({**GOOD, "deadline": deadline}).deadline == deadline
 
 
 @pytest.mark.parametrize("body", [None, "text", 3, ["list"]])
