@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,11 +183,13 @@ def main() -> None:
     workdir = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mrc-sentinels")
     cluster = start(workdir)
     for name, value in cluster.env().items():
-        print(f"export {name}={value}")
+        print(f"export {name}={value}", flush=True)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGTERM too: review (six Redis left)
+        signal.signal(sig, lambda *_: stopped.set())
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        stopped.wait()
+    finally:
         cluster.stop()
 
 
