@@ -7,8 +7,10 @@ OpenAI routes OpenAI's error shape (producer/openai/errors.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,7 +24,7 @@ from producer.http.front import Front, Limits
 from producer.http.guard import Keys, RateLimiter
 from producer.http.jobs import JobRoutes
 from producer.http.ops_routes import OpsRoutes
-from producer.http.state import ApiState
+from producer.http.state import MULTIPROCESS_DIR, ApiState
 from producer.openai.errors import OpenAIErrors
 from producer.openai.routes import OpenAIRoutes
 from producer.queue.sender import Queue
@@ -146,13 +148,18 @@ def main() -> int:
     log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
     options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
     if settings.api_workers > 1:  # worker processes import the app themselves
-        uvicorn.run(
-            "producer.server:app_from_env",
-            factory=True,
-            workers=settings.api_workers,
-            access_log=False,
-            **options,
-        )
+        # Their counters in files of one folder, summed at every scrape (prometheus_client's multiprocess
+        # mode): one port cannot show each process, and a scrape answered by one of them undercounted
+        # and looked like counter resets (review).
+        with tempfile.TemporaryDirectory(prefix="mrc-api-metrics-") as counters:
+            os.environ[MULTIPROCESS_DIR] = counters
+            uvicorn.run(
+                "producer.server:app_from_env",
+                factory=True,
+                workers=settings.api_workers,
+                access_log=False,
+                **options,
+            )
     else:
         uvicorn.run(app, access_log=False, **options)
     return 0

@@ -157,7 +157,7 @@ class JobRoutes:
         """Prometheus text. /metrics needs no key, so every key's usage totals (mrc_usage_*) come only
         to a scrape whose key may see every tenant's (`ops` or `all-tenants`), or when keys are off:
         a tenant never reads another's volume (review)."""
-        registries = [self.state.registry]
+        registries = [self.state.scrape]
         caller = self.keys.caller(request.headers.get("authorization"), "metrics")
         if caller is not None and (caller.ops or caller.all_tenants):
             registries.append(self.state.usage_registry)

@@ -4,13 +4,17 @@ answers 503), the long-polls' waits, and the metrics registry."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
 
 from producer.http.waits import Waits
 from producer.intake.intake import Intake
 from producer.queue.sender import Queue
 from shared import redis_target
 from shared.settings import Settings
+
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's, read when it is imported
 
 
 class ApiState:
@@ -26,6 +30,13 @@ class ApiState:
         )
         self.seconds = Histogram("mrc_api_request_seconds", "Request time", ["route"], registry=self.registry)
         self.registry.register(redis_target.FailoverCollector())
+        # What /metrics serves: this registry, or with several API processes (mrc-api sets
+        # prometheus_client's own switch for them: server.py) every process's counters summed.
+        self.scrape = self.registry
+        if os.environ.get(MULTIPROCESS_DIR):
+            self.scrape = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.scrape)
+            self.scrape.register(redis_target.FailoverCollector())
         # Every key's usage (mrc_usage_*): served on /metrics only to a scrape with an `ops` or
         # `all-tenants` key when keys are on, since /metrics needs no key (producer/http/jobs.py).
         self.usage_registry = CollectorRegistry()

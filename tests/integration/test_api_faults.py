@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -300,6 +301,25 @@ def test_trickling_bodies_hold_no_turn_for_long_and_no_caller_holds_them_all(
     finally:
         for conn in held:
             conn.close()
+        api.stop()
+
+
+def test_with_several_api_processes_every_scrape_counts_them_all(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review: with MRC_API_WORKERS=2 each scrape was answered by one process (8, 8, 9, 9, 9, 9, 8, 9
+    after 17 requests): undercounts, and counter resets to Prometheus."""
+    api = Api({**api_env, "MRC_API_WORKERS": "2"}, tmp_path / "api.log")
+    try:
+        for _ in range(16):
+            assert api.get("/readyz")[0] == 200
+        series = re.compile(r'^mrc_api_requests_total\{[^}]*route="/readyz"[^}]*\} (\S+)$', re.MULTILINE)
+        seen = set()
+        for _ in range(6):
+            with urllib.request.urlopen(api.url("/metrics"), timeout=10) as reply:
+                seen.add(sum(float(n) for n in series.findall(reply.read().decode())))
+        assert seen == {16.0}
+    finally:
         api.stop()
 
 
