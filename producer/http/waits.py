@@ -41,6 +41,10 @@ class Waits:
 
     def __init__(self, settings: Settings, threads: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mrc-wait")
+        self.share = max(1, threads // 2)  # the most event waits one caller blocks in at once
+        self._waiting: dict[str, int] = {}  # event waits in progress per caller (the event loop's only)
+        timeout = settings.connect_timeout_s
+        self._probe = redis_target.client(settings, socket_timeout=timeout, socket_connect_timeout=timeout)
         options: dict[str, Any] = {
             "decode_responses": True,
             "socket_timeout": SOCKET_TIMEOUT_S,
@@ -71,13 +75,16 @@ class Waits:
         self.completions.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._redis.close()
+        self._probe.close()
 
     async def record(self, job_id: str) -> dict[str, str]:
         record: dict[str, str] = await self._run(partial(self._redis.hgetall, names.job_key(job_id)))  # type: ignore[arg-type]  # decode_responses
         return dict(record)
 
     async def ping(self) -> None:
-        await self._run(self._redis.ping)
+        """Redis answers: on a connection and a thread of its own (the probe must not queue behind
+        long-polls holding every wait thread and connection: review)."""
+        await asyncio.get_running_loop().run_in_executor(None, self._probe.ping)
 
     def _read_events(
         self, after: str, block_ms: int | None, count: int, owner: str | None
@@ -98,10 +105,23 @@ class Waits:
         return await self._run(partial(self._read_stream, key, after, block_ms))
 
     async def events(
-        self, after: str, wait_s: float, count: int = 1000, owner: str | None = None
+        self, after: str, wait_s: float, count: int = 1000, owner: str | None = None, who: str = ""
     ) -> list[dict[str, str]]:
         """Completion events after `after` (of the fleet, or of one key's jobs), waiting up to `wait_s`
-        for the first, in slices."""
+        for the first, in slices. A caller (`who`) holding half the threads in such waits
+        already is answered at once with what there is (review: one key's 360 waits held every
+        thread, and other keys' waits and /readyz queued behind them): it polls, it does not block."""
+        if self._waiting.get(who, 0) >= self.share:
+            wait_s = 0.0
+        self._waiting[who] = self._waiting.get(who, 0) + 1
+        try:
+            return await self._events(after, wait_s, count, owner)
+        finally:
+            left = self._waiting.pop(who) - 1
+            if left:
+                self._waiting[who] = left
+
+    async def _events(self, after: str, wait_s: float, count: int, owner: str | None) -> list[dict[str, str]]:
         deadline = time.monotonic() + wait_s
         while True:
             # A blocked read's timeout can end a server tick late (redis_target.SERVER_TICK_S): no

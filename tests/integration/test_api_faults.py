@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +320,25 @@ def test_with_several_api_processes_every_scrape_counts_them_all(
             with urllib.request.urlopen(api.url("/metrics"), timeout=10) as reply:
                 seen.add(sum(float(n) for n in series.findall(reply.read().decode())))
         assert seen == {16.0}
+    finally:
+        api.stop()
+
+
+def test_one_key_blocks_in_half_the_wait_threads_at_most(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review: one key's 360 event waits held every wait thread; other keys' waits and /readyz queued
+    behind them. Past its share a key's wait is answered at once with what there is."""
+    api = Api({**api_env, "MRC_API_WAIT_THREADS": "4"}, tmp_path / "api.log")  # a share of 2
+    path = f"/v1/events?after={_future_event_id()}&wait=5"
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            blocking = [pool.submit(api.get, path, AUTH, 20) for _ in range(2)]
+            time.sleep(0.5)
+            status, reply = api.get(path, AUTH, timeout=3)  # a third: not blocked
+            assert (status, reply["events"]) == (200, [])
+            assert all(not f.done() for f in blocking)  # the two within its share wait on
+            assert api.get("/readyz", timeout=4)[0] == 200
     finally:
         api.stop()
 
