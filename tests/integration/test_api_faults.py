@@ -324,9 +324,7 @@ def test_with_several_api_processes_every_scrape_counts_them_all(
         api.stop()
 
 
-def test_one_key_blocks_in_half_the_wait_threads_at_most(
-    api_env: dict[str, str], tmp_path: Path
-) -> None:
+def test_one_key_blocks_in_half_the_wait_threads_at_most(api_env: dict[str, str], tmp_path: Path) -> None:
     """Review: one key's 360 event waits held every wait thread; other keys' waits and /readyz queued
     behind them. Past its share a key's wait is answered at once with what there is."""
     api = Api({**api_env, "MRC_API_WAIT_THREADS": "4"}, tmp_path / "api.log")  # a share of 2
