@@ -209,6 +209,25 @@ def test_timings_and_counts_belong_to_the_run_that_made_the_answer() -> None:
     assert discarded >= 5
 
 
+def test_a_row_whose_deadline_passes_while_it_is_answered_ends_expired_and_its_neighbour_goes_on() -> None:
+    """Review: a deadline was read at admission only; a row past it ran to its end (its answer a second
+    late for a caller that had given up, its steps taken from the others)."""
+    now = [1000.0]
+    done: dict[str, Sequence] = {}
+    limits = scheduler.Limits(max_rows=2, reserved_interactive=0)
+    engine = Engine(ECHO.step_model(), limits, lambda r: done.__setitem__(r.row_id, r), clock=lambda: now[0])
+    late, other = _row("late", new=40), _row("other", new=12)
+    late.deadline = 1005.0
+    engine.submit(late)
+    engine.submit(other)
+    while not engine.idle and engine.steps < 200:
+        engine.step()
+        now[0] += 1.0
+    assert type(done["late"].error).__name__ == "Expired"
+    assert 0 < len(done["late"].tokens) < 40
+    assert (done["other"].error, len(done["other"].tokens)) == (None, 12)
+
+
 def test_an_incomplete_structured_answer_counts_its_tokens_as_generated() -> None:
     """Review: its tokens went to the discarded counter, though they are its answer, handed out and
     billed; a failed row's tokens are discarded."""

@@ -89,7 +89,7 @@ class Engine(Settling):
                 done = set()
                 for row, token in zip(rows, nexts, strict=True):
                     row.masked_steps += masked
-                    if row.accept(token):
+                    if row.accept(token) or self._past_deadline(row, now):
                         row.finished_at = now
                         done.add(row.row_id)
                 self._retire(done)
@@ -122,6 +122,15 @@ class Engine(Settling):
         for row in [r for r in self.waiting if r.cancelled and r.first_admitted_at is None]:
             self.waiting.remove(row)
             self._fail(row, Cancelled("its backlog run was cancelled before the job ran"))
+
+    @staticmethod
+    def _past_deadline(row: Sequence, now: float) -> bool:
+        """A row answering past its deadline ends `expired` there (review: it ran to its end, the
+        answer a second late for a caller that had given up, its steps taken from the rest)."""
+        if row.deadline is None or row.deadline >= now:
+            return False
+        row.error = Expired("the job's deadline passed while it was being answered")
+        return True
 
     def _refuse_oversized(self) -> None:
         """A row that could outgrow its slot fails alone, before it takes one. The worker sizes slots
