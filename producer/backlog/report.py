@@ -61,7 +61,11 @@ class RunReader:
                     recent += 1
         jobs = sum(states.values())
         left = states["queued"] + states["running"]
-        rate = recent / 60
+        # Over the last minute, or over the run's own time while it is younger (review: a run seconds
+        # old read a sixtieth of its rate per second of age, its ETA that many times too long).
+        created = run.get("created_at")
+        age = time.time() - parse_rfc3339(created).timestamp() if created else 60.0
+        rate = recent / min(60.0, max(1.0, age))
         return {
             "run_id": run_id,
             "state": "done" if jobs and not left and run.get("state") == "enqueued" else run.get("state"),
