@@ -39,7 +39,12 @@ def describe(data: dict[str, Any]) -> str:
     return (
         f"run {data['run_id']}: {data['succeeded']}/{data['jobs']} done, {data['failed']} failed{codes}, "
         f"{data['queued']} queued, {data['running']} running, {data['invalid_lines']} invalid lines, "
-        f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}{_tokens(data.get('usage'))}"
+        + (
+            f"{data['unknown']} unknown (records expired: the report reads the results), "
+            if data.get("unknown")
+            else ""
+        )
+        + f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}{_tokens(data.get('usage'))}"
     )
 
 

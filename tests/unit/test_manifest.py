@@ -126,6 +126,8 @@ def test_status_line_names_failures_by_code() -> None:
     assert "7/10 done" in line
     assert "image_decode_error 2" in line
     assert "ETA 1h06m" in line
+    assert "unknown" not in line
+    assert "3 unknown" in describe({**status, "unknown": 3})  # review: --json had it, the line not
 
 
 class _Counting(io.BytesIO):
