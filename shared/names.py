@@ -225,8 +225,9 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split s3://bucket/key; raise ValueError for anything else. A key with a `.` or `..` segment is
-    refused: some S3-compatible endpoints resolve it as a path, so it could reach another bucket."""
+    """Split s3://bucket/key; raise ValueError for anything else. A key with a `.`, `..` or empty
+    segment is refused: some S3-compatible endpoints resolve it as a path (or fold `//`), so it could
+    reach another bucket or another key's folder."""
     if not uri.startswith("s3://"):
         raise ValueError(f"not an s3:// URI: {uri[:80]!r}")
     bucket, _, key = uri[5:].partition("/")
@@ -236,6 +237,8 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise ValueError(f"not a valid bucket name: {bucket[:80]!r}")
     if any(segment in (".", "..") for segment in key.split("/")):
         raise ValueError(f"s3 key may not contain '.' or '..' segments: {uri[:80]!r}")
+    if "//" in key or key.startswith("/"):  # some stores fold `//`: a key would read as another's (review)
+        raise ValueError(f"s3 key may not contain an empty segment (//): {uri[:80]!r}")
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
         raise ValueError(f"s3 key may not contain control characters: {uri[:80]!r}")
     return bucket, key

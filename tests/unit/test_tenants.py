@@ -48,6 +48,11 @@ def test_sources_are_parsed_and_checked_from_the_uri_alone() -> None:
     assert tenants.source_problem("s3://public/p.jpg", A, "mrc", "", sources) is None  # every key's
     assert tenants.source_problem("s3://mrc/catalogue/p.jpg", A, "mrc", "", sources) is None
     assert tenants.source_problem("s3://mrc/catalogue/p.jpg", B, "mrc", "", sources) is not None
+    # Review: an empty segment hid A's folder from the owner check, where every key may read `inputs/`,
+    # and a store that folds `//` reads A's upload.
+    shared = tenants.parse_sources("*=s3://mrc/inputs/")
+    doubled = f"s3://mrc/inputs//{A}/{'0' * 64}.jpg"
+    assert tenants.source_problem(doubled, B, "mrc", "", shared) is not None
     assert tenants.source_problem("s3://other/x/p.jpg", B, "mrc", "", sources) is None
     # A source as wide as the whole bucket still never reaches another key's uploads.
     wide = tenants.parse_sources("*=s3://mrc/")
