@@ -73,6 +73,13 @@ def _route_celery_console(log: Any) -> None:
 EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
 
 
+def _stop_serving(server: Any) -> None:
+    """The health server of a start refused before the model loads (a SIGHUP's restart runs in the
+    same process: its port must be free again)."""
+    server.shutdown()
+    server.server_close()
+
+
 # What the worker needs beyond the producer's packages (`pip install 'mrc[worker]'`).
 WORKER_MODULES = ("torch", "transformers", "celery_batches", "bitsandbytes", "xgrammar", "PIL")
 
@@ -161,6 +168,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     except StoreUnavailable as exc:
         log.critical("MRC_FATAL", error=exc.message)
         print(f"mrc-worker: {exc.message}", file=sys.stderr)
+        _stop_serving(server)
         return EXIT_UNREACHABLE
 
     backend = make_backend(settings)
@@ -172,6 +180,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         message = f"MRC_MODEL {settings.model!r} cannot be loaded: {' '.join(said.split())[:400]}"
         log.critical("MRC_FATAL", error=message)
         print(f"mrc-worker: bad settings: {message}", file=sys.stderr)
+        _stop_serving(server)
         return EXIT_USAGE
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
