@@ -38,34 +38,31 @@ def problem(pattern: str) -> str | None:
 
 
 def _anchors(items: list[tuple[Any, Any]]) -> str | None:
-    """`^` and `$` anywhere but the pattern's very start and end: the decoder drops them there (review:
-    `(a+)+$(a+)+$` let it write text the pattern refuses), so answers would not match."""
-    last = len(items) - 1
-    inner = [
-        value
-        for i, (op, value) in enumerate(items)
-        if op is sre.AT
-        and not ((i == 0 and value is sre.AT_BEGINNING) or (i == last and value is sre.AT_END))
-    ]
-    stack = [item for op, value in items if op is not sre.AT for item in _children(op, value)]
-    while stack:
-        op, value = stack.pop()
-        if op is sre.AT:
-            inner.append(value)
-        stack.extend(_children(op, value))
-    if inner:
-        return "^ and $ are enforced only at the very start and end of the pattern (not inside groups)"
+    """`^` where something could come before it, or `$` where something could come after it: the
+    decoder drops anchors and writes a whole match of what is left, which such a pattern refuses
+    (review: `(a+)+$(a+)+$`). At an edge (of the pattern, or of a branch or group at its edge:
+    `^\\d+$|^none$`, `(^a)b`) a whole match satisfies them, so they are taken."""
+    if _inner_anchor(items, lead=True, trail=True):
+        return "^ and $ are enforced only at the start and end of the pattern (or of its alternatives)"
     return None
 
 
-def _children(op: Any, value: Any) -> list[tuple[Any, Any]]:
-    if op in _REPEATS:
-        return list(value[2])
+def _inner_anchor(items: list[tuple[Any, Any]], lead: bool, trail: bool) -> bool:
+    last = len(items) - 1
+    return any(_inner(op, value, lead and i == 0, trail and i == last) for i, (op, value) in enumerate(items))
+
+
+def _inner(op: Any, value: Any, first: bool, last: bool) -> bool:
+    """Whether this item is, or holds, an anchor off the edge (`first`/`last`: it is at one)."""
+    if op is sre.AT:
+        return not ((value is sre.AT_BEGINNING and first) or (value is sre.AT_END and last))
     if op is sre.SUBPATTERN:
-        return list(value[3])
+        return _inner_anchor(list(value[3]), first, last)
     if op is sre.BRANCH:
-        return [item for branch in value[1] for item in branch]
-    return []
+        return any(_inner_anchor(list(branch), first, last) for branch in value[1])
+    if op in _REPEATS:  # repeated, an anchor is off the edge on every turn but one
+        return _inner_anchor(list(value[2]), lead=False, trail=False)
+    return False
 
 
 def shortest(pattern: str) -> int:

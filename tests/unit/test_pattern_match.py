@@ -3,6 +3,7 @@ the patterns `re` takes exponential time on (review: one tenant's `(a+)+$...` fr
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -60,3 +61,18 @@ def test_what_re_backtracks_on_for_ever_is_answered(pattern: str, text: str) -> 
 def test_a_pattern_past_its_size_is_refused_not_spelled_out() -> None:
     with pytest.raises(pattern_match.PatternTooCostly):
         pattern_match.search("((a{0,100}){0,100}){0,100}", "a")
+
+
+def test_a_valid_answer_is_never_failed_for_the_cost_of_its_check() -> None:
+    """Review: a 1,900-character answer to `[a-z ]{1,2000}$` failed `internal_error` (the check ran past
+    its budget), and a pattern spelling out past the state cap failed every answer, built again each
+    time. Past the budget the worker takes the decoder's word (it enforces accepted patterns exactly);
+    the intake's check of listed values refuses instead."""
+    long_fmt = rf.parse({"type": "json_schema", "schema": {"type": "string", "pattern": "[a-z ]{1,2000}$"}})
+    text = ("ab " * 700)[:1900]
+    assert rf.read_output(long_fmt, json.dumps(text)) == text
+    big = r"^(([a-z]{1,10} ){0,50}\. ){0,200}$"
+    big_fmt = rf.parse({"type": "json_schema", "schema": {"type": "string", "pattern": big}})
+    assert rf.read_output(big_fmt, '"abc . "') == "abc . "
+    with pytest.raises(pattern_match.PatternTooCostly):
+        pattern_match.search(big, "abc . ")
