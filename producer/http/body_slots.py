@@ -1,7 +1,8 @@
 """Turns to read a request body (MRC_API_MAX_BODIES at once: memory is that times a body's limit), shared
-so that no one caller can hold them all: a key takes at most half, and callers without a key (the ops
-page's login form, an API without keys) read from a pool of their own. A body is read within
-MRC_API_BODY_TIMEOUT_S of its turn, or the request ends 408 and gives its turn back.
+so that no one key can hold them all: a key takes at most half, and requests no key let in (the ops
+page's login form) read from a small pool of their own beside them. With keys off every caller is
+one, as it is for the rate limit's purposes not: no share then (behind a proxy every client has one
+address). A body must keep arriving (front.py), or the request ends 408 and gives its turn back.
 
 Review: eight connections that sent `POST /ops/login` headers and then a trickle of body held every
 turn, with no key and no deadline, and every keyed POST answered 503 for as long as they stayed."""
@@ -23,14 +24,15 @@ class BodySlots:
         self._keyless: asyncio.Semaphore | None = None
         self._held: dict[str, int] = {}
 
-    async def take(self, who: str | None) -> Callable[[], None] | str:
-        """A turn (call what comes back to give it back, once), or why there is none."""
+    async def take(self, who: str | None, let_in: bool = True) -> Callable[[], None] | str:
+        """A turn (call what comes back to give it back, once), or why there is none. `who`: the key,
+        held to its share (None: no share); `let_in`: false for a request no key let in."""
         if self._keyed is None or self._keyless is None:
             self._keyed = asyncio.Semaphore(self.turns)
             self._keyless = asyncio.Semaphore(max(1, self.turns // 4))
         if who is not None and self._held.get(who, 0) >= self.share:
             return YOURS
-        pool = self._keyless if who is None else self._keyed
+        pool = self._keyed if let_in else self._keyless
         if who is not None:
             self._held[who] = self._held.get(who, 0) + 1
         try:

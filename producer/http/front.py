@@ -50,6 +50,7 @@ UNAVAILABLE = (
     ServiceUnreachable,
 )
 RETRY_AFTER_S = "5"
+BODY_BYTES_PER_S = 64 * 1024  # what each second past MRC_API_BODY_TIMEOUT_S needs to have brought
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _OPEN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc")
 
@@ -169,7 +170,8 @@ class Front:
             await _reply(send, _too_large(limit))
             return
         caller = (scope.get("state") or {}).get("caller")
-        turn = await self._bodies.take(caller.name if caller is not None else None)
+        who = caller.key_id if caller is not None else None  # keys off: no one caller to hold back
+        turn = await self._bodies.take(who, let_in=caller is not None)
         if isinstance(turn, str):
             await _drain(receive, self.limits.drain_bytes, None)
             await _reply(send, json_body(503, "busy", turn, {"Retry-After": "2"}))
@@ -184,12 +186,15 @@ class Front:
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         seen, over, ended, late = 0, False, False, False
-        until = time.monotonic() + self.limits.body_read_s
+        began = time.monotonic()
 
         async def counted() -> Message:
             nonlocal seen, over, ended, late
             if ended:
                 return await receive()  # the body is in: what comes next is the client leaving
+            # A body keeps arriving: MRC_API_BODY_TIMEOUT_S, and a second more for every 64 KiB in
+            # (review: a total deadline cut a steady 200 MB upload off; a trickle still ends 408).
+            until = began + self.limits.body_read_s + seen / BODY_BYTES_PER_S
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, until - time.monotonic()))
             except TimeoutError:

@@ -125,7 +125,7 @@ class JobRoutes:
         caller = caller_of(request.scope)
         block = max(0.0, min(wait, self.state.settings.api_result_wait_max_s))
         # A key reads its own stream (its jobs' events only); ops and an API without keys, the fleet's.
-        found = await self.state.waits.events(after, block, owner=caller.namespace, who=caller.name)
+        found = await self.state.waits.events(after, block, owner=caller.namespace, who=caller.key_id)
         last = found[-1]["id"] if found else after
         if caller.namespace is not None:
             found = [{**e, "job_id": tenants.client_id(caller.namespace, e.get("job_id", ""))} for e in found]

@@ -105,12 +105,14 @@ class Waits:
         return await self._run(partial(self._read_stream, key, after, block_ms))
 
     async def events(
-        self, after: str, wait_s: float, count: int = 1000, owner: str | None = None, who: str = ""
+        self, after: str, wait_s: float, count: int = 1000, owner: str | None = None, who: str | None = None
     ) -> list[dict[str, str]]:
         """Completion events after `after` (of the fleet, or of one key's jobs), waiting up to `wait_s`
-        for the first, in slices. A caller (`who`) holding half the threads in such waits
+        for the first, in slices. A key (`who`) holding half the threads in such waits
         already is answered at once with what there is (review: one key's 360 waits held every
         thread, and other keys' waits and /readyz queued behind them): it polls, it does not block."""
+        if who is None:  # keys off: callers are one (behind a proxy, one address), no share
+            return await self._events(after, wait_s, count, owner)
         if self._waiting.get(who, 0) >= self.share:
             wait_s = 0.0
         self._waiting[who] = self._waiting.get(who, 0) + 1

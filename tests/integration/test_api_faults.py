@@ -305,6 +305,32 @@ def test_trickling_bodies_hold_no_turn_for_long_and_no_caller_holds_them_all(
         api.stop()
 
 
+def test_a_steady_upload_is_read_to_its_end_and_keys_off_callers_share_every_turn(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review: the body deadline was a total one (a steady 200 MB upload needed 14 Mbit/s), and with
+    keys off every client behind one address shared half the turns."""
+    settings = {"MRC_API_KEYS": "", "MRC_API_MAX_BODIES": "2", "MRC_API_BODY_TIMEOUT_S": "1"}
+    api = Api({**api_env, **settings}, tmp_path / "api.log")
+    held = _trickle(api, "/v1/jobs", {"Content-Type": "application/json"})  # one turn, a trickle
+    try:
+        body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
+        with socket.create_connection(("127.0.0.1", api.port)) as steady:
+            steady.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+            )
+            for start in range(0, len(body), 64 * 1024):  # 128 KiB/s: past the 1 s, well within the rate
+                steady.sendall(body[start : start + 64 * 1024])
+                time.sleep(0.5)
+            steady.settimeout(20)
+            status = steady.recv(4096).decode("latin-1").split(" ", 2)[1]
+        assert status not in ("408", "503"), status  # read whole, and answered for what it is
+    finally:
+        held.close()
+        api.stop()
+
+
 def test_with_several_api_processes_every_scrape_counts_them_all(
     api_env: dict[str, str], tmp_path: Path
 ) -> None:
