@@ -39,7 +39,7 @@ def now_rfc3339() -> str:
 # always, a zone always, `Z` or `z` for UTC. Python's ISO 8601 reader took forms RFC 3339 has not
 # (20300630T120000Z, 12:00Z) and refused some it has (lower case, a leap second): review.
 _RFC3339 = re.compile(
-    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}):(\d{2})(\.\d{1,6})?\d*([Zz]|[+-]\d{2}:\d{2})", re.ASCII
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}):(\d{2})(\.\d+)?([Zz]|[+-]\d{2}:\d{2})", re.ASCII
 )
 
 
@@ -51,7 +51,8 @@ def parse_rfc3339(value: str) -> datetime:
     day, minutes, seconds, fraction, zone = found.groups()
     seconds = "59" if seconds == "60" else seconds
     zone = "+00:00" if zone in ("Z", "z") else zone
-    return datetime.fromisoformat(f"{day}T{minutes}:{seconds}{fraction or ''}{zone}")
+    fraction = (fraction or "")[:7]  # to the microsecond, what datetime holds
+    return datetime.fromisoformat(f"{day}T{minutes}:{seconds}{fraction}{zone}")
 
 
 def prompt_problem(prompt: str) -> str | None:

@@ -34,6 +34,7 @@ def test_round_trip_through_the_message_form() -> None:
         {"deadline": "20300630T120000Z"},  # ISO 8601's basic form, not RFC 3339 (review)
         {"deadline": "2030-06-30T12:00Z"},  # no seconds
         {"deadline": "2030-06-30T12:00:00+0200"},  # a zone without its colon
+        {"deadline": "2030-06-30T12:00:00999999Z"},  # digits past the seconds without their dot
         {"submitted_at": "not a time"},
     ],
 )
