@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from shared.errors import InternalError, PromptTooLong
+from shared.errors import AnswerIncomplete, InternalError, PromptTooLong
 from shared.jobs import (
     ErrorInfo,
     ImageInfo,
@@ -98,7 +98,10 @@ def usage(slot: Slot, backend: ModelBackend) -> Usage:
         positions = slot.plan.tokens + _image_tokens(slot, backend)  # an entry cached before usage
     if positions is None:
         return Usage()
-    completion = slot.output_tokens
+    # The tokens of the answer handed out (an incomplete structured one's too); none for a job that
+    # failed without one, expired while answered say (review: billed, and counted as discarded).
+    delivered = slot.error is None or isinstance(slot.error, AnswerIncomplete)
+    completion = slot.output_tokens if delivered else 0
     return Usage(
         prompt_tokens=positions,
         image_tokens=min(positions, _image_tokens(slot, backend)),

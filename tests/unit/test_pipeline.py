@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -176,6 +177,18 @@ def test_prompts_are_truncated_and_recorded(store: MemoryStore) -> None:
         "truncated": False,
         "original_tokens": 4,
     }
+
+
+def test_a_job_that_expires_while_answered_ends_expired_and_bills_no_answer(store: MemoryStore) -> None:
+    """Review: a job past its deadline mid-decode ran to its end; then, expired there, its result billed
+    the completion tokens of an answer it never handed out."""
+    pipeline = _pipeline(store, EchoBackend(token_s=0.5))  # 8 tokens: 4 s
+    deadline = (datetime.now(UTC) + timedelta(seconds=2)).isoformat().replace("+00:00", "Z")
+    assert pipeline.run([_job("late", prompt=" ".join(["word"] * 20), deadline=deadline)]) == ["failed"]
+    result = store.get_result("late")
+    assert result["error"]["code"] == "expired"
+    assert result["usage"]["prompt_tokens"] > 0
+    assert result["usage"]["completion_tokens"] == 0
 
 
 def test_over_limit_max_new_tokens_is_invalid(store: MemoryStore) -> None:
