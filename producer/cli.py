@@ -20,7 +20,15 @@ from pydantic import ValidationError
 from producer import pipe_out
 from producer.backlog import cli as backlog_cli
 from shared import logs, names, reach, redis_target
-from shared.errors import MrcError, NotReplicated, QueueFull, ServiceUnreachable, StoreUnavailable, UsageError
+from shared.errors import (
+    MrcError,
+    NotReplicated,
+    QueueFull,
+    ServiceUnreachable,
+    StoreRefused,
+    StoreUnavailable,
+    UsageError,
+)
 from shared.jobs import JOB_ID_RE, JOB_ID_RULE
 from shared.settings import Settings, describe_error, unknown_variables
 
@@ -353,8 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, QueueFull, NotReplicated, ServiceUnreachable) as exc:
         print(f"mrc: {exc.message}", file=sys.stderr)
         return next(code for kind, code in _EXITS if isinstance(exc, kind))
-    except StoreUnavailable as exc:  # S3 went away after the check
-        print(f"mrc: cannot reach S3: {exc.message.splitlines()[0][:300]}", file=sys.stderr)
+    except (StoreUnavailable, StoreRefused) as exc:  # S3 went away after the check, or refused us
+        said = "S3 refused" if isinstance(exc, StoreRefused) else "cannot reach S3"
+        print(f"mrc: {said}: {exc.message.splitlines()[0][:300]}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except redis.ResponseError as exc:
         return _refused_by_redis(exc, settings)

@@ -122,6 +122,14 @@ class StoreUnavailable(MrcError):
     retryable = True
 
 
+class StoreRefused(MrcError):
+    """S3 refused for good what mrc needs of it (AccessDenied making the bucket: a misspelt bucket, or
+    credentials that may not create it): a retry cannot help, a person must (review: it read as an
+    outage, 503 and retry later)."""
+
+    code = "internal_error"
+
+
 class QueueFull(MrcError):
     """The backlog lane is at its depth limit and the caller asked not to wait (producer side only)."""
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pydantic import ValidationError
 
 from shared import logs, names, reach, redis_target
-from shared.errors import MrcError, ServiceUnreachable, StoreUnavailable
+from shared.errors import MrcError, ServiceUnreachable, StoreRefused, StoreUnavailable
 from shared.settings import Settings, describe_error, unknown_variables
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     images_from, results = open_stores(settings)
     try:  # before the model loads, as the reach check: minutes of loading for a worker that cannot write
         results.ensure_bucket()
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, StoreRefused) as exc:
         log.critical("MRC_FATAL", error=exc.message)
         print(f"mrc-worker: {exc.message}", file=sys.stderr)
         _stop_serving(server)

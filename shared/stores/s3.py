@@ -12,7 +12,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
 from shared import encoding, logs, names
-from shared.errors import ImageTooLarge, StoreUnavailable
+from shared.errors import ImageTooLarge, StoreRefused, StoreUnavailable
 from shared.settings import Settings
 
 _MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
@@ -117,14 +117,15 @@ class S3Connection:
 
     def ensure_bucket(self, bucket: str) -> None:
         """The bucket made if missing. A refusal (AccessDenied: a misspelt bucket, or credentials that
-        may not create it) is StoreUnavailable naming it: a command exits 5 with one line, a worker
-        before its model loads (review: a traceback and exit 1, the worker after minutes of loading)."""
+        may not create it) is StoreRefused naming it (an outage stays StoreUnavailable): a command
+        exits 5 with one line, a worker before its model loads (review: a traceback and exit 1, the
+        worker after minutes of loading)."""
         try:
             self._ensure_bucket(bucket)
         except ClientError as exc:
             error = exc.response.get("Error", {})
             said = f"{error.get('Code', '?')}: {str(error.get('Message', ''))[:120]}"
-            raise StoreUnavailable(
+            raise StoreRefused(
                 f"S3 refused bucket {bucket!r} ({said}): create it, check MRC_S3_BUCKET, or let these "
                 "credentials create it"
             ) from exc

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
+from producer.server import create_app
 from scripts import devservices as services
 from tests.support import imagegen
 
@@ -151,7 +153,7 @@ class _RefusingS3(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_bucket_s3_refuses_to_make_is_exit_5_and_a_worker_says_so_before_loading(
-    env: dict[str, str], redis_service: services.Service, tmp_path: Path
+    env: dict[str, str], redis_service: services.Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Review: a traceback and exit 1 from `mrc submit`; the worker loaded its model first, then died."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RefusingS3)
@@ -167,6 +169,13 @@ def test_a_bucket_s3_refuses_to_make_is_exit_5_and_a_worker_says_so_before_loadi
         assert worker.returncode == 5, worker.stderr
         assert "AccessDenied" in worker.stderr
         assert "MRC_MODEL_LOADED" not in worker.stdout + worker.stderr
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+            monkeypatch.setenv(name, env[name])
+        with TestClient(create_app(services.settings_from_env(refusing))) as api:
+            files = {"image": ("p.jpg", photo.read_bytes(), "image/jpeg")}
+            reply = api.post("/v1/jobs", files=files, data={"prompt": "hi?"})
+        # A person must act: not 503 and "retry later" (review: it read as an outage)
+        assert (reply.status_code, reply.json()["error"]["code"]) == (500, "internal_error"), reply.text
     finally:
         server.shutdown()
         server.server_close()
