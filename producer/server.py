@@ -166,12 +166,19 @@ def main() -> int:
 
 
 def _port_problem(host: str, port: int) -> str | None:
-    """Why the API could not listen on host:port (taken, not this host's address), or None."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as probe:
+    """Why the API could not listen on host:port (taken, not this host's address), or None. The
+    address as uvicorn resolves it (a name that resolves to IPv6 only included: review); a name that
+    does not resolve is left to uvicorn to say."""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError:
+        return None
+    with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
-            probe.bind((host, port))
+            probe.bind(address)
         except OSError as exc:
             return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None

@@ -70,7 +70,15 @@ def _route_celery_console(log: Any) -> None:
     celery_worker.safe_say = say
 
 
-EXIT_USAGE, EXIT_UNREACHABLE = 2, 5
+EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNUSABLE = 2, 5, 70
+
+
+def _names_no_model(exc: OSError) -> bool:
+    """An OSError that says MRC_MODEL names no model: no such path, or a folder without one (the
+    words transformers uses), not a fault of the disk, the permissions or the network."""
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+        return True
+    return any(words in str(exc) for words in ("does not appear to have", "is not a local folder"))
 
 
 def _stop_serving(server: Any) -> None:
@@ -179,9 +187,12 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         said = exc.message if isinstance(exc, MrcError) else f"{type(exc).__name__}: {exc}"
         message = f"MRC_MODEL {settings.model!r} cannot be loaded: {' '.join(said.split())[:400]}"
         log.critical("MRC_FATAL", error=message)
-        print(f"mrc-worker: bad settings: {message}", file=sys.stderr)
+        # The setting's fault (exit 2), or the machine's (a disk, a permission, a network: exit 70, as
+        # an unusable worker's; review: every OSError read as bad settings).
+        settings_fault = not isinstance(exc, OSError) or _names_no_model(exc)
+        print(f"mrc-worker: {'bad settings: ' if settings_fault else ''}{message}", file=sys.stderr)
         _stop_serving(server)
-        return EXIT_USAGE
+        return EXIT_USAGE if settings_fault else EXIT_UNUSABLE
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
     kernel = backend.warm_up()

@@ -242,3 +242,38 @@ def test_a_reader_that_leaves_early_ends_no_command_in_a_traceback(env: dict[str
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert b"Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("exc", "settings_fault"),
+    [
+        (FileNotFoundError("no such file: /models/fuyu"), True),
+        (OSError("/models/x does not appear to have a file named config.json"), True),
+        (PermissionError("permission denied: /models/fuyu/model.safetensors"), False),
+        (OSError(28, "No space left on device"), False),
+        (ConnectionError("the hub could not be reached"), False),
+    ],
+)
+def test_a_model_load_is_bad_settings_only_where_the_setting_names_no_model(
+    exc: OSError, settings_fault: bool
+) -> None:
+    """Review: every OSError of a load (a full disk, a permission, the network) exited 2 as bad settings;
+    those are the machine's (exit 70, as an unusable worker's)."""
+    from workers import cli as worker_cli
+
+    assert worker_cli._names_no_model(exc) is settings_fault
+
+
+def test_the_port_check_resolves_the_host_as_uvicorn_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: the socket family was chosen by a `:` in MRC_API_HOST, so a name resolving to IPv6 only
+    exited 2 where uvicorn would have served it."""
+    from producer.server import _port_problem
+
+    resolve = socket.getaddrinfo
+
+    def v6_only(host: str, *args: object, **kwargs: object) -> object:
+        return resolve("::1" if host == "api.v6only.test" else host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", v6_only)
+    assert _port_problem("api.v6only.test", 0) is None
+    assert _port_problem("::1", 0) is None
