@@ -78,7 +78,10 @@ def _names_no_model(exc: OSError) -> bool:
     words transformers uses), not a fault of the disk, the permissions or the network."""
     if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
         return True
-    return any(words in str(exc) for words in ("does not appear to have", "is not a local folder"))
+    # transformers' words, offline as mrc always loads: a folder without the files, no such hub id in
+    # the cache
+    said = ("does not appear to have", "is not a local folder", "couldn't find them in the cached files")
+    return any(words in str(exc) for words in said)
 
 
 def _stop_serving(server: Any) -> None:
@@ -189,7 +192,9 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         log.critical("MRC_FATAL", error=message)
         # The setting's fault (exit 2), or the machine's (a disk, a permission, a network: exit 70, as
         # an unusable worker's; review: every OSError read as bad settings).
-        settings_fault = not isinstance(exc, OSError) or _names_no_model(exc)
+        # The backend names the model in a ModelError raised from the OSError it met: the cause decides.
+        cause = exc.__cause__ if isinstance(exc, MrcError) and isinstance(exc.__cause__, OSError) else exc
+        settings_fault = not isinstance(cause, OSError) or _names_no_model(cause)
         print(f"mrc-worker: {'bad settings: ' if settings_fault else ''}{message}", file=sys.stderr)
         _stop_serving(server)
         return EXIT_USAGE if settings_fault else EXIT_UNUSABLE

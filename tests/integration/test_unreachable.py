@@ -264,6 +264,27 @@ def test_a_model_load_is_bad_settings_only_where_the_setting_names_no_model(
     assert worker_cli._names_no_model(exc) is settings_fault
 
 
+def test_a_model_the_machine_cannot_read_exits_70_through_the_real_backend(
+    env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: the Fuyu backend wraps the OSError it meets in a ModelError, so a permission fault still
+    read as bad settings (exit 2)."""
+    import transformers
+
+    from workers import cli as worker_cli
+
+    def denied(*_args: object, **_kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "preprocessor_config.json"))
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", denied)
+    for name, value in {**env, "MRC_MODEL": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    assert worker_cli.main([]) == 70
+    said = capsys.readouterr().err
+    assert "Permission denied" in said
+    assert "bad settings" not in said
+
+
 def test_the_port_check_resolves_the_host_as_uvicorn_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """Review: the socket family was chosen by a `:` in MRC_API_HOST, so a name resolving to IPv6 only
     exited 2 where uvicorn would have served it."""
