@@ -40,6 +40,9 @@ class BodySlots:
         except TimeoutError:
             self._drop(who)
             return BUSY
+        except BaseException:  # the request was cancelled while it waited: its count goes too (review)
+            self._drop(who)
+            raise
         given = [False]
 
         def give_back() -> None:

@@ -51,6 +51,7 @@ UNAVAILABLE = (
 )
 RETRY_AFTER_S = "5"
 BODY_BYTES_PER_S = 64 * 1024  # what each second past MRC_API_BODY_TIMEOUT_S needs to have brought
+BODY_IDLE_S = 30.0  # the longest silence within a body
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _OPEN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc")
 
@@ -193,10 +194,12 @@ class Front:
             if ended:
                 return await receive()  # the body is in: what comes next is the client leaving
             # A body keeps arriving: MRC_API_BODY_TIMEOUT_S, and a second more for every 64 KiB in
-            # (review: a total deadline cut a steady 200 MB upload off; a trickle still ends 408).
+            # (review: a total deadline cut a steady 200 MB upload off; a trickle still ends 408), and
+            # never a silence past BODY_IDLE_S (bytes sent early buy no idle hour later: review).
             until = began + self.limits.body_read_s + seen / BODY_BYTES_PER_S
+            idle = min(BODY_IDLE_S, self.limits.body_read_s)
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, until - time.monotonic()))
+                message = await asyncio.wait_for(receive(), max(0.0, min(until - time.monotonic(), idle)))
             except TimeoutError:
                 late = True
                 raise _TooSlow from None
@@ -212,7 +215,10 @@ class Front:
             await self.app(scope, counted, send)
         except Exception:
             if late:  # no drain: a client this slow is not waited for again
-                message = f"the request body did not arrive within {self.limits.body_read_s:g} s"
+                message = (
+                    "the request body stopped arriving (MRC_API_BODY_TIMEOUT_S, a second more per "
+                    f"64 KiB, no pause over {min(BODY_IDLE_S, self.limits.body_read_s):g} s)"
+                )
                 await _reply(send, json_body(408, "request_timeout", message, {"Connection": "close"}))
                 return
             if not over:

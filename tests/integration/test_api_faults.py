@@ -326,6 +326,15 @@ def test_a_steady_upload_is_read_to_its_end_and_keys_off_callers_share_every_tur
             steady.settimeout(20)
             status = steady.recv(4096).decode("latin-1").split(" ", 2)[1]
         assert status not in ("408", "503"), status  # read whole, and answered for what it is
+        # Bytes sent early buy no long silence later (review: 200 MB up front held a turn ~55 min).
+        with socket.create_connection(("127.0.0.1", api.port)) as banked:
+            banked.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body) + 1}\r\n\r\n".encode()
+                + body  # one byte short, then silence
+            )
+            banked.settimeout(3)  # the 300 KB bought ~5 s more of body; the pause allowed is 1 s
+            assert banked.recv(4096).decode("latin-1").startswith("HTTP/1.1 408")
     finally:
         held.close()
         api.stop()
