@@ -141,7 +141,7 @@ def main() -> int:
     except (ServiceUnreachable, StoreUnavailable, MrcError) as exc:
         print(f"mrc-api: {exc.message}", file=sys.stderr)
         return 5
-    taken = _port_problem(settings.api_host, settings.api_port)
+    taken = _port_problem(settings.api_host, settings.api_port, settings.api_workers)
     if taken:  # said before "listening" and as a setting's fault (review: logged listening, then exit 3)
         print(f"mrc-api: bad settings: MRC_API_PORT {settings.api_port}: {taken}", file=sys.stderr)
         return 2
@@ -165,22 +165,32 @@ def main() -> int:
     return 0
 
 
-def _port_problem(host: str, port: int) -> str | None:
-    """Why the API could not listen on host:port (taken, not this host's address), or None. The
-    address as uvicorn resolves it (a name that resolves to IPv6 only included: review); a name that
-    does not resolve is left to uvicorn to say."""
-    try:
-        family, kind, proto, _name, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except OSError:
-        return None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+def _port_problem(host: str, port: int, workers: int = 1) -> str | None:
+    """Why the API could not listen on host:port (taken, not this host's address), or None: every
+    address uvicorn would bind, as it binds them. One process binds each address the name resolves
+    to (review: only the first was tried, `localhost`'s ::1, and a taken 127.0.0.1 passed); several
+    share one socket, IPv6 where the host has a `:`, else IPv4. A name that does not resolve is left
+    to uvicorn to say."""
+    addresses: list[tuple[Any, Any, int, Any]]
+    if workers > 1:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        addresses = [(family, socket.SOCK_STREAM, 0, (host, port))]
+    else:
         try:
-            probe.bind(address)
-        except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError:
+            return None
+        addresses = [(family, kind, proto, address) for family, kind, proto, _name, address in found]
+    with contextlib.ExitStack() as held:  # all bound at once, as the server holds them
+        for family, kind, proto, address in addresses:
+            probe = held.enter_context(socket.socket(family, kind, proto))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
 
 

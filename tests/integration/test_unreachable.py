@@ -298,3 +298,14 @@ def test_the_port_check_resolves_the_host_as_uvicorn_does(monkeypatch: pytest.Mo
     monkeypatch.setattr(socket, "getaddrinfo", v6_only)
     assert _port_problem("api.v6only.test", 0) is None
     assert _port_problem("::1", 0) is None
+    # Every address one process binds is tried (review: only the first, ::1 of a name resolving to
+    # ::1 then 127.0.0.1, and a taken 127.0.0.1 passed); several processes bind IPv4 for a name.
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: [
+        *resolve("::1", *args, **kwargs), *resolve("127.0.0.1", *args, **kwargs)
+    ])  # fmt: skip
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _port_problem("api.both.test", port) is not None
+        assert _port_problem("127.0.0.1", port, workers=2) is not None
