@@ -39,7 +39,7 @@ def now_rfc3339() -> str:
 # always, a zone always, `Z` or `z` for UTC. Python's ISO 8601 reader took forms RFC 3339 has not
 # (20300630T120000Z, 12:00Z) and refused some it has (lower case, a leap second): review.
 _RFC3339 = re.compile(
-    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}):(\d{2})(\.\d+)?([Zz]|[+-]\d{2}:\d{2})", re.ASCII
+    r"(\d{4}-\d{2}-\d{2})[Tt ](\d{2}:\d{2}):(\d{2})(\.\d+)?([Zz]|[+-](?:[01]\d|2[0-3]):[0-5]\d)", re.ASCII
 )
 
 
@@ -52,7 +52,10 @@ def parse_rfc3339(value: str) -> datetime:
     seconds = "59" if seconds == "60" else seconds
     zone = "+00:00" if zone in ("Z", "z") else zone
     fraction = (fraction or "")[:7]  # to the microsecond, what datetime holds
-    return datetime.fromisoformat(f"{day}T{minutes}:{seconds}{fraction}{zone}")
+    try:
+        return datetime.fromisoformat(f"{day}T{minutes}:{seconds}{fraction}{zone}")
+    except ValueError:  # a month 13, an hour 25: the same words as for any other non-date
+        raise ValueError(f"not an RFC 3339 date-time: {value[:40]!r}") from None
 
 
 def prompt_problem(prompt: str) -> str | None:

@@ -35,6 +35,8 @@ def test_round_trip_through_the_message_form() -> None:
         {"deadline": "2030-06-30T12:00Z"},  # no seconds
         {"deadline": "2030-06-30T12:00:00+0200"},  # a zone without its colon
         {"deadline": "2030-06-30T12:00:00999999Z"},  # digits past the seconds without their dot
+        {"deadline": "2030-06-30T12:00:00+05:99"},  # an offset's minutes past 59 (review: read as +06:39)
+        {"deadline": "2030-06-30T12:00:00+24:00"},
         {"submitted_at": "not a time"},
     ],
 )
