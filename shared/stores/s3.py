@@ -18,6 +18,13 @@ from shared.settings import Settings
 _MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
 # A create that lost to another's: ours already (a bucket owned by someone else then fails the write).
 _MADE = {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}
+# What only a person can change: who we are, what we may do, what the bucket is called (review: a 400
+# RequestTimeout read as a refusal for good).
+_REFUSALS = {
+    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+    "ExpiredToken", "AccountProblem", "InvalidBucketName", "IllegalLocationConstraintException",
+    "TooManyBuckets",
+}  # fmt: skip
 _RESULT_MAX_BYTES = 16 * 1024 * 1024
 _TEXT_MAX_BYTES = 256 * 1024 * 1024
 _PART_BYTES = 8 * 1024 * 1024  # multipart parts: S3 wants >= 5 MiB for every part but the last
@@ -125,6 +132,9 @@ class S3Connection:
         except ClientError as exc:
             error = exc.response.get("Error", {})
             said = f"{error.get('Code', '?')}: {str(error.get('Message', ''))[:120]}"
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if status != 403 and str(error.get("Code", "")) not in _REFUSALS:  # RequestTimeout, SlowDown...
+                raise StoreUnavailable(f"S3 could not make bucket {bucket!r} now ({said})") from exc
             raise StoreRefused(
                 f"S3 refused bucket {bucket!r} ({said}): create it, check MRC_S3_BUCKET, or let these "
                 "credentials create it"

@@ -137,10 +137,12 @@ class _RefusingS3(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    answer = (403, b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
+
     def do_PUT(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
-        self.send_response(403)
+        status, body = self.answer
+        self.send_response(status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -309,3 +311,29 @@ def test_the_port_check_resolves_the_host_as_uvicorn_does(monkeypatch: pytest.Mo
         port = taken.getsockname()[1]
         assert _port_problem("api.both.test", port) is not None
         assert _port_problem("127.0.0.1", port, workers=2) is not None
+
+
+class _SlowS3(_RefusingS3):
+    answer = (
+        400,
+        b"<Error><Code>RequestTimeout</Code><Message>Your socket connection timed out</Message></Error>",
+    )
+
+
+def test_a_bucket_s3_could_not_make_now_is_an_outage_not_a_refusal(env: dict[str, str]) -> None:
+    """Review: every client error making the bucket read as a refusal for good, S3's 400 RequestTimeout
+    (a slow upload of the request) too: mrc-api answered 500, `mrc backlog` gave up at once."""
+    from shared.errors import StoreUnavailable
+    from shared.stores.s3 import S3Connection
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        slow = {**env, "MRC_S3_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}"}
+        connection = S3Connection(services.settings_from_env(slow), attempts=1)
+        with pytest.raises(StoreUnavailable, match="RequestTimeout"):
+            connection.ensure_bucket("mrc-slow")
+        connection.close()
+    finally:
+        server.shutdown()
+        server.server_close()
