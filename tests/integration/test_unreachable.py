@@ -212,6 +212,15 @@ def test_a_port_already_taken_is_exit_2_naming_its_setting(env: dict[str, str]) 
     assert (helped.returncode, helped.stdout.startswith("usage: mrc-api")) == (0, True), helped.stderr
 
 
+def _keep_this_process_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's main, called in this process, leaves the test session's log set-up as it is: it
+    would point every later log line at this test's captured stderr, closed once it ends (CI: later
+    tests of the process failed writing their logs)."""
+    from workers import cli as worker_cli
+
+    monkeypatch.setattr(worker_cli.logs, "configure", lambda *_args, **_kwargs: None)
+
+
 @pytest.mark.parametrize("model", ["nonexistent/model", "{tmp}"])
 def test_a_model_that_cannot_be_loaded_is_exit_2_in_one_line(
     env: dict[str, str],
@@ -226,6 +235,7 @@ def test_a_model_that_cannot_be_loaded_is_exit_2_in_one_line(
 
     for name, value in {**env, "MRC_MODEL": model.format(tmp=tmp_path)}.items():
         monkeypatch.setenv(name, value)
+    _keep_this_process_logging(monkeypatch)
     assert worker_cli.main([]) == 2
     said = capsys.readouterr().err
     assert "Traceback" not in said
@@ -281,6 +291,7 @@ def test_a_model_the_machine_cannot_read_exits_70_through_the_real_backend(
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", denied)
     for name, value in {**env, "MRC_MODEL": str(tmp_path)}.items():
         monkeypatch.setenv(name, value)
+    _keep_this_process_logging(monkeypatch)
     assert worker_cli.main([]) == 70
     said = capsys.readouterr().err
     assert "Permission denied" in said
