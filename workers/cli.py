@@ -84,11 +84,17 @@ def _names_no_model(exc: OSError) -> bool:
     return any(words in str(exc) for words in said)
 
 
-def _stop_serving(server: Any) -> None:
-    """The health server of a start refused before the model loads (a SIGHUP's restart runs in the
-    same process: its port must be free again)."""
-    server.shutdown()
-    server.server_close()
+def _let_go(server: Any, redis_client: Any, results: Any = None) -> None:
+    """What a start refused before the model loads opened: the health server, the Redis and S3
+    clients (a SIGHUP's restart runs in the same process: its port must be free again, and nothing
+    is left for the garbage collector to warn about)."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    redis_client.close()
+    connection = getattr(results, "connection", None)  # the S3 store's
+    if connection is not None:
+        connection.close()
 
 
 # What the worker needs beyond the producer's packages (`pip install 'mrc[worker]'`).
@@ -171,6 +177,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         message = f"MRC_METRICS_PORT {settings.metrics_port} cannot be served: {exc.strerror or exc}"
         log.critical("MRC_FATAL", error=message)
         print(f"mrc-worker: {message} (give each worker on a host its own port)", file=sys.stderr)
+        _let_go(None, depth_client)
         return EXIT_USAGE
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
     images_from, results = open_stores(settings)
@@ -179,7 +186,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     except (StoreUnavailable, StoreRefused) as exc:
         log.critical("MRC_FATAL", error=exc.message)
         print(f"mrc-worker: {exc.message}", file=sys.stderr)
-        _stop_serving(server)
+        _let_go(server, depth_client, results)
         return EXIT_UNREACHABLE
 
     backend = make_backend(settings)
@@ -196,7 +203,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         cause = exc.__cause__ if isinstance(exc, MrcError) and isinstance(exc.__cause__, OSError) else exc
         settings_fault = not isinstance(cause, OSError) or _names_no_model(cause)
         print(f"mrc-worker: {'bad settings: ' if settings_fault else ''}{message}", file=sys.stderr)
-        _stop_serving(server)
+        _let_go(server, depth_client, results)
         return EXIT_USAGE if settings_fault else EXIT_UNUSABLE
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
