@@ -156,6 +156,8 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     from workers.streaming import RedisSink
 
     metrics = Metrics()
+    for lane in lanes:
+        metrics.lanes.labels(lane=lane).set(1)
     state = health.HealthState()
     lane_keys = [key for lane in lanes for key in names.queue_keys(lane)]
     depth_client = connect(settings, settings.connect_timeout_s, retries=0)

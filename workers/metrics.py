@@ -123,6 +123,9 @@ class Metrics:
         )
         self.cache = Counter("mrc_cache_requests_total", "Result cache look-ups", ["result"], registry=r)
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
+        # Which lanes this worker takes (--lanes): the GPU-starved alert weighs only their depth, so a
+        # backlog-only worker idle while tickets wait is not "starved".
+        self.lanes = Gauge("mrc_worker_lanes", "1 for each lane this worker consumes", ["lane"], registry=r)
         self.duplicates = Counter("mrc_jobs_skipped_total", "Deliveries skipped as already done", registry=r)
         self._engine_metrics(r)
 

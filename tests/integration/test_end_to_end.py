@@ -238,6 +238,9 @@ def test_health_endpoints(worker: Worker) -> None:
         text = r.read().decode()
     assert "mrc_jobs_total" in text
     assert "mrc_worker_ready 1.0" in text
+    # the lanes it consumes (the default, both), for the GPU-starved alert to weigh only their depth
+    assert 'mrc_worker_lanes{lane="interactive"} 1.0' in text
+    assert 'mrc_worker_lanes{lane="backlog"} 1.0' in text
     for series in (
         'mrc_queue_depth{lane="interactive"}',
         'mrc_queue_in_flight{lane="backlog"}',

@@ -27,7 +27,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_prometheus_config_and_rules_are_valid() -> None:
     done = _promtool("check", "config", "prometheus.yml")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "8 rules found" in done.stdout
+    assert "10 rules found" in done.stdout
 
 
 def test_alert_rules_pass_their_unit_tests() -> None:
@@ -40,7 +40,7 @@ def test_every_alert_has_a_test() -> None:
     rules = (DEPLOY / "prometheus" / "mrc-alerts.yml").read_text()
     tests = (DEPLOY / "prometheus" / "mrc-alerts.test.yml").read_text()
     alerts = re.findall(r"- alert: (\w+)", rules)
-    assert len(alerts) == 8
+    assert len(alerts) == 10
     for alert in alerts:
         assert f"alertname: {alert}" in tests, alert
 
@@ -144,20 +144,75 @@ def test_compose_wires_the_parts_together() -> None:
     assert '"api:8000"' in prometheus
     api = services["api"]
     assert api["environment"]["MRC_API_KEYS"].startswith("${MRC_API_KEYS:?"), "no keys must not mean open"
-    assert all(str(port).startswith("127.0.0.1:") for port in api["ports"])
+    # Every port on the host's loopback: Prometheus has no authentication and holds every key's usage
+    for name, service in services.items():
+        assert all(str(port).startswith("127.0.0.1:") for port in service.get("ports", [])), name
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?"), "not admin/admin"
+    # The lane exporter runs in the API image, whose own health check probes mrc-api's port
+    assert "9401" in " ".join(services["lanes"]["healthcheck"]["test"])
+
+
+def test_redis_refuses_writes_at_its_limit_before_the_kernel_kills_it() -> None:
+    """noeviction acts only under a maxmemory; the container's limit sits above it."""
+    conf = dict(
+        line.split(None, 1) for line in (DEPLOY / "redis.conf").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )  # fmt: skip
+    assert conf["maxmemory-policy"] == "noeviction"
+    units = {"gb": 1 << 30, "mb": 1 << 20}
+    maxmemory = int(conf["maxmemory"][:-2]) * units[conf["maxmemory"][-2:]]
+    assert maxmemory > 0
+    limit = _compose()["services"]["redis"]["mem_limit"]
+    assert int(limit[:-1]) * (1 << 30) > maxmemory
 
 
 def test_kubernetes_manifests_match_the_kubernetes_schemas() -> None:
-    manifests = [str(DEPLOY / "k8s" / name) for name in ("worker.yaml", "api.yaml", "config.yaml")]
+    names = ("worker.yaml", "api.yaml", "config.yaml", "examples/secret.yaml")
+    manifests = [str(DEPLOY / "k8s" / name) for name in names]
     done = _run(str(BIN / "kubernetes-validate"), "--strict", *manifests)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("passed") + done.stderr.count("passed") == 5
+    assert done.stdout.count("passed") + done.stderr.count("passed") == 7
+
+
+def test_applying_the_manifests_never_overwrites_the_secret_or_puts_one_in_the_config_map() -> None:
+    import yaml
+
+    applied = [
+        doc for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text()) if doc
+    ]  # fmt: skip
+    assert not [doc for doc in applied if doc["kind"] == "Secret"], "kubectl apply -f would overwrite it"
+    (config,) = [doc for doc in applied if doc["kind"] == "ConfigMap"]
+    for key in config["data"]:
+        assert key not in {"MRC_REDIS_URL", "MRC_API_KEYS"}, key
+        assert "SECRET" not in key, key
+    (secret,) = yaml.safe_load_all((DEPLOY / "k8s" / "examples" / "secret.yaml").read_text())
+    keys = set(secret["stringData"])
+    assert {"MRC_REDIS_URL", "REDIS_PASSWORD", "AWS_SECRET_ACCESS_KEY", "MRC_API_KEYS"} <= keys
+    budgets = {doc["metadata"]["name"] for doc in applied if doc["kind"] == "PodDisruptionBudget"}
+    assert budgets == {"mrc-api", "mrc-worker"}
+
+
+def test_the_api_deployment_drains_its_requests_and_stays_in_the_service_while_redis_is_away() -> None:
+    import yaml
+
+    from shared.settings import Settings
+
+    deployment = next(yaml.safe_load_all((DEPLOY / "k8s" / "api.yaml").read_text()))
+    pod = deployment["spec"]["template"]["spec"]
+    api = next(container for container in pod["containers"] if container["name"] == "api")
+    # Redis is shared by every replica: readiness on it would refuse connections instead of the 503
+    assert api["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "preStop" in api["lifecycle"]
+    # a chat completion holds its request up to MRC_OPENAI_WAIT_S
+    assert pod["terminationGracePeriodSeconds"] >= Settings.model_fields["openai_wait_s"].default + 30
 
 
 def test_the_worker_deployment_probes_and_drains_as_the_worker_does() -> None:
     import yaml
 
-    deployment = yaml.safe_load((DEPLOY / "k8s" / "worker.yaml").read_text())
+    deployment = next(yaml.safe_load_all((DEPLOY / "k8s" / "worker.yaml").read_text()))
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -176,8 +231,13 @@ def test_keda_scales_on_the_lists_the_jobs_are_really_on() -> None:
 
     from shared import names
 
-    scaled = yaml.safe_load((DEPLOY / "k8s" / "keda-scaledobject.yaml").read_text())
+    scaled, auth = yaml.safe_load_all((DEPLOY / "k8s" / "keda-scaledobject.yaml").read_text())
     assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert (auth["apiVersion"], auth["kind"]) == ("keda.sh/v1alpha1", "TriggerAuthentication")
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+    (ref,) = auth["spec"]["secretTargetRef"]
+    assert (ref["parameter"], ref["name"], ref["key"]) == ("password", "mrc-secrets", "REDIS_PASSWORD")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "mrc-worker"
     lists = {t["metadata"]["listName"] for t in scaled["spec"]["triggers"] if t["type"] == "redis"}
     assert lists == {names.queue_keys("interactive")[0], names.queue_keys("backlog")[0]}
