@@ -22,26 +22,34 @@ class BodySlots:
         self.share = max(1, turns // 2)  # the most one caller reads at once
         self._keyed: asyncio.Semaphore | None = None  # made in the serving loop, on first use
         self._keyless: asyncio.Semaphore | None = None
-        self._held: dict[str, int] = {}
+        self._mine: dict[str, asyncio.Semaphore] = {}  # each caller's share, while it asks or holds
+        self._users: dict[str, int] = {}
 
     async def take(self, who: str | None, let_in: bool = True) -> Callable[[], None] | str:
-        """A turn (call what comes back to give it back, once), or why there is none. `who`: the key,
-        held to its share (None: no share); `let_in`: false for a request no key let in."""
+        """A turn (call what comes back to give it back, once), or why there is none within the wait.
+        `who`: the key, held to its share, where it waits as it would for the pool (review: a key past
+        its share was answered 503 at once, where the contract promises the wait); None: no share.
+        `let_in`: false for a request no key let in."""
         if self._keyed is None or self._keyless is None:
             self._keyed = asyncio.Semaphore(self.turns)
             self._keyless = asyncio.Semaphore(max(1, self.turns // 4))
-        if who is not None and self._held.get(who, 0) >= self.share:
-            return YOURS
         pool = self._keyed if let_in else self._keyless
-        if who is not None:
-            self._held[who] = self._held.get(who, 0) + 1
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.wait_s
+        mine = self._join(who)
         try:
-            await asyncio.wait_for(pool.acquire(), self.wait_s)
-        except TimeoutError:
-            self._drop(who)
-            return BUSY
-        except BaseException:  # the request was cancelled while it waited: its count goes too (review)
-            self._drop(who)
+            if mine is not None and not await _within(mine, until - loop.time()):
+                self._leave(who)
+                return YOURS
+        except BaseException:  # the request was cancelled while it waited: its place goes too (review)
+            self._leave(who)
+            raise
+        try:
+            if not await _within(pool, until - loop.time()):
+                self._give(mine, who)
+                return BUSY
+        except BaseException:
+            self._give(mine, who)
             raise
         given = [False]
 
@@ -49,14 +57,39 @@ class BodySlots:
             if not given[0]:
                 given[0] = True
                 pool.release()
-                self._drop(who)
+                self._give(mine, who)
 
         return give_back
 
-    def _drop(self, who: str | None) -> None:
-        if who is not None:
-            left = self._held.get(who, 1) - 1
-            if left:
-                self._held[who] = left
-            else:
-                self._held.pop(who, None)
+    def _join(self, who: str | None) -> asyncio.Semaphore | None:
+        if who is None:
+            return None
+        self._users[who] = self._users.get(who, 0) + 1
+        return self._mine.setdefault(who, asyncio.Semaphore(self.share))
+
+    def _leave(self, who: str | None) -> None:
+        if who is None:
+            return
+        left = self._users.get(who, 1) - 1
+        if left:
+            self._users[who] = left
+        else:  # nobody of this caller asks or holds: its share is forgotten
+            self._users.pop(who, None)
+            self._mine.pop(who, None)
+
+    def _give(self, mine: asyncio.Semaphore | None, who: str | None) -> None:
+        if mine is not None:
+            mine.release()
+        self._leave(who)
+
+
+async def _within(turns: asyncio.Semaphore, wait_s: float) -> bool:
+    """One of `turns` within `wait_s` (at once when one is free, however little time is left)."""
+    if not turns.locked():
+        await turns.acquire()
+        return True
+    try:
+        await asyncio.wait_for(turns.acquire(), max(wait_s, 0.001))
+    except TimeoutError:
+        return False
+    return True

@@ -4,6 +4,7 @@ at once, and what a refused caller's body costs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from producer.http.front import Front, Limits
@@ -295,3 +296,36 @@ def test_a_multipart_job_with_a_file_part_it_does_not_know_is_refused_by_name() 
         two = api.post("/v1/jobs", files=[("image", ("a.jpg", b"x")), ("image", ("b.jpg", b"y"))],
                        data={"prompt": "p"})  # fmt: skip
         assert two.status_code == 422, two.text
+
+
+def test_a_key_past_its_share_waits_for_its_own_turn_as_for_the_pool() -> None:
+    """Review: a key holding half the turns was answered 503 at once, where the contract promises a
+    wait of up to 10 s for a turn. It waits now: served when one of its own turns comes back, refused
+    (`YOURS`) only when none does within the wait; a wait cancelled gives its place back."""
+    from producer.http.body_slots import YOURS, BodySlots
+
+    async def run() -> None:
+        slots = BodySlots(turns=4, wait_s=0.5)
+        first, second = await slots.take("k"), await slots.take("k")
+        assert callable(first)
+        assert callable(second)
+        third = asyncio.create_task(slots.take("k"))
+        other = await slots.take("other")  # another key is not held up by k's share
+        assert callable(other)
+        await asyncio.sleep(0.05)
+        assert not third.done()  # waiting, not refused
+        first()
+        got = await third
+        assert callable(got)  # served with the turn k gave back
+        assert await slots.take("k") == YOURS  # none comes back within the wait
+        waiting = asyncio.create_task(slots.take("k"))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        second()
+        got()
+        other()
+        assert not slots._users  # every place given back: nothing of k's share is kept
+
+    asyncio.run(run())
