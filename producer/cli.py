@@ -15,7 +15,6 @@ from typing import Any
 
 import redis
 from kombu.exceptions import OperationalError
-from pydantic import ValidationError
 
 from producer import pipe_out
 from producer.backlog import cli as backlog_cli
@@ -30,7 +29,8 @@ from shared.errors import (
     UsageError,
 )
 from shared.jobs import JOB_ID_RE, JOB_ID_RULE
-from shared.settings import Settings, describe_error, unknown_variables
+from shared.settings import BadSettings, Settings, unknown_variables
+from shared.settings import load as load_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
 # Enqueued on the Redis master, but fewer replicas than MRC_REDIS_WAIT_REPLICAS confirmed it in time.
@@ -346,9 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipe_out.guard_stdout()
     args = _parser().parse_args(argv)
     try:
-        settings = Settings()
-    except ValidationError as exc:
-        print(f"mrc: bad settings: {describe_error(exc)}", file=sys.stderr)
+        settings = load_settings()
+    except BadSettings as exc:
+        print(f"mrc: bad settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logs.configure(settings.log_level, fmt=settings.log_format)
     for name in unknown_variables():

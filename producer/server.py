@@ -121,16 +121,14 @@ def app_from_env() -> FastAPI:
 
 def main() -> int:
     import uvicorn
-    from pydantic import ValidationError
 
-    from shared.settings import describe_error
+    from shared.settings import load
 
     try:
-        settings = Settings()
+        settings = load()
         app = create_app(settings)
-    except (ValidationError, ValueError) as exc:
-        message = describe_error(exc) if isinstance(exc, ValidationError) else str(exc)
-        print(f"mrc-api: bad settings: {message}", file=sys.stderr)
+    except ValueError as exc:  # BadSettings, or a value create_app refuses (one line either way)
+        print(f"mrc-api: bad settings: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, fmt=settings.log_format)
     log = logs.get_logger()

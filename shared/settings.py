@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -9,8 +10,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import parse_qsl, urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from shared import tenants, url_hosts
 
@@ -21,6 +22,15 @@ _REDIS_SCHEMES = ("redis", "rediss")
 # longest WAIT allowed below it: a command past its socket timeout is retried, a WAIT must never be.
 REDIS_SOCKET_TIMEOUT_S = 10
 WAIT_TIMEOUT_CEILING_MS = 5000
+# What any number setting may be at most, where its own bound is not tighter (review: 10**23 was taken
+# for MRC_EVENTS_MAX and MRC_CACHE_TTL_S, and every Redis command using it then failed; for
+# MRC_API_WORKERS, and mrc-api started processes until the kernel killed them). Counts stay within a
+# signed 32-bit integer; seconds and milliseconds within about 31 years (below every timer's limit).
+INT_CEILING = 2**31 - 1
+FLOAT_CEILING = 1e9
+# What botocore takes for a region (a host label, not all digits) and S3-compatible stores for a bucket.
+_REGION = re.compile(r"(?![0-9]+$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
 
 
 def _default_home() -> str:
@@ -62,7 +72,7 @@ class Settings(BaseSettings):
     # --- HTTP intake (mrc-api) ---
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
-    api_workers: int = Field(default=1, ge=1)  # uvicorn worker processes (the intake is CPU-bound Python)
+    api_workers: int = Field(default=1, ge=1, le=256)  # uvicorn worker processes (CPU-bound Python)
     # Comma-separated `SHA256HEX` or `SHA256HEX@scope+scope` (the hex sha256 of each key; scopes: the
     # lanes it may submit to, and `all-tenants` to read every key's jobs); empty: no auth.
     api_keys: str = ""
@@ -185,7 +195,7 @@ class Settings(BaseSettings):
     # the last MRC_BATCH_MAX_JOBS (shared/transport.py, lane_limits).
     worker_deliveries: int = Field(default=3, ge=2, le=64)
     # celery-batches flush_interval: how long a lone job may wait for company
-    batch_wait_ms: int = Field(default=50, ge=0)
+    batch_wait_ms: int = Field(default=50, ge=0, le=60_000)
     # Most cache positions the engine's running batch may reach (rows x the longest row at its limit,
     # image + prompt + new tokens); below it, what the free memory measured at warm-up holds.
     batch_token_budget: int = Field(default=65536, ge=1)
@@ -255,6 +265,40 @@ class Settings(BaseSettings):
     log_level: LogLevel = "INFO"
     log_format: Literal["pipe", "json"] = "pipe"
 
+    @field_validator("*")
+    @classmethod
+    def _number_bounded(cls, value: object, info: ValidationInfo) -> object:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        ceiling = INT_CEILING if isinstance(value, int) else FLOAT_CEILING
+        if value > ceiling:
+            raise ValueError(f"must be at most {ceiling:.0f}")
+        return value
+
+    @field_validator("s3_region")
+    @classmethod
+    def _region_usable(cls, value: str) -> str:
+        if not _REGION.fullmatch(value):
+            raise ValueError("MRC_S3_REGION must be a region name, e.g. us-east-1 or eu-west-1")
+        return value
+
+    @field_validator("s3_bucket")
+    @classmethod
+    def _bucket_usable(cls, value: str) -> str:
+        if not _BUCKET.fullmatch(value):
+            raise ValueError("must be a bucket name: 3-255 letters, digits, '.', '-' or '_'")
+        return value
+
+    @field_validator("allowed_buckets")
+    @classmethod
+    def _buckets_usable(cls, value: list[str]) -> list[str]:
+        for bucket in value:
+            if not _BUCKET.fullmatch(bucket):
+                raise ValueError(f"{bucket[:64]!r} is not a bucket name (letters, digits, '.', '-', '_')")
+        return value
+
     @field_validator("s3_prefix")
     @classmethod
     def _prefix_ends_with_slash(cls, value: str) -> str:
@@ -289,6 +333,12 @@ class Settings(BaseSettings):
         requirement = dict(parse_qsl(url.query)).get("ssl_cert_reqs", "required").lower()
         if requirement not in ("none", "optional", "required"):
             raise ValueError("MRC_REDIS_URL's ssl_cert_reqs must be none, optional or required")
+        from redis.connection import parse_url  # its options read as every Redis client will read them
+
+        try:
+            parse_url(value)
+        except ValueError as exc:  # e.g. ?socket_timeout=abc (review: a traceback from every command)
+            raise ValueError(f"MRC_REDIS_URL: {str(exc)[:200]}") from None
         return value
 
     @field_validator("redis_sentinels")
@@ -323,6 +373,12 @@ class Settings(BaseSettings):
         url = urlsplit(value)
         if value and (url.scheme not in ("http", "https") or not url.hostname):
             raise ValueError("MRC_S3_ENDPOINT_URL must be empty (AWS) or an http(s)://host[:port] URL")
+        try:
+            port = url.port  # raises for a port that is not a number in 0-65535
+        except ValueError:
+            port = 0
+        if value and port == 0:
+            raise ValueError("MRC_S3_ENDPOINT_URL has a port that is not a number from 1 to 65535")
         return value
 
     @field_validator("device")
@@ -379,6 +435,23 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
     env = os.environ if environ is None else environ
     return sorted(name for name in env if name.upper().startswith(ENV_PREFIX) and name.upper() not in known)
+
+
+class BadSettings(ValueError):
+    """The environment's settings cannot be used: one line naming each bad variable."""
+
+
+def load() -> Settings:
+    """The settings from the environment; BadSettings (one line) when a value is refused or cannot even
+    be parsed (a JSON setting that is not JSON: review, a traceback from `mrc` and `mrc-worker`)."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise BadSettings(describe_error(exc)) from None
+    except SettingsError as exc:
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = ENV_PREFIX + field.group(1).upper() if field else "a setting"
+        raise BadSettings(f'{name}: not valid JSON (a JSON list, e.g. ["photos"])') from None
 
 
 def describe_error(exc: ValidationError) -> str:

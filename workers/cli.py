@@ -10,11 +10,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from pydantic import ValidationError
-
 from shared import logs, names, reach, redis_target
 from shared.errors import MrcError, ServiceUnreachable, StoreRefused, StoreUnavailable
-from shared.settings import Settings, describe_error, unknown_variables
+from shared.settings import BadSettings, Settings, unknown_variables
+from shared.settings import load as load_settings
 
 if TYPE_CHECKING:
     from workers import health
@@ -119,9 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return EXIT_USAGE
     try:
-        settings = Settings()
-    except ValidationError as exc:
-        print(f"mrc-worker: bad settings: {describe_error(exc)}", file=sys.stderr)
+        settings = load_settings()
+    except BadSettings as exc:
+        print(f"mrc-worker: bad settings: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logs.configure(settings.log_level, fmt=settings.log_format)
     log = logs.get_logger()

@@ -88,6 +88,7 @@ def test_worker_start_with_redis_unreachable_is_exit_5(env: dict[str, str]) -> N
         ("MRC_METRICS_PORT", "70000"),
         ("MRC_REDIS_URL", "redis://127.0.0.1:notaport/0"),
         ("MRC_REDIS_URL", "http://127.0.0.1:6379"),
+        ("MRC_ALLOWED_BUCKETS", "abc"),  # not JSON: a traceback from both (review)
     ],
 )
 def test_bad_settings_are_one_line_naming_the_variable(env: dict[str, str], name: str, value: str) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.settings import Settings
+from shared.settings import BadSettings, Settings, load
 
 
 def test_defaults_match_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,12 +48,42 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_REDIS_WAIT_TIMEOUT_MS", "60000"),  # past the socket timeout: the push would be retried
         ("MRC_ENGINE_PREFILL_TOKENS", "8"),  # less than a block of the prefix cache
         ("MRC_ENGINE_PREFILL_TOKENS", "half"),
+        # Review (helper-60): each of these was taken, then failed at runtime or with a traceback
+        ("MRC_API_WORKERS", "99999999999999999999999"),  # mrc-api started processes until OOM
+        ("MRC_EVENTS_MAX", "99999999999999999999999"),  # every XADD failed: events lost
+        ("MRC_CACHE_TTL_S", "99999999999999999999999"),  # every cache write failed
+        ("MRC_BATCH_WAIT_MS", "99999999999"),  # a lone job never ran
+        ("MRC_VISIBILITY_TIMEOUT_S", "99999999999999999999999"),
+        ("MRC_STUCK_AFTER_S", "inf"),
+        ("MRC_RETRY_MAX_S", "1e300"),
+        ("MRC_S3_REGION", "-1"),  # botocore's InvalidRegionError, a traceback
+        ("MRC_S3_REGION", "0"),
+        ("MRC_S3_BUCKET", ""),  # "cannot reach S3" (exit 5) for a bad setting
+        ("MRC_S3_BUCKET", "a b"),
+        ("MRC_ALLOWED_BUCKETS", '["a b"]'),
+        ("MRC_S3_ENDPOINT_URL", "http://127.0.0.1:99999"),
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?socket_timeout=abc"),  # a traceback at connect
+        ("MRC_ALLOWED_BUCKETS", ""),  # not JSON: pydantic-settings' SettingsError, a traceback
+        ("MRC_ALLOWED_BUCKETS", "nan"),
     ],
 )
 def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
-    with pytest.raises(ValidationError):
-        Settings()
+    with pytest.raises(BadSettings) as refused:
+        load()
+    assert name in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_every_number_setting_is_bounded_and_finite() -> None:
+    """The whole class: no number setting takes a value past what its users (Redis, timers, process
+    counts) can hold, whatever its own bounds say."""
+    for name, field in Settings.model_fields.items():
+        if field.annotation not in (int, float):
+            continue
+        for value in ("1e30", "inf", "-inf", "nan") if field.annotation is float else ("10" * 12,):
+            with pytest.raises(ValidationError):
+                Settings(**{name: value})
 
 
 def test_the_fixed_decode_step_is_refused_with_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
