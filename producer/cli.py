@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 
-from producer import pipe_out
+from producer import arg_types, pipe_out
 from producer.backlog import cli as backlog_cli
 from shared import logs, names, reach, redis_target
 from shared.errors import (
@@ -66,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="backlog lane at its depth limit: fail at once (exit 4) instead of waiting for room",
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits (default 300)")
+    p.add_argument(
+        "--timeout", type=arg_types.seconds, default=300.0, help="seconds --wait waits (default 300)"
+    )
 
     p = sub.add_parser("status", help="print the state of a job as JSON")
     p.add_argument("job_id")
@@ -78,10 +80,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("queues", help="queue depths per lane")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="print again every SECONDS until Ctrl-C")
+    p.add_argument(
+        "--watch", type=arg_types.seconds, metavar="SECONDS", help="print again every SECONDS until Ctrl-C"
+    )
     p.add_argument(
         "--serve-metrics",
-        type=int,
+        type=arg_types.port,
         metavar="PORT",
         help="serve the per-lane metrics (depth, in flight, oldest age, dead letters) on PORT at /metrics "
         "until stopped: an exporter for autoscalers that needs no worker",
@@ -94,9 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dlq", help="the dead-letter list: jobs that failed after all their attempts")
     dlq = p.add_subparsers(dest="dlq_command", required=True)
     q = dlq.add_parser("list", help="print entries as JSON lines, newest first")
-    q.add_argument("--limit", type=int, default=100)
+    q.add_argument("--limit", type=arg_types.count, default=100)
     q = dlq.add_parser("requeue", help="send entries back to their lane with fresh attempts (oldest first)")
-    q.add_argument("--limit", type=int, default=1000)
+    q.add_argument("--limit", type=arg_types.count, default=1000)
     dlq.add_parser("purge", help="delete every entry")
     return parser
 
@@ -231,7 +235,10 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
     registry.register(LaneCollector(client))
     registry.register(UsageCollector(client))
     registry.register(redis_target.FailoverCollector())
-    server, _thread = start_http_server(port, registry=registry)
+    try:
+        server, _thread = start_http_server(port, registry=registry)
+    except OSError as exc:  # the port taken, or not ours to bind (review: a traceback)
+        raise UsageError(f"--serve-metrics {port}: cannot listen there: {exc.strerror or exc}") from None
     logs.get_logger().info("MRC_HTTP_LISTENING", port=server.server_address[1], what="lane metrics")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lanes",
+        type=_lanes,
         default="interactive,backlog",
         help="comma-separated lanes, highest priority first (default: interactive,backlog)",
     )
@@ -38,10 +39,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _lanes(value: str) -> list[str]:
+    """--lanes read (argparse's type: a bad list is a usage error, exit 2, not exit 1: review)."""
     lanes = [lane.strip() for lane in value.split(",") if lane.strip()]
     unknown = [lane for lane in lanes if lane not in names.LANES]
     if not lanes or unknown:
-        raise SystemExit(f"mrc-worker: --lanes takes a list of {', '.join(names.LANES)}")
+        raise argparse.ArgumentTypeError(f"takes a comma-separated list of {', '.join(names.LANES)}")
     return lanes
 
 
@@ -79,8 +81,13 @@ def _names_no_model(exc: OSError) -> bool:
         return True
     # transformers' words, offline as mrc always loads: a folder without the files, no such hub id in
     # the cache
-    said = ("does not appear to have", "is not a local folder", "couldn't find them in the cached files")
-    return any(words in str(exc) for words in said)
+    # the cache; a path that is not there read as a hub id (huggingface_hub's HFValidationError, a
+    # ValueError, under transformers' OSError); a file that is not a model's config
+    said = (
+        "does not appear to have", "is not a local folder", "couldn't find them in the cached files",
+        "Repo id must be in the form", "is not a valid JSON file",
+    )  # fmt: skip
+    return isinstance(exc.__cause__, ValueError) or any(words in str(exc) for words in said)
 
 
 def _let_go(server: Any, redis_client: Any, results: Any = None) -> None:
@@ -108,7 +115,7 @@ def missing_modules(modules: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    lanes = _lanes(args.lanes)
+    lanes: list[str] = args.lanes
     missing = missing_modules(WORKER_MODULES)
     if missing:  # a producer-only install: say what to install, not a traceback (review)
         print(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from producer import arg_types
 from producer.backlog import outages
 from shared.errors import UsageError
 from shared.settings import Settings
@@ -39,13 +40,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--from-s3", metavar="S3_URI", help="build the manifest from a bucket listing")
     p.add_argument("--prompt", help="the prompt for every image, with --from-s3")
     p.add_argument("--wait", action="store_true", help="wait for every job, then write the report")
-    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds --wait waits (default 24 h)")
+    p.add_argument(
+        "--timeout", type=arg_types.seconds, default=24 * 3600.0, help="seconds --wait waits (default 24 h)"
+    )
     p.add_argument("--rate", type=_rate, metavar="N[/s]", help="enqueue at most N lines a second")
     p.add_argument("--strict", action="store_true", help="any invalid line: enqueue nothing (exit 2)")
     p.add_argument("--no-block", action="store_true", help="backlog lane full: exit 4 instead of waiting")
     p.add_argument("--json", action="store_true", help="status: print JSON")
     p.add_argument(
-        "--interval", type=float, default=10.0, help="seconds between progress lines off a terminal"
+        "--interval",
+        type=arg_types.seconds,
+        default=10.0,
+        help="seconds between progress lines off a terminal",
     )
 
 

@@ -222,7 +222,7 @@ def _keep_this_process_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(worker_cli.logs, "configure", lambda *_args, **_kwargs: None)
 
 
-@pytest.mark.parametrize("model", ["nonexistent/model", "{tmp}"])
+@pytest.mark.parametrize("model", ["nonexistent/model", "{tmp}", "/nonexistent/model", "{tmp}/photo.png"])
 def test_a_model_that_cannot_be_loaded_is_exit_2_in_one_line(
     env: dict[str, str],
     tmp_path: Path,
@@ -234,6 +234,7 @@ def test_a_model_that_cannot_be_loaded_is_exit_2_in_one_line(
     holds no model. In this process (a worker's imports cost seconds): its main, as the script runs it."""
     from workers import cli as worker_cli
 
+    (tmp_path / "photo.png").write_bytes(b"\x89PNG\r\n")  # a file, not a model (review: exit 70)
     for name, value in {**env, "MRC_MODEL": model.format(tmp=tmp_path)}.items():
         monkeypatch.setenv(name, value)
     _keep_this_process_logging(monkeypatch)
@@ -262,6 +263,9 @@ def test_a_reader_that_leaves_early_ends_no_command_in_a_traceback(env: dict[str
     [
         (FileNotFoundError("no such file: /models/fuyu"), True),
         (OSError("/models/x does not appear to have a file named config.json"), True),
+        # an absolute path that is not there: transformers' OSError over huggingface_hub's ValueError
+        (OSError("Repo id must be in the form 'repo_name' or 'namespace/repo_name': '/models/x'"), True),
+        (OSError("It looks like the config file at '/models/x.png' is not a valid JSON file."), True),
         (PermissionError("permission denied: /models/fuyu/model.safetensors"), False),
         (OSError(28, "No space left on device"), False),
         (ConnectionError("the hub could not be reached"), False),
@@ -349,3 +353,14 @@ def test_a_bucket_s3_could_not_make_now_is_an_outage_not_a_refusal(env: dict[str
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_lane_exporter_on_a_taken_port_is_one_line_and_exit_2(env: dict[str, str]) -> None:
+    """Review: `mrc queues --serve-metrics PORT` on a port already in use ended in an OSError traceback."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        done = services.run_cli(env, "queues", "--serve-metrics", str(taken.getsockname()[1]), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "--serve-metrics" in _one_line(done.stderr)

@@ -1,0 +1,38 @@
+"""argparse types for the numbers `mrc` takes on its command line: a bad one is a usage error (exit 2,
+one line from argparse), never a value that fails later in a traceback (review: `--watch -1` printed
+once and then raised from time.sleep; `--serve-metrics 99999` an OverflowError; `--timeout -5`
+enqueued the job and gave up at once)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+LONGEST_S = 1e9  # as the settings' own ceiling for seconds
+
+
+def seconds(value: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number of seconds") from None
+    if not math.isfinite(number) or not 0 < number <= LONGEST_S:
+        raise argparse.ArgumentTypeError(
+            f"{value[:40]!r}: seconds must be above 0 and at most {LONGEST_S:.0f}"
+        )
+    return number
+
+
+def port(value: str) -> int:
+    """A TCP port to listen on: 1-65535."""
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a port from 1 to 65535")
+    return int(value)
+
+
+def count(value: str) -> int:
+    """A positive whole number (at most a signed 32-bit integer)."""
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= 2**31 - 1:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a whole number from 1 to {2**31 - 1}")
+    return int(value)
