@@ -317,7 +317,8 @@ _CHECKS: dict[str, Any] = {
 _NEEDS = {
     "submit": (True, True),
     "status": (True, True),
-    "result": (False, True),
+    # Redis too: with it away, "no result yet" (exit 3) could not be told from "Redis is down" (review)
+    "result": (True, True),
     "queues": (True, False),
     "backlog": (True, True),
     "events": (True, False),

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from producer.http.forms import JobRequest, error, job_fields, multipart_schema
-from producer.http.front import caller_of
+from producer.http.front import RETRY_AFTER_S, caller_of
 from producer.http.guard import Caller, Keys
 from producer.http.state import ApiState
 from producer.intake.request import Submission
@@ -139,11 +139,11 @@ class JobRoutes:
         try:
             await self.state.waits.ping()
         except Exception as exc:
-            return JSONResponse({"status": "not_ready", "reason": f"Redis: {exc!r}"[:300]}, status_code=503)
+            return _not_ready(f"Redis: {exc!r}"[:300])
         try:
             await run_in_threadpool(self._probe_s3)
         except Exception as exc:
-            return JSONResponse({"status": "not_ready", "reason": f"S3: {exc!r}"[:300]}, status_code=503)
+            return _not_ready(f"S3: {exc!r}"[:300])
         return JSONResponse({"status": "ready", **redis_target.status(self.state.settings)})
 
     def _probe_s3(self) -> None:
@@ -191,3 +191,14 @@ class JobRoutes:
             body["replicated"] = replicated
         headers = None if replicated is not False else {"Mrc-Replicated": "false"}
         return JSONResponse(body, status_code=202 if created else 200, headers=headers)
+
+
+def _not_ready(reason: str) -> Response:
+    """503 as every route answers one (the error object and Retry-After: review), with the probe's own
+    `status` and `reason` beside it."""
+    body = {
+        "status": "not_ready",
+        "reason": reason,
+        "error": {"code": "service_unavailable", "message": reason},
+    }
+    return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})

@@ -36,6 +36,7 @@ def _one_line(stderr: str) -> str:
     [
         ("submit", "--image", "s3://{bucket}/inputs/x.jpg", "--prompt", "refund?"),
         ("status", "some-job"),
+        ("result", "some-job"),  # review: "no result for some-job yet", exit 3
         ("queues", "--json"),
         ("dlq", "list"),
     ],
