@@ -144,8 +144,7 @@ class BatchBook:
     # ---- Idempotency-Key ----
     def idempotent(self, scope: str, owner: str, key: str, new_id: str) -> tuple[str, bool]:
         """The object an Idempotency-Key names (`new_id` if it names none yet), and whether it is new."""
-        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-        mapping = names.idempotency_key(scope, owner, digest)
+        mapping = names.idempotency_key(scope, owner, key_digest(key))
         if self._redis.set(mapping, new_id, nx=True, ex=IDEMPOTENCY_TTL_S):
             return new_id, True
         return str(self._redis.get(mapping)), False
@@ -157,17 +156,28 @@ class BatchBook:
         finds it: waited for up to IDEMPOTENT_WAIT_S while the key still names it (review: the losers
         were answered 409 while a large input was copied, more than the SDK's two retries wait). None
         when it is not made in time, or could not be made (the key was forgotten: a retry makes it)."""
-        mapping = names.idempotency_key(scope, owner, hashlib.sha256(key.encode()).hexdigest()[:32])
+        mapping = names.idempotency_key(scope, owner, key_digest(key))
         until = time.monotonic() + IDEMPOTENT_WAIT_S
         while (found := look()) is None and time.monotonic() < until:
             if self._redis.get(mapping) != object_id:
                 return None
-            time.sleep(0.05)
+            time.sleep(0.2)  # each look is an S3 or Redis read: 50 in the whole wait, not 200 (review)
         return found
 
     def unmap(self, scope: str, owner: str, key: str) -> None:
         """Forget a mapping whose object could not be made (a retry then makes it afresh)."""
-        self._redis.delete(names.idempotency_key(scope, owner, hashlib.sha256(key.encode()).hexdigest()[:32]))
+        self._redis.delete(names.idempotency_key(scope, owner, key_digest(key)))
+
+    def unmap_deleted(self, scope: str, owner: str, digest: str, object_id: str) -> None:
+        """Forget the mapping of a key whose object was deleted, if it still names that object: a retry
+        under the key then makes a new one (review: it waited 10 s for a file that would never come
+        back, then answered 409 "retry shortly", for the mapping's whole day)."""
+        self._release(keys=[names.idempotency_key(scope, owner, digest)], args=[object_id])
+
+
+def key_digest(key: str) -> str:
+    """What a mapping (and a file's description) keeps of an Idempotency-Key: never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def batch_object(record: dict[str, str], counts: dict[str, int], usage: dict[str, int]) -> dict[str, Any]:

@@ -152,12 +152,20 @@ class Runner:
         """A cancel (`cancelling`) or the window's end (`finalizing`): the run is cancelled (its queued
         jobs end `cancelled`, none is queued after), running ones finish, then the files. False, and
         nothing done, when the batch is already finalizing or final (too late to stop anything)."""
+        if self._all_ended(batch_id):  # nothing left to stop: finalized as it is (review: a cancel
+            self._settle(batch_id)  # in the poll's gap turned a batch whose lines all ran `cancelled`)
+            return False
         status = "cancelling" if why == "cancelled" else "finalizing"
         if not self.book.move(batch_id, RUNNING, ended_by=why, status=status, **{f"{status}_at": now()}):
             return False
         self.backlog.cancel(batch_id)
         self.log.info("MRC_BATCH_ENDING", batch_id=batch_id, reason=why)
         return True
+
+    def _all_ended(self, batch_id: str) -> bool:
+        """Every line is queued (the run's enqueue is over) and every request has ended."""
+        run = self.backlog.runs.get(batch_id)
+        return run.get("state") == "enqueued" and self.tally(batch_id).pending == 0
 
     def _begin(self, batch_id: str, what: str, work: Callable[[str, Callable[[], None]], None]) -> None:
         """Run `work` on a thread of its own, if this process takes the batch's lease for it."""

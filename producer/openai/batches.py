@@ -55,13 +55,13 @@ class Batches:
                 403, "this key may not use the backlog lane, where batches run", None, "forbidden"
             )
         request = self._checked(body)
-        meta = self._input(caller.owner, request.input_file_id)
         batch_id = new_batch_id()
-        if idempotency_key is not None:
+        if idempotency_key is not None:  # before the input's look: it may be deleted since (review)
             batch_id, fresh = self.book.idempotent("batch", caller.owner, idempotency_key, batch_id)
             if not fresh:
                 return self._again(caller, batch_id, request.input_file_id, idempotency_key)
         try:
+            meta = self._input(caller.owner, request.input_file_id)
             self._start(caller, batch_id, request, meta)
         except BaseException:
             if idempotency_key is not None:  # nothing was made: a retry makes it afresh
@@ -99,6 +99,8 @@ class Batches:
         )
 
     def _checked(self, body: object) -> CreateBatch:
+        if not isinstance(body, dict):  # review: "Invalid value for None: ..."
+            raise OpenAIError(400, "the body must be a JSON object", None, "invalid_value")
         try:
             request = CreateBatch.model_validate(body)
         except ValidationError as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from boto3.exceptions import S3UploadFailedError
@@ -90,9 +90,16 @@ class Files:
         return names.file_key(self.prefix, owner, file_id, "json")
 
     def create(
-        self, owner: str, stream: IO[bytes], filename: str, purpose: str, file_id: str | None = None
+        self,
+        owner: str,
+        stream: IO[bytes],
+        filename: str,
+        purpose: str,
+        file_id: str | None = None,
+        idempotency: str = "",
     ) -> dict[str, Any]:
-        """Store an upload (its purpose checked by the caller); the file object."""
+        """Store an upload (its purpose checked by the caller); the file object. `idempotency`: the
+        digest of the Idempotency-Key it was made under, forgotten with the file when it is deleted."""
         size, lines = count_requests(stream)
         if size > self.settings.openai_file_max_bytes:
             raise OpenAIError(
@@ -113,14 +120,22 @@ class Files:
             )
         except (S3UploadFailedError, BotoCoreError, ClientError) as exc:
             raise StoreUnavailable(f"S3 upload of {key} failed: {exc}"[:500]) from exc
-        return self._describe(owner, file_id, key, size, filename, purpose, lines=lines)
+        return self._describe(owner, file_id, key, size, filename, purpose, lines, idempotency)
 
     def add_output(self, owner: str, file_id: str, key: str, size: int, filename: str) -> dict[str, Any]:
         """Describe a batch's output or error file (its content already written at `key`)."""
         return self._describe(owner, file_id, key, size, filename, "batch_output")
 
     def _describe(
-        self, owner: str, file_id: str, key: str, size: int, filename: str, purpose: str, lines: int = 0
+        self,
+        owner: str,
+        file_id: str,
+        key: str,
+        size: int,
+        filename: str,
+        purpose: str,
+        lines: int = 0,
+        idempotency: str = "",
     ) -> dict[str, Any]:
         meta = {
             "id": file_id,
@@ -136,6 +151,7 @@ class Files:
             "expires_at": None,
             "key": key,
             "lines": lines,
+            "idempotency": idempotency,
         }
         body = json.dumps(meta).encode()
         self.connection.put(self.bucket, self._meta_key(owner, file_id), body, "application/json")
@@ -173,8 +189,10 @@ class Files:
 
         return chunks()
 
-    def delete(self, owner: str, file_id: str) -> dict[str, Any]:
+    def delete(self, owner: str, file_id: str, before: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Delete the file, once `before` has seen its description (its Idempotency-Key forgotten)."""
         meta = self.get(owner, file_id)
+        before(meta)
         for key in (str(meta["key"]), self._meta_key(owner, file_id)):
             self.connection.call("delete_object", Bucket=self.bucket, Key=key)
         return {"id": file_id, "object": "file", "deleted": True}

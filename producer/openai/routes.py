@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producer.http.front import caller_of
 from producer.http.state import ApiState
-from producer.openai.batch_book import BatchBook
+from producer.openai.batch_book import BatchBook, key_digest
 from producer.openai.batch_run import Keeper, Runner
 from producer.openai.batches import Batches, CreateBatch
 from producer.openai.chat import Chat
@@ -143,6 +143,8 @@ class OpenAIRoutes:
                 "unsupported_media_type",
             )
         caller = caller_of(request.scope)
+        if not caller.lanes:  # an `ops` (or `all-tenants`) key alone: it submits nothing (review)
+            raise OpenAIError(403, "this key may submit to no lane, so it keeps no files", None, "forbidden")
         async with request.form(max_files=1, max_fields=8) as form:
             unknown = sorted(set(form.keys()) - _FILE_FORM)
             if unknown:
@@ -179,7 +181,13 @@ class OpenAIRoutes:
                 return JSONResponse(stored)
             try:
                 meta = await run_in_threadpool(
-                    files.create, caller.owner, upload.file, upload.filename or "", str(purpose), file_id
+                    files.create,
+                    caller.owner,
+                    upload.file,
+                    upload.filename or "",
+                    str(purpose),
+                    file_id,
+                    key_digest(key) if key is not None else "",
                 )
             except BaseException:
                 if key is not None:  # nothing stored: a retry stores it afresh
@@ -223,8 +231,14 @@ class OpenAIRoutes:
         return StreamingResponse(chunks, media_type="application/jsonl")
 
     async def delete_file(self, file_id: str, request: Request) -> Response:
-        files, _ = await run_in_threadpool(self._stack)
-        deleted = await run_in_threadpool(files.delete, caller_of(request.scope).owner, file_id)
+        files, batches = await run_in_threadpool(self._stack)
+        owner = caller_of(request.scope).owner
+
+        def forget_key(meta: dict[str, Any]) -> None:
+            if meta.get("idempotency"):
+                batches.book.unmap_deleted("file", owner, str(meta["idempotency"]), file_id)
+
+        deleted = await run_in_threadpool(files.delete, owner, file_id, forget_key)
         logs.get_logger().info("MRC_FILE_DELETED", file_id=file_id, owner=caller_of(request.scope).owner)
         return JSONResponse(deleted)
 

@@ -620,6 +620,62 @@ def test_cancel_resume_and_the_window_end_leave_every_line_in_the_error_file(oai
         assert [line["custom_id"] for line in errors] == ["r0", "r1", "r2"]
 
 
+def test_a_deleted_objects_key_a_finished_batchs_cancel_and_an_ops_keys_upload(
+    oai_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review (helper-58):
+    - an Idempotency-Key whose file was deleted answered 409 "being stored; retry shortly" after 10 s,
+      for its whole day; a batch's create retried after its input was deleted was a 404;
+    - a cancel in the gap before the keeper's next look turned a batch whose lines had all run into
+      `cancelled` (the contract: 409, nothing to stop);
+    - an ops key, which submits nothing, uploaded files."""
+    inline = data_url(imagegen.photo(40, 40, seed=53))
+    line = request_line("only", oai_env["MRC_MODEL"], "Refund?", inline, max_tokens=2)
+    with idle_stack(oai_env, 7, MRC_OPENAI_BATCH_POLL_S="3600") as (sdk, _client):
+        ops = openai.OpenAI(base_url=str(sdk.base_url), api_key=OPS_KEY, max_retries=0)
+        with ops, pytest.raises(openai.PermissionDeniedError):
+            ops.files.create(file=("x.jsonl", line.encode()), purpose="batch")
+        key = {"Idempotency-Key": f"deleted-{time.monotonic_ns()}"}
+        first = sdk.files.create(file=("a.jsonl", line.encode()), purpose="batch", extra_headers=key)
+        assert (
+            sdk.files.create(file=("a.jsonl", line.encode()), purpose="batch", extra_headers=key).id
+            == first.id
+        )
+        assert sdk.files.delete(first.id).deleted
+        again = sdk.files.create(file=("a.jsonl", line.encode()), purpose="batch", extra_headers=key)
+        assert again.id != first.id  # a new file, at once (max_retries=0: a 409 would raise)
+        batch_key = {"Idempotency-Key": f"batch-{time.monotonic_ns()}"}
+
+        def create() -> Any:
+            return sdk.batches.create(
+                input_file_id=again.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                extra_headers=batch_key,
+            )
+
+        batch = create()
+        assert sdk.files.delete(again.id).deleted
+        assert create().id == batch.id  # the same batch, its input deleted since
+        listed = httpx.post(f"{sdk.base_url}batches", json=[], headers={"Authorization": f"Bearer {KEY}"})
+        assert listed.status_code == 400
+        assert listed.json()["error"]["message"] == "the body must be a JSON object"  # was "for None"
+        worker_env = {**oai_env, "MRC_REDIS_URL": oai_env["MRC_REDIS_URL"].rsplit("/", 1)[0] + "/7"}
+        worker = services.start_worker({**worker_env, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
+        try:
+            deadline = time.monotonic() + 120
+            while (counts := sdk.batches.retrieve(batch.id).request_counts).completed < 1:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, counts
+                time.sleep(0.2)
+            assert sdk.batches.retrieve(batch.id).status in ("validating", "in_progress")  # no look since
+            with pytest.raises(openai.ConflictError):
+                sdk.batches.cancel(batch.id)  # every line ran: nothing to cancel
+            done = wait_final(sdk, batch.id, 60)
+            assert (done.status, done.request_counts.completed) == ("completed", 1)  # type: ignore[union-attr]
+        finally:
+            worker.stop()
+
+
 def _walk(sdk: openai.OpenAI) -> list[str]:
     """The ids `GET /v1/batches?limit=1` walks through following `after` (a repeat shows within a few
     pages)."""
