@@ -14,6 +14,9 @@ class MrcError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        # The sha256 of the image bytes a job's failure was found in (read, then refused): its result
+        # names them as a success's does (review: null for every failed job, even a corrupt upload's).
+        self.image_sha256: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {"code": self.code, "message": self.message, "retryable": self.retryable}

@@ -64,7 +64,8 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
         attempts=slot.attempts,
         image=ImageInfo(
             uri=job.image_uri if job else "",
-            sha256=slot.encoded.sha256 if slot.encoded else None,  # of the bytes used, never a claim
+            # of the bytes read (used, or refused for what they are), never a claim from the URI
+            sha256=slot.encoded.sha256 if slot.encoded else getattr(slot.error, "image_sha256", None),
             width=size.width if size else 0,
             height=size.height if size else 0,
         ),

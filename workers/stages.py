@@ -5,6 +5,7 @@ error (a device fault excepted: that one ends the worker) and measures the work.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -62,13 +63,19 @@ def fetch_image(job: Job, source: ImageSource, settings: Settings) -> images.Enc
     name is its content: bytes there of another hash are not the image the job names, whether a worker
     keeps that image or not (workers/photos.py answers a kept one by its name)."""
     data = images.fetch(source, job.image_uri, settings.image_sources, settings.max_image_bytes)
-    encoded = images.inspect(data, settings.max_image_pixels)
+    try:
+        encoded = images.inspect(data, settings.max_image_pixels)
+    except MrcError as exc:  # read and refused (format, header, pixels): the result names the bytes
+        exc.image_sha256 = hashlib.sha256(data).hexdigest()
+        raise
     named = names.content_sha256(job.image_uri, settings.s3_bucket, settings.s3_prefix)
     if named is not None and named != encoded.sha256:
-        raise ImageNotFound(
+        refused = ImageNotFound(
             f"the object at {job.image_uri[:200]} is not the upload its name says: its bytes' sha256 is "
             f"{encoded.sha256}"
         )
+        refused.image_sha256 = encoded.sha256
+        raise refused
     return encoded
 
 

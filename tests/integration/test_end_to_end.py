@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.request
 import uuid
@@ -128,6 +129,8 @@ def test_bad_image_fails_its_job_with_its_code(
     assert result["text"] is None
     assert result["error"]["code"] == code
     assert result["error"]["retryable"] is False
+    # the bytes were read and refused: the result names them (review: null for every failure)
+    assert result["image"]["sha256"] == hashlib.sha256(data).hexdigest()
     errors = worker.logged("MRC_ERROR", job_id=result["job_id"])
     assert len(errors) == 1
     assert errors[0]["code"] == code
