@@ -13,14 +13,29 @@ LONGEST_S = 1e9  # as the settings' own ceiling for seconds
 
 def seconds(value: str) -> float:
     """A positive, finite number of seconds."""
+    number = _seconds(value)
+    if not 0 < number <= LONGEST_S:
+        raise argparse.ArgumentTypeError(
+            f"{value[:40]!r}: seconds must be above 0 and at most {LONGEST_S:.0f}"
+        )
+    return number
+
+
+def seconds_or_zero(value: str) -> float:
+    """A finite number of seconds, 0 included (`--interval 0`: a line at every change)."""
+    number = _seconds(value)
+    if not 0 <= number <= LONGEST_S:
+        raise argparse.ArgumentTypeError(f"{value[:40]!r}: seconds must be from 0 to {LONGEST_S:.0f}")
+    return number
+
+
+def _seconds(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a number of seconds") from None
-    if not math.isfinite(number) or not 0 < number <= LONGEST_S:
-        raise argparse.ArgumentTypeError(
-            f"{value[:40]!r}: seconds must be above 0 and at most {LONGEST_S:.0f}"
-        )
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value[:40]!r} is not a finite number of seconds")
     return number
 
 

@@ -204,6 +204,9 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
 
     result = Client(settings).result(args.job_id)
     if result is None:
+        # "none yet" only where Redis, which holds the job, answers: with it away that is exit 5
+        # (review: exit 3); a stored result is printed whatever Redis does
+        reach.check(settings, need_redis=True, need_s3=False)
         print(f"mrc: no result for {args.job_id} yet", file=sys.stderr)
         return EXIT_TIMEOUT
     return _print_result(result)
@@ -317,8 +320,7 @@ _CHECKS: dict[str, Any] = {
 _NEEDS = {
     "submit": (True, True),
     "status": (True, True),
-    # Redis too: with it away, "no result yet" (exit 3) could not be told from "Redis is down" (review)
-    "result": (True, True),
+    "result": (False, True),  # Redis too, but only when no result is stored (_cmd_result)
     "queues": (True, False),
     "backlog": (True, True),
     "events": (True, False),

@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from shared import setting_rules as rules
 from shared import tenants, url_hosts
 
 Quantization = Literal["nf4", "bf16", "fp16", "fp32"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-_REDIS_SCHEMES = ("redis", "rediss")
 # The shortest socket timeout of mrc's Redis clients (shared/records.py; the broker's is 30 s), and the
 # longest WAIT allowed below it: a command past its socket timeout is retried, a WAIT must never be.
 REDIS_SOCKET_TIMEOUT_S = 10
 WAIT_TIMEOUT_CEILING_MS = 5000
-# What any number setting may be at most, where its own bound is not tighter (review: 10**23 was taken
-# for MRC_EVENTS_MAX and MRC_CACHE_TTL_S, and every Redis command using it then failed; for
-# MRC_API_WORKERS, and mrc-api started processes until the kernel killed them). Counts stay within a
-# signed 32-bit integer; seconds and milliseconds within about 31 years (below every timer's limit).
-INT_CEILING = 2**31 - 1
-FLOAT_CEILING = 1e9
-# What botocore takes for a region (a host label, not all digits) and S3-compatible stores for a bucket.
-_REGION = re.compile(r"(?![0-9]+$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
-_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,254}")
 
 
 def _default_home() -> str:
@@ -125,7 +114,8 @@ class Settings(BaseSettings):
     openai_file_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1, le=5 * 1024**3)
     openai_batch_max_lines: int = Field(default=50_000, ge=1)  # requests in one batch (OpenAI's: 50,000)
     # The completion window `24h` stands for: past it, a batch's unfinished requests end `expired`.
-    openai_batch_window_s: float = Field(default=86_400.0, gt=0)
+    # At most 7 days: a job's record lives that long after it ends, a batch's counts are read from them.
+    openai_batch_window_s: float = Field(default=86_400.0, gt=0, le=7 * 86_400)
     # How often each mrc-api process looks after the batches in flight (resumes their enqueue after a
     # crash, expires them, writes their output files once every request has ended).
     openai_batch_poll_s: float = Field(default=5.0, gt=0, le=3600)
@@ -268,36 +258,25 @@ class Settings(BaseSettings):
     @field_validator("*")
     @classmethod
     def _number_bounded(cls, value: object, info: ValidationInfo) -> object:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return value
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        ceiling = INT_CEILING if isinstance(value, int) else FLOAT_CEILING
-        if value > ceiling:
-            raise ValueError(f"must be at most {ceiling:.0f}")
-        return value
+        name = info.field_name or ""
+        return rules.bounded_number(
+            value, name, cls.model_fields[name].metadata if name in cls.model_fields else []
+        )
 
     @field_validator("s3_region")
     @classmethod
     def _region_usable(cls, value: str) -> str:
-        if not _REGION.fullmatch(value):
-            raise ValueError("MRC_S3_REGION must be a region name, e.g. us-east-1 or eu-west-1")
-        return value
+        return rules.region(value)
 
     @field_validator("s3_bucket")
     @classmethod
     def _bucket_usable(cls, value: str) -> str:
-        if not _BUCKET.fullmatch(value):
-            raise ValueError("must be a bucket name: 3-255 letters, digits, '.', '-' or '_'")
-        return value
+        return rules.bucket(value)
 
     @field_validator("allowed_buckets")
     @classmethod
     def _buckets_usable(cls, value: list[str]) -> list[str]:
-        for bucket in value:
-            if not _BUCKET.fullmatch(bucket):
-                raise ValueError(f"{bucket[:64]!r} is not a bucket name (letters, digits, '.', '-', '_')")
-        return value
+        return [rules.bucket(bucket) for bucket in value]
 
     @field_validator("s3_prefix")
     @classmethod
@@ -312,43 +291,12 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_url_usable(cls, value: str) -> str:
-        head, sep, rest = value.partition("://")
-        value = head.lower() + sep + rest  # REDIS://...: redis-py reads the scheme case-sensitively
-        url = urlsplit(value)
-        if url.scheme not in _REDIS_SCHEMES:
-            # unix:// sockets: the broker (kombu) takes them only as its own redis+socket:// form, and
-            # Sentinel never; refused here rather than at the first publish.
-            raise ValueError(
-                "MRC_REDIS_URL must start with redis:// or rediss:// (unix sockets are not supported)"
-            )
-        try:
-            port = url.port  # raises for a port that is not a number in 0-65535
-        except ValueError:
-            raise ValueError("MRC_REDIS_URL has a port that is not a number from 1 to 65535") from None
-        if not url.hostname or port == 0:
-            raise ValueError("MRC_REDIS_URL needs a host, e.g. redis://127.0.0.1:6379/0")
-        database = url.path.strip("/")
-        if database and not database.isdigit():
-            raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
-        requirement = dict(parse_qsl(url.query)).get("ssl_cert_reqs", "required").lower()
-        if requirement not in ("none", "optional", "required"):
-            raise ValueError("MRC_REDIS_URL's ssl_cert_reqs must be none, optional or required")
-        from redis.connection import parse_url  # its options read as every Redis client will read them
-
-        try:
-            parse_url(value)
-        except ValueError as exc:  # e.g. ?socket_timeout=abc (review: a traceback from every command)
-            raise ValueError(f"MRC_REDIS_URL: {str(exc)[:200]}") from None
-        return value
+        return rules.redis_url(value)
 
     @field_validator("redis_sentinels")
     @classmethod
     def _sentinels_usable(cls, value: str) -> str:
-        for entry in filter(None, (part.strip() for part in value.split(","))):
-            host, _, port = entry.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"MRC_REDIS_SENTINELS: {entry!r} is not host:port (e.g. 10.0.0.5:26379)")
-        return value
+        return rules.sentinels(value)
 
     @field_validator("api_key_sources")
     @classmethod
@@ -370,23 +318,12 @@ class Settings(BaseSettings):
     @field_validator("s3_endpoint_url")
     @classmethod
     def _endpoint_usable(cls, value: str) -> str:
-        url = urlsplit(value)
-        if value and (url.scheme not in ("http", "https") or not url.hostname):
-            raise ValueError("MRC_S3_ENDPOINT_URL must be empty (AWS) or an http(s)://host[:port] URL")
-        try:
-            port = url.port  # raises for a port that is not a number in 0-65535
-        except ValueError:
-            port = 0
-        if value and port == 0:
-            raise ValueError("MRC_S3_ENDPOINT_URL has a port that is not a number from 1 to 65535")
-        return value
+        return rules.s3_endpoint(value)
 
     @field_validator("device")
     @classmethod
     def _device_known(cls, value: str) -> str:
-        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
-            return value
-        raise ValueError("MRC_DEVICE must be auto, cpu, cuda or cuda:N")
+        return rules.device(value)
 
     @model_validator(mode="after")
     def _limits_consistent(self) -> Settings:
@@ -456,17 +393,4 @@ def load() -> Settings:
 
 def describe_error(exc: ValidationError) -> str:
     """One line per bad setting, named as the operator set it: `MRC_X=value: why`."""
-    lines = []
-    for error in exc.errors():
-        field = ".".join(str(part) for part in error.get("loc", ()))
-        name = ENV_PREFIX + field.upper() if field else "settings"
-        value = error.get("input")
-        shown = f"={_redact(str(value))[:80]!r}" if field and isinstance(value, str | int | float) else ""
-        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        lines.append(f"{name}{shown}: {message}")
-    return "; ".join(lines)
-
-
-def _redact(value: str) -> str:
-    """A URL with its password hidden: settings errors go to logs, secrets must not."""
-    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", value)
+    return rules.describe_error(exc, ENV_PREFIX)

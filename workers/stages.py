@@ -70,12 +70,10 @@ def fetch_image(job: Job, source: ImageSource, settings: Settings) -> images.Enc
         raise
     named = names.content_sha256(job.image_uri, settings.s3_bucket, settings.s3_prefix)
     if named is not None and named != encoded.sha256:
-        refused = ImageNotFound(
+        raise ImageNotFound(  # not the job's image: its result claims no image facts (the message names them)
             f"the object at {job.image_uri[:200]} is not the upload its name says: its bytes' sha256 is "
             f"{encoded.sha256}"
         )
-        refused.image_sha256 = encoded.sha256
-        raise refused
     return encoded
 
 

@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="status: print JSON")
     p.add_argument(
         "--interval",
-        type=arg_types.seconds,
+        type=arg_types.seconds_or_zero,
         default=10.0,
         help="seconds between progress lines off a terminal",
     )

@@ -419,7 +419,7 @@ def test_a_restorer_killed_holding_the_mutex_holds_up_restores_a_quarter_of_the_
     """A worker killed inside its restore leaves kombu's restore mutex behind: nobody restores until
     it expires. The worker's own options keep that to a quarter of the visibility timeout (at least a
     second), not the minute that once kept a killed worker's jobs away for 12 timeouts of 5 s."""
-    env = services.base_env(redis_url, "http://127.0.0.1:9", "b", tmp_path)
+    env = services.base_env(redis_url, "http://127.0.0.1:9", "bkt", tmp_path)
     env.update({"MRC_VISIBILITY_TIMEOUT_S": "2", "MRC_RETRY_BASE_S": "0.2", "MRC_RETRY_MAX_S": "1"})
     options = celery_app.make_celery(services.settings_from_env(env)).conf.broker_transport_options
     assert options["unacked_mutex_expire"] == 1

@@ -3,7 +3,9 @@ code, within a few seconds, never a traceback and never a job reported as failed
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import json
 import socket
 import subprocess
 import threading
@@ -365,3 +367,28 @@ def test_the_lane_exporter_on_a_taken_port_is_one_line_and_exit_2(env: dict[str,
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "--serve-metrics" in _one_line(done.stderr)
+
+
+def test_a_stored_result_is_printed_with_redis_away_and_none_yet_needs_redis(env: dict[str, str]) -> None:
+    """Review: `mrc result` said "no result yet" (exit 3) with Redis away; then (helper-61) it refused a
+    result S3 holds. The result is read from S3 alone; "none yet" is said only where Redis answers."""
+    import boto3
+
+    s3 = boto3.client(
+        "s3", endpoint_url=env["MRC_S3_ENDPOINT_URL"], region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )  # fmt: skip
+    with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+        s3.create_bucket(Bucket=env["MRC_S3_BUCKET"])
+    stored = {"schema": "mrc.result/1", "job_id": "stored-1", "status": "succeeded", "text": "yes"}
+    s3.put_object(
+        Bucket=env["MRC_S3_BUCKET"], Key=f"{env.get('MRC_S3_PREFIX', '')}results/stored-1.json",
+        Body=json.dumps(stored).encode(),
+    )  # fmt: skip
+    away = {**env, "MRC_REDIS_URL": _dead_url("redis") + "/0"}
+    done = services.run_cli(away, "result", "stored-1", timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["text"] == "yes"
+    done = services.run_cli(away, "result", "not-stored", timeout=30)
+    assert done.returncode == 5, done.stderr
+    assert "Redis" in _one_line(done.stderr)

@@ -23,6 +23,7 @@ from producer import cli
         ["submit", "--image", "x.png", "--prompt", "hi", "--wait", "--timeout", "inf"],
         ["backlog", "manifest.jsonl", "--wait", "--timeout", "0"],
         ["backlog", "manifest.jsonl", "--interval", "-2"],
+        ["backlog", "manifest.jsonl", "--interval", "inf"],
         ["dlq", "list", "--limit", "0"],
         ["dlq", "requeue", "--limit", "-3"],
     ],
@@ -41,6 +42,7 @@ def test_good_numbers_are_read() -> None:
     assert (args.watch, args.serve_metrics) == (0.5, 9401)
     args = cli._parser().parse_args(["submit", "--image", "x", "--prompt", "p", "--timeout", "12"])
     assert args.timeout == 12.0
+    assert cli._parser().parse_args(["backlog", "m.jsonl", "--interval", "0"]).interval == 0.0  # every change
 
 
 @pytest.mark.parametrize("lanes", ["bogus", "", ",", "interactive,bogus"])

@@ -81,9 +81,20 @@ def test_every_number_setting_is_bounded_and_finite() -> None:
     for name, field in Settings.model_fields.items():
         if field.annotation not in (int, float):
             continue
-        for value in ("1e30", "inf", "-inf", "nan") if field.annotation is float else ("10" * 12,):
+        for value in ("1e30", "inf", "-inf", "nan") if field.annotation is float else ("10" * 14,):
             with pytest.raises(ValidationError):
                 Settings(**{name: value})
+
+
+def test_a_bound_of_a_settings_own_is_kept_and_byte_counts_go_past_two_gib() -> None:
+    """Review (helper-61): the ceiling for every number refused the 5 GiB MRC_OPENAI_FILE_MAX_BYTES
+    allows (and README documents), and 4 GiB of MRC_API_DRAIN_BYTES."""
+    assert Settings(openai_file_max_bytes=5 * 1024**3).openai_file_max_bytes == 5 * 1024**3
+    assert Settings(api_drain_bytes=4 * 1024**3).api_drain_bytes == 4 * 1024**3
+    with pytest.raises(ValidationError):
+        Settings(openai_file_max_bytes=5 * 1024**3 + 1)
+    with pytest.raises(ValidationError):  # past the 7 days a job's record lives, its batch would vanish
+        Settings(openai_batch_window_s=8 * 86_400)
 
 
 def test_the_fixed_decode_step_is_refused_with_flash_attention(monkeypatch: pytest.MonkeyPatch) -> None:
