@@ -4,6 +4,7 @@ name that resolves to loopback, a body past the limit, a server that stalls or t
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
@@ -76,10 +77,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not pause:
             self.wfile.write(data)
             return
-        for byte in data:
-            self.wfile.write(bytes([byte]))
-            self.wfile.flush()
-            time.sleep(pause)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the fetch gave up: its point
+            for byte in data:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(pause)
 
     def _redirect(self, where: str) -> None:
         self.send_response(302)
