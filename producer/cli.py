@@ -229,8 +229,9 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
     import signal
     import threading
 
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+    from shared import http_serve
     from shared.lane_metrics import LaneCollector
     from shared.usage import UsageCollector
 
@@ -239,7 +240,13 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
     registry.register(UsageCollector(client))
     registry.register(redis_target.FailoverCollector())
     try:
-        server, _thread = start_http_server(port, registry=registry)
+        # Bounded (shared/http_serve.py): each scrape reads Redis, so a flood of connections must not
+        # become a flood of reads.
+        def scrape() -> tuple[int, bytes, str]:
+            return 200, generate_latest(registry), CONTENT_TYPE_LATEST
+
+        # "/" as prometheus_client's server answered it before
+        server = http_serve.serve("0.0.0.0", port, {"/metrics": scrape, "/": scrape}, "mrc-lanes")
     except OSError as exc:  # the port taken, or not ours to bind (review: a traceback)
         raise UsageError(f"--serve-metrics {port}: cannot listen there: {exc.strerror or exc}") from None
     logs.get_logger().info("MRC_HTTP_LISTENING", port=server.server_address[1], what="lane metrics")
