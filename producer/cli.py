@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 
 from producer import arg_types, pipe_out
 from producer.backlog import cli as backlog_cli
-from shared import logs, names, reach, redis_target
+from shared import logs, names, reach, redis_target, tenants
 from shared.errors import (
     MrcError,
     NotReplicated,
@@ -28,7 +28,7 @@ from shared.errors import (
     StoreUnavailable,
     UsageError,
 )
-from shared.jobs import JOB_ID_RE, JOB_ID_RULE
+from shared.jobs import JOB_ID_RULE
 from shared.settings import BadSettings, Settings, unknown_variables
 from shared.settings import load as load_settings
 
@@ -116,9 +116,10 @@ def _print_result(result: dict[str, Any]) -> int:
 
 
 def _check_job_id(job_id: str) -> None:
-    """A job id that no submit could have made is a usage error, never a key looked up in S3 or Redis."""
-    if not JOB_ID_RE.match(job_id):
-        raise UsageError(f"job_id {job_id[:40]!r}: {JOB_ID_RULE}")
+    """A job id that no submit could have made is a usage error, never a key looked up in S3 or Redis.
+    An operator (no key) names a tenant's job by its stored id, `OWNER~ID`, as `mrc events` shows it."""
+    if not tenants.STORED_JOB_ID_RE.match(job_id):
+        raise UsageError(f"job_id {job_id[:40]!r}: {JOB_ID_RULE}; a key's job as OWNER~ID (12 hex digits, ~)")
 
 
 def _submission(args: argparse.Namespace) -> Any:

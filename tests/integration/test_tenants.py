@@ -62,7 +62,9 @@ def _result(api: TestClient, who: str, job_id: str) -> dict[str, Any]:
     raise AssertionError(f"no result for {job_id}")
 
 
-def test_a_key_reads_only_its_own_jobs_results_and_events(api: TestClient, client: Client) -> None:
+def test_a_key_reads_only_its_own_jobs_results_and_events(
+    api: TestClient, client: Client, env: dict[str, str]
+) -> None:
     job_id = _id("order")
     fence = {who: api.get("/v1/events", params={"after": "0"}, headers=AS[who]).json()["last_id"]
              for who in ("alice", "bob", "reader")}  # fmt: skip
@@ -91,6 +93,16 @@ def test_a_key_reads_only_its_own_jobs_results_and_events(api: TestClient, clien
     ops = api.get(f"/v1/jobs/{tenants.job_id(OWNER['alice'], job_id)}/result", headers=AS["ops"])
     assert ops.status_code == 200
     assert ops.json()["job_id"] == tenants.job_id(OWNER["alice"], job_id)
+    # So do the operator's commands (no key), with the id `mrc events` and the ops page show (review,
+    # helper-62: both refused it as a usage error).
+    status = services.run_cli(env, "status", stored)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["state"] == "succeeded"
+    result = services.run_cli(env, "result", stored)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == ops.json()
+    for bad in (f"{OWNER['alice']}~", f"{OWNER['alice'][:11]}~{job_id}", f"../{stored}"):
+        assert services.run_cli(env, "status", bad).returncode == 2, bad
 
 
 def _events(api: TestClient, who: str, after: str, job_id: str) -> list[dict[str, Any]]:
