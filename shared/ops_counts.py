@@ -10,6 +10,7 @@ number of them, whatever the fleet's size or history.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,16 @@ def read_minutes(client: Any, count: int, now: float | None = None) -> list[dict
         for minute in range(current - count + 1, current + 1):
             pipe.hgetall(names.ops_minute_key(minute))
         replies = pipe.execute()
-    return [{str(k): int(v) for k, v in (reply or {}).items()} for reply in replies]
+    # Counters (HINCRBY); a field that is not one (written by anything else) is left out, not a failure.
+    return [{str(k): int(v) for k, v in (reply or {}).items() if _is_count(v)} for reply in replies]
+
+
+_COUNT = re.compile(r"-?[0-9]{1,19}")
+
+
+def _is_count(value: Any) -> bool:
+    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return _COUNT.fullmatch(text) is not None
 
 
 def quantile(counts: dict[str, int], q: float) -> float | None:

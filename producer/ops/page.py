@@ -236,7 +236,8 @@ def _worker_row(w: dict[str, Any]) -> str:
     running = int(w.get("engine_rows_running") or 0)
     gpu = "-"
     if w.get("gpu_memory_total_bytes"):
-        gpu = f"{w['gpu_memory_allocated_bytes'] / 2**30:.1f} / {w['gpu_memory_total_bytes'] / 2**30:.0f} GiB"
+        used, total = w.get("gpu_memory_allocated_bytes") or 0, w["gpu_memory_total_bytes"]
+        gpu = f"{used / 2**30:.1f} / {total / 2**30:.0f} GiB"
     rows = f"{running} / {e(w.get('engine_rows_held', 0))} / {e(w.get('engine_rows_waiting', 0))}"
     cells = [
         e(w.get("hostname")), e(",".join(w.get("lanes", []))),

@@ -16,6 +16,7 @@ Counts, ids and error codes only: no prompt, answer or image of any job is read.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -102,26 +103,49 @@ _BEAT_NUMBERS = ("engine_slots", "engine_rows_running", "engine_rows_held", "eng
 
 
 def _beat(raw: str) -> dict[str, Any] | None:
-    """A heartbeat as the page reads it (numbers as numbers, lanes as a list of names), or None."""
+    """A heartbeat as the page reads it (numbers as numbers, lanes as a list of names), or None. A
+    worker of another version, or anything else writing there, must not fail the page: NaN, Infinity
+    and numbers past a float's range (1e400 reads as inf) make the beat unreadable, as they would make
+    /ops/state's JSON (review, helper-62: 500s for every operator)."""
     try:
-        beat = json.loads(raw)
+        beat = json.loads(raw, parse_constant=_refuse, parse_float=_finite_float)
     except (ValueError, RecursionError):
         return None
     if not isinstance(beat, dict):
         return None
     for field in _BEAT_NUMBERS:
         if field in beat:
-            beat[field] = int(_number(beat[field]))
+            beat[field] = _count(beat[field])
+    if "gpu_memory_total_bytes" in beat or "gpu_memory_allocated_bytes" in beat:  # the page shows both
+        beat.setdefault("gpu_memory_total_bytes", 0)
+        beat.setdefault("gpu_memory_allocated_bytes", 0)
     lanes = beat.get("lanes")
     beat["lanes"] = [str(lane) for lane in lanes] if isinstance(lanes, list) else []
     return beat
 
 
+def _refuse(constant: str) -> float:
+    raise ValueError(f"{constant} is no JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is past a float's range")
+    return value
+
+
 def _number(value: object) -> float:
+    """Whatever a record holds, as a finite number: 0 where it is none ("nan", "1e400", a list)."""
     try:
-        return float(value)  # type: ignore[arg-type]  # whatever a heartbeat holds: 0 if not a number
+        number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return 0.0
+    return number if math.isfinite(number) else 0.0
+
+
+def _count(value: object) -> int:
+    return int(_number(value))
 
 
 def _runs(client: Any, now: float) -> dict[str, Any]:
@@ -137,12 +161,12 @@ def _runs(client: Any, now: float) -> dict[str, Any]:
             continue
         row = _run_row(run_id, dict(record), now)
         (running if row["active"] else finished).append(row)
-    return {"running": running, "finished": finished[:5]}
+    return {"running": running, "finished": finished}
 
 
 def _run_row(run_id: str, record: dict[str, str], now: float) -> dict[str, Any]:
-    valid = int(record.get("valid", 0))
-    succeeded, failed = int(record.get("finished_succeeded", 0)), int(record.get("finished_failed", 0))
+    valid = _count(record.get("valid"))
+    succeeded, failed = _count(record.get("finished_succeeded")), _count(record.get("finished_failed"))
     done = succeeded + failed
     state = record.get("state", "")
     remaining = max(0, valid - done)
@@ -213,7 +237,7 @@ def _usage_today(client: Any, now: float) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for field, value in raw.items():
         key, _, kind = str(field).rpartition("|")
-        out.setdefault(key, {})[kind] = int(value)
+        out.setdefault(key, {})[kind] = _count(value)
     return dict(sorted(out.items()))
 
 

@@ -103,18 +103,52 @@ def test_one_unreadable_record_is_shown_as_such_and_never_fails_the_page(client:
         "b": "null",
         "c": "[1]",
         "d": '{"engine_slots": "four", "lanes": null}',
+        # review, helper-62: each was a 500 for every operator (int(inf), int(nan), NaN in the JSON
+        # answer, a KeyError in the page)
+        "e": '{"engine_slots": "1e400", "engine_rows_held": "nan", "stuck_after_s": "inf"}',
+        "f": '{"busy_ratio": NaN}',
+        "g": '{"nested": {"x": [1e400]}}',
+        "h": '{"gpu_memory_total_bytes": 80000000000}',
     }.items():
         client.set(names.worker_key(name), raw)
         client.zadd(names.workers_seen_key(), {names.worker_key(name): now})
     client.lpush(names.dead_letter_key(), "[1, 2]")
+    client.hset(
+        names.run_record_key("odd"), mapping={"state": "enqueued", "valid": "1e400", "finished_failed": "x"}
+    )
+    client.zadd(names.runs_recent_key(), {"odd": now})
+    client.hset(
+        names.ops_minute_key(ops_counts.minute_of(now)), mapping={"code|x": "many", "lat|backlog|1": 2}
+    )
+    client.hset(names.ops_day_key(ops_counts.day_of(now)), mapping={"k|jobs": "nan"})
     view = state.collect(client, Settings(), now)
     shown = {w["hostname"]: w for w in view["workers"]}
-    assert all(shown[name].get("unreadable") for name in "abc")
+    assert all(shown[name].get("unreadable") for name in "abcfg")
     assert shown["d"]["engine_slots"] == 0
     assert shown["d"]["lanes"] == []
+    assert (shown["e"]["engine_slots"], shown["e"]["engine_rows_held"], shown["e"]["stuck"]) == (0, 0, False)
+    assert shown["h"]["gpu_memory_allocated_bytes"] == 0
+    assert [(r["run_id"], r["jobs"], r["failed"]) for r in view["runs"]["finished"]] == [("odd", 0, 0)]
+    assert view["latency"]["backlog"]["jobs"] == 2
+    assert "x" not in view["errors_last_hour"]
+    json.dumps(view, allow_nan=False)  # as /ops/state answers it
     assert view["dead_letter"]["newest"] == [{"job_id": "?", "code": "unreadable"}]
     html = page.page(view, 5)
     assert "unreadable heartbeat" in html
+    assert "0.0 / 75 GiB" in html
+
+
+def test_every_finished_run_of_the_latest_twenty_is_shown(client: redis.Redis) -> None:
+    """The contract's 20 latest runs (review, helper-62: five finished ones at most)."""
+    now = time.time()
+    for i in range(25):
+        client.hset(
+            names.run_record_key(f"r{i}"), mapping={"state": "enqueued", "valid": 2, "finished_succeeded": 2}
+        )
+        client.zadd(names.runs_recent_key(), {f"r{i}": now - i})
+    runs = state.collect(client, Settings(), now)["runs"]
+    assert runs["running"] == []
+    assert [r["run_id"] for r in runs["finished"]] == [f"r{i}" for i in range(20)]
 
 
 def test_a_requeued_dead_letter_leaves_its_runs_progress_until_it_finishes_again(client: redis.Redis) -> None:
