@@ -30,6 +30,9 @@ _UNESCAPES = {"\\": "\\", "|": "|", "n": "\n", "r": "\r"}
 _CONTROL_RE = re.compile("[\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _NEEDS_ESCAPE_RE = re.compile("[\\\\|\n\r\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _FIRST_KEYS = ("ts", "level")
+VALUE_MAX_CHARS = 2048
+TRACEBACK_MAX_CHARS = 8192
+_TRACEBACK_KEYS = frozenset({"exc", "exception"})
 
 
 def escape(value: str) -> str:
@@ -69,12 +72,23 @@ def _text(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def clip(key: str, text: str) -> str:
+    """A value cut to VALUE_MAX_CHARS (a traceback to TRACEBACK_MAX_CHARS), its head and tail kept: a
+    client must not write a line of any length (a 150,000-character image URI was one), and log
+    shippers cut long lines into parts (Docker's json-file driver at 16 KiB)."""
+    limit = TRACEBACK_MAX_CHARS if key in _TRACEBACK_KEYS else VALUE_MAX_CHARS
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...[{len(text) - 2 * half} characters cut]...{text[-half:]}"
+
+
 def _json_line(event: str, fields: Mapping[str, object]) -> str:
     """Numbers, booleans and null stay typed; anything else is its text, as in the pipe format."""
     data: dict[str, object] = {"event": event}
     for key, value in fields.items():
-        plain = value is None or isinstance(value, bool | int | float | str)
-        data[key] = value if plain else _text(value)
+        plain = value is None or isinstance(value, bool | int | float)
+        data[key] = value if plain else clip(key, _text(value))
     return json.dumps(data, ensure_ascii=True, allow_nan=False, default=str)
 
 
@@ -82,7 +96,7 @@ def render(event: str, fields: Mapping[str, object]) -> str:
     """One log line. Keys are assumed to be plain identifiers; values are escaped."""
     ordered = [k for k in _FIRST_KEYS if k in fields] + [k for k in fields if k not in _FIRST_KEYS]
     parts = [escape(event.upper())]
-    parts.extend(f"{key}={escape(_text(fields[key]))}" for key in ordered)
+    parts.extend(f"{key}={escape(clip(key, _text(fields[key])))}" for key in ordered)
     return "|".join(parts)
 
 

@@ -221,6 +221,7 @@ def s3_uri(bucket: str, key: str) -> str:
     return f"s3://{bucket}/{key}"
 
 
+S3_KEY_MAX_BYTES = 1024  # S3's limit on an object key, in UTF-8 bytes
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 
 
@@ -241,6 +242,9 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise ValueError(f"s3 key may not contain an empty segment (//): {uri[:80]!r}")
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
         raise ValueError(f"s3 key may not contain control characters: {uri[:80]!r}")
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > S3_KEY_MAX_BYTES:  # no object has such a key: refused here, not failed by the worker
+        raise ValueError(f"s3 key is {size} bytes; S3 allows at most {S3_KEY_MAX_BYTES}: {uri[:80]!r}...")
     return bucket, key
 
 

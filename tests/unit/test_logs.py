@@ -106,3 +106,24 @@ def test_json_format_has_the_same_events_and_keys_one_line_each() -> None:
     assert second["prompt_head"] == "a\u2028b"
     assert "\u2028" not in lines[1]  # escaped: no character in a value breaks the line
     assert (third["event"], third["logger"], third["msg"]) == ("LIB_LOG", "celery.test", "library says hi")
+
+
+def test_a_value_of_any_length_is_cut_to_its_head_and_tail_in_both_formats() -> None:
+    """Review, helper-62: a client's 150,000-character image URI was one 150,158-character line."""
+    long = "s3://bucket/" + "a" * 150_000 + "END"
+    line = logs.render("MRC_ENQUEUED", {"image": long, "job_id": "j"})
+    assert len(line) < logs.VALUE_MAX_CHARS + 100
+    value = logs.parse_line(line)[1]["image"]
+    assert value.startswith("s3://bucket/aaa")
+    assert value.endswith("aaEND")
+    assert "characters cut" in value
+    as_json = logs._json_line("MRC_ENQUEUED", {"image": long})
+    assert len(as_json) < logs.VALUE_MAX_CHARS + 100
+    # a traceback keeps more, and its last lines (the error itself)
+    trace = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "ValueError: the cause"
+    kept = logs.parse_line(logs.render("LIB_LOG", {"exc": trace}))[1]["exc"]
+    assert logs.VALUE_MAX_CHARS < len(kept) < logs.TRACEBACK_MAX_CHARS + 100
+    assert kept.endswith("ValueError: the cause")
+    # at the limit nothing is cut
+    exact = "x" * logs.VALUE_MAX_CHARS
+    assert logs.parse_line(logs.render("MRC_X", {"v": exact}))[1]["v"] == exact

@@ -46,6 +46,8 @@ def test_a_good_line_becomes_a_job_under_the_run() -> None:
         (_line(image="http://example.com/a.jpg"), "image_source_forbidden"),
         (_line(image="s3://elsewhere/a.jpg"), "image_source_forbidden"),
         (_line(image="s3://photos/../x.jpg"), "'..'"),
+        # no S3 object has a key past 1,024 bytes: refused here, not failed by the worker (review)
+        (_line(image="s3://photos/" + "\u00e9" * 511 + ".jpg"), "1026 bytes"),
         (_line(colour="red"), "unknown field"),
         (_line(ticket_id=5), "ticket_id"),
     ],
