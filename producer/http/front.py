@@ -27,6 +27,7 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from producer.http.body_slots import BodySlots
 from producer.http.guard import Caller, Keys, RateLimiter
@@ -85,6 +86,26 @@ def json_body(
     return status, head, body
 
 
+def _route_label(scope: Scope) -> str:
+    """The route template a request is counted under: the one that answered it, or, for an answer
+    given before routing (401, 429, 413, 503 at the door) or by a route that sets none (/openapi.json,
+    a 405), the one its path matches; "unmatched" only where none does (review: every refusal at the
+    door was counted "unmatched", beside the 404 noise). Templates only: a bounded label."""
+    answered = getattr(scope.get("route"), "path", None)
+    if answered:
+        return str(answered)
+    router = getattr(scope.get("app"), "router", None)
+    probe = {**scope, "type": "http"}
+    partial = None
+    for route in getattr(router, "routes", []):
+        match, _child = route.matches(probe)
+        if match is Match.FULL:
+            return str(route.path)
+        if match is Match.PARTIAL and partial is None:  # the path with another method: a 405
+            partial = str(route.path)
+    return partial or "unmatched"
+
+
 class Front:
     def __init__(
         self,
@@ -112,7 +133,7 @@ class Front:
         try:
             await self._serve(scope, receive, sent, status)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = _route_label(scope)
             method = str(scope.get("method", ""))
             method = method if method in _METHODS else "other"  # a label per invented method: unbounded
             self.count(route, method, status[0] or 500, time.perf_counter() - began)
