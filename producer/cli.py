@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 
 from producer import arg_types, pipe_out
 from producer.backlog import cli as backlog_cli
-from shared import logs, names, reach, redis_target, tenants
+from shared import encoding, logs, names, reach, redis_target, tenants
 from shared.errors import (
     MrcError,
     NotReplicated,
@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, ensure_ascii=False))
+    print(encoding.to_display(data))  # a tenant's text may hold terminal controls (review, helper-62)
 
 
 def _print_result(result: dict[str, Any]) -> int:

@@ -66,6 +66,27 @@ def to_text(value: Any, **dumps: Any) -> str:
     return clean(json.dumps(value, ensure_ascii=False, **dumps)).translate(_LINE_BREAKS)
 
 
+# What a terminal acts on and JSON leaves raw: C1 controls (NEL; U+009B, which some terminals read as
+# the start of a control sequence), the line and paragraph separators, and the bidirectional controls
+# that reorder what an operator reads (U+202E shows a text backwards).
+_DISPLAY_CODES = [
+    *range(0x80, 0xA0),
+    0x200E,
+    0x200F,
+    *range(0x202A, 0x202F),
+    *range(0x2066, 0x206A),
+    0x2028,
+    0x2029,
+]
+_DISPLAY = str.maketrans({chr(c): f"\\u{c:04x}" for c in _DISPLAY_CODES})
+
+
+def to_display(value: Any, **dumps: Any) -> str:
+    """JSON text for a person's terminal (the `mrc` commands' output): UTF-8 kept readable, but what
+    a job's text could use to break a line, drive the terminal or reorder the text is escaped."""
+    return clean(json.dumps(value, ensure_ascii=False, **dumps)).translate(_DISPLAY)
+
+
 class TooDeep(ValueError):
     """JSON nested past MAX_DEPTH (or past what the parser can hold)."""
 

@@ -62,3 +62,22 @@ def test_the_worker_reads_its_lanes_in_order() -> None:
         "interactive",
     ]
     assert worker_cli._parser().parse_args([]).lanes == ["interactive", "backlog"]
+
+
+def test_json_printed_for_a_person_escapes_what_drives_or_reorders_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review, helper-62: `mrc events` and `mrc dlq list` printed a ticket id's U+202E (the line shown
+    backwards), U+2028, U+2029 and NEL raw; readable text stays readable."""
+    import json
+
+    value = {
+        "ticket_id": "T-1\u202eevil\u2066",
+        "prompt": "a\u2028b\u2029c\x85d\x9b31m\x1b[0m",
+        "q": "colis abîmé 中",
+    }
+    cli._print_json(value)
+    out = capsys.readouterr().out
+    assert json.loads(out) == value
+    assert not set(out) & {"\u202e", "\u2066", "\u2028", "\u2029", "\x85", "\x9b", "\x1b"}
+    assert "colis abîmé 中" in out
