@@ -86,6 +86,10 @@ def json_body(
     return status, head, body
 
 
+def _slow_down(wait: float) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    return json_body(429, "rate_limited", "too many requests", {"Retry-After": str(max(1, round(wait)))})
+
+
 def _route_label(scope: Scope) -> str:
     """The route template a request is counted under: the one that answered it, or, for an answer
     given before routing (401, 429, 413, 503 at the door) or by a route that sets none (/openapi.json,
@@ -169,16 +173,23 @@ class Front:
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
         if authorization is None and ops:
             authorization = ops_cookie(headers.get(b"cookie", b"").decode("latin-1"))
+        if path == "/ops/login":  # tries of keys in the form, limited per address
+            wait = self.limiter.retry_after(f"ops-login {address}")
+            if wait > 0:
+                return _slow_down(wait)
         caller = self.keys.caller(authorization, address)
         if caller is None and ops:
             scope.setdefault("state", {})["caller"] = None
             return None
         if caller is None:
+            # Tries of unknown keys are limited per address as a key's requests are (they were not).
+            wait = self.limiter.retry_after(f"unknown-key {address}")
+            if wait > 0:
+                return _slow_down(wait)
             return json_body(401, "unauthorized", "missing or unknown API key (Authorization: Bearer KEY)")
         wait = self.limiter.retry_after(caller.name)
         if wait > 0:
-            retry = {"Retry-After": str(max(1, round(wait)))}
-            return json_body(429, "rate_limited", "too many requests", retry)
+            return _slow_down(wait)
         scope.setdefault("state", {})["caller"] = caller
         return None
 

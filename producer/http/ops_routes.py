@@ -105,6 +105,8 @@ class OpsRoutes:
         return Response(page.OPS_JS, media_type="text/javascript", headers=_HEADERS)
 
     async def login(self, request: Request) -> Response:
+        if _cross_site(request):  # another site's form would plant its own key in an operator's browser
+            return HTMLResponse(page.login("sign in from this page"), status_code=403, headers=_HEADERS)
         raw = await request.body()
         key = urllib.parse.parse_qs(raw[:_FORM_MAX].decode("utf-8", "replace")).get("key", [""])[0].strip()
         caller = self.keys.caller(f"Bearer {key}", "ops-login") if key else None
@@ -115,14 +117,39 @@ class OpsRoutes:
         done = RedirectResponse("/ops", status_code=303, headers=_HEADERS)
         done.set_cookie(
             OPS_COOKIE, urllib.parse.quote(key, safe=""), httponly=True, samesite="strict", path="/ops",
-            secure=request.url.scheme == "https",
+            secure=_https(request),
         )  # fmt: skip
         return done
 
-    async def logout(self) -> Response:
+    async def logout(self, request: Request) -> Response:
         done = RedirectResponse("/ops", status_code=303, headers=_HEADERS)
-        done.delete_cookie(OPS_COOKIE, path="/ops")
+        if not _cross_site(request):  # a link on another site signs nobody out
+            done.delete_cookie(OPS_COOKIE, path="/ops")
         return done
+
+
+def _cross_site(request: Request) -> bool:
+    """Whether a browser says the request comes from another site: Sec-Fetch-Site (every current
+    browser), else an Origin naming another host than the request's (or "null": an origin hidden on
+    purpose). A client that sends neither (curl, a script) is no browser to protect."""
+    fetched_from = request.headers.get("sec-fetch-site")
+    if fetched_from is not None:
+        return fetched_from not in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    here = request.headers.get("x-forwarded-host") or request.headers.get("host") or ""
+    return (
+        origin == "null" or urllib.parse.urlsplit(origin).netloc.lower() != here.split(",")[0].strip().lower()
+    )
+
+
+def _https(request: Request) -> bool:
+    """Whether the browser reached us over HTTPS, here or at a TLS proxy in front: the Secure flag
+    follows X-Forwarded-Proto from any proxy (uvicorn trusts it only from 127.0.0.1 for the scheme;
+    a forged one only keeps the cookie off plain HTTP, which costs its sender alone)."""
+    forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return request.url.scheme == "https" or forwarded == "https"
 
 
 def _caller(request: Request) -> Caller | None:

@@ -187,6 +187,49 @@ def test_rate_limit_and_a_full_backlog_say_when_to_retry(api_env: dict[str, str]
         assert refused[0].json()["error"]["code"] == "queue_full"
 
 
+def test_the_ops_sign_in_refuses_other_sites_and_key_guessing_is_limited(api_env: dict[str, str]) -> None:
+    """Review, helper-62: another site's form could plant its key in an operator's browser (login
+    CSRF) and sign them out with a link; the cookie had no Secure flag behind a TLS proxy that is not
+    127.0.0.1; unknown keys, on the API and in the form, were never rate-limited."""
+    ops_key = "k-ops-signin"
+    keyed = {
+        **api_env,
+        "MRC_API_KEYS": f"{KEYS},{hashlib.sha256(ops_key.encode()).hexdigest()}@ops",
+        "MRC_API_RATE_PER_S": "0.01",  # no token comes back during the test, however slow the machine
+        "MRC_API_RATE_BURST": "7",
+    }
+    form = {"key": ops_key}
+    with TestClient(create_app(services.settings_from_env(keyed)), base_url="http://ops.example") as api:
+        for headers in (
+            {"Sec-Fetch-Site": "cross-site"},
+            {"Sec-Fetch-Site": "same-site"},
+            {"Origin": "https://evil.example"},
+            {"Origin": "null"},
+        ):
+            refused = api.post("/ops/login", data=form, headers=headers, follow_redirects=False)
+            assert refused.status_code == 403, headers
+            assert "set-cookie" not in refused.headers
+        # the page's own form, from a browser behind a TLS proxy
+        browser = {"Sec-Fetch-Site": "same-origin", "Origin": "http://ops.example", "X-Forwarded-Proto": "https"}
+        signed = api.post("/ops/login", data=form, headers=browser, follow_redirects=False)
+        assert signed.status_code == 303
+        cookie = signed.headers["set-cookie"]
+        assert "HttpOnly" in cookie
+        assert "Secure" in cookie
+        assert "samesite=strict" in cookie.lower()
+        away = api.get("/ops/logout", headers={"Sec-Fetch-Site": "cross-site"}, follow_redirects=False)
+        assert "set-cookie" not in away.headers
+        out = api.get("/ops/logout", headers={"Sec-Fetch-Site": "same-origin"}, follow_redirects=False)
+        assert 'mrc_ops_key=""' in out.headers["set-cookie"]
+        # the form's tries (5 of the burst of 7 taken above), then the API's unknown keys, per address
+        tries = [api.post("/ops/login", data={"key": f"guess-{i}"}).status_code for i in range(3)]
+        assert tries == [401, 401, 429]
+        guesses = [api.get("/v1/jobs/x", headers={"Authorization": f"Bearer guess-{i}"}) for i in range(8)]
+        assert [g.status_code for g in guesses] == [401] * 7 + [429]
+        assert int(guesses[-1].headers["Retry-After"]) >= 1
+        assert api.get("/v1/jobs/x", headers=AUTH).status_code == 404  # a known key is not held back
+
+
 def test_health_ready_metrics_and_schema(api: TestClient) -> None:
     assert api.get("/healthz").json() == {"status": "alive"}
     ready = api.get("/readyz").json()
