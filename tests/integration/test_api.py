@@ -210,7 +210,8 @@ def test_the_ops_sign_in_refuses_other_sites_and_key_guessing_is_limited(api_env
             assert refused.status_code == 403, headers
             assert "set-cookie" not in refused.headers
         # the page's own form, from a browser behind a TLS proxy
-        browser = {"Sec-Fetch-Site": "same-origin", "Origin": "http://ops.example", "X-Forwarded-Proto": "https"}
+        browser = {"Sec-Fetch-Site": "same-origin", "Origin": "http://ops.example"}
+        browser["X-Forwarded-Proto"] = "https"
         signed = api.post("/ops/login", data=form, headers=browser, follow_redirects=False)
         assert signed.status_code == 303
         cookie = signed.headers["set-cookie"]
