@@ -99,7 +99,7 @@ class OpsRoutes:
         if not caller.ops:
             return JSONResponse({"error": {"code": "forbidden", "message": "this key has no ops scope"}}, 403)
         view = await self._view()
-        return JSONResponse(view, headers={"cache-control": "no-store"})
+        return JSONResponse(view, headers={"cache-control": "no-store", "x-content-type-options": "nosniff"})
 
     async def script(self) -> Response:
         return Response(page.OPS_JS, media_type="text/javascript", headers=_HEADERS)

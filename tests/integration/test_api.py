@@ -218,6 +218,8 @@ def test_the_ops_sign_in_refuses_other_sites_and_key_guessing_is_limited(api_env
         assert "HttpOnly" in cookie
         assert "Secure" in cookie
         assert "samesite=strict" in cookie.lower()
+        state = api.get("/ops/state", headers={"Authorization": f"Bearer {ops_key}"})
+        assert state.headers["x-content-type-options"] == "nosniff"
         away = api.get("/ops/logout", headers={"Sec-Fetch-Site": "cross-site"}, follow_redirects=False)
         assert "set-cookie" not in away.headers
         out = api.get("/ops/logout", headers={"Sec-Fetch-Site": "same-origin"}, follow_redirects=False)
