@@ -35,6 +35,7 @@ from shared.settings import load as load_settings
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
 # Enqueued on the Redis master, but fewer replicas than MRC_REDIS_WAIT_REPLICAS confirmed it in time.
 EXIT_NOT_REPLICATED = 6
+EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -392,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MrcError as exc:
         print(f"mrc: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # one line, not a traceback (mrc backlog says how to go on: its own)
+        print("\nmrc: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

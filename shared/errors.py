@@ -139,8 +139,9 @@ class QueueFull(MrcError):
     code = "queue_full"
     retryable = True
 
-    def __init__(self, depth: int, limit: int) -> None:
-        super().__init__(f"queue full: the backlog lane holds {depth} jobs; the limit is {limit}")
+    def __init__(self, depth: int, limit: int, then: str = "") -> None:
+        said = f"queue full: the backlog lane holds {depth} jobs; the limit is {limit}"
+        super().__init__(f"{said}; {then}" if then else said)
         self.depth, self.limit = depth, limit
 
 

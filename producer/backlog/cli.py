@@ -20,10 +20,11 @@ from typing import IO, Any
 
 from producer import arg_types
 from producer.backlog import outages
-from shared.errors import UsageError
+from shared.errors import QueueFull, UsageError
 from shared.settings import Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 SUBCOMMANDS = ("status", "report", "cancel")
 
 
@@ -121,6 +122,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             )  # fmt: skip
         except outages.Outage as exc:
             return _gave_up(run_id, source, exc)
+        except QueueFull as exc:  # --no-block: what was queued is indexed (status sees it); say so
+            then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
+            raise QueueFull(exc.depth, exc.limit, then) from None
+        except KeyboardInterrupt:
+            print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
+                  f"{_go_on(run_id, source)}", file=sys.stderr)  # fmt: skip
+            return EXIT_INTERRUPTED
         finally:
             display.close()
     if not args.wait:
@@ -134,14 +142,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 def _gave_up(run_id: str, source: str, exc: Exception) -> int:
     """Redis or S3 stayed away past MRC_BACKLOG_OUTAGE_S after the run began: not exit 5 (that says
     nothing was enqueued, and a retry without --run-id would enqueue the run again under new ids)."""
-    again = (
-        f"mrc backlog - --run-id {run_id} < MANIFEST" if source == "-" else f"mrc backlog --resume {run_id}"
-    )
     print(
-        f"mrc: run {run_id} is not whole: {exc}; its jobs so far stay queued. Go on with: {again} [--wait]",
+        f"mrc: run {run_id} is not whole: {exc}; its jobs so far stay queued. Go on with: "
+        f"{_go_on(run_id, source)} [--wait]",
         file=sys.stderr,
     )
     return EXIT_TIMEOUT
+
+
+def _go_on(run_id: str, source: str) -> str:
+    """The command that queues the rest of a run cut short."""
+    return (
+        f"mrc backlog - --run-id {run_id} < MANIFEST" if source == "-" else f"mrc backlog --resume {run_id}"
+    )
 
 
 Lines = Callable[[], Iterator[tuple[int, bytes]]]

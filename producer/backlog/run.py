@@ -14,6 +14,7 @@ what `status`, `report` and `cancel` read, in manifest order, without holding th
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -120,11 +121,18 @@ class Backlog(RunReader):
         throttle = _Throttle(rate)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
-                index = self.files.get_text(self._index_key(run_id, number)) or ""
-                invalid = index.count('"invalid":')
-                progress.lines += len(chunk)
+                known = _entries(self.files.get_text(self._index_key(run_id, number)) or "")
+                invalid = sum(1 for entry in known if "invalid" in entry)
                 progress.invalid += invalid
-                progress.already += index.count("\n") - invalid
+                progress.already += len(known) - invalid
+                # Lines the index does not hold: the manifest grew since (a partial last chunk then, or
+                # a listing with new objects). They are queued now (review: they were skipped, exit 0).
+                grown = _unindexed(chunk, known)
+                progress.lines += len(chunk) - len(grown)
+                if grown:
+                    self._enqueue_chunk(
+                        run_id, number, grown, progress, block, throttle, on_progress, parse, known=known
+                    )
             else:
                 self._enqueue_chunk(
                     run_id,
@@ -154,8 +162,45 @@ class Backlog(RunReader):
         on_progress: OnProgress | None,
         parse: Parse,
         again: bool = False,
+        known: list[dict[str, Any]] | None = None,
     ) -> None:
-        """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then)."""
+        """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then);
+        `known`: the index entries of the chunk's lines an earlier pass queued (`chunk` is the rest)."""
+        jobs, entries = self._jobs(chunk, run_id, parse, progress)
+        unreplicated: PartNotReplicated | None = None
+        full: QueueFull | None = None
+        try:
+            stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
+        except PartNotReplicated as exc:  # what is queued is indexed (status sees it) and flagged, so a
+            stopped, unreplicated = False, exc  # resume goes over the chunk again (it queues nothing twice)
+            self.runs.update(run_id, **{_UNCONFIRMED + str(number): "1"})
+        except QueueFull as exc:  # --no-block: what is queued is indexed, so status, report and cancel
+            stopped, full = False, exc  # see it (review: 0/0 with 30 queued); a resume queues the rest
+        invalid = sum(1 for e in entries if "invalid" in e)
+        indexed = sorted([*(known or []), *entries], key=lambda e: int(e["line"]))
+        body = "".join(encoding.to_text(e) + "\n" for e in indexed)
+        self.files.put_text(self._index_key(run_id, number), body)
+        if not again:  # lines left unqueued by a full lane are counted when a resume queues them
+            left = len(_unindexed(chunk, entries)) if full is not None else 0
+            self.runs.count(run_id, lines=len(chunk) - left, valid=len(entries) - invalid, invalid=invalid)
+        if unreplicated is not None:
+            raise unreplicated
+        if full is not None:
+            raise full
+        if again:
+            self.runs.forget(run_id, _UNCONFIRMED + str(number))
+        progress.lines += len(chunk)
+        progress.valid += len(entries) - invalid
+        progress.invalid += invalid
+        if stopped:  # the index holds what was queued before the cancel: status and report see it
+            ids = [str(e["job_id"]) for e in entries if "job_id" in e]
+            self.runs.count(run_id, cancelled=self.runs.cancel_many(ids))  # cancel() could not see them
+            raise _cancelled(run_id)
+
+    def _jobs(
+        self, chunk: list[tuple[int, bytes]], run_id: str, parse: Parse, progress: Progress
+    ) -> tuple[list[tuple[Line, Job]], list[dict[str, Any]]]:
+        """A chunk's lines as jobs to queue, and the index entries of those that are invalid."""
         parsed = [p for n, raw in chunk if (p := parse(n, raw, run_id, self.settings)) is not None]
         images = self._upload([p.image for p in parsed if isinstance(p, Line)], progress)
         entries: list[dict[str, Any]] = []
@@ -170,29 +215,7 @@ class Backlog(RunReader):
             elif isinstance(item, Line):
                 item = Invalid(item.number, str(images[item.image]), item.custom_id)
             entries.append(_invalid_entry(item))
-        unreplicated: PartNotReplicated | None = None
-        try:
-            stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
-        except PartNotReplicated as exc:  # what is queued is indexed (status sees it) and flagged, so a
-            stopped, unreplicated = False, exc  # resume goes over the chunk again (it queues nothing twice)
-            self.runs.update(run_id, **{_UNCONFIRMED + str(number): "1"})
-        entries.sort(key=lambda e: int(e["line"]))
-        invalid = sum(1 for e in entries if "invalid" in e)
-        body = "".join(encoding.to_text(e) + "\n" for e in entries)
-        self.files.put_text(self._index_key(run_id, number), body)
-        if not again:
-            self.runs.count(run_id, lines=len(chunk), valid=len(entries) - invalid, invalid=invalid)
-        if unreplicated is not None:
-            raise unreplicated
-        if again:
-            self.runs.forget(run_id, _UNCONFIRMED + str(number))
-        progress.lines += len(chunk)
-        progress.valid += len(entries) - invalid
-        progress.invalid += invalid
-        if stopped:  # the index holds what was queued before the cancel: status and report see it
-            ids = [str(e["job_id"]) for e in entries if "job_id" in e]
-            self.runs.count(run_id, cancelled=self.runs.cancel_many(ids))  # cancel() could not see them
-            raise _cancelled(run_id)
+        return jobs, entries
 
     def _queue(
         self,
@@ -316,6 +339,16 @@ _UNCONFIRMED = "unconfirmed_chunk_"
 
 def _unconfirmed(record: dict[str, str]) -> set[int]:
     return {int(key.removeprefix(_UNCONFIRMED)) for key in record if key.startswith(_UNCONFIRMED)}
+
+
+def _unindexed(chunk: list[tuple[int, bytes]], entries: list[dict[str, Any]]) -> list[tuple[int, bytes]]:
+    """The chunk's lines no index entry holds, blank ones left out (they never have one)."""
+    indexed = {int(entry["line"]) for entry in entries}
+    return [(n, raw) for n, raw in chunk if n not in indexed and raw.strip()]
+
+
+def _entries(index: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in index.splitlines() if line.strip()]
 
 
 def _invalid_entry(item: Invalid) -> dict[str, Any]:

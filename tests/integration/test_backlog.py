@@ -486,9 +486,58 @@ def test_a_cancel_while_the_run_waits_for_room_queues_nothing_more(
 
 
 def test_the_depth_limit_holds_when_it_is_below_a_part(own: dict[str, str], tmp_path: Path) -> None:
-    """A limit of 40 with parts of 500: exactly 40 jobs go in (it used to let a whole part in)."""
+    """A limit of 40 with parts of 500: exactly 40 jobs go in (it used to let a whole part in). What
+    went in is the run's (review, helper-63: status read 0/0 and cancel found nothing), and a resume
+    once there is room queues the rest, each line once."""
     env = {**own, "MRC_BACKLOG_MAX_DEPTH": "40"}
     rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(240)]
-    done = services.run_cli(env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--no-block")
+    rows.insert(100, "")  # a blank line is no line to queue, on either pass
+    done = services.run_cli(
+        env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--no-block", "--run-id", "full"
+    )
     assert done.returncode == 4, done.stderr
+    assert "mrc backlog --resume full" in done.stderr
     assert len(_queued_ids(own)) == 40
+    status = json.loads(services.run_cli(own, "backlog", "status", "full", "--json").stdout)
+    assert (status["jobs"], status["queued"]) == (40, 40)
+    resumed = services.run_cli(own, "backlog", "--resume", "full", "--interval", "0")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(_queued_ids(own)) == sorted(f"full.c{i}" for i in range(240))
+    status = json.loads(services.run_cli(own, "backlog", "status", "full", "--json").stdout)
+    assert (status["lines"], status["jobs"], status["queued"]) == (241, 240, 240)
+
+
+def test_ctrl_c_stops_the_enqueue_in_one_line_naming_the_resume(own: dict[str, str], tmp_path: Path) -> None:
+    """Review, helper-63: a bare KeyboardInterrupt traceback, no word of how to go on."""
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(2000)]
+    path = _write(tmp_path / "m.jsonl", rows)
+    command = [str(services.BIN / "mrc"), "backlog", str(path), "--run-id", "stop", "--rate", "200"]
+    proc = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    services.wait_for(lambda: len(_queued_ids(own)) > 0, 120, "the first jobs queued", proc)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "mrc backlog --resume stop" in err
+    resumed = services.run_cli(own, "backlog", "--resume", "stop", "--interval", "0")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(_queued_ids(own)) == sorted(f"stop.c{i}" for i in range(2000))
+
+
+def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-63: a manifest of 3,000 lines grown to 5,000 (the last chunk then partial) was
+    'enqueued 0, already there 3000', exit 0, and lines 3,001-5,000 were nowhere."""
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(7000)]
+    path = tmp_path / "grow.jsonl"
+    first = services.run_cli(
+        own, "backlog", str(_write(path, rows[:3000])), "--run-id", "grow", "--interval", "0"
+    )
+    assert first.returncode == 0, first.stderr
+    again = services.run_cli(own, "backlog", str(_write(path, rows)), "--run-id", "grow", "--interval", "0")
+    assert again.returncode == 0, again.stderr
+    assert "enqueued 4000" in again.stdout + again.stderr
+    assert sorted(_queued_ids(own)) == sorted(f"grow.c{i}" for i in range(7000))
+    status = json.loads(services.run_cli(own, "backlog", "status", "grow", "--json").stdout)
+    assert (status["lines"], status["jobs"], status["queued"]) == (7000, 7000, 7000)
