@@ -61,9 +61,15 @@ def _rate(text: str) -> float:
         value = float(text.removesuffix("/s"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a rate: {text!r} (say 500 or 500/s)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("the rate must be above 0")
+    # NaN passed `<= 0` and was no limit; 1e-300 overflowed the throttle's clock (review, helper-63)
+    if not _SLOWEST_RATE <= value <= _FASTEST_RATE:
+        raise argparse.ArgumentTypeError(
+            f"the rate must be from {_SLOWEST_RATE} to {_FASTEST_RATE:.0e} lines/s"
+        )
     return value
+
+
+_SLOWEST_RATE, _FASTEST_RATE = 0.001, 1e9
 
 
 def check(args: argparse.Namespace) -> None:

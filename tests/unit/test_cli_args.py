@@ -24,6 +24,11 @@ from producer import cli
         ["backlog", "manifest.jsonl", "--wait", "--timeout", "0"],
         ["backlog", "manifest.jsonl", "--interval", "-2"],
         ["backlog", "manifest.jsonl", "--interval", "inf"],
+        ["backlog", "manifest.jsonl", "--rate", "nan"],
+        ["backlog", "manifest.jsonl", "--rate=-nan"],
+        ["backlog", "manifest.jsonl", "--rate", "1e-300"],
+        ["backlog", "manifest.jsonl", "--rate", "inf"],
+        ["backlog", "manifest.jsonl", "--rate", "0"],
         ["dlq", "list", "--limit", "0"],
         ["dlq", "requeue", "--limit", "-3"],
     ],
@@ -43,6 +48,8 @@ def test_good_numbers_are_read() -> None:
     args = cli._parser().parse_args(["submit", "--image", "x", "--prompt", "p", "--timeout", "12"])
     assert args.timeout == 12.0
     assert cli._parser().parse_args(["backlog", "m.jsonl", "--interval", "0"]).interval == 0.0  # every change
+    assert cli._parser().parse_args(["backlog", "m.jsonl", "--rate", "500/s"]).rate == 500.0
+    assert cli._parser().parse_args(["backlog", "m.jsonl", "--rate", "0.001"]).rate == 0.001
 
 
 @pytest.mark.parametrize("lanes", ["bogus", "", ",", "interactive,bogus"])
