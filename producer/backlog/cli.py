@@ -219,14 +219,28 @@ def _strict(lines: Iterator[tuple[int, bytes]], run_id: str, settings: Settings)
     from producer.backlog import manifest
 
     bad = 0
+    seen: dict[str, bytes] = {}  # job id -> what makes the job (the enqueue refuses a second one)
     for number, raw in lines:
         item = manifest.parse(number, raw, run_id, settings)
+        if isinstance(item, manifest.Line):
+            made = _what_makes(item)
+            if seen.setdefault(item.job_id, made) != made:  # review, helper-63: it ran, and exit 1
+                item = manifest.Invalid(number, f"custom_id {item.custom_id!r} is already another line's job")
         if isinstance(item, manifest.Invalid):
             bad += 1
             if bad <= 20:
                 print(f"mrc: line {item.number}: {item.reason}", file=sys.stderr)
     if bad:
         raise UsageError(f"--strict: {bad} invalid line(s); nothing enqueued")
+
+
+def _what_makes(line: Any) -> bytes:
+    """A digest of what makes a line's job (as Job.fingerprint, the image as the line names it)."""
+    import hashlib
+
+    fmt = None if line.response_format is None else line.response_format.model_dump(by_alias=True)
+    material = json.dumps([line.image, line.prompt, line.max_new_tokens, fmt], sort_keys=True)
+    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).digest()[:16]
 
 
 def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespace) -> int:

@@ -151,6 +151,15 @@ def test_strict_refuses_a_manifest_with_a_bad_line(own: dict[str, str], tmp_path
     assert out.returncode == 2
     assert "line 2" in out.stderr
     assert _queued_ids(own) == []
+    # a custom_id given to two different jobs is a bad line too (review, helper-63: both ran, exit 1);
+    # the same line twice is one job
+    twice = [{"custom_id": "d", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}] * 2
+    other = {"custom_id": "d", "image": "s3://mrc-backlog/b.jpg", "prompt": "Q?"}
+    out = services.run_cli(own, "backlog", str(_write(tmp_path / "d.jsonl", [*twice, other])), "--strict")
+    assert out.returncode == 2
+    assert "line 3" in out.stderr
+    assert "line 2" not in out.stderr
+    assert _queued_ids(own) == []
 
 
 def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
