@@ -204,11 +204,14 @@ def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
     from producer.client import Client
 
-    result = Client(settings).result(args.job_id)
+    client = Client(settings)
+    result = client.result(args.job_id)
     if result is None:
         # "none yet" only where Redis, which holds the job, answers: with it away that is exit 5
         # (review: exit 3); a stored result is printed whatever Redis does
         reach.check(settings, need_redis=True, need_s3=False)
+        result = client.settled_result(args.job_id)  # a failed job whose result S3 refused
+    if result is None:
         print(f"mrc: no result for {args.job_id} yet", file=sys.stderr)
         return EXIT_TIMEOUT
     return _print_result(result)

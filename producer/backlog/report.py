@@ -141,7 +141,7 @@ class RunReader:
         }
 
     def _result_of(self, entry: dict[str, Any]) -> dict[str, Any] | None:
-        return None if "job_id" not in entry else self.queue.result(entry["job_id"])
+        return None if "job_id" not in entry else self.queue.settled_result(entry["job_id"])
 
     def _run(self, run_id: str) -> dict[str, str]:
         run = self.runs.get(run_id)

@@ -226,6 +226,18 @@ class Queue:
     def result(self, job_id: str) -> dict[str, Any] | None:
         return self.results.get_result(job_id)
 
+    def settled_result(self, job_id: str) -> dict[str, Any] | None:
+        """The stored result; else, for a job that failed without one (S3 refused it: the worker
+        dead-lettered it), what its record says, `result_stored: false`, as a wait answers; else None
+        (review, helper-63: `mrc result` and a run's report called such a job pending for good)."""
+        result = self.result(job_id)
+        if result is not None:
+            return result
+        record = self.records.get(job_id)
+        if record.get("state") == "failed" and record.get("error_code"):
+            return unstored_result(job_id, record)
+        return None
+
     def status(self, job_id: str) -> dict[str, Any]:
         record = self.records.get(job_id)
         state = record.get("state")

@@ -533,6 +533,32 @@ def test_ctrl_c_stops_the_enqueue_in_one_line_naming_the_resume(own: dict[str, s
     assert sorted(_queued_ids(own)) == sorted(f"stop.c{i}" for i in range(2000))
 
 
+def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_mrc_result(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """A job S3 refused the result of is dead-lettered failed, its record saying why (review,
+    helper-63: the report and `mrc result` called it pending for good, while status said failed)."""
+    rows = [{"custom_id": c, "image": "s3://mrc-backlog/none.jpg", "prompt": f"Q {c}?"} for c in "ab"]
+    done = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "lost")
+    assert done.returncode == 0, done.stderr
+    client = Client(services.settings_from_env(own))
+    why = {"error_code": "internal_error", "error_message": "the result could not be stored"}
+    client.records.set_state("lost.a", "failed", **why)
+    shown = services.run_cli(own, "result", "lost.a")
+    assert shown.returncode == 1, shown.stderr
+    result = json.loads(shown.stdout)
+    assert (result["status"], result["error"]["code"], result["result_stored"]) == (
+        "failed",
+        "internal_error",
+        False,
+    )
+    assert services.run_cli(own, "result", "lost.b").returncode == 3  # queued: no result yet
+    report = services.run_cli(own, "backlog", "report", "lost")
+    assert report.returncode == 1, report.stderr  # a run with a failed job (b is still pending)
+    assert json.loads(report.stdout)["counts"] == {"failed": 1, "pending": 1}
+    assert [row["custom_id"] for row in _file(own, "lost", "errors.jsonl")] == ["a"]
+
+
 def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
     own: dict[str, str], tmp_path: Path
 ) -> None:
