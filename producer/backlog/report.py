@@ -49,9 +49,12 @@ class RunReader:
         recent = invalid = 0
         since = time.time() - 60
         usage = usage_book.empty_sums()
+        seen: set[str] = set()  # a line repeated is one job: counted, and its tokens summed, once
         for batch in manifest.batched(self.entries(run_id), 1000):
             invalid += sum(1 for e in batch if "invalid" in e)
-            ids = [e["job_id"] for e in batch if "job_id" in e]
+            ids = [e["job_id"] for e in batch if "job_id" in e and e["job_id"] not in seen]
+            ids = list(dict.fromkeys(ids))
+            seen.update(ids)
             usage_book.add_records(usage, self.runs.usage(ids))
             for state, code, updated in self.runs.states(ids):
                 states[state or "unknown"] += 1

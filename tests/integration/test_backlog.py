@@ -559,6 +559,17 @@ def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_m
     assert [row["custom_id"] for row in _file(own, "lost", "errors.jsonl")] == ["a"]
 
 
+def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_path: Path) -> None:
+    """Review, helper-63: the same line twice was two jobs in status, its tokens summed twice."""
+    line = {"custom_id": "d", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}
+    rows = [line, {**line, "custom_id": "e"}, line]
+    done = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "twice")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(services.run_cli(own, "backlog", "status", "twice", "--json").stdout)
+    assert (status["lines"], status["jobs"], status["queued"]) == (3, 2, 2)
+    assert len(_file(own, "twice", "index/00000000.jsonl")) == 3  # each line is in the index
+
+
 def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
     own: dict[str, str], tmp_path: Path
 ) -> None:
