@@ -168,6 +168,13 @@ class RunRecords:
                 self._cancel(keys=[names.job_key(job_id)], client=pipe)
             return sum(int(r) for r in pipe.execute())
 
+    def recorded(self, job_ids: Sequence[str]) -> list[bool]:
+        """Whether each job has a record, in one round trip."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.exists(names.job_key(job_id))
+            return [bool(found) for found in pipe.execute()]
+
     def states(self, job_ids: Sequence[str]) -> list[tuple[str | None, str | None, str | None]]:
         """(state, error_code, updated_at) per job, in one round trip."""
         with self._redis.pipeline(transaction=False) as pipe:

@@ -178,7 +178,10 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
         run = backlog.runs.get(args.resume)
         source, prompt = run.get("manifest"), prompt or run.get("prompt")
         if not source:
-            raise UsageError(f"no backlog run {args.resume!r} to resume")
+            raise UsageError(
+                f"no backlog run {args.resume!r} to resume (its record expired, or Redis lost it: run "
+                f"its manifest again with --run-id {args.resume}, which queues what is missing)"
+            )
     if source.startswith("s3://"):
         bucket, _, prefix = source[5:].partition("/")
         if not prompt:

@@ -18,7 +18,7 @@ from shared import encoding, names
 from shared import usage as usage_book
 from shared.errors import UsageError
 from shared.jobs import parse_rfc3339
-from shared.records import TERMINAL
+from shared.records import RECORD_TTL_S, TERMINAL
 from shared.runs import RunRecords
 from shared.settings import Settings
 from shared.stores import RunFiles
@@ -69,9 +69,14 @@ class RunReader:
         created = run.get("created_at")
         age = time.time() - parse_rfc3339(created).timestamp() if created else 60.0
         rate = recent / min(60.0, max(1.0, age))
+        # Jobs without a record are done only once records have expired (7 days): a younger run's
+        # were lost with Redis's data, and running it again queues them (review, helper-63: "done").
+        settled = not states["unknown"] or age >= RECORD_TTL_S
         return {
             "run_id": run_id,
-            "state": "done" if jobs and not left and run.get("state") == "enqueued" else run.get("state"),
+            "state": "done"
+            if jobs and not left and settled and run.get("state") == "enqueued"
+            else run.get("state"),
             "created_at": run.get("created_at"),
             "lines": int(run.get("lines", 0)),
             "jobs": jobs,

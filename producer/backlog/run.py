@@ -116,23 +116,13 @@ class Backlog(RunReader):
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.queue.results.ensure_bucket()
         done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
+        fresh = "lines" not in record  # with chunks indexed: Redis lost the run's record (counted anew)
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
         throttle = _Throttle(rate)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
-                known = _entries(self.files.get_text(self._index_key(run_id, number)) or "")
-                invalid = sum(1 for entry in known if "invalid" in entry)
-                progress.invalid += invalid
-                progress.already += len(known) - invalid
-                # Lines the index does not hold: the manifest grew since (a partial last chunk then, or
-                # a listing with new objects). They are queued now (review: they were skipped, exit 0).
-                grown = _unindexed(chunk, known)
-                progress.lines += len(chunk) - len(grown)
-                if grown:
-                    self._enqueue_chunk(
-                        run_id, number, grown, progress, block, throttle, on_progress, parse, known=known
-                    )
+                self._go_over(run_id, number, chunk, progress, block, throttle, on_progress, parse, fresh)
             else:
                 self._enqueue_chunk(
                     run_id,
@@ -151,6 +141,53 @@ class Backlog(RunReader):
             raise _cancelled(run_id)
         return progress
 
+    def _go_over(
+        self,
+        run_id: str,
+        number: int,
+        chunk: list[tuple[int, bytes]],
+        progress: Progress,
+        block: bool,
+        throttle: _Throttle,
+        on_progress: OnProgress | None,
+        parse: Parse,
+        fresh: bool,
+    ) -> None:
+        """A chunk an earlier pass indexed: what it queued that Redis lost (no record, no result: Redis
+        restarted without its data) is queued again, and lines the index does not hold (the manifest
+        grew since: a partial last chunk then, or a listing's new objects) are queued now (review,
+        helper-63: both were skipped, exit 0, and those jobs never ran)."""
+        known = _entries(self.files.get_text(self._index_key(run_id, number)) or "")
+        lost = self._lost(known)
+        kept = [entry for entry in known if int(entry["line"]) not in lost]
+        if fresh:  # the run's record went with Redis: its counts start again from the index
+            invalid = sum(1 for entry in kept if "invalid" in entry)
+            self.runs.count(run_id, lines=len(kept), valid=len(kept) - invalid, invalid=invalid)
+        invalid = sum(1 for entry in kept if "invalid" in entry)
+        progress.invalid += invalid
+        progress.already += len(kept) - invalid
+        progress.lines += len(kept)
+        again = [(n, raw) for n, raw in chunk if n in lost]
+        if again:  # counted by the pass that indexed them, unless the record went too
+            args = (progress, block, throttle, on_progress, parse)
+            kept = self._enqueue_chunk(run_id, number, again, *args, again=not fresh, known=kept)
+        grown = _unindexed(chunk, kept)
+        if grown:
+            self._enqueue_chunk(
+                run_id, number, grown, progress, block, throttle, on_progress, parse, known=kept
+            )
+
+    def _lost(self, entries: list[dict[str, Any]]) -> set[int]:
+        """The lines of `entries` whose job has neither a record nor a result."""
+        queued = [entry for entry in entries if "job_id" in entry]
+        recorded = self.runs.recorded([entry["job_id"] for entry in queued])
+        gone = [entry for entry, found in zip(queued, recorded, strict=True) if not found]
+        if not gone:
+            return set()
+        with ThreadPoolExecutor(_UPLOAD_THREADS) as pool:
+            stored = list(pool.map(lambda e: self.queue.results.has_result(e["job_id"]), gone))
+        return {int(entry["line"]) for entry, done in zip(gone, stored, strict=True) if not done}
+
     def _enqueue_chunk(
         self,
         run_id: str,
@@ -163,7 +200,7 @@ class Backlog(RunReader):
         parse: Parse,
         again: bool = False,
         known: list[dict[str, Any]] | None = None,
-    ) -> None:
+    ) -> list[dict[str, Any]]:
         """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then);
         `known`: the index entries of the chunk's lines an earlier pass queued (`chunk` is the rest)."""
         jobs, entries = self._jobs(chunk, run_id, parse, progress)
@@ -196,6 +233,7 @@ class Backlog(RunReader):
             ids = [str(e["job_id"]) for e in entries if "job_id" in e]
             self.runs.count(run_id, cancelled=self.runs.cancel_many(ids))  # cancel() could not see them
             raise _cancelled(run_id)
+        return indexed
 
     def _jobs(
         self, chunk: list[tuple[int, bytes]], run_id: str, parse: Parse, progress: Progress

@@ -559,6 +559,31 @@ def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_m
     assert [row["custom_id"] for row in _file(own, "lost", "errors.jsonl")] == ["a"]
 
 
+def test_a_run_again_after_redis_lost_its_data_queues_what_was_lost(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-63: with Redis restarted empty, the run's index in S3 said every chunk was done,
+    so running it again queued nothing (exit 0) and its jobs never ran; status called it done."""
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/a.jpg", "prompt": f"Q{i}?"} for i in range(3)]
+    path = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "gone").returncode == 0
+    client = Client(services.settings_from_env(own))
+    client.results.put_result("gone.c0", {"job_id": "gone.c0", "status": "succeeded", "text": "yes"})
+    data = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    data.delete(*[names.job_key(f"gone.c{i}") for i in range(3)], *names.queue_keys("backlog"))
+    status = json.loads(services.run_cli(own, "backlog", "status", "gone", "--json").stdout)
+    assert (status["unknown"], status["state"]) == (3, "enqueued")  # records lost, not expired: not done
+    data.flushall()  # a restart without persistence
+    again = services.run_cli(own, "backlog", str(path), "--run-id", "gone", "--interval", "0")
+    assert again.returncode == 0, again.stderr
+    assert sorted(_queued_ids(own)) == ["gone.c1", "gone.c2"]  # c0 is done: its result is stored
+    status = json.loads(services.run_cli(own, "backlog", "status", "gone", "--json").stdout)
+    assert (status["lines"], status["jobs"], status["queued"]) == (3, 3, 2)
+    assert status["state"] != "done"
+    again = services.run_cli(own, "backlog", str(path), "--run-id", "gone", "--interval", "0")
+    assert sorted(_queued_ids(own)) == ["gone.c1", "gone.c2"]  # nothing twice
+
+
 def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_path: Path) -> None:
     """Review, helper-63: the same line twice was two jobs in status, its tokens summed twice."""
     line = {"custom_id": "d", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}
