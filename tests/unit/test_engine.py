@@ -367,6 +367,48 @@ def test_out_of_memory_at_admission_waits_then_runs_alone(backend: FuyuBackend) 
     assert type(failed["big"].error).__name__ == "OutOfMemory"
 
 
+class _BeginFailsOnce:
+    """The real runner; taking a slot for `victim` runs out of memory once (a prefix copy on a GPU)."""
+
+    def __init__(self, inner: Any, victim: str) -> None:
+        self.inner, self.table, self.victim, self.failed = inner, inner.table, victim, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def begin(self, row_id: str, *args: Any, **kwargs: Any) -> int:
+        if row_id == self.victim and not self.failed:
+            self.failed = True
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return int(self.inner.begin(row_id, *args, **kwargs))
+
+
+def test_a_row_whose_admission_failed_waits_in_its_place_and_can_still_be_cancelled(
+    backend: FuyuBackend,
+) -> None:
+    """Review, helper-64: a row whose slot could not be taken beside others was stamped admitted, so a
+    cancel of its run no longer reached it (it ran to its end) and its queue time ended there; the
+    rows the same plan admitted after it were put back before it."""
+    done: dict[str, Sequence] = {}
+    engine = Engine(
+        _BeginFailsOnce(backend.step_model(4), "b2"), scheduler.Limits(3, 0),
+        lambda row: done.__setitem__(row.row_id, row),
+    )  # fmt: skip
+    rows = {name: _sequence(backend, name, _item(0, 0, 3), "backlog") for name in ("b1", "b2", "b3", "b4")}
+    for row in rows.values():
+        engine.submit(row)
+    engine.step()  # the plan admits b1, b2, b3; b2's slot fails beside b1
+    assert [row.row_id for row in engine.waiting] == ["b2", "b3", "b4"]
+    assert rows["b2"].first_admitted_at is None
+    rows["b2"].cancelled = True  # its run is cancelled while it waits (workers/cancel_watch.py)
+    while not engine.idle:
+        engine.step()
+    assert type(done["b2"].error).__name__ == "Cancelled"
+    for name in ("b1", "b3", "b4"):
+        assert done[name].error is None
+        assert done[name].tokens == _alone(backend, _item(0, 0, 3))
+
+
 def test_a_step_that_fails_only_in_company_is_split_until_each_row_runs_alone(backend: FuyuBackend) -> None:
     """A decode error that no single row explains: the rows are recomputed in halves, each half apart,
     a half that fails again is halved again, and each row succeeds with its own tokens (the one that

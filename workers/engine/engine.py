@@ -163,8 +163,8 @@ class Engine(Settling):
             self.waiting.remove(row)
             row.turn = row.row_id in plan.turn
         for index, row in enumerate(admitted):
-            if not self._begin(row):
-                self.waiting[:0] = admitted[index + 1 :]
+            if not self._begin(row):  # the row is first in line again; those admitted after it follow
+                self.waiting[1:1] = admitted[index + 1 :]  # it, in their order (review, helper-64)
                 break
         return admitted, plan.drain
 
@@ -172,8 +172,6 @@ class Engine(Settling):
         """The row takes a slot, and what the cache holds of its prefix; its prefill follows in chunks.
         False when admission must stop for this step (the row is back in waiting)."""
         now = self.clock()
-        row.admitted_at = now
-        row.first_admitted_at = row.first_admitted_at or now
         try:
             reused = self.runner.begin(row.row_id, row.inputs, row.prompt_tokens, row.identity, row.need)
         except NoFreeSlot:  # the pool has not the room admission counted on: it waits, as for memory
@@ -189,6 +187,10 @@ class Engine(Settling):
                 return False
             self._fail(row, error)
             return True
+        # Admitted once it holds a slot: a row sent back to waiting above is still cancellable and
+        # its queue time runs on (review, helper-64: stamped before, it ran on after a cancel).
+        row.admitted_at = now
+        row.first_admitted_at = row.first_admitted_at or now
         row.computed = row.cached_tokens = reused
         self.prefilling[row.row_id] = row
         report = self._report
