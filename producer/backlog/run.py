@@ -72,6 +72,18 @@ OnProgress = Callable[[Progress], None]
 Parse = Callable[[int, bytes, str, Settings], "Line | Invalid | None"]
 
 
+@dataclass
+class _Pass:
+    """One enqueue pass over a run's manifest: what each chunk's steps share."""
+
+    run_id: str
+    progress: Progress
+    block: bool
+    throttle: _Throttle
+    on_progress: OnProgress | None
+    parse: Parse
+
+
 class Backlog(RunReader):
     def __init__(
         self,
@@ -119,63 +131,38 @@ class Backlog(RunReader):
         fresh = "lines" not in record  # with chunks indexed: Redis lost the run's record (counted anew)
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
-        throttle = _Throttle(rate)
+        step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
-                self._go_over(run_id, number, chunk, progress, block, throttle, on_progress, parse, fresh)
+                self._go_over(step, number, chunk, fresh)
             else:
-                self._enqueue_chunk(
-                    run_id,
-                    number,
-                    chunk,
-                    progress,
-                    block,
-                    throttle,
-                    on_progress,
-                    parse,
-                    number in unconfirmed,
-                )
+                self._enqueue_chunk(step, number, chunk, again=number in unconfirmed)
             if on_progress:
                 on_progress(progress)
         if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
             raise _cancelled(run_id)
         return progress
 
-    def _go_over(
-        self,
-        run_id: str,
-        number: int,
-        chunk: list[tuple[int, bytes]],
-        progress: Progress,
-        block: bool,
-        throttle: _Throttle,
-        on_progress: OnProgress | None,
-        parse: Parse,
-        fresh: bool,
-    ) -> None:
+    def _go_over(self, step: _Pass, number: int, chunk: list[tuple[int, bytes]], fresh: bool) -> None:
         """A chunk an earlier pass indexed: what it queued that Redis lost (no record, no result: Redis
         restarted without its data) is queued again, and lines the index does not hold (the manifest
         grew since: a partial last chunk then, or a listing's new objects) are queued now (review,
         helper-63: both were skipped, exit 0, and those jobs never ran)."""
-        known = _entries(self.files.get_text(self._index_key(run_id, number)) or "")
+        known = _entries(self.files.get_text(self._index_key(step.run_id, number)) or "")
         lost = self._lost(known)
         kept = [entry for entry in known if int(entry["line"]) not in lost]
-        if fresh:  # the run's record went with Redis: its counts start again from the index
-            invalid = sum(1 for entry in kept if "invalid" in entry)
-            self.runs.count(run_id, lines=len(kept), valid=len(kept) - invalid, invalid=invalid)
         invalid = sum(1 for entry in kept if "invalid" in entry)
-        progress.invalid += invalid
-        progress.already += len(kept) - invalid
-        progress.lines += len(kept)
+        if fresh:  # the run's record went with Redis: its counts start again from the index
+            self.runs.count(step.run_id, lines=len(kept), valid=len(kept) - invalid, invalid=invalid)
+        step.progress.invalid += invalid
+        step.progress.already += len(kept) - invalid
+        step.progress.lines += len(kept)
         again = [(n, raw) for n, raw in chunk if n in lost]
         if again:  # counted by the pass that indexed them, unless the record went too
-            args = (progress, block, throttle, on_progress, parse)
-            kept = self._enqueue_chunk(run_id, number, again, *args, again=not fresh, known=kept)
+            kept = self._enqueue_chunk(step, number, again, again=not fresh, known=kept)
         grown = _unindexed(chunk, kept)
         if grown:
-            self._enqueue_chunk(
-                run_id, number, grown, progress, block, throttle, on_progress, parse, known=kept
-            )
+            self._enqueue_chunk(step, number, grown, known=kept)
 
     def _lost(self, entries: list[dict[str, Any]]) -> set[int]:
         """The lines of `entries` whose job has neither a record nor a result."""
@@ -190,24 +177,20 @@ class Backlog(RunReader):
 
     def _enqueue_chunk(
         self,
-        run_id: str,
+        step: _Pass,
         number: int,
         chunk: list[tuple[int, bytes]],
-        progress: Progress,
-        block: bool,
-        throttle: _Throttle,
-        on_progress: OnProgress | None,
-        parse: Parse,
         again: bool = False,
         known: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then);
         `known`: the index entries of the chunk's lines an earlier pass queued (`chunk` is the rest)."""
-        jobs, entries = self._jobs(chunk, run_id, parse, progress)
+        run_id, progress = step.run_id, step.progress
+        jobs, entries = self._jobs(step, chunk)
         unreplicated: PartNotReplicated | None = None
         full: QueueFull | None = None
         try:
-            stopped = self._queue(run_id, jobs, entries, progress, block, throttle, on_progress)
+            stopped = self._queue(step, jobs, entries)
         except PartNotReplicated as exc:  # what is queued is indexed (status sees it) and flagged, so a
             stopped, unreplicated = False, exc  # resume goes over the chunk again (it queues nothing twice)
             self.runs.update(run_id, **{_UNCONFIRMED + str(number): "1"})
@@ -236,11 +219,11 @@ class Backlog(RunReader):
         return indexed
 
     def _jobs(
-        self, chunk: list[tuple[int, bytes]], run_id: str, parse: Parse, progress: Progress
+        self, step: _Pass, chunk: list[tuple[int, bytes]]
     ) -> tuple[list[tuple[Line, Job]], list[dict[str, Any]]]:
         """A chunk's lines as jobs to queue, and the index entries of those that are invalid."""
-        parsed = [p for n, raw in chunk if (p := parse(n, raw, run_id, self.settings)) is not None]
-        images = self._upload([p.image for p in parsed if isinstance(p, Line)], progress)
+        parsed = [p for n, raw in chunk if (p := step.parse(n, raw, step.run_id, self.settings)) is not None]
+        images = self._upload([p.image for p in parsed if isinstance(p, Line)], step.progress)
         entries: list[dict[str, Any]] = []
         jobs: list[tuple[Line, Job]] = []
         for item in parsed:
@@ -255,27 +238,19 @@ class Backlog(RunReader):
             entries.append(_invalid_entry(item))
         return jobs, entries
 
-    def _queue(
-        self,
-        run_id: str,
-        jobs: list[tuple[Line, Job]],
-        entries: list[dict[str, Any]],
-        progress: Progress,
-        block: bool,
-        throttle: _Throttle,
-        on_progress: OnProgress | None,
-    ) -> bool:
+    def _queue(self, step: _Pass, jobs: list[tuple[Line, Job]], entries: list[dict[str, Any]]) -> bool:
         """Queue a chunk's jobs in parts that fit the lane's room, adding their index entries; True when
         the run was cancelled meanwhile (what was queued before stays, the rest is never queued). The
         depth limit and the cancel are both decided per job inside the enqueue step, never from a read
         made before it."""
+        run_id, progress = step.run_id, step.progress
         at = 0
         while at < len(jobs):
-            room = self._wait_for_room(run_id, progress, block, on_progress)
+            room = self._wait_for_room(run_id, progress, step.block, step.on_progress)
             if room == 0:  # cancelled while it waited
                 return True
             part = jobs[at : at + min(_PART, room)]
-            throttle.take(len(part))
+            step.throttle.take(len(part))
             limit = self.settings.backlog_max_depth
             unreplicated: PartNotReplicated | None = None
             try:
