@@ -106,12 +106,15 @@ class RunRecords:
     def get(self, run_id: str) -> dict[str, str]:
         return dict(self._redis.hgetall(run_key(run_id)))  # type: ignore[arg-type]  # decode_responses
 
-    def start(self, run_id: str, manifest: str) -> dict[str, str]:
-        """Create the run's record unless it exists (a resume keeps the first one); returns it."""
+    def start(self, run_id: str, manifest: str, workdir: str | None = None) -> dict[str, str]:
+        """Create the run's record unless it exists (a resume keeps the first one); returns it.
+        `workdir`: where the first pass ran (a manifest's relative image paths are relative to it)."""
         key = run_key(run_id)
         with self._redis.pipeline() as pipe:
             pipe.hsetnx(key, "created_at", now_rfc3339())
             pipe.hsetnx(key, "manifest", manifest)
+            if workdir:
+                pipe.hsetnx(key, "workdir", workdir)
             pipe.hsetnx(key, "state", "enqueuing")
             pipe.expire(key, RUN_TTL_S)
             pipe.zadd(names.runs_recent_key(), {run_id: time.time()}, nx=True)  # the ops page's list

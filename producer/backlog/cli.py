@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -118,8 +119,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
         def enqueue() -> Any:
             return backlog.enqueue(
-                lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown
-            )
+                lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown,
+                workdir=os.getcwd(),  # a resume reads relative image paths from where the run began
+            )  # fmt: skip
 
         try:
             progress = outages.outlast(
@@ -182,6 +184,7 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
                 f"no backlog run {args.resume!r} to resume (its record expired, or Redis lost it: run "
                 f"its manifest again with --run-id {args.resume}, which queues what is missing)"
             )
+        _into_workdir(run.get("workdir"))
     if source.startswith("s3://"):
         bucket, _, prefix = source[5:].partition("/")
         if not prompt:
@@ -208,6 +211,17 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
             yield from manifest.read_lines(handle)
 
     return from_file, str(path)
+
+
+def _into_workdir(workdir: str | None) -> None:
+    """Resume where the run began: its manifest's relative image paths are relative to that directory
+    (review, helper-63: a resume from elsewhere indexed their lines 'image file not found' for good)."""
+    if not workdir or workdir == os.getcwd():
+        return
+    try:
+        os.chdir(workdir)
+    except OSError as exc:
+        raise UsageError(f"the run began in {workdir}, which cannot be entered now: {exc.strerror}") from None
 
 
 def _from(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:

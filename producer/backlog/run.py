@@ -118,12 +118,13 @@ class Backlog(RunReader):
         rate: float | None = None,
         on_progress: OnProgress | None = None,
         parse: Parse = manifest.parse,
+        workdir: str | None = None,
     ) -> Progress:
         """Enqueue a manifest's lines under `run_id`; returns what this call did. `parse` reads one
         line (another format's lines: an OpenAI batch file, producer/openai/batch_lines.py)."""
         if not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
-        record = self.runs.start(run_id, source)
+        record = self.runs.start(run_id, source, workdir)
         if record.get("state") == "cancelled":
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.queue.results.ensure_bucket()

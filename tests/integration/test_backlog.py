@@ -584,6 +584,30 @@ def test_a_run_again_after_redis_lost_its_data_queues_what_was_lost(
     assert sorted(_queued_ids(own)) == ["gone.c1", "gone.c2"]  # nothing twice
 
 
+def test_a_resume_reads_relative_image_paths_from_where_the_run_began(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-63: resumed from another directory, the lines of relative paths were indexed
+    'image file not found' for good."""
+    lab = tmp_path / "lab"
+    (lab / "img").mkdir(parents=True)
+    (lab / "img" / "p.jpg").write_bytes(imagegen.photo(64, 48, seed=4))
+    rows = [{"custom_id": f"c{i}", "image": "img/p.jpg", "prompt": f"Q{i}?"} for i in range(60)]
+    _write(lab / "m.jsonl", rows)
+    mrc = str(services.BIN / "mrc")
+    first = subprocess.run(
+        [mrc, "backlog", "m.jsonl", "--run-id", "rel", "--no-block"], cwd=lab,
+        env={**own, "MRC_BACKLOG_MAX_DEPTH": "20"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert first.returncode == 4, first.stderr
+    resumed = subprocess.run(
+        [mrc, "backlog", "--resume", "rel", "--interval", "0"], cwd=tmp_path, env=own,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(_queued_ids(own)) == 60
+
+
 def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_path: Path) -> None:
     """Review, helper-63: the same line twice was two jobs in status, its tokens summed twice."""
     line = {"custom_id": "d", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}
