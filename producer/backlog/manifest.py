@@ -35,6 +35,9 @@ RUN_ID_RULE = "1-64 of [A-Za-z0-9_-], starting with a letter or digit"
 _FIELDS = {"custom_id", "image", "prompt", "max_new_tokens", "ticket_id", "response_format", "truncate"}
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_LINE_BYTES = 64 * 1024
+# As long as any S3 key (1,024 bytes): a --from-s3 run names each object by its key (review: keys past
+# 512 characters were refused, though the job id of a long custom_id is its hash anyway).
+CUSTOM_ID_MAX = 1024
 T = TypeVar("T")
 
 
@@ -79,9 +82,9 @@ def read_lines(stream: IO[bytes], max_bytes: int = MAX_LINE_BYTES) -> Iterator[t
     stand for it (enough for `parse` to refuse it) and the rest is read and dropped, so a file
     without newlines is never read whole."""
     number = 0
-    while raw := stream.readline(max_bytes + 1):
+    while raw := stream.readline(max_bytes + 2):  # the limit is the line's own; its ending is not counted
         number += 1
-        if len(raw) > max_bytes and not raw.endswith(b"\n"):
+        if len(raw) > max_bytes + 1 and not raw.endswith(b"\n"):
             while (rest := stream.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
                 pass
         yield number, raw
@@ -89,7 +92,7 @@ def read_lines(stream: IO[bytes], max_bytes: int = MAX_LINE_BYTES) -> Iterator[t
 
 def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | Invalid | None:
     """One raw line checked; None for a blank line."""
-    if len(raw) > MAX_LINE_BYTES:
+    if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:  # LF, CRLF or none at the end: the same line
         return Invalid(number, f"line is too long; the limit is {MAX_LINE_BYTES} bytes")
     text = raw.strip()
     if not text:
@@ -146,8 +149,8 @@ def _problem(data: dict[str, Any], settings: Settings) -> str | None:
             return f"missing field: {field}"
         if not isinstance(data[field], str):
             return f"{field} must be a string"
-    if not 1 <= len(data["custom_id"]) <= 512:
-        return "custom_id must be 1-512 characters"
+    if not 1 <= len(data["custom_id"]) <= CUSTOM_ID_MAX:
+        return f"custom_id must be 1-{CUSTOM_ID_MAX} characters"
     new = data.get("max_new_tokens")
     problem = _optional_problem(data)
     if problem:

@@ -148,7 +148,7 @@ def test_a_file_without_newlines_is_never_read_whole() -> None:
     stream = _Counting(huge)
     lines = list(manifest.read_lines(stream))
     assert [n for n, _ in lines] == [1, 2]
-    assert stream.largest <= manifest.MAX_LINE_BYTES + 1
+    assert stream.largest <= manifest.MAX_LINE_BYTES + 2
     first = manifest.parse(1, lines[0][1], "run-1", SETTINGS)
     assert isinstance(first, Invalid)
     assert "the limit is 65536" in first.reason
@@ -166,3 +166,24 @@ def test_a_local_image_that_is_missing_or_too_big_is_invalid_before_anything_is_
     assert "the limit is" in over.reason
     folder = manifest.parse(5, _line(image=str(tmp_path)), "run-1", SETTINGS)
     assert isinstance(folder, Invalid)
+
+
+@pytest.mark.parametrize("ending", [b"", b"\n", b"\r\n"])
+def test_the_line_limit_is_the_lines_own_whatever_ends_it(ending: bytes) -> None:
+    """Review, helper-63: 65,535 bytes were refused with CRLF and taken with LF, and 65,536 taken as
+    the last line without a newline but refused with one."""
+    base = _line()
+    for size, good in ((manifest.MAX_LINE_BYTES, True), (manifest.MAX_LINE_BYTES + 1, False)):
+        raw = base[:-1] + b" " * (size - len(base)) + base[-1:]  # JSON's own spaces before the }
+        assert len(raw) == size
+        after = _line(custom_id="next") + b"\n" if ending else b""  # without an ending: the last line
+        lines = list(manifest.read_lines(io.BytesIO(raw + ending + after)))
+        assert [n for n, _ in lines] == ([1, 2] if ending else [1])
+        item = manifest.parse(1, lines[0][1], "run-1", SETTINGS)
+        assert isinstance(item, Invalid) is not good, (size, ending, item)
+
+
+def test_a_custom_id_as_long_as_an_s3_key_is_taken() -> None:
+    key = "complaints/" + "k" * 1000
+    assert isinstance(manifest.parse(1, _line(custom_id=key), "run-1", SETTINGS), Line)
+    assert isinstance(manifest.parse(1, _line(custom_id="k" * 1025), "run-1", SETTINGS), Invalid)
