@@ -87,7 +87,9 @@ def limit_problem(
         return f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars}"
     limit = settings.max_new_tokens_limit
     if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
-        return f"max_new_tokens must be between 1 and {limit}, got {str(max_new_tokens)[:20]}"
+        text = str(max_new_tokens)  # a huge one is named by its size, not by a misleading head
+        got = text if len(text) <= 20 else f"a number of {len(text.lstrip('-'))} digits"
+        return f"max_new_tokens must be between 1 and {limit}, got {got}"
     if job_id is not None and not JOB_ID_RE.match(job_id):
         return f"job_id {job_id[:40]!r}: {JOB_ID_RULE}"
     if response_format is not None:
@@ -297,7 +299,11 @@ def local_image_problem(path: Path, limit: int) -> str | None:
     submit` and every backlog manifest line check it before anything is queued (so --strict can)."""
     try:
         if not path.is_file():
-            return f"image file not found: {path}"
+            return (
+                f"image path is a directory, not a file: {path}"
+                if path.is_dir()
+                else f"image file not found: {path}"
+            )
         size = path.stat().st_size
     except OSError as exc:
         return f"image file cannot be read: {path} ({exc.strerror})"

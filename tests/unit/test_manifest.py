@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,14 @@ def test_a_custom_id_as_long_as_an_s3_key_is_taken() -> None:
     key = "complaints/" + "k" * 1000
     assert isinstance(manifest.parse(1, _line(custom_id=key), "run-1", SETTINGS), Line)
     assert isinstance(manifest.parse(1, _line(custom_id="k" * 1025), "run-1", SETTINGS), Invalid)
+
+
+def test_a_huge_number_and_a_directory_are_named_as_they_are(tmp_path: Path) -> None:
+    """Review, helper-63: max_new_tokens 1e30 was reported as 'got 10000000000000000000' (its first 20
+    digits) and a directory as 'image file not found'."""
+    huge = manifest.parse(1, _line()[:-1] + b', "max_new_tokens": 1' + b"0" * 30 + b"}", "run-1", SETTINGS)
+    assert isinstance(huge, Invalid)
+    assert "a number of 31 digits" in huge.reason
+    folder = manifest.parse(1, _line(image=str(tmp_path)), "run-1", SETTINGS)
+    assert isinstance(folder, Invalid)
+    assert "is a directory" in folder.reason
