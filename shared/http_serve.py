@@ -1,13 +1,16 @@
 """A small threaded HTTP server for the health and metrics ports (the worker's /metrics, /healthz,
-/readyz; the lane exporter's /metrics), bounded as a port anyone on the network reaches must be: each
-connection has a socket timeout, at most `max_connections` are served at once (past that a
-connection is closed unanswered, as a scrape or probe past its own timeout would be), and a client
-that leaves before its answer is written is nobody's error. http.server's default printed a
-multi-line traceback to stderr for each such client, breaking the one-line-per-event log, and a
-connection that sent half a request held a thread forever."""
+/readyz; the lane exporter's /metrics), bounded as a port anyone on the network reaches must be: at
+most `max_connections` are served at once, and a new connection past that closes the oldest one
+(so a probe or a scrape always gets its answer, however many idle or trickling connections others
+hold: review, helper-65, 16 of them made /healthz fail and kubelet restart the worker); each read
+has a timeout; and a client that leaves before its answer is written is nobody's error.
+http.server's default printed a multi-line traceback to stderr for each such client, breaking the
+one-line-per-event log, and a connection that sent half a request held a thread forever."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -33,23 +36,32 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int
     ) -> None:
         super().__init__(address, handler)
-        self._room = threading.BoundedSemaphore(max_connections)
+        self._max = max_connections
+        self._live: dict[Any, None] = {}  # connections, oldest first (dicts keep their order)
+        self._lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._room.acquire(blocking=False):
-            self.shutdown_request(request)  # full: closed at once, holding no thread
-            return
+        with self._lock:
+            while len(self._live) >= self._max:  # the oldest goes: a fresh request is answered
+                oldest = next(iter(self._live))
+                del self._live[oldest]
+                _cut(oldest)
+            self._live[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._room.release()
+            self._forget(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._room.release()
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            self._live.pop(request, None)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
@@ -58,11 +70,23 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         logs.get_logger().warning("MRC_HTTP_ERROR", error=repr(error)[:300])
 
 
+def _cut(connection: Any) -> None:
+    """End a connection its handler thread is still reading or writing: that read or write ends."""
+    with contextlib.suppress(OSError):  # already gone
+        connection.shutdown(socket.SHUT_RDWR)
+
+
 def _handler(routes: dict[str, Route], timeout_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = timeout_s  # StreamRequestHandler sets it on the socket
 
         def do_GET(self) -> None:
+            self._answer(with_body=True)
+
+        def do_HEAD(self) -> None:  # as prometheus_client's server answered it
+            self._answer(with_body=False)
+
+        def _answer(self, with_body: bool) -> None:
             route = routes.get(self.path.split("?", 1)[0])
             status, body, content_type = (
                 route() if route is not None else (404, b'{"error": "not found"}', "application/json")
@@ -71,7 +95,8 @@ def _handler(routes: dict[str, Route], timeout_s: float) -> type[BaseHTTPRequest
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if with_body:
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:
             return None  # scrapes every few seconds would drown the job events

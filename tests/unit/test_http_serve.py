@@ -5,6 +5,7 @@ few at once."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -51,29 +52,47 @@ def test_clients_that_reset_or_leave_print_nothing_and_the_port_answers_after(
     assert "Exception occurred" not in captured.err, captured.err[:2000]
 
 
-def test_half_sent_requests_hold_at_most_the_cap_and_only_until_the_timeout() -> None:
+def _threads_settle(started: int, extra: int) -> bool:
+    """Whether this process's threads come down to `extra` more than `started` (a connection cut
+    ends its thread at its next read, a moment later)."""
+    deadline = time.monotonic() + 10
+    while threading.active_count() - started > extra and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return threading.active_count() - started <= extra
+
+
+def test_idle_or_trickling_connections_never_keep_a_probe_from_its_answer() -> None:
+    """At most `max_connections` held at once, and a new one closes the oldest: neither half-sent nor
+    trickling requests (a byte now and then, each read within the timeout) keep a probe from its
+    answer (review, helper-65: 16 such connections made /healthz fail, and kubelet restarts the
+    worker on that), and the threads stay bounded."""
     started = threading.active_count()
-    routes: dict[str, http_serve.Route] = {"/metrics": lambda: (200, b"ok", "text/plain")}
-    server = http_serve.serve("127.0.0.1", 0, routes, "test-bounded", max_connections=3, timeout_s=4.0)
+    routes: dict[str, http_serve.Route] = {"/healthz": lambda: (200, b"ok", "text/plain")}
+    server = http_serve.serve("127.0.0.1", 0, routes, "test-bounded", max_connections=3, timeout_s=30.0)
     port = server.server_address[1]
     held: list[socket.socket] = []
     try:
         for _ in range(12):
             conn = socket.create_connection(("127.0.0.1", port))
-            conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finished
+            conn.sendall(b"GET /healthz HTTP/1.1\r\n")  # never finished
             conn.settimeout(10)
             held.append(conn)
-        # past the cap a connection is closed unanswered, at once
-        assert [conn.recv(1) for conn in held[3:]] == [b""] * 9
-        # the serving thread and the 3 handlers, not one thread per connection
-        assert threading.active_count() - started <= 4
-        # the three served are let go at their timeout (closed), and the port answers again
-        assert [conn.recv(1) for conn in held[:3]] == [b""] * 3
-        assert _get(port, "/metrics") == (200, b"ok")
+        # the oldest were closed unanswered as newer ones came; the 3 newest are held
+        assert [conn.recv(1) for conn in held[:9]] == [b""] * 9
+        assert _threads_settle(started, 4)  # the serving thread and 3 handlers (the cut ones end)
+        for _ in range(3):  # the held ones trickle on, and a probe is answered each time
+            for conn in held[9:]:
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"X")
+            assert _get(port, "/healthz") == (200, b"ok")
+        assert _threads_settle(started, 4)
         with pytest.raises(urllib.error.HTTPError) as missing:
             _get(port, "/nowhere")
         assert missing.value.code == 404
         missing.value.close()
+        head = urllib.request.Request(f"http://127.0.0.1:{port}/healthz", method="HEAD")
+        with urllib.request.urlopen(head, timeout=10) as response:
+            assert (response.status, response.read()) == (200, b"")
     finally:
         for conn in held:
             conn.close()
