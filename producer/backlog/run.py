@@ -32,8 +32,8 @@ from producer.queue.sender import Queue
 from shared import encoding
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
-from shared.jobs import Job
-from shared.records import connect
+from shared.jobs import Job, parse_rfc3339
+from shared.records import RECORD_TTL_S, connect
 from shared.runs import CANCELLED, FULL, PartNotReplicated, Queued, RunRecords
 from shared.settings import Settings
 from shared.stores import RunFiles, open_run_files
@@ -130,12 +130,16 @@ class Backlog(RunReader):
         self.queue.results.ensure_bucket()
         done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
         fresh = "lines" not in record  # with chunks indexed: Redis lost the run's record (counted anew)
+        # Jobs without a record are lost only while records live (7 days): after that every finished
+        # job has none, and one that failed without a stored result would be run again (review).
+        created = record.get("created_at")
+        young = not created or time.time() - parse_rfc3339(created).timestamp() < RECORD_TTL_S - 3600
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
         step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
-                self._go_over(step, number, chunk, fresh)
+                self._go_over(step, number, chunk, fresh, young)
             else:
                 self._enqueue_chunk(step, number, chunk, again=number in unconfirmed)
             if on_progress:
@@ -144,13 +148,16 @@ class Backlog(RunReader):
             raise _cancelled(run_id)
         return progress
 
-    def _go_over(self, step: _Pass, number: int, chunk: list[tuple[int, bytes]], fresh: bool) -> None:
+    def _go_over(
+        self, step: _Pass, number: int, chunk: list[tuple[int, bytes]], fresh: bool, young: bool
+    ) -> None:
         """A chunk an earlier pass indexed: what it queued that Redis lost (no record, no result: Redis
         restarted without its data) is queued again, and lines the index does not hold (the manifest
         grew since: a partial last chunk then, or a listing's new objects) are queued now (review,
         helper-63: both were skipped, exit 0, and those jobs never ran)."""
         known = _entries(self.files.get_text(self._index_key(step.run_id, number)) or "")
-        lost = self._lost(known)
+        given = {n for n, raw in chunk if raw.strip()}  # an OpenAI batch's resume blanks indexed lines
+        lost = {n for n in self._lost(known) if n in given} if young else set()
         kept = [entry for entry in known if int(entry["line"]) not in lost]
         invalid = sum(1 for entry in kept if "invalid" in entry)
         if fresh:  # the run's record went with Redis: its counts start again from the index
@@ -160,7 +167,8 @@ class Backlog(RunReader):
         step.progress.lines += len(kept)
         again = [(n, raw) for n, raw in chunk if n in lost]
         if again:  # counted by the pass that indexed them, unless the record went too
-            kept = self._enqueue_chunk(step, number, again, again=not fresh, known=kept)
+            earlier = [entry for entry in known if int(entry["line"]) in lost]
+            kept = self._enqueue_chunk(step, number, again, again=not fresh, known=kept, earlier=earlier)
         grown = _unindexed(chunk, kept)
         if grown:
             self._enqueue_chunk(step, number, grown, known=kept)
@@ -183,6 +191,7 @@ class Backlog(RunReader):
         chunk: list[tuple[int, bytes]],
         again: bool = False,
         known: list[dict[str, Any]] | None = None,
+        earlier: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then);
         `known`: the index entries of the chunk's lines an earlier pass queued (`chunk` is the rest)."""
@@ -198,12 +207,17 @@ class Backlog(RunReader):
         except QueueFull as exc:  # --no-block: what is queued is indexed, so status, report and cancel
             stopped, full = False, exc  # see it (review: 0/0 with 30 queued); a resume queues the rest
         invalid = sum(1 for e in entries if "invalid" in e)
-        indexed = sorted([*(known or []), *entries], key=lambda e: int(e["line"]))
+        # The earlier entries of lines queued again stay where a full lane left them unqueued: the
+        # next pass finds them lost again, and counts them no second time (review, helper-65).
+        done = {int(e["line"]) for e in entries}
+        entries_kept = [*entries, *(e for e in earlier or [] if int(e["line"]) not in done)]
+        indexed = sorted([*(known or []), *entries_kept], key=lambda e: int(e["line"]))
         body = "".join(encoding.to_text(e) + "\n" for e in indexed)
         self.files.put_text(self._index_key(run_id, number), body)
         if not again:  # lines left unqueued by a full lane are counted when a resume queues them
-            left = len(_unindexed(chunk, entries)) if full is not None else 0
-            self.runs.count(run_id, lines=len(chunk) - left, valid=len(entries) - invalid, invalid=invalid)
+            left = len(_unindexed(chunk, entries_kept)) if full is not None else 0
+            bad = sum(1 for e in entries_kept if "invalid" in e)
+            self.runs.count(run_id, lines=len(chunk) - left, valid=len(entries_kept) - bad, invalid=bad)
         if unreplicated is not None:
             raise unreplicated
         if full is not None:

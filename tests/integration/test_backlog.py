@@ -584,6 +584,42 @@ def test_a_run_again_after_redis_lost_its_data_queues_what_was_lost(
     assert sorted(_queued_ids(own)) == ["gone.c1", "gone.c2"]  # nothing twice
 
 
+def test_a_rerun_queues_lost_jobs_once_counts_them_once_and_never_reruns_expired_ones(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-65: jobs lost (records gone, run record kept) and queued again by a --no-block
+    pass cut short were counted again by the resume (lines 50 for 30); a blank line where the index
+    holds a job (an OpenAI batch's resume passes indexed lines so) dropped its entry; and a run past
+    its jobs' 7 days queued again a job that had failed without a stored result."""
+    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/a.jpg", "prompt": f"Q{i}?"} for i in range(30)]
+    path = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "cut").returncode == 0
+    data = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    data.delete(*[names.job_key(f"cut.c{i}") for i in range(30)], *names.queue_keys("backlog"))
+    cut = services.run_cli({**own, "MRC_BACKLOG_MAX_DEPTH": "10"}, "backlog", str(path), "--run-id", "cut",
+                           "--no-block")  # fmt: skip
+    assert cut.returncode == 4, cut.stderr
+    assert len(_queued_ids(own)) == 10
+    assert services.run_cli(own, "backlog", "--resume", "cut", "--interval", "0").returncode == 0
+    assert sorted(_queued_ids(own)) == sorted(f"cut.c{i}" for i in range(30))
+    status = json.loads(services.run_cli(own, "backlog", "status", "cut", "--json").stdout)
+    assert (status["lines"], status["jobs"], status["queued"]) == (30, 30, 30)
+    # a pass that gives an indexed line blank cannot queue it again: its entry stays
+    data.delete(names.job_key("cut.c3"), *names.queue_keys("backlog"))
+    backlog = Backlog(Client(services.settings_from_env(own)))
+    with path.open("rb") as handle:
+        blanked = [(n, b"" if n == 4 else raw) for n, raw in manifest.read_lines(handle)]
+    backlog.enqueue(iter(blanked), "cut", str(path))
+    assert len(_file(own, "cut", "index/00000000.jsonl")) == 30
+    assert _queued_ids(own) == []
+    # past its jobs' 7 days, a job without a record is one whose record expired: not queued again
+    data.hset(names.run_record_key("cut"), "created_at", "2026-01-01T00:00:00Z")
+    data.delete(*[names.job_key(f"cut.c{i}") for i in range(30)])
+    again = services.run_cli(own, "backlog", str(path), "--run-id", "cut", "--interval", "0")
+    assert again.returncode == 0, again.stderr
+    assert _queued_ids(own) == []
+
+
 def test_a_resume_reads_relative_image_paths_from_where_the_run_began(
     own: dict[str, str], tmp_path: Path
 ) -> None:
