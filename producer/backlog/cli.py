@@ -184,7 +184,7 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
                 f"no backlog run {args.resume!r} to resume (its record expired, or Redis lost it: run "
                 f"its manifest again with --run-id {args.resume}, which queues what is missing)"
             )
-        _into_workdir(run.get("workdir"))
+        _into_workdir(run.get("workdir"), source)
     if source.startswith("s3://"):
         bucket, _, prefix = source[5:].partition("/")
         if not prompt:
@@ -213,15 +213,19 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
     return from_file, str(path)
 
 
-def _into_workdir(workdir: str | None) -> None:
+def _into_workdir(workdir: str | None, source: str) -> None:
     """Resume where the run began: its manifest's relative image paths are relative to that directory
     (review, helper-63: a resume from elsewhere indexed their lines 'image file not found' for good)."""
-    if not workdir or workdir == os.getcwd():
+    if not workdir or workdir == os.getcwd() or source.startswith("s3://"):  # a listing names no file
         return
     try:
         os.chdir(workdir)
-    except OSError as exc:
-        raise UsageError(f"the run began in {workdir}, which cannot be entered now: {exc.strerror}") from None
+    except OSError as exc:  # another host, or a folder since removed: s3:// and absolute paths still do
+        print(
+            f"mrc: the run began in {workdir}, which cannot be entered here ({exc.strerror}); relative "
+            "image paths are read from this directory",
+            file=sys.stderr,
+        )
 
 
 def _from(spool: IO[bytes]) -> Iterator[tuple[int, bytes]]:

@@ -173,16 +173,13 @@ class Front:
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
         if authorization is None and ops:
             authorization = ops_cookie(headers.get(b"cookie", b"").decode("latin-1"))
-        if path == "/ops/login":  # tries of keys in the form, limited per address
-            wait = self.limiter.retry_after(f"ops-login {address}")
-            if wait > 0:
-                return _slow_down(wait)
         caller = self.keys.caller(authorization, address)
         if caller is None and ops:
             scope.setdefault("state", {})["caller"] = None
             return None
         if caller is None:
-            # Tries of unknown keys are limited per address as a key's requests are (they were not).
+            # Unknown keys' requests are limited per address as a key's are (they were not): load
+            # shed, never a lockout (a known key is never held back; keys are long random tokens).
             wait = self.limiter.retry_after(f"unknown-key {address}")
             if wait > 0:
                 return _slow_down(wait)

@@ -138,10 +138,24 @@ def _cross_site(request: Request) -> bool:
     origin = request.headers.get("origin")
     if origin is None:
         return False
-    here = request.headers.get("x-forwarded-host") or request.headers.get("host") or ""
-    return (
-        origin == "null" or urllib.parse.urlsplit(origin).netloc.lower() != here.split(",")[0].strip().lower()
-    )
+    if origin == "null":
+        return True
+    hosts = [request.headers.get("host", ""), *request.headers.get("x-forwarded-host", "").split(",")]
+    return _site(origin) not in {_bare(host) for host in hosts if host.strip()}
+
+
+def _site(origin: str) -> str:
+    """An origin's host, with its port unless it is its scheme's default."""
+    parts = urllib.parse.urlsplit(origin)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    host = (parts.hostname or "").lower()
+    return host if parts.port in (None, default) else f"{host}:{parts.port}"
+
+
+def _bare(host: str) -> str:
+    """A Host header as _site writes an origin: a default port left out (either scheme's: a proxy's
+    X-Forwarded-Host may name :443 while the request reached us over plain HTTP)."""
+    return host.strip().lower().removesuffix(":443").removesuffix(":80")
 
 
 def _https(request: Request) -> bool:

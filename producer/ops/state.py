@@ -139,7 +139,7 @@ def _number(value: object) -> float:
     """Whatever a record holds, as a finite number: 0 where it is none ("nan", "1e400", a list)."""
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a JSON integer of 400 digits is past a float
         return 0.0
     return number if math.isfinite(number) else 0.0
 

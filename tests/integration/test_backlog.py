@@ -642,6 +642,24 @@ def test_a_resume_reads_relative_image_paths_from_where_the_run_began(
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert len(_queued_ids(own)) == 60
+    # a directory that cannot be entered any more (another host, removed): the resume goes on from
+    # here, saying so (review, helper-65: it refused, and every 'go on with' message names it)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    _write(tmp_path / "s3.jsonl", [{**row, "image": "s3://mrc-backlog/a.jpg"} for row in rows])
+    first = subprocess.run(
+        [mrc, "backlog", str(tmp_path / "s3.jsonl"), "--run-id", "far", "--no-block"], cwd=gone,
+        env={**own, "MRC_BACKLOG_MAX_DEPTH": "70"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert first.returncode == 4, first.stderr
+    gone.rmdir()
+    resumed = subprocess.run(
+        [mrc, "backlog", "--resume", "far", "--interval", "0"], cwd=tmp_path, env=own,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "cannot be entered here" in resumed.stderr
+    assert len(_queued_ids(own)) == 120
 
 
 def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_path: Path) -> None:

@@ -109,6 +109,7 @@ def test_one_unreadable_record_is_shown_as_such_and_never_fails_the_page(client:
         "f": '{"busy_ratio": NaN}',
         "g": '{"nested": {"x": [1e400]}}',
         "h": '{"gpu_memory_total_bytes": 80000000000}',
+        "i": '{"engine_slots": 1' + "0" * 400 + ', "batch_in_progress_s": 1' + "0" * 400 + "}",
     }.items():
         client.set(names.worker_key(name), raw)
         client.zadd(names.workers_seen_key(), {names.worker_key(name): now})
@@ -128,6 +129,7 @@ def test_one_unreadable_record_is_shown_as_such_and_never_fails_the_page(client:
     assert shown["d"]["lanes"] == []
     assert (shown["e"]["engine_slots"], shown["e"]["engine_rows_held"], shown["e"]["stuck"]) == (0, 0, False)
     assert shown["h"]["gpu_memory_allocated_bytes"] == 0
+    assert (shown["i"]["engine_slots"], shown["i"]["stuck"]) == (0, False)  # review, helper-65
     assert [(r["run_id"], r["jobs"], r["failed"]) for r in view["runs"]["finished"]] == [("odd", 0, 0)]
     assert view["latency"]["backlog"]["jobs"] == 2
     assert "x" not in view["errors_last_hour"]
