@@ -241,10 +241,11 @@ def _strict(lines: Iterator[tuple[int, bytes]], run_id: str, settings: Settings)
 
     bad = 0
     seen: dict[str, bytes] = {}  # job id -> what makes the job (the enqueue refuses a second one)
+    images: dict[str, str] = {}  # a local path -> its bytes' sha256 (uploads are by content)
     for number, raw in lines:
         item = manifest.parse(number, raw, run_id, settings)
         if isinstance(item, manifest.Line):
-            made = _what_makes(item)
+            made = _what_makes(item, settings, images)
             if seen.setdefault(item.job_id, made) != made:  # review, helper-63: it ran, and exit 1
                 item = manifest.Invalid(number, f"custom_id {item.custom_id!r} is already another line's job")
         if isinstance(item, manifest.Invalid):
@@ -255,12 +256,23 @@ def _strict(lines: Iterator[tuple[int, bytes]], run_id: str, settings: Settings)
         raise UsageError(f"--strict: {bad} invalid line(s); nothing enqueued")
 
 
-def _what_makes(line: Any) -> bytes:
-    """A digest of what makes a line's job (as Job.fingerprint, the image as the line names it)."""
+def _what_makes(line: Any, settings: Settings, images: dict[str, str]) -> bytes:
+    """A digest of what makes a line's job as Job.fingerprint sees it once queued: a local image by
+    its bytes (uploads are content-addressed: ./p.jpg and p.jpg are one image), an absent
+    max_new_tokens as the default it becomes (review, helper-65: --strict refused both as two jobs)."""
     import hashlib
 
+    image = line.image
+    if not image.startswith("s3://"):
+        if image not in images:
+            try:
+                images[image] = hashlib.sha256(Path(image).read_bytes()).hexdigest()
+            except OSError:  # gone since it was checked: the enqueue will say so for its line
+                images[image] = image
+        image = images[image]
+    new = settings.max_new_tokens_default if line.max_new_tokens is None else line.max_new_tokens
     fmt = None if line.response_format is None else line.response_format.model_dump(by_alias=True)
-    material = json.dumps([line.image, line.prompt, line.max_new_tokens, fmt], sort_keys=True)
+    material = json.dumps([image, line.prompt, new, fmt], sort_keys=True)
     return hashlib.sha256(material.encode("utf-8", "surrogatepass")).digest()[:16]
 
 

@@ -160,6 +160,14 @@ def test_strict_refuses_a_manifest_with_a_bad_line(own: dict[str, str], tmp_path
     assert "line 3" in out.stderr
     assert "line 2" not in out.stderr
     assert _queued_ids(own) == []
+    # the same job however a line names it: one image by two paths, the default max_new_tokens given
+    # or not (review, helper-65: --strict refused what a plain run takes as one job)
+    (tmp_path / "p.jpg").write_bytes(imagegen.photo(32, 32, seed=1))
+    line = {"custom_id": "x", "image": str(tmp_path / "p.jpg"), "prompt": "Q?"}
+    same = [line, {**line, "image": f"{tmp_path}/./p.jpg", "max_new_tokens": 64}]
+    out = services.run_cli(own, "backlog", str(_write(tmp_path / "s.jsonl", same)), "--strict")
+    assert out.returncode == 0, out.stderr
+    assert len(_queued_ids(own)) == 1
 
 
 def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
