@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -72,15 +72,33 @@ def _text(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def clip(key: str, text: str) -> str:
-    """A value cut to VALUE_MAX_CHARS (a traceback to TRACEBACK_MAX_CHARS), its head and tail kept: a
-    client must not write a line of any length (a 150,000-character image URI was one), and log
-    shippers cut long lines into parts (Docker's json-file driver at 16 KiB)."""
+def clip(key: str, text: str, written: Callable[[str], str] | None = None) -> str:
+    """A value cut to VALUE_MAX_CHARS as written in the line (a traceback to TRACEBACK_MAX_CHARS), its
+    head and tail kept: a client must not write a line of any length (a 150,000-character image URI
+    was one), and log shippers cut long lines into parts (Docker's json-file driver at 16 KiB).
+    `written`: how the line writes a text (escape, or JSON's): a control character is 6 there."""
     limit = TRACEBACK_MAX_CHARS if key in _TRACEBACK_KEYS else VALUE_MAX_CHARS
-    if len(text) <= limit:
+    write = written or escape
+    if len(text) * 12 <= limit or len(write(text)) <= limit:  # 12: the most one character becomes
         return text
-    half = limit // 2
-    return f"{text[:half]}...[{len(text) - 2 * half} characters cut]...{text[-half:]}"
+    half = limit // 2 - 40  # room for the note
+    head = _fits(text, half, write)
+    tail = len(text) - _fits(text[::-1], half, write)
+    return f"{text[:head]}...[{tail - head} characters cut]...{text[tail:]}"
+
+
+def _fits(text: str, room: int, write: Callable[[str], str]) -> int:
+    """How many leading characters of `text` fit in `room` characters once written."""
+    used = 0
+    for count, ch in enumerate(text):
+        used += len(write(ch))
+        if used > room:
+            return count
+    return len(text)
+
+
+def _json_text(text: str) -> str:
+    return json.dumps(text, ensure_ascii=True)[1:-1]
 
 
 def _json_line(event: str, fields: Mapping[str, object]) -> str:
@@ -88,7 +106,7 @@ def _json_line(event: str, fields: Mapping[str, object]) -> str:
     data: dict[str, object] = {"event": event}
     for key, value in fields.items():
         plain = value is None or isinstance(value, bool | int | float)
-        data[key] = value if plain else clip(key, _text(value))
+        data[key] = value if plain else clip(key, _text(value), _json_text)
     return json.dumps(data, ensure_ascii=True, allow_nan=False, default=str)
 
 

@@ -127,3 +127,16 @@ def test_a_value_of_any_length_is_cut_to_its_head_and_tail_in_both_formats() -> 
     # at the limit nothing is cut
     exact = "x" * logs.VALUE_MAX_CHARS
     assert logs.parse_line(logs.render("MRC_X", {"v": exact}))[1]["v"] == exact
+
+
+def test_a_value_is_cut_by_its_written_length_so_no_line_passes_the_bound() -> None:
+    """Review, helper-65: cut by characters before escaping, 100,000 control characters still made a
+    12,324-character value (each is 6 once escaped), and emoji 24,631 in JSON."""
+    for value in ("\x01" * 100_000, "\u2028" * 100_000, "|" * 100_000, "a\x01" * 50_000):
+        line = logs.render("MRC_X", {"v": value})
+        assert len(line) <= logs.VALUE_MAX_CHARS + 40
+        kept = logs.parse_line(line)[1]["v"]
+        assert kept.startswith(value[:10])
+        assert kept.endswith(value[-10:])
+    for value in ("\U0001f600" * 100_000, "\x01" * 100_000):
+        assert len(logs._json_line("MRC_X", {"v": value})) <= logs.VALUE_MAX_CHARS + 40
