@@ -194,7 +194,9 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
 
         def listing() -> Iterator[tuple[int, bytes]]:
             keys = backlog.files.list_keys(prefix, bucket=bucket)
-            return enumerate(manifest.from_listing(keys, bucket, prompt), start=1)
+            lines = manifest.from_listing(keys, bucket, prompt)
+            known = {str(e["custom_id"]): int(e["line"]) for e in backlog.entries(run_id) if "custom_id" in e}
+            return _numbered(lines, known) if known else enumerate(lines, start=1)
 
         return listing, source
     if source == "-":
@@ -211,6 +213,24 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
             yield from manifest.read_lines(handle)
 
     return from_file, str(path)
+
+
+def _numbered(lines: Iterator[bytes], known: dict[str, int]) -> Iterator[tuple[int, bytes]]:
+    """A listing's lines for a run that indexed some of its objects already: each object it knows at
+    its line, new ones after them, in listing order. Numbered by position, a new object sorting among
+    the known ones took a known one's line and was skipped, and the last one was queued twice
+    (review, helper-65)."""
+    seen: list[tuple[int, bytes]] = []
+    new: list[bytes] = []
+    for raw in lines:
+        line = known.get(json.loads(raw)["custom_id"])
+        if line is None:
+            new.append(raw)
+        else:
+            seen.append((line, raw))
+    seen.sort()
+    after = max(known.values())
+    return iter([*seen, *zip(range(after + 1, after + 1 + len(new)), new, strict=True)])
 
 
 def _into_workdir(workdir: str | None, source: str) -> None:
