@@ -145,11 +145,13 @@ def _cross_site(request: Request) -> bool:
 
 
 def _site(origin: str) -> str:
-    """An origin's host, with its port unless it is its scheme's default."""
+    """An origin's host[:port] as a Host header names it, its scheme's default port left out. From
+    the netloc, never .port (urlsplit raises on a port like ':abc': a 500 for anyone; review,
+    helper-66) nor .hostname (it drops an IPv6 literal's brackets, which Host keeps)."""
     parts = urllib.parse.urlsplit(origin)
-    default = {"http": 80, "https": 443}.get(parts.scheme)
-    host = (parts.hostname or "").lower()
-    return host if parts.port in (None, default) else f"{host}:{parts.port}"
+    netloc = parts.netloc.rpartition("@")[2].lower()
+    default = {"http": ":80", "https": ":443"}.get(parts.scheme, "")
+    return netloc.removesuffix(default) if default else netloc
 
 
 def _bare(host: str) -> str:

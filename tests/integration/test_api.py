@@ -207,6 +207,8 @@ def test_the_ops_sign_in_refuses_other_sites_and_key_guessing_is_limited(api_env
             {"Sec-Fetch-Site": "same-site"},
             {"Origin": "https://evil.example"},
             {"Origin": "null"},
+            {"Origin": "http://ops.example:abc"},  # review, helper-66: a 500 with a traceback
+            {"Origin": "http://ops.example:99999"},
         ):
             refused = api.post("/ops/login", data=form, headers=headers, follow_redirects=False)
             assert refused.status_code == 403, headers
@@ -215,6 +217,7 @@ def test_the_ops_sign_in_refuses_other_sites_and_key_guessing_is_limited(api_env
         # or the host a proxy names in X-Forwarded-Host (a proxy that rewrote Host)
         for origin, forwarded in (
             ("http://ops.example:80", ""),
+            ("http://[::1]:8000", "[::1]:8000"),  # an IPv6 literal keeps its brackets (helper-66)
             ("https://ops.example.com", "ops.example.com:443"),
             ("https://ops.example.com", "ops.example.com"),
         ):
