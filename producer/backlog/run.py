@@ -130,10 +130,7 @@ class Backlog(RunReader):
         self.queue.results.ensure_bucket()
         done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
         fresh = "lines" not in record  # with chunks indexed: Redis lost the run's record (counted anew)
-        # Jobs without a record are lost only while records live (7 days): after that every finished
-        # job has none, and one that failed without a stored result would be run again (review).
-        created = record.get("created_at")
-        young = not created or time.time() - parse_rfc3339(created).timestamp() < RECORD_TTL_S - 3600
+        young = self._young(run_id, record, fresh, bool(done))
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
         step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse)
@@ -147,6 +144,20 @@ class Backlog(RunReader):
         if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
             raise _cancelled(run_id)
         return progress
+
+    def _young(self, run_id: str, record: dict[str, str], fresh: bool, indexed: bool) -> bool:
+        """Whether the run began within its jobs' records' 7 days: only then is a job without a record
+        lost (after, every finished job has none, and one that failed without a stored result would
+        be run again: review). Its start is the run record's, or, where Redis lost that record or it
+        expired (30 days), the one the first pass wrote beside the index (review, helper-66: the
+        record made anew read as a run begun now); a run from before that mark is taken as old."""
+        started = self._key(run_id, "started_at")
+        if not indexed:
+            self.files.put_text(started, record.get("created_at") or "")
+        created = self.files.get_text(started) if fresh else record.get("created_at")
+        if not created:
+            return False
+        return time.time() - parse_rfc3339(created.strip()).timestamp() < RECORD_TTL_S - 3600
 
     def _go_over(
         self, step: _Pass, number: int, chunk: list[tuple[int, bytes]], fresh: bool, young: bool
@@ -218,6 +229,8 @@ class Backlog(RunReader):
             left = len(_unindexed(chunk, entries_kept)) if full is not None else 0
             bad = sum(1 for e in entries_kept if "invalid" in e)
             self.runs.count(run_id, lines=len(chunk) - left, valid=len(entries_kept) - bad, invalid=bad)
+        elif earlier:  # lost jobs (valid then) whose lines are invalid now: counted as what they are
+            self.runs.count(run_id, valid=-invalid, invalid=invalid)
         if unreplicated is not None:
             raise unreplicated
         if full is not None:

@@ -642,6 +642,37 @@ def test_a_rerun_queues_lost_jobs_once_counts_them_once_and_never_reruns_expired
     assert _queued_ids(own) == []
 
 
+def test_a_lost_job_is_known_by_the_runs_first_pass_and_counted_as_what_it_is_now(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-66: with the run's record gone too (expired after 30 days, or lost), the record
+    made anew read as a run begun now, so jobs whose records had expired were queued again; and a
+    lost job whose line is invalid now stayed counted valid (the ops page saw the run never end)."""
+    photos = [tmp_path / f"p{i}.jpg" for i in range(3)]
+    for i, photo in enumerate(photos):
+        photo.write_bytes(imagegen.photo(32, 32, seed=i))
+    rows = [{"custom_id": f"c{i}", "image": str(photo), "prompt": "Q?"} for i, photo in enumerate(photos)]
+    path = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "aged").returncode == 0
+    data = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    jobs_and_lane = [*(names.job_key(f"aged.c{i}") for i in range(3)), *names.queue_keys("backlog")]
+    # lost while young, one line's image gone since: two queued again, one invalid, counted so
+    data.delete(*jobs_and_lane)
+    photos[1].unlink()
+    again = services.run_cli(own, "backlog", str(path), "--run-id", "aged", "--interval", "0")
+    assert again.returncode == 1, again.stderr  # an invalid line
+    assert sorted(_queued_ids(own)) == ["aged.c0", "aged.c2"]
+    record = data.hgetall(names.run_record_key("aged"))
+    assert (record[b"lines"], record[b"valid"], record[b"invalid"]) == (b"3", b"2", b"1")
+    # begun 20 days ago, its record gone as well: what has no record expired, and is not queued again
+    files = open_run_files(services.settings_from_env(own))
+    files.put_text(names.run_key("", "aged", "started_at"), "2026-11-16T00:00:00Z")
+    data.delete(*jobs_and_lane, names.run_record_key("aged"))
+    photos[1].write_bytes(imagegen.photo(32, 32, seed=1))
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "aged").returncode == 1
+    assert _queued_ids(own) == []
+
+
 def test_a_resume_reads_relative_image_paths_from_where_the_run_began(
     own: dict[str, str], tmp_path: Path
 ) -> None:
