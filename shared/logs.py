@@ -84,6 +84,12 @@ def clip(key: str, text: str, written: Callable[[str], str] | None = None) -> st
     half = limit // 2 - 40  # room for the note
     head = _fits(text, half, write)
     tail = len(text) - _fits(text[::-1], half, write)
+    # a surrogate pair (from JSON like "\ud83d\ude00") stays whole: half of one is no JSON a strict
+    # reader takes (review, helper-66)
+    if head and "\ud800" <= text[head - 1] <= "\udbff":
+        head -= 1
+    if tail < len(text) and "\udc00" <= text[tail] <= "\udfff":
+        tail += 1
     return f"{text[:head]}...[{tail - head} characters cut]...{text[tail:]}"
 
 

@@ -140,3 +140,17 @@ def test_a_value_is_cut_by_its_written_length_so_no_line_passes_the_bound() -> N
         assert kept.endswith(value[-10:])
     for value in ("\U0001f600" * 100_000, "\x01" * 100_000):
         assert len(logs._json_line("MRC_X", {"v": value})) <= logs.VALUE_MAX_CHARS + 40
+
+
+def test_a_cut_never_splits_a_surrogate_pair() -> None:
+    """Review, helper-66: JSON cut between the halves of a pair a value holds as two code points."""
+    import json
+
+    for lead in range(970, 990):
+        value = "a" * lead + "\ud83d\ude00" * 400
+        written = json.loads(logs._json_line("MRC_X", {"v": value}))["v"]
+        for i, ch in enumerate(written):
+            if "\ud800" <= ch <= "\udbff":
+                assert i + 1 < len(written) and "\udc00" <= written[i + 1] <= "\udfff", (lead, i)
+            if "\udc00" <= ch <= "\udfff":
+                assert i > 0 and "\ud800" <= written[i - 1] <= "\udbff", (lead, i)
