@@ -9,6 +9,7 @@ mrc backlog status RUN_ID [--json] | report RUN_ID | cancel RUN_ID
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -192,13 +193,7 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
         backlog.runs.start(run_id, source)
         backlog.runs.update(run_id, prompt=prompt)
 
-        def listing() -> Iterator[tuple[int, bytes]]:
-            keys = backlog.files.list_keys(prefix, bucket=bucket)
-            lines = manifest.from_listing(keys, bucket, prompt)
-            known = {str(e["custom_id"]): int(e["line"]) for e in backlog.entries(run_id) if "custom_id" in e}
-            return _numbered(lines, known) if known else enumerate(lines, start=1)
-
-        return listing, source
+        return functools.partial(_listing, backlog, run_id, bucket, prefix, prompt), source
     if source == "-":
         if args.resume:
             raise UsageError("a run read from stdin resumes with: mrc backlog - --run-id RUN_ID")
@@ -215,22 +210,34 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
     return from_file, str(path)
 
 
-def _numbered(lines: Iterator[bytes], known: dict[str, int]) -> Iterator[tuple[int, bytes]]:
-    """A listing's lines for a run that indexed some of its objects already: each object it knows at
-    its line, new ones after them, in listing order. Numbered by position, a new object sorting among
-    the known ones took a known one's line and was skipped, and the last one was queued twice
-    (review, helper-65)."""
-    seen: list[tuple[int, bytes]] = []
-    new: list[bytes] = []
-    for raw in lines:
-        line = known.get(json.loads(raw)["custom_id"])
+def _listing(backlog: Any, run_id: str, bucket: str, prefix: str, prompt: str) -> Iterator[tuple[int, bytes]]:
+    """A bucket listing's manifest lines, numbered as the run's index knows them."""
+    from producer.backlog import manifest
+
+    keys = backlog.files.list_keys(prefix, bucket=bucket)
+    known = {str(e["custom_id"]): int(e["line"]) for e in backlog.entries(run_id) if "custom_id" in e}
+    if not known:
+        return enumerate(manifest.from_listing(keys, bucket, prompt), start=1)
+    line = functools.partial(manifest.listing_line, bucket=bucket, prompt=prompt)
+    return ((n, line(key)) for n, key in _numbered(manifest.objects(keys), known))
+
+
+def _numbered(keys: Iterator[str], known: dict[str, int]) -> list[tuple[int, str]]:
+    """A listing's objects for a run that indexed some of them already: each it knows at its line,
+    new ones after them, in listing order. Numbered by position, a new object sorting among the known
+    ones took a known one's line and was skipped, and the last one was queued twice (review,
+    helper-65). The keys are held, not their lines (about a third of the memory: review, helper-66)."""
+    seen: list[tuple[int, str]] = []
+    new: list[str] = []
+    for key in keys:
+        line = known.get(key)
         if line is None:
-            new.append(raw)
+            new.append(key)
         else:
-            seen.append((line, raw))
+            seen.append((line, key))
     seen.sort()
     after = max(known.values())
-    return iter([*seen, *zip(range(after + 1, after + 1 + len(new)), new, strict=True)])
+    return [*seen, *zip(range(after + 1, after + 1 + len(new)), new, strict=True)]
 
 
 def _into_workdir(workdir: str | None, source: str) -> None:

@@ -183,10 +183,17 @@ def _image_problem(image: str, settings: Settings) -> str | None:
 
 def from_listing(keys: Iterable[str], bucket: str, prompt: str) -> Iterator[bytes]:
     """Manifest lines for every object of a bucket listing: custom_id = the key."""
-    for key in keys:
-        if key.endswith("/"):
-            continue  # a "folder" placeholder object
-        yield json.dumps({"custom_id": key, "image": f"s3://{bucket}/{key}", "prompt": prompt}).encode()
+    for key in objects(keys):
+        yield listing_line(key, bucket, prompt)
+
+
+def objects(keys: Iterable[str]) -> Iterator[str]:
+    """A listing's keys without its "folder" placeholder objects."""
+    return (key for key in keys if not key.endswith("/"))
+
+
+def listing_line(key: str, bucket: str, prompt: str) -> bytes:
+    return json.dumps({"custom_id": key, "image": f"s3://{bucket}/{key}", "prompt": prompt}).encode()
 
 
 def chunk_number(key: str) -> int:
