@@ -215,14 +215,19 @@ def _listing(backlog: Any, run_id: str, bucket: str, prefix: str, prompt: str) -
     from producer.backlog import manifest
 
     keys = backlog.files.list_keys(prefix, bucket=bucket)
-    known = {str(e["custom_id"]): int(e["line"]) for e in backlog.entries(run_id) if "custom_id" in e}
-    if not known:
+    known: dict[str, int] = {}
+    last = 0  # past every indexed line, one without a custom_id too (a line refused as too long)
+    for entry in backlog.entries(run_id):
+        last = max(last, int(entry["line"]))
+        if "custom_id" in entry:
+            known[str(entry["custom_id"])] = int(entry["line"])
+    if not last:
         return enumerate(manifest.from_listing(keys, bucket, prompt), start=1)
     line = functools.partial(manifest.listing_line, bucket=bucket, prompt=prompt)
-    return ((n, line(key)) for n, key in _numbered(manifest.objects(keys), known))
+    return ((n, line(key)) for n, key in _numbered(manifest.objects(keys), known, last))
 
 
-def _numbered(keys: Iterator[str], known: dict[str, int]) -> list[tuple[int, str]]:
+def _numbered(keys: Iterator[str], known: dict[str, int], last: int) -> list[tuple[int, str]]:
     """A listing's objects for a run that indexed some of them already: each it knows at its line,
     new ones after them, in listing order. Numbered by position, a new object sorting among the known
     ones took a known one's line and was skipped, and the last one was queued twice (review,
@@ -236,8 +241,7 @@ def _numbered(keys: Iterator[str], known: dict[str, int]) -> list[tuple[int, str
         else:
             seen.append((line, key))
     seen.sort()
-    after = max(known.values())
-    return [*seen, *zip(range(after + 1, after + 1 + len(new)), new, strict=True)]
+    return [*seen, *zip(range(last + 1, last + 1 + len(new)), new, strict=True)]
 
 
 def _into_workdir(workdir: str | None, source: str) -> None:

@@ -148,16 +148,22 @@ class Backlog(RunReader):
     def _young(self, run_id: str, record: dict[str, str], fresh: bool, indexed: bool) -> bool:
         """Whether the run began within its jobs' records' 7 days: only then is a job without a record
         lost (after, every finished job has none, and one that failed without a stored result would
-        be run again: review). Its start is the run record's, or, where Redis lost that record or it
-        expired (30 days), the one the first pass wrote beside the index (review, helper-66: the
-        record made anew read as a run begun now); a run from before that mark is taken as old."""
+        be run again: review). Its start is kept beside its index (`started_at`), written from the
+        run's record by the first pass that finds none: a record made anew, after Redis lost it or it
+        expired (30 days), reads as a run begun now (review, helper-66/67). A run indexed before that
+        mark whose record went too is taken as old; a mark that is no date, likewise."""
         started = self._key(run_id, "started_at")
-        if not indexed:
-            self.files.put_text(started, record.get("created_at") or "")
-        created = self.files.get_text(started) if fresh else record.get("created_at")
-        if not created:
+        mark = (self.files.get_text(started) or "").strip()
+        if not mark:
+            if fresh and indexed:
+                return False
+            mark = record.get("created_at") or ""
+            self.files.put_text(started, mark)
+        try:
+            begun = parse_rfc3339(mark).timestamp()
+        except ValueError:
             return False
-        return time.time() - parse_rfc3339(created.strip()).timestamp() < RECORD_TTL_S - 3600
+        return time.time() - begun < RECORD_TTL_S - 3600
 
     def _go_over(
         self, step: _Pass, number: int, chunk: list[tuple[int, bytes]], fresh: bool, young: bool

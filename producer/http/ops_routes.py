@@ -148,7 +148,10 @@ def _site(origin: str) -> str:
     """An origin's host[:port] as a Host header names it, its scheme's default port left out. From
     the netloc, never .port (urlsplit raises on a port like ':abc': a 500 for anyone; review,
     helper-66) nor .hostname (it drops an IPv6 literal's brackets, which Host keeps)."""
-    parts = urllib.parse.urlsplit(origin)
+    try:
+        parts = urllib.parse.urlsplit(origin)
+    except ValueError:  # brackets that are no IPv6 literal: no site of ours (review, helper-67: a 500)
+        return "\x00"
     netloc = parts.netloc.rpartition("@")[2].lower()
     default = {"http": ":80", "https": ":443"}.get(parts.scheme, "")
     return netloc.removesuffix(default) if default else netloc

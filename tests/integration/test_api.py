@@ -209,6 +209,8 @@ def test_the_ops_sign_in_refuses_other_sites_and_key_guessing_is_limited(api_env
             {"Origin": "null"},
             {"Origin": "http://ops.example:abc"},  # review, helper-66: a 500 with a traceback
             {"Origin": "http://ops.example:99999"},
+            {"Origin": "http://[::1"},  # brackets that are no IPv6 literal (review, helper-67: a 500)
+            {"Origin": "http://[zz]"},
         ):
             refused = api.post("/ops/login", data=form, headers=headers, follow_redirects=False)
             assert refused.status_code == 403, headers

@@ -666,11 +666,27 @@ def test_a_lost_job_is_known_by_the_runs_first_pass_and_counted_as_what_it_is_no
     assert (record[b"lines"], record[b"valid"], record[b"invalid"]) == (b"3", b"2", b"1")
     # begun 20 days ago, its record gone as well: what has no record expired, and is not queued again
     files = open_run_files(services.settings_from_env(own))
-    files.put_text(names.run_key("", "aged", "started_at"), "2026-11-16T00:00:00Z")
+    mark = names.run_key("", "aged", "started_at")
+    files.put_text(mark, "2026-11-16T00:00:00Z")
     data.delete(*jobs_and_lane, names.run_record_key("aged"))
     photos[1].write_bytes(imagegen.photo(32, 32, seed=1))
-    assert services.run_cli(own, "backlog", str(path), "--run-id", "aged").returncode == 1
+    for _ in range(2):  # nor on the pass after, whose run record is the one made anew (helper-67)
+        assert services.run_cli(own, "backlog", str(path), "--run-id", "aged").returncode == 1
+        assert _queued_ids(own) == []
+    # a mark that is no date: taken as old, not a traceback
+    files.put_text(mark, "yesterday")
+    done = services.run_cli(own, "backlog", str(path), "--run-id", "aged")
+    assert "Traceback" not in done.stderr
     assert _queued_ids(own) == []
+    # a run from before the mark: its first pass since writes it from the run's record, so a later
+    # loss of Redis's data is still recovered (helper-67)
+    files.put_text(mark, "")
+    data.hset(names.run_record_key("aged"), "created_at", "2026-12-01T00:00:00Z")
+    services.run_cli(own, "backlog", str(path), "--run-id", "aged")
+    assert files.get_text(mark) == "2026-12-01T00:00:00Z"
+    data.flushall()
+    services.run_cli(own, "backlog", str(path), "--run-id", "aged")
+    assert sorted(_queued_ids(own)) == ["aged.c0", "aged.c2"]  # c1's line is indexed invalid
 
 
 def test_a_resume_reads_relative_image_paths_from_where_the_run_began(

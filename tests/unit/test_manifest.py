@@ -199,3 +199,22 @@ def test_a_huge_number_and_a_directory_are_named_as_they_are(tmp_path: Path) -> 
     folder = manifest.parse(1, _line(image=str(tmp_path)), "run-1", SETTINGS)
     assert isinstance(folder, Invalid)
     assert "is a directory" in folder.reason
+
+
+def test_a_listing_rerun_numbers_new_objects_past_every_indexed_line() -> None:
+    """Review, helper-67: an indexed line without a custom_id (refused as too long) was left out of
+    the highest line, so a new object could take its number and never be queued."""
+    from producer.backlog.cli import _listing
+
+    class Files:
+        def list_keys(self, prefix: str, bucket: str) -> list[str]:
+            return ["in/a.jpg", "in/m-new.jpg", "in/z-long.jpg", "in/folder/"]
+
+    class Runs:
+        files = Files()
+
+        def entries(self, run_id: str) -> list[dict[str, object]]:
+            return [{"line": 1, "custom_id": "in/a.jpg", "job_id": "r.a"}, {"line": 2, "invalid": "too long"}]
+
+    numbered = [(n, json.loads(raw)["custom_id"]) for n, raw in _listing(Runs(), "r", "b", "in/", "Q?")]
+    assert numbered == [(1, "in/a.jpg"), (3, "in/m-new.jpg"), (4, "in/z-long.jpg")]
