@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,7 +50,9 @@ def test_sigkill_mid_batch_loses_nothing(cluster: Cluster) -> None:
     first.stop(signal.SIGKILL)
     done_before = sum(1 for j in jobs if cluster.client.result(j.job_id))
     assert done_before < 50, "the kill came too late to test anything"
-    cluster.worker()  # picks up the queue now and the killed worker's unacked jobs after the timeout
+    # picks up the queue now and the killed worker's unacked jobs after the timeout (the echo model:
+    # the broker is tested, not the model, and it starts without torch)
+    cluster.echo_worker()
     _assert_once(cluster, cluster.wait_all(jobs, 120))
 
 
@@ -70,7 +73,7 @@ def test_sigkill_while_a_part_full_batch_runs_loses_nothing_that_arrived_meanwhi
     time.sleep(0.3)  # a pop already sent is served at once: the late job would be in its reply
     assert not any(cluster.client.result(j.job_id) for j in jobs), "the batch ended too soon to test"
     worker.stop(signal.SIGKILL)
-    cluster.worker()
+    cluster.echo_worker()
     _assert_once(cluster, cluster.wait_all(jobs + late, 120))
 
 
@@ -251,6 +254,9 @@ def test_two_workers_process_every_job_once(cluster: Cluster) -> None:
     per_worker = [len(w.find("MRC_SUCCESS")) for w in (a, b)]
     assert sum(per_worker) == 60, per_worker
     assert min(per_worker) > 0, per_worker
+    # The echo model loads no torch, before its jobs or after (2 s of a start each, paid by every
+    # test of this folder's workers: a capacity import had pulled it in).
+    assert not [w.proc.pid for w in (a, b) if "libtorch" in Path(f"/proc/{w.proc.pid}/maps").read_text()]
 
 
 def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster: Cluster) -> None:

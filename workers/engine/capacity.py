@@ -92,9 +92,13 @@ def positions_held(memory: int, per_token: int) -> int:
 def slot_grain(decode: str, device: Any) -> int:
     """What slots by need are rounded up to, and start at multiples of: the pool step's attention
     kernel's block (its batch invariance: workers/engine/pool_step.py), else the prefix index's block."""
-    from workers.engine import pool_step, slot_table
+    if decode != "pool":  # the pool step is torch's: the echo worker loads no torch
+        from workers.engine.slot_table import UNIT
 
-    return pool_step.grain(device) if decode == "pool" else slot_table.UNIT
+        return UNIT
+    from workers.engine import pool_step
+
+    return pool_step.grain(device)
 
 
 def choose(
