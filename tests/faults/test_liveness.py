@@ -26,7 +26,7 @@ def _healthz(worker: services.Worker) -> tuple[int, dict]:
 
 
 def test_healthz_is_503_while_a_batch_is_stuck_and_200_when_idle_or_moving(cluster: Cluster) -> None:
-    worker = cluster.worker(MRC_STUCK_AFTER_S="3")
+    worker = cluster.echo_worker(MRC_STUCK_AFTER_S="3")  # liveness is the pipeline's, not the model's
     services.wait_for(lambda: bool(worker.find("MRC_CONSUMING")), 120, "consuming", worker.proc)
     time.sleep(4)  # idle for longer than the threshold, nothing to do: not stuck
     status, body = _healthz(worker)
