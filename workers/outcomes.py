@@ -45,8 +45,8 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
         prompt = PromptInfo(chars=prompt.chars, original_tokens=slot.error.original_tokens)
     failed = slot.error is not None or slot.text is None
     error = slot.error or (InternalError("no output was produced") if failed else None)
-    first_token_ms = 0.0
-    if not failed:
+    first_token_ms = 0.0  # no token generated (a job that failed before its answer began)
+    if not failed or slot.first_token_at is not None:  # an answer cut short came too (review)
         first = slot.first_token_at if slot.first_token_at is not None else time.time()
         first_token_ms = min(total_ms, max(0.0, (first - submitted_s) * 1000))
     return JobResult(

@@ -111,6 +111,10 @@ def test_an_answer_cut_by_max_new_tokens_fails_answer_incomplete(
     assert result["error"]["retryable"] is False
     assert result["text"].startswith("{")
     assert result["output"] is None
+    assert result["usage"]["completion_tokens"] == 3
+    timings = result["timings_ms"]  # its tokens came: when the first did is said (it read 0.0: review)
+    assert timings["queued"] <= timings["first_token"] <= timings["total"]
+    assert timings["first_token"] > 0
     assert worker.logged("MRC_ERROR", job_id=result["job_id"])[0]["code"] == "answer_incomplete"
 
 
