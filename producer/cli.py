@@ -1,7 +1,8 @@
 """`mrc`: the producer and ops command line (works without torch).
 
 Exit codes: 0 ok / job succeeded, 1 job failed, 2 usage or validation error (nothing enqueued),
-3 timeout or no result yet, 4 backlog lane full with --no-block, 5 Redis or S3 unreachable.
+3 timeout or no result yet, 4 backlog lane full with --no-block (or still full when --wait's --timeout
+is spent), 5 Redis or S3 unreachable.
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
         help="backlog lane at its depth limit: fail at once (exit 4) instead of waiting for room",
     )
     p.add_argument(
-        "--timeout", type=arg_types.seconds, default=300.0, help="seconds --wait waits (default 300)"
-    )
+        "--timeout", type=arg_types.seconds, default=300.0,
+        help="seconds --wait waits in all: for room in a full backlog lane (then exit 4), then for the "
+        "result (then exit 3) (default 300)",
+    )  # fmt: skip
 
     p = sub.add_parser("status", help="print the state of a job as JSON")
     p.add_argument("job_id")
@@ -177,8 +180,11 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     client = Client(settings)
     job = client.build_job(_submission(args))
     replicated = True
+    # With --wait, --timeout bounds the whole command: a backlog lane that stays full is exit 4 once it
+    # is spent (review: the wait for room had no end), and the result gets what is left of it.
+    deadline = time.monotonic() + args.timeout
     try:
-        client.enqueue(job, block=not args.no_block)
+        client.enqueue(job, block=not args.no_block, timeout=args.timeout if args.wait else None)
     except NotReplicated as exc:  # queued: the id is the caller's to resubmit under; the wait goes on
         print(f"mrc: {exc.message}", file=sys.stderr)
         replicated = False
@@ -187,7 +193,7 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         print(job_id)
         return EXIT_OK if replicated else EXIT_NOT_REPLICATED
     try:
-        result = client.wait(job_id, args.timeout)
+        result = client.wait(job_id, max(0.1, deadline - time.monotonic()))
     except TimeoutError as exc:
         print(f"mrc: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT

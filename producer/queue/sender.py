@@ -77,8 +77,10 @@ class Queue:
         deadline = None if timeout is None else time.monotonic() + timeout
         logged = False
         while (depth := self.lane_depth(lane)) >= limit:
-            if not block or (deadline is not None and time.monotonic() >= deadline):
+            if not block:
                 raise QueueFull(depth, limit)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QueueFull(depth, limit, f"still full after {timeout:g} s; nothing enqueued")
             if not logged:
                 self.log.info("MRC_BACKPRESSURE", lane=lane, depth=depth, limit=limit)
                 logged = True

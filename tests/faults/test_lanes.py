@@ -32,6 +32,17 @@ def test_backlog_depth_limit_blocks_or_refuses_but_never_interactive(cluster: Cl
     assert refused.returncode == 4
     assert "queue full" in refused.stderr
     assert refused.stdout == ""
+    # --wait --timeout bounds the whole command: a lane still full when it is spent is exit 4, nothing
+    # enqueued (review: the wait for room had no end)
+    began = time.monotonic()
+    waited = services.run_cli(
+        cluster.env, "submit", "--image", str(image), "--prompt", "q", "--lane", "backlog", "--wait",
+        "--timeout", "1", "--job-id", "waited-for-room", timeout=60,
+    )  # fmt: skip
+    assert waited.returncode == 4, waited.stderr
+    assert "still full after 1 s; nothing enqueued" in waited.stderr
+    assert time.monotonic() - began < 50
+    assert cluster.client.records.get("waited-for-room").get("state") is None
     interactive = cluster.jobs(2, image, prefix="it")
     cluster.send(interactive)  # never held back by the backlog
     blocked_done = threading.Event()
