@@ -354,16 +354,14 @@ _EXITS: tuple[tuple[type[MrcError], int], ...] = (
     (ServiceUnreachable, EXIT_UNREACHABLE),
 )
 
-# Replies of a Redis that is there but cannot serve now (loading, a replica after a failover): transient.
-_TRANSIENT_REPLIES = ("LOADING", "READONLY", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS")
-
 
 def _refused_by_redis(exc: redis.ResponseError, settings: Settings) -> int:
-    """Redis answered with an error: transient states are 'cannot serve now' (exit 5), anything else a
-    refused command (exit 1), never reported as unreachable."""
-    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    """Redis answered with an error: a refusal for now (out of memory, a replica after a failover, a
+    long script) is 'cannot serve now' (exit 5, as mrc-api's 503), anything else a refused command
+    (exit 1), never reported as unreachable."""
+    text = redis_target.refusal_words(exc)
     where = redis_target.where(settings)
-    if text.upper().startswith(_TRANSIENT_REPLIES):
+    if redis_target.refused_for_now(exc):
         print(f"mrc: Redis at {where} cannot serve now: {text}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"mrc: Redis at {where} refused the command: {text}", file=sys.stderr)

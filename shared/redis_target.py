@@ -55,6 +55,27 @@ def uses_sentinel(settings: Settings) -> bool:
 # Replies of a node in the middle of a failover: not this command's fault, and gone in a moment.
 # redis-py already turns READONLY (a demoted master) into a reconnect; these join it.
 TRANSIENT_REPLIES = ("NOREPLICAS", "MASTERDOWN", "LOADING")
+# Replies of a Redis that is there but refuses for now, whatever the connection: a failover's, a script
+# running long (BUSY), a cluster re-forming. redis-py takes the first word off some and names them by
+# class instead (OutOfMemoryError: OOM under `noeviction`; ReadOnlyError: a replica).
+REFUSALS_FOR_NOW = ("BUSY", "TRYAGAIN", "CLUSTERDOWN", *TRANSIENT_REPLIES)
+
+
+def refused_for_now(exc: BaseException) -> bool:
+    """Redis answered and refused for now (out of memory, a replica, a failover, a long script): a retry
+    later may pass. Not a fault of the command, and not an unreachable Redis."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError | redis.exceptions.ReadOnlyError):
+        return True
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    said = str(exc).rsplit("caused error: ", 1)[-1]  # a pipeline's error quotes its command first
+    return said.upper().startswith(REFUSALS_FOR_NOW)
+
+
+def refusal_words(exc: BaseException) -> str:
+    """Redis's refusal in its own words, the first word redis-py took off put back (OOM)."""
+    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    return f"OOM {text}" if isinstance(exc, redis.exceptions.OutOfMemoryError) else text
 
 
 class FailoverConnection(SentinelManagedConnection):

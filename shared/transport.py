@@ -264,12 +264,13 @@ class Channel(kombu_redis.Channel):
                     raise
                 self._refused(exc)
                 raise Empty() from None
-            self._refused_since = None
             if waiting:
+                self._refused_since = None  # the wait (a write Redis refuses under OOM) was taken
                 raise Empty()  # woken (or timed out): the next command pops
-            if not reply:
-                self._waiting = True
+            if not reply:  # the pop found nothing, which proves nothing of writes: the spell goes on
+                self._waiting = True  # (review: it ended here, and OOM was logged every second)
                 raise Empty()
+            self._refused_since = None
             dest, item, recorded = reply
             dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
             tag = bytes_to_str(recorded) if recorded else None
@@ -300,7 +301,7 @@ class Channel(kombu_redis.Channel):
         error, and an idle worker exited 1 at once, to reload its model and exit again (review)."""
         if self._refused_since is None:
             self._refused_since = time.monotonic()
-            logs.get_logger().warning("MRC_BROKER_REFUSED", error=str(exc)[:200])
+            logs.get_logger().warning("MRC_BROKER_REFUSED", error=redis_target.refusal_words(exc)[:200])
         time.sleep(REFUSED_PAUSE_S)
 
     def _get(self, queue: str, timeout: Any = None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from starlette.routing import Match
 
 from producer.http.body_slots import BodySlots
 from producer.http.guard import Caller, Keys, RateLimiter
-from shared import logs
+from shared import logs, redis_target
 from shared.errors import ServiceUnreachable, StoreUnavailable
 
 Scope = MutableMapping[str, Any]
@@ -264,6 +264,11 @@ class Front:
                 which = exc.service
             self.log.warning("MRC_API_UNAVAILABLE", path=path, service=which, error=repr(exc)[:300])
             message = f"{which} cannot be reached now; retry later"
+            return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
+        if redis_target.refused_for_now(exc):  # out of memory, a failover: there, and refusing for now
+            words = redis_target.refusal_words(exc)
+            self.log.warning("MRC_API_UNAVAILABLE", path=path, service="Redis", error=words)
+            message = f"Redis cannot serve now ({words[:120]}); retry later"
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
         self.log.exception("MRC_API_ERROR", path=path, error=repr(exc)[:300])
         return json_body(500, "internal_error", "the server failed on this request (logged)")

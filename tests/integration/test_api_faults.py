@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_lib
 from fastapi.testclient import TestClient
 
 from producer.client import Client
@@ -199,6 +200,38 @@ def test_redis_or_s3_out_of_reach_is_a_json_503_with_retry_after(
             assert reply.headers.get("Retry-After"), reply.request.url.path  # /readyz too (review)
         metrics = api.get("/metrics").text
         assert 'route="/v1/jobs",status="503"' in metrics
+
+
+def test_a_redis_out_of_memory_is_a_503_and_exit_5_not_a_server_fault(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Redis at its maxmemory under noeviction refuses writes until workers drain it: there, refusing
+    for now (review: mrc-api answered 500 internal_error, counted as a server fault, and mrc exit 1)."""
+    redis = services.start_redis(tmp_path / "redis")
+    try:
+        full = {**api_env, "MRC_REDIS_URL": redis.url}
+        client = redis_lib.Redis.from_url(redis.url)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", str(int(client.info("memory")["used_memory"]) + 1000))
+        photo = tmp_path / "p.jpg"
+        photo.write_bytes(imagegen.photo(64, 48, seed=3))
+        with TestClient(create_app(services.settings_from_env(full))) as api:
+            refused = api.post(
+                "/v1/jobs",
+                data={"prompt": "Refund?"},
+                files={"image": ("p.jpg", photo.read_bytes())},
+                headers=AUTH,
+            )
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "service_unavailable"
+            assert "OOM" in refused.json()["error"]["message"]
+            assert refused.headers.get("Retry-After")
+            assert 'route="/v1/jobs",status="503"' in api.get("/metrics").text
+        cli = services.run_cli(full, "submit", "--image", str(photo), "--prompt", "Refund?")
+        assert cli.returncode == 5, cli.stderr
+        assert "cannot serve now: OOM" in cli.stderr
+    finally:
+        redis.stop()
 
 
 def test_a_bug_is_a_json_500_and_counted(api_env: dict[str, str]) -> None:
