@@ -207,7 +207,7 @@ class RedisJobRecords:
         self._redis.lpush(names.dead_letter_key(), encoding.to_text(entry))
 
     def dead_letters(self, limit: int = 100) -> list[dict[str, object]]:
-        return [json.loads(raw) for raw in self._redis.lrange(names.dead_letter_key(), 0, limit - 1)]
+        return [_dead_letter(raw) for raw in self._redis.lrange(names.dead_letter_key(), 0, limit - 1)]
 
     def dead_letter_count(self) -> int:
         return int(self._redis.llen(names.dead_letter_key()))
@@ -389,3 +389,17 @@ def unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:
         "result_stored": False,
         "finished_at": record.get("updated_at"),
     }
+
+
+def _dead_letter(raw: Any) -> dict[str, object]:
+    """An entry as stored; one that is no JSON object (put there by hand, or by another program) as what
+    it is, `invalid` beside its first 2,000 characters: the runbook sends a person to look at it
+    (review: `mrc dlq list` ended in a traceback, listing none)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    try:
+        entry = json.loads(text)
+    except (ValueError, RecursionError):
+        entry = None
+    if isinstance(entry, dict):
+        return entry
+    return {"invalid": "not a JSON object", "raw": text[:2000]}

@@ -109,10 +109,18 @@ def test_dlq_requeue_keeps_invalid_entries_and_sends_the_rest(
     entries = ["{not json", json.dumps({"job": {"job_id": "x"}}), json.dumps({"job": job.to_message()})]
     for raw in entries:
         _dead_letter(client, raw)
-    assert dlq.requeue(client, 100) == (1, 2, 0)
-    assert sorted(client.records._redis.lrange(names.dead_letter_key(), 0, -1)) == sorted(entries[:2])
+    for raw in ("[1, 2]", "NaN", "[" * 100_000):  # JSON, but no entry at all; too deep for the parser
+        _dead_letter(client, raw)
+    assert dlq.requeue(client, 100) == (1, 5, 0)
+    kept = ["{not json", json.dumps({"job": {"job_id": "x"}}), "[1, 2]", "NaN", "[" * 100_000]
+    assert sorted(client.records._redis.lrange(names.dead_letter_key(), 0, -1)) == sorted(kept)
     assert client.records._redis.llen(names.dead_letter_processing_key()) == 0
     assert _ran(client, job.job_id)
+    # What the runbook sends a person to look at, the list shows, newest first (review: a traceback)
+    listed = client.records.dead_letters(100)
+    assert [e.get("raw") for e in listed] == ["[" * 2000, "NaN", "[1, 2]", None, "{not json"]
+    assert [e.get("invalid") for e in listed].count("not a JSON object") == 4
+    assert listed[3] == {"job": {"job_id": "x"}}
 
 
 def test_dlq_requeue_of_a_job_submitted_minutes_ago_runs_it_again(
