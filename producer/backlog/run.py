@@ -283,7 +283,7 @@ class Backlog(RunReader):
             room = self._wait_for_room(run_id, progress, step.block, step.on_progress)
             if room == 0:  # cancelled while it waited
                 return True
-            part = jobs[at : at + min(_PART, room)]
+            part = jobs[at : at + step.throttle.part(min(_PART, room))]
             step.throttle.take(len(part))
             limit = self.settings.backlog_max_depth
             unreplicated: PartNotReplicated | None = None
@@ -415,6 +415,11 @@ class _Throttle:
     def __init__(self, rate: float | None) -> None:
         self.rate = rate
         self.next = time.monotonic()
+
+    def part(self, most: int) -> int:
+        """A part's size: at most a second's worth of lines (review: a whole part of 500 went at once,
+        so a run of fewer lines, and the start of any run, was not held to the rate at all)."""
+        return min(most, max(1, int(self.rate))) if self.rate else most
 
     def take(self, count: int) -> None:
         if not self.rate:
