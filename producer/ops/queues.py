@@ -92,6 +92,7 @@ def render_text(view: dict[str, Any]) -> str:
     ]
     lines.append(f"{'dead-letter':<12} {view['dead_letter']}")
     lines.append(f"{'rejected':<12} {view['rejected']}")
+    lines.append(f"{'limit':<12} backlog {view['backlog_limit']}")  # MRC_BACKLOG_MAX_DEPTH (review)
     lines += [_worker_line(w) for w in view["workers"]]
     if "redis" in view:
         lines.append(_redis_line(view["redis"]))
@@ -136,6 +137,7 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         "worker",
         "lanes",
         "model",
+        "device",
         "jobs",
         "busy",
         "buffered",
@@ -147,7 +149,7 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
     for w in view["workers"]:
         workers.add_row(
             str(w.get("hostname")), ",".join(w.get("lanes", [])), f"{w.get('model')} {w.get('quantization')}",
-            str(w.get("jobs")), str(w.get("busy_ratio")), str(w.get("buffered", "-")),
+            str(w.get("device")), str(w.get("jobs")), str(w.get("busy_ratio")), str(w.get("buffered", "-")),
             str(w.get("batch_in_progress_s") or "-"), _engine(w).removeprefix("engine "),
             str(w.get("attention_backend", "-")),
         )  # fmt: skip
@@ -159,5 +161,7 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         f"dead letters {view['dead_letter']}, rejected entries {view['rejected']}, "
         f"cache {cache['hits']} hits / {cache['misses']} misses, backlog limit {view['backlog_limit']}"
     )
+    if "redis" in view:  # the master in use, as the plain lines say it (review: missing here)
+        console.print(_redis_line(view["redis"]), markup=False, highlight=False)
     for key, counts in view.get("usage_by_key", {}).items():
         console.print(_usage_line(key, counts))

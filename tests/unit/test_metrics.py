@@ -49,14 +49,22 @@ def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
         "backlog_limit": 10000,
         "dead_letter": 2,
         "workers": [{"hostname": "mrc@gpu-1", "lanes": ["interactive", "backlog"], "model": "fuyu-8b",
-                     "quantization": "nf4", "jobs": 41, "busy_ratio": 0.93, "buffered": 14,
+                     "quantization": "nf4", "device": "cuda", "jobs": 41, "busy_ratio": 0.93, "buffered": 14,
                      "batch_in_progress_s": 2.5, "batch_caps": "<=313:32",
                      "attention_backend": "sdpa:flash"}],
         "cache": {"hits": 5, "misses": 15, "hit_rate": 0.25},
+        "redis": {"redis_sentinel": True, "redis_master": "10.0.0.7:6379", "redis_sentinel_master": "mrc",
+                  "redis_failovers": 2},
     }  # fmt: skip
     text = queues_view.render_text(view)
     assert "backlog      900  in flight 16, oldest waiting 812.0 s, done 540.2/min" in text
     assert "buffered 14, batch in progress 2.5 s" in text
+    # Both views say what the docs promise (review: no limit in the lines; no master, no device in the
+    # tables)
+    master = "master 10.0.0.7:6379 (Sentinel 'mrc', 2 failovers seen)"
+    assert "limit        backlog 10000" in text
+    assert master in text
+    assert "nf4 on cuda" in text
     import io
 
     from rich.console import Console
@@ -66,3 +74,6 @@ def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
     shown = out.getvalue()
     assert "mrc@gpu-1" in shown
     assert "540.2" in shown
+    assert master in shown
+    assert "backlog limit 10000" in shown
+    assert "│ cuda " in shown
