@@ -178,12 +178,12 @@ class RunRecords:
                 pipe.exists(names.job_key(job_id))
             return [bool(found) for found in pipe.execute()]
 
-    def states(self, job_ids: Sequence[str]) -> list[tuple[str | None, str | None, str | None]]:
-        """(state, error_code, updated_at) per job, in one round trip."""
+    def states(self, job_ids: Sequence[str]) -> list[tuple[str | None, str | None, str | None, bool]]:
+        """(state, error_code, updated_at, marked cancelled) per job, in one round trip."""
         with self._redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(names.job_key(job_id), ["state", "error_code", "updated_at"])
-            return [(r[0], r[1], r[2]) for r in pipe.execute()]
+                pipe.hmget(names.job_key(job_id), ["state", "error_code", "updated_at", "cancelled"])
+            return [(r[0], r[1], r[2], r[3] in ("1", b"1")) for r in pipe.execute()]
 
     def usage(self, job_ids: Sequence[str]) -> list[list[str | None]]:
         """The usage fields each finished job's record keeps (shared/usage.py), in one round trip."""

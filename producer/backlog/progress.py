@@ -38,7 +38,9 @@ def describe(data: dict[str, Any]) -> str:
     codes = f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items()))})" if failed else ""
     return (
         f"run {data['run_id']}: {data['succeeded']}/{data['jobs']} done, {data['failed']} failed{codes}, "
-        f"{data['queued']} queued, {data['running']} running, {data['invalid_lines']} invalid lines, "
+        f"{data['queued']} queued"
+        + (f" ({data['cancelling']} of them cancelled, to end so)" if data.get("cancelling") else "")
+        + f", {data['running']} running, {data['invalid_lines']} invalid lines, "
         + (
             f"{data['unknown']} unknown (records expired: the report reads the results), "
             if data.get("unknown")

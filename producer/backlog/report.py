@@ -56,8 +56,10 @@ class RunReader:
             ids = list(dict.fromkeys(ids))
             seen.update(ids)
             usage_book.add_records(usage, self.runs.usage(ids))
-            for state, code, updated in self.runs.states(ids):
+            for state, code, updated, marked in self.runs.states(ids):
                 states[state or "unknown"] += 1
+                if marked and state == "queued":  # a cancelled run's: ends `cancelled` once a worker looks
+                    states["cancelling"] += 1
                 if state == "failed":
                     codes[code or "unknown"] += 1
                 if state in TERMINAL and updated and parse_rfc3339(updated).timestamp() >= since:
@@ -81,6 +83,7 @@ class RunReader:
             "lines": int(run.get("lines", 0)),
             "jobs": jobs,
             "queued": states["queued"],
+            "cancelling": states["cancelling"],  # of `queued`: marked cancelled, never run (review)
             "running": states["running"],
             "succeeded": states["succeeded"],
             "failed": states["failed"],
@@ -93,7 +96,9 @@ class RunReader:
         }
 
     def cancel(self, run_id: str) -> int:
-        """Stop a run: jobs not started yet end failed with `cancelled`; returns how many."""
+        """Stop a run: jobs not started yet end failed with `cancelled`; returns how many of those were
+        in the run's index (an enqueue still going marks its last, unindexed part itself: `status`
+        counts every one as `cancelling` until a worker ends it)."""
         self._run(run_id)
         # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
         # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.

@@ -327,6 +327,11 @@ def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp
     assert services.run_cli(own, "backlog", str(manifest_file), "--run-id", "stop").returncode == 0
     out = services.run_cli(own, "backlog", "cancel", "stop")
     assert json.loads(out.stdout) == {"run_id": "stop", "cancelled": 10}
+    # Before a worker ends them, status says they are cancelled (review: "10 queued", as if to run)
+    status = json.loads(services.run_cli(own, "backlog", "status", "stop", "--json").stdout)
+    assert (status["queued"], status["cancelling"], status["state"]) == (10, 10, "cancelled")
+    said = services.run_cli(own, "backlog", "status", "stop").stdout
+    assert "10 queued (10 of them cancelled, to end so)" in said
     worker = services.start_worker({**own, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
     try:
         client = Client(services.settings_from_env(own))
@@ -339,6 +344,7 @@ def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp
     report = services.run_cli(own, "backlog", "report", "stop")
     assert report.returncode == 1
     assert json.loads(report.stdout)["failed_by_code"] == {"cancelled": 10}
+    assert json.loads(services.run_cli(own, "backlog", "status", "stop", "--json").stdout)["cancelling"] == 0
     again = services.run_cli(own, "backlog", str(manifest_file), "--run-id", "stop")
     assert again.returncode == 2
     assert "cancelled" in again.stderr
@@ -502,6 +508,7 @@ def test_a_cancel_while_the_run_waits_for_room_queues_nothing_more(
     assert lane.llen(names.queue_name("backlog")) == 50
     status = json.loads(services.run_cli(env, "backlog", "status", "halt", "--json").stdout)
     assert status["state"] == "cancelled"
+    assert status["queued"] == status["cancelling"] == 50  # marked by the enqueue it stopped, too
     assert services.run_cli(env, "backlog", "--resume", "halt").returncode == 2
     ids = _queued_ids(own)
     assert all(lane.hget(names.job_key(job_id), "cancelled") == b"1" for job_id in ids)
