@@ -73,8 +73,10 @@ def refused_for_now(exc: BaseException) -> bool:
 
 
 def refusal_words(exc: BaseException) -> str:
-    """Redis's refusal in its own words, the first word redis-py took off put back (OOM)."""
-    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    """Redis's refusal in its own words, the first word redis-py took off put back (OOM); never the
+    command a pipeline's error quotes (its keys and arguments: review, they reached API clients)."""
+    said = str(exc).rsplit("caused error: ", 1)[-1]
+    text = said.splitlines()[0][:300] if said else type(exc).__name__
     return f"OOM {text}" if isinstance(exc, redis.exceptions.OutOfMemoryError) else text
 
 

@@ -46,7 +46,7 @@ class RunReader:
         run = self._run(run_id)
         states: Counter[str] = Counter()
         codes: Counter[str] = Counter()
-        recent = invalid = 0
+        recent = invalid = cancelling = 0  # cancelling: of the queued, apart from the states' sum
         since = time.time() - 60
         usage = usage_book.empty_sums()
         seen: set[str] = set()  # a line repeated is one job: counted, and its tokens summed, once
@@ -59,7 +59,7 @@ class RunReader:
             for state, code, updated, marked in self.runs.states(ids):
                 states[state or "unknown"] += 1
                 if marked and state == "queued":  # a cancelled run's: ends `cancelled` once a worker looks
-                    states["cancelling"] += 1
+                    cancelling += 1
                 if state == "failed":
                     codes[code or "unknown"] += 1
                 if state in TERMINAL and updated and parse_rfc3339(updated).timestamp() >= since:
@@ -83,7 +83,7 @@ class RunReader:
             "lines": int(run.get("lines", 0)),
             "jobs": jobs,
             "queued": states["queued"],
-            "cancelling": states["cancelling"],  # of `queued`: marked cancelled, never run (review)
+            "cancelling": cancelling,  # of `queued`: marked cancelled, never run (review)
             "running": states["running"],
             "succeeded": states["succeeded"],
             "failed": states["failed"],

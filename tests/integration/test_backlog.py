@@ -329,8 +329,14 @@ def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp
     assert json.loads(out.stdout) == {"run_id": "stop", "cancelled": 10}
     # Before a worker ends them, status says they are cancelled (review: "10 queued", as if to run)
     status = json.loads(services.run_cli(own, "backlog", "status", "stop", "--json").stdout)
-    assert (status["queued"], status["cancelling"], status["state"]) == (10, 10, "cancelled")
+    assert (status["jobs"], status["queued"], status["cancelling"], status["state"]) == (
+        10,
+        10,
+        10,
+        "cancelled",
+    )
     said = services.run_cli(own, "backlog", "status", "stop").stdout
+    assert "0/10 done" in said  # each job once (review: the cancelling were counted again, 0/20)
     assert "10 queued (10 of them cancelled, to end so)" in said
     worker = services.start_worker({**own, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
     try:

@@ -142,3 +142,30 @@ def test_a_broker_connection_going_back_to_its_old_address_is_no_failover(tmp_pa
         broker.disconnect()
         old.stop()
         promoted.stop()
+
+
+_PIPELINE = "Command # 1 (HSETNX mrc:run:rf created_at 2026-12-06T06:56:55Z) of pipeline caused error: "
+
+
+@pytest.mark.parametrize(
+    ("exc", "now", "words"),
+    [
+        (redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), True,
+         "OOM command not allowed when used memory > 'maxmemory'."),
+        # a pipeline's error quotes its command, keys and arguments: never handed on (review)
+        (redis.exceptions.OutOfMemoryError(_PIPELINE + "command not allowed when used memory > 'maxmemory'."),
+         True, "OOM command not allowed when used memory > 'maxmemory'."),
+        (redis.ResponseError(_PIPELINE + "BUSY Redis is busy running a script."), True,
+         "BUSY Redis is busy running a script."),
+        (redis.ResponseError("NOREPLICAS Not enough good replicas to write."), True,
+         "NOREPLICAS Not enough good replicas to write."),
+        (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), True,
+         "You can't write against a read only replica."),
+        (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False,
+         "WRONGTYPE Operation against a key holding the wrong kind of value"),
+        (redis.ConnectionError("Connection refused"), False, "Connection refused"),
+    ],
+)  # fmt: skip
+def test_a_refusal_for_now_is_told_apart_and_said_in_its_words(exc: Exception, now: bool, words: str) -> None:
+    assert redis_target.refused_for_now(exc) is now
+    assert redis_target.refusal_words(exc) == words
