@@ -33,6 +33,7 @@ demo: install
 # printed after it: one after the other took make test past 8 minutes on two cores.
 test: install
 	@mkdir -p .cache && kombu_log=$$(mktemp .cache/kombu-suite.XXXXXX) && \
+	trap 'kill -INT $$kombu 2>/dev/null; wait $$kombu; rm -f "$$kombu_log"; exit 130' INT TERM && \
 	{ $(PY) tests/kombu/run_suite.py > "$$kombu_log" 2>&1 & } && kombu=$$! && \
 	{ $(PY) -m pytest $(XDIST) $(PYTEST_ARGS); tests=$$?; } && \
 	{ wait $$kombu; suite=$$?; } && cat "$$kombu_log" && rm -f "$$kombu_log" && \

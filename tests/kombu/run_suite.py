@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import importlib.metadata
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -101,7 +102,16 @@ def _test_id(classname: str, name: str) -> str:
     return f"{classname}::{name}"
 
 
+def _stopped(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    # `make test` runs this in the background beside pytest, where the shell has it ignore Ctrl-C:
+    # heard again (SIGTERM as Ctrl-C), so a stopped make stops it, its pytests and its redis-servers
+    # (review: they ran on, orphaned, into the next make test's folders).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _stopped)
     version = importlib.metadata.version("kombu")
     tree = _source(version)
     if tree is None:
