@@ -196,11 +196,6 @@ def listing_line(key: str, bucket: str, prompt: str) -> bytes:
     return json.dumps({"custom_id": key, "image": f"s3://{bucket}/{key}", "prompt": prompt}).encode()
 
 
-def chunk_number(key: str) -> int:
-    """The chunk an index object is for (`.../index/00000012.jsonl` -> 12)."""
-    return int(key.rsplit("/", 1)[-1].split(".", 1)[0])
-
-
 def chunks(lines: Iterable[tuple[int, bytes]], size: int) -> Iterator[tuple[int, list[tuple[int, bytes]]]]:
     """Chunks of `size` manifest lines, numbered by position (lines 1..size are chunk 0): the same
     manifest always cuts into the same chunks, which is what a resume relies on."""

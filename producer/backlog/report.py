@@ -4,7 +4,6 @@ manifest order) and its jobs' records and results, without holding the run in me
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from collections import Counter
@@ -12,7 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from producer.backlog import manifest
+from producer.backlog import chunk_index, manifest
 from producer.queue.sender import Queue
 from shared import encoding, names
 from shared import usage as usage_book
@@ -36,11 +35,8 @@ class RunReader:
 
     def entries(self, run_id: str) -> Iterator[dict[str, Any]]:
         """The run's index in manifest order: {"line", "custom_id", "job_id"} or {"line", "invalid"}."""
-        for key in self.files.list_keys(self._key(run_id, "index/")):
-            text = self.files.get_text(key) or ""
-            for row in text.split("\n"):  # JSONL: a line ends at "\n" only (U+2028 is text)
-                if row:
-                    yield json.loads(row)
+        for key in chunk_index.readable(self.files.list_keys(self._key(run_id, "index/"))):
+            yield from chunk_index.entries_of(self.files.get_text(key) or "")
 
     def status(self, run_id: str) -> dict[str, Any]:
         run = self._run(run_id)
@@ -166,8 +162,7 @@ class RunReader:
         return names.run_key(self.settings.s3_prefix, run_id, name)
 
     def _index_key(self, run_id: str, chunk: int) -> str:
-        """A chunk's index; zero-padded, so a listing returns the chunks in manifest order."""
-        return self._key(run_id, f"index/{chunk:08d}.jsonl")
+        return chunk_index.key_of(self._key(run_id, "index/"), chunk)
 
 
 def _result_row(entry: dict[str, Any], result: dict[str, Any] | None, uri: str) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 
 The manifest is read as a stream in chunks of `CHUNK_LINES` lines. For each chunk: lines are checked,
 local images uploaded (once each, concurrently), the jobs recorded and queued in one Lua step each
-(one round trip per chunk, shared/runs.py), and then the chunk's index is written to S3:
-`runs/<run_id>/index/<chunk>.jsonl`, one entry per line (its job id, or why it is invalid).
+(one round trip per part of a chunk, shared/runs.py), and then the chunk's index is written to S3:
+`runs/<run_id>/index/<chunk>.jsonl`, one entry per line (its job id, or why it is invalid). A chunk
+queued slowly has a partial index meanwhile, for readers (producer/backlog/chunk_index.py).
 
 Resuming (the same manifest under the same run id, or `--resume`) skips every chunk whose index exists
 and re-runs the others, where a job id that already has a record is never queued again: nothing is
@@ -14,7 +15,6 @@ what `status`, `report` and `cancel` read, in manifest order, without holding th
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,13 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer.backlog import manifest
+from producer.backlog import chunk_index, manifest
+from producer.backlog.chunk_index import ChunkIndex
 from producer.backlog.manifest import Invalid, Line
 from producer.backlog.report import RunReader
 from producer.intake.intake import Intake
 from producer.intake.request import Submission
 from producer.queue.sender import Queue
-from shared import encoding
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, parse_rfc3339
@@ -82,6 +82,7 @@ class _Pass:
     throttle: _Throttle
     on_progress: OnProgress | None
     parse: Parse
+    partials: set[int]  # chunks a killed pass left a partial index of (deleted once indexed whole)
 
 
 class Backlog(RunReader):
@@ -128,17 +129,20 @@ class Backlog(RunReader):
         if record.get("state") == "cancelled":
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.queue.results.ensure_bucket()
-        done = {manifest.chunk_number(key) for key in self.files.list_keys(self._key(run_id, "index/"))}
+        done, partials = chunk_index.listed(self.files.list_keys(self._key(run_id, "index/")))
         fresh = "lines" not in record  # with chunks indexed: Redis lost the run's record (counted anew)
         young = self._young(run_id, record, fresh, bool(done))
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
-        step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse)
+        step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse, partials)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
                 self._go_over(step, number, chunk, fresh, young)
             else:
                 self._enqueue_chunk(step, number, chunk, again=number in unconfirmed)
+            if number in partials:  # indexed whole before a kill came between the write and the delete
+                self.files.delete(chunk_index.key_of(self._key(run_id, "index/"), number, partial=True))
+                partials.discard(number)
             if on_progress:
                 on_progress(progress)
         if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
@@ -172,7 +176,7 @@ class Backlog(RunReader):
         restarted without its data) is queued again, and lines the index does not hold (the manifest
         grew since: a partial last chunk then, or a listing's new objects) are queued now (review,
         helper-63: both were skipped, exit 0, and those jobs never ran)."""
-        known = _entries(self.files.get_text(self._index_key(step.run_id, number)) or "")
+        known = chunk_index.entries_of(self.files.get_text(self._index_key(step.run_id, number)) or "")
         given = {n for n, raw in chunk if raw.strip()}  # an OpenAI batch's resume blanks indexed lines
         lost = {n for n in self._lost(known) if n in given} if young else set()
         kept = [entry for entry in known if int(entry["line"]) not in lost]
@@ -213,11 +217,16 @@ class Backlog(RunReader):
         """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then);
         `known`: the index entries of the chunk's lines an earlier pass queued (`chunk` is the rest)."""
         run_id, progress = step.run_id, step.progress
+        index = ChunkIndex(
+            self.files, self._key(run_id, "index/"), number, known, earlier, number in step.partials
+        )
         jobs, entries = self._jobs(step, chunk)
+        index.entries.extend(entries)
+        entries = index.entries  # _queue adds each queued job's entry
         unreplicated: PartNotReplicated | None = None
         full: QueueFull | None = None
         try:
-            stopped = self._queue(step, jobs, entries)
+            stopped = self._queue(step, jobs, index)
         except PartNotReplicated as exc:  # what is queued is indexed (status sees it) and flagged, so a
             stopped, unreplicated = False, exc  # resume goes over the chunk again (it queues nothing twice)
             self.runs.update(run_id, **{_UNCONFIRMED + str(number): "1"})
@@ -226,11 +235,9 @@ class Backlog(RunReader):
         invalid = sum(1 for e in entries if "invalid" in e)
         # The earlier entries of lines queued again stay where a full lane left them unqueued: the
         # next pass finds them lost again, and counts them no second time (review, helper-65).
-        done = {int(e["line"]) for e in entries}
-        entries_kept = [*entries, *(e for e in earlier or [] if int(e["line"]) not in done)]
-        indexed = sorted([*(known or []), *entries_kept], key=lambda e: int(e["line"]))
-        body = "".join(encoding.to_text(e) + "\n" for e in indexed)
-        self.files.put_text(self._index_key(run_id, number), body)
+        entries_kept = index.kept()
+        indexed = index.write()
+        step.partials.discard(number)
         if not again:  # lines left unqueued by a full lane are counted when a resume queues them
             left = len(_unindexed(chunk, entries_kept)) if full is not None else 0
             bad = sum(1 for e in entries_kept if "invalid" in e)
@@ -248,7 +255,7 @@ class Backlog(RunReader):
         progress.invalid += invalid
         if stopped:  # the index holds what was queued before the cancel: status and report see it
             ids = [str(e["job_id"]) for e in entries if "job_id" in e]
-            self.runs.count(run_id, cancelled=self.runs.cancel_many(ids))  # cancel() could not see them
+            self.runs.count(run_id, cancelled=self.runs.cancel_many(ids))  # cancel() saw the indexed only
             raise _cancelled(run_id)
         return indexed
 
@@ -272,15 +279,15 @@ class Backlog(RunReader):
             entries.append(_invalid_entry(item))
         return jobs, entries
 
-    def _queue(self, step: _Pass, jobs: list[tuple[Line, Job]], entries: list[dict[str, Any]]) -> bool:
+    def _queue(self, step: _Pass, jobs: list[tuple[Line, Job]], index: ChunkIndex) -> bool:
         """Queue a chunk's jobs in parts that fit the lane's room, adding their index entries; True when
         the run was cancelled meanwhile (what was queued before stays, the rest is never queued). The
         depth limit and the cancel are both decided per job inside the enqueue step, never from a read
         made before it."""
-        run_id, progress = step.run_id, step.progress
+        run_id, progress, entries = step.run_id, step.progress, index.entries
         at = 0
         while at < len(jobs):
-            room = self._wait_for_room(run_id, progress, step.block, step.on_progress)
+            room = self._wait_for_room(run_id, progress, step, index)
             if room == 0:  # cancelled while it waited
                 return True
             part = jobs[at : at + step.throttle.part(min(_PART, room))]
@@ -309,6 +316,7 @@ class Backlog(RunReader):
                 raise unreplicated
             if CANCELLED in replies:
                 return True
+            index.grew()
         return False
 
     def _job(self, line: Line, images: dict[str, str | Exception]) -> Job:
@@ -362,20 +370,19 @@ class Backlog(RunReader):
             for job, (key, message) in zip(jobs, captured, strict=True)
         ]
 
-    def _wait_for_room(
-        self, run_id: str, progress: Progress, block: bool, on_progress: OnProgress | None
-    ) -> int:
+    def _wait_for_room(self, run_id: str, progress: Progress, step: _Pass, index: ChunkIndex) -> int:
         """How many jobs the backlog lane has room for now, waiting while it is full (or raising
         QueueFull without `block`); 0 when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
         while (depth := self.queue.lane_depth("backlog")) >= limit:
-            if not block:
+            if not step.block:
                 raise QueueFull(depth, limit)
             if self.runs.cancelled(run_id):
                 return 0
+            index.grew(waiting=True)  # what is queued so far is seen while the run waits
             progress.waiting_for_room = True
-            if on_progress:
-                on_progress(progress)
+            if step.on_progress:
+                step.on_progress(progress)
             time.sleep(0.5)
         progress.waiting_for_room = False
         return limit - depth
@@ -392,10 +399,6 @@ def _unindexed(chunk: list[tuple[int, bytes]], entries: list[dict[str, Any]]) ->
     """The chunk's lines no index entry holds, blank ones left out (they never have one)."""
     indexed = {int(entry["line"]) for entry in entries}
     return [(n, raw) for n, raw in chunk if n not in indexed and raw.strip()]
-
-
-def _entries(index: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in index.splitlines() if line.strip()]
 
 
 def _invalid_entry(item: Invalid) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from producer.backlog import manifest
+from producer.backlog import chunk_index, manifest
 from producer.backlog.run import Backlog
 from producer.openai.batch_book import FINAL, RUNNING, BatchBook, now
 from producer.openai.batch_lines import Translator, max_line_bytes, read_s3_lines
@@ -202,7 +202,8 @@ class Runner:
     # ------------------------------------------------------------------ enqueue
     def _enqueue(self, batch_id: str, renew: Callable[[], None]) -> None:
         record = self.book.get(batch_id)
-        done = {manifest.chunk_number(k) for k in self.backlog.files.list_keys(self._key(batch_id, "index/"))}
+        # Whole indexes only: a chunk with a partial one is queued again (what it queued stays, once).
+        done, _partial = chunk_index.listed(self.backlog.files.list_keys(self._key(batch_id, "index/")))
         seen = {
             str(e["custom_id"]): int(e["line"]) for e in self.backlog.entries(batch_id) if e.get("custom_id")
         }

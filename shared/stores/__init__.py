@@ -67,6 +67,9 @@ class RunFiles(Protocol):
     def write_lines(self, key: str, lines: Iterable[str]) -> str:
         """Stream lines (each ending in a newline) into one object without holding them all."""
 
+    def delete(self, key: str) -> None:
+        """Remove one object (none there: nothing to do)."""
+
 
 def open_run_files(settings: Settings, attempts: int = 3) -> RunFiles:
     from shared.stores.s3 import S3Connection, S3RunFiles

@@ -73,3 +73,7 @@ class MemoryStore:
 
     def write_lines(self, key: str, lines: Iterable[str]) -> str:
         return self.put_text(key, "".join(lines))
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self.objects.pop((self.bucket, key), None)

@@ -265,6 +265,9 @@ class S3RunFiles:
                 return
             token = page.get("NextContinuationToken")
 
+    def delete(self, key: str) -> None:
+        self.connection.call("delete_object", Bucket=self.bucket, Key=key)  # S3: 204 for a missing key too
+
     def write_lines(self, key: str, lines: Iterable[str]) -> str:
         """One object from a stream of lines: parts of 8 MiB are uploaded as they fill, so a run of
         millions of lines never sits in memory; an object smaller than one part is a plain PUT."""
