@@ -62,6 +62,11 @@ def run_record_key(run_id: str) -> str:
     return f"{REDIS_PREFIX}run:{run_id}"
 
 
+def run_pass_key(run_id: str) -> str:
+    """Redis string: the lease of the `mrc backlog` pass enqueueing a run (producer/backlog/run_lease.py)."""
+    return f"{REDIS_PREFIX}run:{run_id}:pass"
+
+
 def usage_totals_key() -> str:
     """Redis hash of token totals per API key: `<key>|<kind>` -> count (shared/usage.py)."""
     return f"{REDIS_PREFIX}usage:keys"

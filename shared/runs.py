@@ -99,6 +99,10 @@ class RunRecords:
         self._cancel = client.register_script(CANCEL_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
 
+    @property
+    def client(self) -> redis.Redis:
+        return self._redis
+
     def close(self) -> None:
         self._redis.close()
 

@@ -96,8 +96,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from producer.backlog import manifest
-    from producer.backlog.progress import Display
+    from producer.backlog import manifest, run_lease
     from producer.backlog.run import Backlog
     from producer.queue.sender import Queue
 
@@ -111,41 +110,54 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if args.strict:
             _strict(lines(), run_id, settings)
         print(run_id, flush=True)
-        display = Display(interval_s=args.interval)
-        heard = outages.Heard()
-
-        def shown(progress: Any) -> None:
-            heard.saw(progress)
-            display.show(progress.snapshot())
-
-        def enqueue() -> Any:
-            return backlog.enqueue(
-                lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown,
-                workdir=os.getcwd(),  # a resume reads relative image paths from where the run began
-            )  # fmt: skip
-
-        try:
-            progress = outages.outlast(
-                enqueue, settings.backlog_outage_s, f"enqueueing run {run_id} (it resumes where it was)",
-                heard=heard.last,
-            )  # fmt: skip
-        except outages.Outage as exc:
-            return _gave_up(run_id, source, exc)
-        except QueueFull as exc:  # --no-block: what was queued is indexed (status sees it); say so
-            then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
-            raise QueueFull(exc.depth, exc.limit, then) from None
-        except KeyboardInterrupt:
-            print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
-                  f"{_go_on(run_id, source)}", file=sys.stderr)  # fmt: skip
-            return EXIT_INTERRUPTED
-        finally:
-            display.close()
+        with run_lease.held(backlog.runs.client, run_id):
+            progress = _enqueue(backlog, args, run_id, lines, source, settings)
+        if isinstance(progress, int):
+            return progress
     if not args.wait:
         return EXIT_FAILED if progress.invalid else EXIT_OK
     try:
         return _wait_and_report(backlog, run_id, args.timeout, args.interval, settings.backlog_outage_s)
     except outages.Outage as exc:
         return _gave_up(run_id, source, exc)
+
+
+def _enqueue(
+    backlog: Any, args: argparse.Namespace, run_id: str, lines: Lines, source: str, settings: Settings
+) -> Any:
+    """The run's lines queued, with progress shown and outages waited out: its Progress, or the exit
+    code of a pass cut short."""
+    from producer.backlog.progress import Display
+
+    display = Display(interval_s=args.interval)
+    heard = outages.Heard()
+
+    def shown(progress: Any) -> None:
+        heard.saw(progress)
+        display.show(progress.snapshot())
+
+    def enqueue() -> Any:
+        return backlog.enqueue(
+            lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown,
+            workdir=os.getcwd(),  # a resume reads relative image paths from where the run began
+        )  # fmt: skip
+
+    try:
+        return outages.outlast(
+            enqueue, settings.backlog_outage_s, f"enqueueing run {run_id} (it resumes where it was)",
+            heard=heard.last,
+        )  # fmt: skip
+    except outages.Outage as exc:
+        return _gave_up(run_id, source, exc)
+    except QueueFull as exc:  # --no-block: what was queued is indexed (status sees it); say so
+        then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
+        raise QueueFull(exc.depth, exc.limit, then) from None
+    except KeyboardInterrupt:
+        print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
+              f"{_go_on(run_id, source)}", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
+    finally:
+        display.close()
 
 
 def _gave_up(run_id: str, source: str, exc: Exception) -> int:

@@ -173,6 +173,9 @@ def test_a_slow_chunk_is_seen_as_it_is_queued_and_a_kill_mid_way_is_resumed_whol
     services.wait_for(lambda: files.get_text(partial), 60, "the first chunk's partial index", proc)
     status = json.loads(services.run_cli(own, "backlog", "status", "slow", "--json").stdout)
     assert 0 < status["jobs"] == status["queued"] < total, status
+    second = services.run_cli(own, "backlog", "--resume", "slow")  # one pass of a run at a time
+    assert second.returncode == 2, second.stderr
+    assert f"being enqueued by another pass (pid {proc.pid} on " in second.stderr
     seen = len((files.get_text(partial) or "").splitlines())
     services.wait_for(lambda: lane.llen(names.queue_name("backlog")) > seen, 60, "more jobs queued", proc)
     proc.send_signal(signal.SIGKILL)

@@ -1,0 +1,139 @@
+"""One `mrc backlog` pass of a run at a time.
+
+Two passes of one run at once (a cron job started again while the last is still enqueueing, a retry
+wrapper beside the first try) never queue a job twice (shared/runs.py), but each counts the chunks it
+indexes into the run's record, so `status` read twice the lines. A pass holds the run's lease in Redis
+while it enqueues: a second pass is refused, naming the holder, and exits 2.
+
+A pass that died gives its lease up by itself: at once to a pass on the same host (the holder's
+process is gone: its pid no longer runs the process that took the lease), else within `TTL_S` (a live
+pass renews its lease every third of that, from a thread of its own, so a long upload or a wait for
+room never lets it lapse). OpenAI batches have a lease of their own (producer/openai/batch_run.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from shared import names
+from shared.errors import UsageError
+from shared.jobs import now_rfc3339
+
+TTL_S = 30
+
+# KEYS[1] the lease; ARGV: the holder's value, the ttl. Renewed (or taken again, if it lapsed and none
+# took it) only for its holder. 1 if held now.
+_RENEW = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
+# KEYS[1] the lease; ARGV: the dead holder's value, the new one, the ttl. 1 if taken over.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@contextlib.contextmanager
+def held(client: redis.Redis, run_id: str, ttl_s: int = TTL_S) -> Iterator[None]:
+    """The run's lease for the block's length; UsageError when another pass holds it."""
+    key, me = names.run_pass_key(run_id), _holder()
+    if not client.set(key, me, nx=True, ex=ttl_s):
+        holder = _get(client, key)
+        if holder is None or not _alive(holder):  # lapsed meanwhile, or its process is gone
+            if not client.eval(_TAKE_OVER, 1, key, holder or "", me, ttl_s) and not client.set(
+                key, me, nx=True, ex=ttl_s
+            ):
+                raise _busy(run_id, _get(client, key))
+        else:
+            raise _busy(run_id, holder)
+    stop = threading.Event()
+    renewer = threading.Thread(target=_renew, args=(client, key, me, ttl_s, stop), daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        with contextlib.suppress(redis.RedisError):  # Redis away: the lease lapses by itself
+            client.eval(_RELEASE, 1, key, me)
+
+
+def _renew(client: redis.Redis, key: str, me: str, ttl_s: int, stop: threading.Event) -> None:
+    while not stop.wait(ttl_s / 3):
+        with contextlib.suppress(redis.RedisError):  # an outage: the pass waits it out, the lease too
+            client.eval(_RENEW, 1, key, me, ttl_s)
+
+
+def _get(client: redis.Redis, key: str) -> str | None:
+    value = client.get(key)
+    return value.decode() if isinstance(value, bytes) else str(value) if value is not None else None
+
+
+def _holder() -> str:
+    return json.dumps(
+        {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "start": _started(os.getpid()),
+            "since": now_rfc3339(),
+        }
+    )
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` began, in clock ticks since boot (/proc/PID/stat field 22): a pid reused by
+    another process reads another start. None where /proc is not there or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # fields after the name, which may hold spaces
+
+
+def _alive(holder: str) -> bool:
+    """Whether the pass named by `holder` may still be running: on another host, yes (its lease lapses
+    when it stops renewing); on this one, if its process still runs."""
+    info = _parse(holder)
+    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
+        return True
+    started = _started(info["pid"])
+    return started is not None and started == info.get("start")
+
+
+def _parse(holder: str) -> dict[str, Any]:
+    try:
+        info = json.loads(holder)
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _busy(run_id: str, holder: str | None) -> UsageError:
+    info = _parse(holder or "")
+    who = (
+        f"pid {info.get('pid')} on {info.get('host')}, since {info.get('since')}"
+        if info
+        else "another process"
+    )
+    return UsageError(
+        f"run {run_id} is being enqueued by another pass ({who}); one pass of a run at a time: wait for "
+        f"it to end (`mrc backlog status {run_id}`), or stop it; a pass that died gives the run up within "
+        f"{TTL_S} s"
+    )
