@@ -84,7 +84,8 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     """The app; `queue` (a `Queue`, or a `producer.client.Client`) where the caller brings its own."""
     state = ApiState(settings, queue)
     openai = OpenAIRoutes(state)
-    ops = OpsRoutes(settings)
+    limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
+    ops = OpsRoutes(settings, limiter)
     # The usage totals' own connection, no retries: a scrape while Redis is away answers at once (up 0).
     usage_redis = connect(settings, settings.connect_timeout_s, retries=0)
 
@@ -105,7 +106,6 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     ops.mount(app)
     state.usage_registry.register(UsageCollector(usage_redis))
     keys = Keys(settings.api_keys)
-    limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
     app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=state.count)
     app.add_middleware(OpenAIErrors)  # outermost: errors on the OpenAI routes leave in OpenAI's shape
     return app

@@ -174,15 +174,18 @@ class Front:
         if authorization is None and ops:
             authorization = ops_cookie(headers.get(b"cookie", b"").decode("latin-1"))
         caller = self.keys.caller(authorization, address)
+        # Unknown keys' requests are limited per address as a key's are (they were not): load shed,
+        # never a lockout (a known key is never held back; keys are long random tokens). On the ops
+        # page too, for a key in a header or its cookie (review, helper-73: 1,000 guesses there in
+        # 0.75 s, never a 429; its sign-in form is limited by its route); without one, it is its form.
+        if caller is None and (authorization is not None or not ops):
+            wait = self.limiter.retry_after(f"unknown-key {address}")
+            if wait > 0:
+                return _slow_down(wait)
         if caller is None and ops:
             scope.setdefault("state", {})["caller"] = None
             return None
         if caller is None:
-            # Unknown keys' requests are limited per address as a key's are (they were not): load
-            # shed, never a lockout (a known key is never held back; keys are long random tokens).
-            wait = self.limiter.retry_after(f"unknown-key {address}")
-            if wait > 0:
-                return _slow_down(wait)
             return json_body(401, "unauthorized", "missing or unknown API key (Authorization: Bearer KEY)")
         wait = self.limiter.retry_after(caller.name)
         if wait > 0:

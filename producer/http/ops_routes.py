@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from producer.http.front import OPS_COOKIE
-from producer.http.guard import Caller, Keys
+from producer.http.guard import Caller, Keys, RateLimiter
 from producer.ops import page, state
 from shared import redis_target
 from shared.settings import Settings
@@ -36,9 +36,10 @@ _FRESH_S = 0.5  # a collection this recent answers a refresh as it is
 
 
 class OpsRoutes:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, limiter: RateLimiter) -> None:
         self.settings = settings
         self.keys = Keys(settings.api_keys)
+        self.limiter = limiter  # the API's: a wrong key in the form counts as one in a header does
         self._client: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrc-ops")
         self._inflight: asyncio.Future[dict[str, Any]] | None = None
@@ -111,6 +112,11 @@ class OpsRoutes:
         key = urllib.parse.parse_qs(raw[:_FORM_MAX].decode("utf-8", "replace")).get("key", [""])[0].strip()
         caller = self.keys.caller(f"Bearer {key}", "ops-login") if key else None
         if caller is None:
+            address = request.client.host if request.client else "unknown"
+            wait = self.limiter.retry_after(f"unknown-key {address}")  # a known key is never held back
+            if wait > 0:
+                retry = {**_HEADERS, "Retry-After": str(max(1, round(wait)))}
+                return HTMLResponse(page.login("too many unknown keys: wait"), status_code=429, headers=retry)
             return HTMLResponse(page.login("unknown key"), status_code=401, headers=_HEADERS)
         if not caller.ops:
             return HTMLResponse(page.forbidden(), status_code=403, headers=_HEADERS)

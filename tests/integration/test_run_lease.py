@@ -35,10 +35,10 @@ def test_a_second_pass_is_refused_naming_the_first_and_the_run_is_free_once_it_e
     client: redis_lib.Redis,
 ) -> None:
     run_id = _run_id()
-    with run_lease.held(client, run_id):
-        with pytest.raises(UsageError, match=rf"run {run_id} is being enqueued by another pass \(pid \d+ on "):
-            with run_lease.held(client, run_id):
-                pass
+    busy = rf"run {run_id} is being enqueued by another pass \(pid \d+ on "
+    first = run_lease.held(client, run_id)
+    with first, pytest.raises(UsageError, match=busy), run_lease.held(client, run_id):
+        pass
     with run_lease.held(client, run_id):
         assert client.exists(names.run_pass_key(run_id))
     assert not client.exists(names.run_pass_key(run_id))
@@ -48,9 +48,8 @@ def test_a_live_pass_keeps_its_lease_past_the_leases_time(client: redis_lib.Redi
     run_id = _run_id()
     with run_lease.held(client, run_id, ttl_s=1):
         time.sleep(2.5)  # renewed every third of a second's lease
-        with pytest.raises(UsageError):
-            with run_lease.held(client, run_id, ttl_s=1):
-                pass
+        with pytest.raises(UsageError), run_lease.held(client, run_id, ttl_s=1):
+            pass
 
 
 def test_a_dead_pass_on_this_host_gives_the_run_up_at_once_and_a_live_one_does_not(
@@ -67,9 +66,8 @@ def test_a_dead_pass_on_this_host_gives_the_run_up_at_once_and_a_live_one_does_n
             "since": "2026-12-06T00:00:00Z",
         }
         client.set(key, json.dumps(holder), ex=600)
-        with pytest.raises(UsageError, match=f"pid {sleeper.pid}"):
-            with run_lease.held(client, run_id):
-                pass
+        with pytest.raises(UsageError, match=f"pid {sleeper.pid}"), run_lease.held(client, run_id):
+            pass
         client.set(key, json.dumps({**holder, "start": "1"}), ex=600)  # its pid, another process now
         with run_lease.held(client, run_id):
             assert json.loads(client.get(key) or "{}")["pid"] != sleeper.pid
@@ -85,9 +83,8 @@ def test_a_pass_on_another_host_holds_the_run_until_its_lease_lapses(client: red
     run_id = _run_id()
     key = names.run_pass_key(run_id)
     client.set(key, json.dumps({"host": "elsewhere", "pid": 1, "start": "9", "since": "then"}), ex=1)
-    with pytest.raises(UsageError, match="pid 1 on elsewhere"):
-        with run_lease.held(client, run_id):
-            pass
+    with pytest.raises(UsageError, match="pid 1 on elsewhere"), run_lease.held(client, run_id):
+        pass
     time.sleep(1.2)
     with run_lease.held(client, run_id):
         pass
