@@ -81,12 +81,17 @@ def redis_url(value: str) -> str:
     if requirement not in ("none", "optional", "required"):
         raise ValueError("MRC_REDIS_URL's ssl_cert_reqs must be none, optional or required")
     try:
-        from redis.connection import parse_url
+        import redis
     except ImportError:  # a process that uses no Redis, without it installed (the GPU proving ground)
         return value
-    try:
-        parse_url(value)
+    try:  # a connection made as every client makes one, not connected: its options read and checked
+        redis.ConnectionPool.from_url(value).make_connection()
     except ValueError as exc:  # e.g. ?socket_timeout=abc (review: a traceback from every command)
+        raise ValueError(f"MRC_REDIS_URL: {str(exc)[:200]}") from None
+    except TypeError as exc:  # ?bogus=1 (review, helper-73: a traceback from every command)
+        unknown = str(exc).rpartition("argument ")[2] or str(exc)[:100]
+        raise ValueError(f"MRC_REDIS_URL: unknown option {unknown}") from None
+    except redis.RedisError as exc:  # ?protocol=9: read as Redis being away (exit 5), not a bad setting
         raise ValueError(f"MRC_REDIS_URL: {str(exc)[:200]}") from None
     return value
 

@@ -63,6 +63,9 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_ALLOWED_BUCKETS", '["a b"]'),
         ("MRC_S3_ENDPOINT_URL", "http://127.0.0.1:99999"),
         ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?socket_timeout=abc"),  # a traceback at connect
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?bogus=1"),  # review, helper-73: a traceback too
+        ("MRC_REDIS_URL", "rediss://127.0.0.1:6379/0?ssl_ca_cert=/ca.pem"),  # misspelt: a traceback
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?protocol=9"),  # exit 5, "cannot reach Redis"
         ("MRC_ALLOWED_BUCKETS", ""),  # not JSON: pydantic-settings' SettingsError, a traceback
         ("MRC_ALLOWED_BUCKETS", "nan"),
     ],
