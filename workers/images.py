@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import re
 import struct
 import sys
 import warnings
@@ -123,7 +124,7 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
             width, height = img.size
             orientation = _orientation(img)
     except _DECODE_ERRORS as exc:
-        raise ImageDecodeError(f"{fmt} header unreadable: {exc}") from None
+        raise ImageDecodeError(f"{fmt} header unreadable: {_said(exc)}") from None
     if width < 1 or height < 1:
         raise ImageDecodeError(f"{fmt} header gives an empty image ({width}x{height})")
     if width * height > max_pixels:
@@ -135,6 +136,15 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     return EncodedImage(data, fmt, width, height, orientation, count, hashlib.sha256(data).hexdigest())
+
+
+def _said(exc: BaseException) -> str:
+    """A decoder's words without the objects it names: PIL's "cannot identify image file
+    <_io.BytesIO object at 0x7f...>" gave clients an address in the worker's memory (review, helper-73)."""
+    return _OBJECT_REPR.sub("", str(exc)).strip() or type(exc).__name__
+
+
+_OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 def _orientation(img: Image.Image) -> int:
@@ -232,7 +242,7 @@ def _decode_pil(image: EncodedImage) -> torch.Tensor:
             img.load()
             rgb = _to_rgb(img)
     except _DECODE_ERRORS as exc:
-        raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {exc}") from None
+        raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {_said(exc)}") from None
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)  # HWC bytes: `channels_last`
 
 

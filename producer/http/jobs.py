@@ -24,13 +24,13 @@ from producer.http.forms import JobRequest, error, job_fields, multipart_schema
 from producer.http.front import RETRY_AFTER_S, caller_of
 from producer.http.guard import Caller, Keys
 from producer.http.state import ApiState
+from producer.intake.checks import IMAGE_CODES
 from producer.intake.request import Submission
 from shared import names, redis_target, tenants
 from shared.errors import NotReplicated, QueueFull, UsageError
 from shared.jobs import JOB_ID_RE
 from shared.records import valid_event_id
 
-_IMAGE_CODES = frozenset({"image_source_forbidden", "unsupported_image_format", "image_too_large"})
 # ?wait=SECONDS: finite and not negative; held at most MRC_API_RESULT_WAIT_MAX_S whatever is asked
 _WAIT = Query(0.0, ge=0, le=86400, allow_inf_nan=False, description="seconds to wait (bounded by the server)")
 
@@ -93,7 +93,7 @@ class JobRoutes:
             message = tenants.in_words_of(caller.namespace, exc.message)
             conflict = "already used by a different job" in message
             prefix = message.split(":", 1)[0]
-            code = prefix if prefix in _IMAGE_CODES else "invalid_job"
+            code = prefix if prefix in IMAGE_CODES else "invalid_job"
             return error(409 if conflict else 422, code, message)
 
     async def status(self, job_id: str, request: Request) -> Response:

@@ -17,6 +17,12 @@ from shared.response_format import ChoiceFormat, JsonSchemaFormat
 from shared.settings import Settings
 from shared.sniff import SUPPORTED_FORMATS, sniff_format
 
+# The error codes a refused image's message begins with ("image_too_large: ..."): the routes answer
+# with that code, not `invalid_job`.
+IMAGE_CODES = frozenset(
+    {"image_source_forbidden", "unsupported_image_format", "image_too_large", "image_decode_error"}
+)
+
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -104,6 +110,8 @@ def image_bytes(settings: Settings, data: bytes) -> None:
     if fmt is None or fmt not in SUPPORTED_FORMATS:
         raise UsageError(f"unsupported_image_format: not a supported image ({fmt or 'unknown bytes'})")
     size = image_size(data, fmt)
+    if size is not None and (size[0] < 1 or size[1] < 1):  # review, helper-73: stored, then failed
+        raise UsageError(f"image_decode_error: {fmt} header gives an empty image ({size[0]}x{size[1]})")
     if size is not None:
         pixels = size[0] * size[1] * frames.frame_count(data, fmt)
         if pixels > settings.max_image_pixels:

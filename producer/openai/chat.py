@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from producer.http.front import caller_of
 from producer.http.guard import Caller
 from producer.http.state import ApiState
+from producer.intake.checks import IMAGE_CODES
 from producer.intake.request import Submission
 from producer.openai import chat_stream
 from producer.openai.chat_request import ChatJob, idempotency_key, parse_chat, read_json
@@ -54,7 +55,6 @@ return now
 # A chat body this small holds no image of its own (text, an s3:// URI or an image URL): it gives its
 # body slot (MRC_API_MAX_BODIES, the bound on request bodies in memory) back before it is read into a job.
 _SMALL_BODY = 256 * 1024
-_IMAGE_CODES = ("image_source_forbidden:", "unsupported_image_format:", "image_too_large:")
 
 
 def idempotent_job_id(caller: Caller, key: str | None) -> str | None:
@@ -197,7 +197,7 @@ class Chat:
                 self.state.queue.enqueue(job, block=False)
         except UsageError as exc:
             message = tenants.in_words_of(caller.namespace, exc.message)
-            param = chat.image_param if message.startswith(_IMAGE_CODES) else None
+            param = chat.image_param if message.partition(":")[0] in IMAGE_CODES else None
             raise from_usage_error(message, param) from None
         return job
 

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from producer.http.forms import ErrorResponse
+from producer.intake.checks import IMAGE_CODES
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -51,9 +52,6 @@ _RESULT_STATUS = {
 _MAX_ERROR_BODY = 64 * 1024
 
 
-_IMAGE_CODES = ("image_source_forbidden", "unsupported_image_format", "image_too_large")
-
-
 def from_usage_error(message: str, param: str | None = None) -> OpenAIError:
     """What mrc's job checks refused (a UsageError's message), as /v1/jobs answers it: 409 for a job
     id held by a different job, 400 otherwise (with the image's own code where it names one), as
@@ -61,7 +59,7 @@ def from_usage_error(message: str, param: str | None = None) -> OpenAIError:
     if "already used by a different job" in message:
         return OpenAIError(409, message, param, "conflict")
     prefix, _, rest = message.partition(": ")
-    if prefix in _IMAGE_CODES:
+    if prefix in IMAGE_CODES:
         return OpenAIError(400, rest, param, prefix)
     return OpenAIError(400, message, param, "invalid_job")
 

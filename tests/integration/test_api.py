@@ -400,6 +400,7 @@ def test_mrc_events_prints_and_follows_completion_events(
         (imagegen.gif_bomb(2000, 2000, 300), "image_too_large"),  # a few KB, 1.2 G pixels in frames
         (b"%PDF-1.7 not an image", "unsupported_image_format"),
         (b"", "unsupported_image_format"),
+        (imagegen.png_header_only(0, 0), "image_decode_error"),  # review, helper-73: stored, then failed
     ],
 )
 def test_uploads_the_worker_would_refuse_are_refused_before_they_are_stored(

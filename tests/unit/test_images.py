@@ -42,6 +42,17 @@ def test_bad_bytes_raise_the_error_that_names_them(data: bytes, error: type[Exce
         images.load(data, LIMIT)
 
 
+@pytest.mark.parametrize("data", [imagegen.png_header_only(0, 0), imagegen.png_header_only(0, 5)])
+def test_an_empty_image_is_refused_in_words_without_the_workers_memory(data: bytes) -> None:
+    """Review, helper-73: PIL's "cannot identify image file <_io.BytesIO object at 0x7f...>" went to the
+    client whole, an address in the worker's memory with it."""
+    with pytest.raises(ImageDecodeError) as refused:
+        images.load(data, LIMIT)
+    assert refused.value.message.startswith("png header"), refused.value.message
+    assert " at 0x" not in refused.value.message
+    assert "<" not in refused.value.message
+
+
 def test_bomb_is_refused_from_the_header() -> None:
     # 60000 x 60000 x 3 bytes would be 10 GB; the check must happen before any decode.
     with pytest.raises(ImageTooLarge, match="60000x60000"):
