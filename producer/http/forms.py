@@ -10,6 +10,7 @@ the job (producer/intake/), so a large hostile schema never holds up other reque
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from fastapi import Request
@@ -98,6 +99,10 @@ async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, b
                 return error(
                     422, "invalid_job", f"unknown file part {name!r} (one part, image, is taken)"
                 ), None
+            counts = Counter(k for k, _v in form.multi_items())
+            twice = sorted(k for k, n in counts.items() if n > 1 and k != "image")
+            if twice:  # review, helper-73: `-F prompt=one -F prompt=two` ran "two", unsaid
+                return error(422, "invalid_job", f"{twice[0][:64]}: given more than once"), None
             data = await upload.read()
             fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         fields["image"] = ""

@@ -382,10 +382,11 @@ def _left(deadline: float) -> float:
 
 
 def _show(url: str) -> str:
-    """The URL as an error names it: scheme, host and the start of the path (no query, no userinfo)."""
+    """The URL as an error names it: scheme, host and port as given, and the start of the path (no
+    query, no userinfo; review, helper-73: a bad port was named without it, as if the URL were fine)."""
     try:
         parts = urlsplit(url)
-        return f"{parts.scheme}://{(parts.hostname or '')[:100]}{parts.path[:60]}"
+        return f"{parts.scheme}://{parts.netloc.rpartition('@')[2][:100]}{parts.path[:60]}"
     except ValueError:
         return repr(url[:60])
 

@@ -152,8 +152,7 @@ class Chat:
     def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[bool, Job, ChatJob]:
         """The request read, checked and enqueued (off the event loop): (whether a retry of it lands on
         the same job, its job, the request read)."""
-        chat = parse_chat(read_json(raw), self.settings, owner=caller.owner)
-        self.models.check(chat.model)
+        chat = parse_chat(read_json(raw), self.settings, owner=caller.owner, check_model=self.models.check)
         job_id = chat.job_id or idempotent_job_id(caller, key)
         if job_id is None and self.settings.openai_retry_window_s > 0:
             job_id = self._retry_job_id(caller, raw)

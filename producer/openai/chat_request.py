@@ -158,8 +158,17 @@ def _counted(body: dict[str, Any]) -> None:
             )  # fmt: skip
 
 
-def parse_chat(body: object, settings: Settings, *, batch: bool = False, owner: str = "") -> ChatJob:
-    """The request checked and read; OpenAIError (400) naming the field otherwise."""
+def parse_chat(
+    body: object,
+    settings: Settings,
+    *,
+    batch: bool = False,
+    owner: str = "",
+    check_model: Callable[[str], None] = lambda _model: None,
+) -> ChatJob:
+    """The request checked and read; OpenAIError (400) naming the field otherwise. `check_model`
+    refuses a model no worker serves before an image URL is fetched for it (review, helper-73: the
+    fetch went out, then the answer was 404)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
     _counted(body)
@@ -190,6 +199,7 @@ def parse_chat(body: object, settings: Settings, *, batch: bool = False, owner: 
             where = "response_format.json_schema.schema"
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
+    check_model(request.model)
     uri, data = _image(folded.image.url, settings, image_param, batch, owner)
     stream, options = bool(request.stream), request.stream_options or {}
     return ChatJob(
@@ -311,6 +321,14 @@ def _image(
     if url.lower().startswith(("http://", "https://")) and settings.image_url_hosts:
         return None, _fetched(url, settings, param, batch, owner)
     kind = "a URL" if _URL.match(url) else "not a URL"
+    if settings.image_url_hosts and _URL.match(url):  # review, helper-73: ftp:// was told of the hosts
+        raise OpenAIError(
+            400,
+            f"image_source_forbidden: only http:// and https:// image URLs are fetched, not "
+            f"{url.split(':', 1)[0][:20]}:; or send a data: URL (base64) or an s3:// URI",
+            param,
+            "image_source_forbidden",
+        )
     raise OpenAIError(
         400,
         f"image_source_forbidden: mrc fetches no URLs ({kind}) unless MRC_IMAGE_URL_HOSTS names "

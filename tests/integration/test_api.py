@@ -119,6 +119,15 @@ def test_a_multipart_upload_is_stored_once_and_queued(api: TestClient, client: C
     assert record["state"] in ("queued", "running", "succeeded")
     digest = hashlib.sha256(data).hexdigest()  # the key's own upload: inputs/<owner>/<sha256>.<ext>
     assert client.images.get_bytes(client.settings.s3_bucket, f"inputs/{OWNER}/{digest}.jpg", 10**6) == data
+    # a field given twice is refused, not read as its last (review, helper-73)
+    twice = api.post(
+        "/v1/jobs",
+        data={"prompt": ["What is torn?", "Refund?"], "job_id": _job_id("twice")},
+        files={"image": ("parcel.jpg", data, "image/jpeg")},
+        headers=AUTH,
+    )
+    assert twice.status_code == 422, twice.text
+    assert twice.json()["error"] == {"code": "invalid_job", "message": "prompt: given more than once"}
 
 
 @pytest.mark.parametrize(

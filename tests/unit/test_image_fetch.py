@@ -18,11 +18,14 @@ import pytest
 
 from producer.intake import fetch
 from producer.intake.fetch import FetchRefused
+from producer.openai.chat_request import parse_chat
+from producer.openai.errors import OpenAIError
 from shared import url_hosts
 from shared.settings import Settings
 from tests.support import tls
 
 IMAGE = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+COUNTED: list[str] = []  # the paths of /counted/... asked for
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -40,6 +43,7 @@ class _Handler(BaseHTTPRequestHandler):
         port = self.server.server_address[1]
         route = {
             "/parcel.png": lambda: self._send(IMAGE),
+            "/counted/parcel.png": lambda: (COUNTED.append(self.path), self._send(IMAGE)),
             "/to-parcel": lambda: self._redirect(f"http://localhost:{port}/parcel.png"),
             "/to-ip": lambda: self._redirect(f"http://127.0.0.1:{port}/parcel.png"),
             "/to-next-port": lambda: self._redirect(f"http://localhost:{port + 1}/parcel.png"),
@@ -404,3 +408,40 @@ def test_an_https_server_that_trickles_is_cut_at_the_deadline(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _chat(url: str, model: str = "fuyu") -> dict[str, Any]:
+    content = [{"type": "text", "text": "Refund?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": model, "messages": [{"role": "user", "content": content}]}
+
+
+def test_a_chat_naming_a_model_no_worker_serves_fetches_nothing(port: int) -> None:
+    """Review, helper-73: the photo was fetched, then the answer was 404 model_not_found."""
+
+    def served_here(model: str) -> None:
+        if model != "fuyu":
+            raise OpenAIError(404, f"The model `{model}` does not exist", "model", "model_not_found")
+
+    url = f"http://localhost:{port}/counted/parcel.png"
+    with pytest.raises(OpenAIError) as refused:
+        parse_chat(_chat(url, "echo"), _settings(), check_model=served_here)
+    assert (refused.value.status, refused.value.code) == (404, "model_not_found")
+    assert COUNTED == []
+    assert parse_chat(_chat(url), _settings(), check_model=served_here).data == IMAGE
+    assert COUNTED == ["/counted/parcel.png"]
+
+
+@pytest.mark.parametrize("url", ["ftp://localhost/parcel.png", "file:///etc/passwd", "gopher://localhost/"])
+def test_a_url_of_another_scheme_is_refused_for_its_scheme(url: str) -> None:
+    with pytest.raises(OpenAIError) as refused:
+        parse_chat(_chat(url), _settings())
+    assert refused.value.code == "image_source_forbidden"
+    assert "only http:// and https:// image URLs are fetched" in refused.value.message
+    assert url.split(":")[0] + ":" in refused.value.message
+
+
+def test_a_refused_url_is_named_with_its_port_as_given(port: int) -> None:
+    with pytest.raises(FetchRefused) as refused:
+        fetch.fetch(f"http://user:secret@localhost:{port}:80/parcel.png", _settings())
+    assert f"http://localhost:{port}:80/parcel.png" in refused.value.detail
+    assert "secret" not in refused.value.detail
