@@ -51,6 +51,12 @@ class Keys:
             unknown = scopes - set(names.LANES) - set(SCOPES)
             if unknown:
                 raise ValueError(f"MRC_API_KEYS: unknown lane(s) or scope(s) {sorted(unknown)}")
+            # A key's data is kept under its hash's first 12 hex digits: two entries there would share
+            # one tenant, and an entry listed twice would keep only its last scopes (review, helper-73).
+            same = next((known for known in self.entries if known[:12] == digest[:12]), None)
+            if same is not None:
+                twice = "is listed twice" if same == digest else f"shares 12 digits with {same[:16]}"
+                raise ValueError(f"MRC_API_KEYS: {digest[:16]}... {twice}; each key needs its own")
             self.entries[digest] = (scopes & frozenset(names.LANES), scopes - frozenset(names.LANES))
 
     @property

@@ -91,6 +91,13 @@ def test_keys_carry_lanes_and_the_all_tenants_scope() -> None:
     assert Keys("").caller(None, "10.0.0.1").namespace is None  # no keys: everything, as before
     with pytest.raises(ValueError, match="unknown lane"):
         Keys(f"{digest['k1']}@root")
+    # one tenant per key: an entry listed twice, or two sharing the 12 digits a key's data is kept
+    # under, are refused at start (review, helper-73)
+    with pytest.raises(ValueError, match="is listed twice"):
+        Keys(f"{digest['k1']},{digest['k2']},{digest['k1'].upper()}@backlog")
+    twin = digest["k1"][:12] + digest["k2"][12:]
+    with pytest.raises(ValueError, match=f"shares 12 digits with {digest['k1'][:16]}"):
+        Keys(f"{digest['k1']},{twin}")
 
 
 @pytest.mark.parametrize("job_id", ["nl-1\n", "a\n", "x" * 10 + "\n"])
