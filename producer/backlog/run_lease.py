@@ -30,18 +30,18 @@ from shared.jobs import now_rfc3339
 
 TTL_S = 30
 
-# KEYS[1] the lease; ARGV: the holder's value, the ttl. Renewed (or taken again, if it lapsed and none
+# KEYS[1] the lease; ARGV: the holder's value, the ttl in ms. Renewed (or taken again, if it lapsed and none
 # took it) only for its holder. 1 if held now.
 _RENEW = """
 local held = redis.call('GET', KEYS[1])
 if held and held ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
-# KEYS[1] the lease; ARGV: the dead holder's value, the new one, the ttl. 1 if taken over.
+# KEYS[1] the lease; ARGV: the dead holder's value, the new one, the ttl in ms. 1 if taken over.
 _TAKE_OVER = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 _RELEASE = """
@@ -51,20 +51,20 @@ return 0
 
 
 @contextlib.contextmanager
-def held(client: redis.Redis, run_id: str, ttl_s: int = TTL_S) -> Iterator[None]:
+def held(client: redis.Redis, run_id: str, ttl_s: float = TTL_S) -> Iterator[None]:
     """The run's lease for the block's length; UsageError when another pass holds it."""
-    key, me = names.run_pass_key(run_id), _holder()
-    if not client.set(key, me, nx=True, ex=ttl_s):
+    key, me, ttl_ms = names.run_pass_key(run_id), _holder(), max(1, int(ttl_s * 1000))
+    if not client.set(key, me, nx=True, px=ttl_ms):
         holder = _get(client, key)
         if holder is None or not _alive(holder):  # lapsed meanwhile, or its process is gone
-            if not client.eval(_TAKE_OVER, 1, key, holder or "", me, ttl_s) and not client.set(
-                key, me, nx=True, ex=ttl_s
+            if not client.eval(_TAKE_OVER, 1, key, holder or "", me, ttl_ms) and not client.set(
+                key, me, nx=True, px=ttl_ms
             ):
                 raise _busy(run_id, _get(client, key))
         else:
             raise _busy(run_id, holder)
     stop = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(client, key, me, ttl_s, stop), daemon=True)
+    renewer = threading.Thread(target=_renew, args=(client, key, me, ttl_ms, stop), daemon=True)
     renewer.start()
     try:
         yield
@@ -75,10 +75,10 @@ def held(client: redis.Redis, run_id: str, ttl_s: int = TTL_S) -> Iterator[None]
             client.eval(_RELEASE, 1, key, me)
 
 
-def _renew(client: redis.Redis, key: str, me: str, ttl_s: int, stop: threading.Event) -> None:
-    while not stop.wait(ttl_s / 3):
+def _renew(client: redis.Redis, key: str, me: str, ttl_ms: int, stop: threading.Event) -> None:
+    while not stop.wait(ttl_ms / 3000):
         with contextlib.suppress(redis.RedisError):  # an outage: the pass waits it out, the lease too
-            client.eval(_RENEW, 1, key, me, ttl_s)
+            client.eval(_RENEW, 1, key, me, ttl_ms)
 
 
 def _get(client: redis.Redis, key: str) -> str | None:
