@@ -224,11 +224,11 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_queues(args: argparse.Namespace, settings: Settings) -> int:
-    from shared.records import connect
+    from shared.records import connect, scrape_client
 
-    client = connect(settings, settings.connect_timeout_s, retries=2)
     if args.serve_metrics is not None:
-        return _serve_lane_metrics(client, args.serve_metrics)
+        return _serve_lane_metrics(scrape_client(settings), args.serve_metrics)
+    client = connect(settings, settings.connect_timeout_s, retries=2)
     while True:
         _print_queues(client, settings, args.json)
         if not args.watch:

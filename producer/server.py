@@ -30,7 +30,7 @@ from producer.openai.routes import OpenAIRoutes
 from producer.queue.sender import Queue
 from shared import logs, reach
 from shared.errors import MrcError, ServiceUnreachable, StoreUnavailable
-from shared.records import connect
+from shared.records import scrape_client
 from shared.settings import Settings
 from shared.usage import UsageCollector
 
@@ -87,7 +87,7 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     limiter = RateLimiter(settings.api_rate_per_s, settings.api_rate_burst)
     ops = OpsRoutes(settings, limiter)
     # The usage totals' own connection, no retries: a scrape while Redis is away answers at once (up 0).
-    usage_redis = connect(settings, settings.connect_timeout_s, retries=0)
+    usage_redis = scrape_client(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -87,6 +87,23 @@ def connect(settings: Settings, connect_timeout: float = 5.0, retries: int = 10)
     )
 
 
+SCRAPE_TIMEOUT_S = 2.0
+
+
+def scrape_client(settings: Settings) -> redis.Redis:
+    """A client for reads made while someone waits on an answer that must come anyway: a scrape
+    (Prometheus gives up at 10 s), a probe. Each command gives up after SCRAPE_TIMEOUT_S, without
+    retries: a Redis that hangs costs a scrape that long and reads as down (review, helper-74: 10 s
+    a scrape, at Prometheus's own deadline)."""
+    return redis_target.client(
+        settings,
+        decode_responses=True,
+        socket_timeout=SCRAPE_TIMEOUT_S,
+        socket_connect_timeout=min(SCRAPE_TIMEOUT_S, settings.connect_timeout_s),
+        retry=None,
+    )
+
+
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 
 

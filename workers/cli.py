@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     from shared import ops_counts, transport, transport_qos, unacked
     from shared.celery_app import make_celery
     from shared.lane_metrics import LaneCollector
-    from shared.records import RedisJobRecords, connect
+    from shared.records import RedisJobRecords, connect, scrape_client
     from shared.stores import open_stores
     from workers import health, tasks
     from workers.backends import attention, make_backend
@@ -166,7 +166,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         metrics.lanes.labels(lane=lane).set(1)
     state = health.HealthState()
     lane_keys = [key for lane in lanes for key in names.queue_keys(lane)]
-    depth_client = connect(settings, settings.connect_timeout_s, retries=0)
+    depth_client = scrape_client(settings)  # liveness and the lane gauges: never held by a hung Redis
     liveness = Liveness(
         settings.stuck_after_s,
         lambda: sum(int(depth_client.llen(key)) for key in lane_keys) > 0,

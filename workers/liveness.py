@@ -23,9 +23,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 Progress = Callable[[], tuple[float, float | None]]  # (last progress, batch in hand since | None)
+# How long /healthz waits for its look at the lanes: within a kubelet probe's default second. A look
+# that takes longer (Redis hung) goes on beside the answer, which cannot tell, and so is "alive"
+# (review, helper-74: each answer took the Redis client's 10 s, and every worker would be restarted).
+ANSWER_WITHIN_S = 0.5
 
 
 class Liveness:
@@ -46,6 +51,8 @@ class Liveness:
         self._last_poll = clock()
         self._lock = threading.Lock()
         self._waiting_cache: tuple[float, bool | None] = (-1e18, None)
+        self._looks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mrc-liveness")
+        self._look: Future[bool | None] | None = None  # the look at the lanes under way
 
     def watch(self, progress: Progress, engine: Callable[[], dict[str, Any]] | None = None) -> None:
         """Follow this pipeline's progress (known once it is built, after the HTTP server started), and
@@ -90,10 +97,21 @@ class Liveness:
             at, value = self._waiting_cache
             if now - at < 2.0:
                 return value
+            if self._look is None:  # one look at a time, however many probes come meanwhile
+                self._look = self._looks.submit(self._read_waiting)
+            look = self._look
         try:
-            value = self._waiting()
-        except Exception:  # Redis away: cannot tell, so not stuck
-            value = None
+            value = look.result(timeout=ANSWER_WITHIN_S)
+        except TimeoutError:  # Redis slow or hung: cannot tell now, so not stuck
+            return None
         with self._lock:
+            if self._look is look:
+                self._look = None
             self._waiting_cache = (now, value)
         return value
+
+    def _read_waiting(self) -> bool | None:
+        try:
+            return self._waiting()
+        except Exception:  # Redis away: cannot tell, so not stuck
+            return None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from workers.liveness import Liveness
+import threading
+import time
+
+from workers.liveness import ANSWER_WITHIN_S, Liveness
 
 
 class Clock:
@@ -63,6 +66,34 @@ def test_redis_away_is_not_called_stuck() -> None:
     alive, details = live.report()
     assert alive
     assert details["work_waiting"] is None
+
+
+def test_a_look_at_the_lanes_that_hangs_never_holds_the_answer() -> None:
+    """Review, helper-74: with Redis hung, each /healthz waited for the Redis client's 10 s (past a
+    kubelet probe's default second: every worker would be restarted). The answer comes within
+    ANSWER_WITHIN_S, alive (it cannot tell), and the one look goes on beside it; once it ends (jobs
+    do wait, and the consumer still does not poll) the worker is stuck."""
+    release = threading.Event()
+    looks: list[float] = []
+
+    def ask() -> bool:
+        looks.append(time.monotonic())
+        release.wait(10)
+        return True
+
+    clock = Clock()
+    live = Liveness(10, ask, lambda: (1000.0, None), clock=clock)
+    clock.now += 11
+    for _ in range(3):
+        began = time.monotonic()
+        alive, details = live.report()
+        assert alive
+        assert details["work_waiting"] is None
+        assert time.monotonic() - began < ANSWER_WITHIN_S + 1.0
+    assert len(looks) == 1, "a look per probe: a hung Redis would pile them up"
+    release.set()
+    alive, details = live.report()
+    assert not alive, details
 
 
 def test_before_the_consumer_starts_or_when_it_never_will_the_worker_is_alive() -> None:
