@@ -11,7 +11,9 @@ from shared import names, redis_target, transport_qos
 from shared.settings import Settings
 
 
-def make_celery(settings: Settings) -> Celery:
+def make_celery(settings: Settings, socket_timeout: float = 30) -> Celery:
+    """`socket_timeout`: how long a broker command waits for Redis (a producer's publish waits as long
+    as its other commands do: shared/records.answer_timeout_s)."""
     app = Celery("mrc", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         # Redis, with queue entries that are not message envelopes set aside instead of fatal.
@@ -50,7 +52,7 @@ def make_celery(settings: Settings) -> Celery:
             # this long (kombu's default, 300 s; 60 s let a killed worker's jobs wait 12 visibility
             # timeouts of 5 s in a fault test run).
             "unacked_mutex_expire": transport_qos.restore_mutex_expiry(settings.visibility_timeout_s),
-            "socket_timeout": 30,
+            "socket_timeout": socket_timeout,
             "socket_connect_timeout": 10,
             "retry_on_timeout": True,
             "health_check_interval": 30,

@@ -38,7 +38,10 @@ CLAIM_TTL_S = 30
 # KEYS[1] the job's hash; ARGV: ttl, lane, submitted_at, fingerprint, claim token. Atomic: a claim is
 # whole or absent, and it names its holder, so only the holder can confirm or release it.
 _CLAIM_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'claim') == ARGV[5] then return 1 end
+  return 0
+end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
@@ -71,23 +74,42 @@ return 0
 """
 
 
-def connect(settings: Settings, connect_timeout: float = 5.0, retries: int = 10) -> redis.Redis:
+def connect(
+    settings: Settings,
+    connect_timeout: float = 5.0,
+    retries: int = 10,
+    socket_timeout: float = REDIS_SOCKET_TIMEOUT_S,  # above any WAIT the settings allow
+    retry_timeouts: bool = True,
+) -> redis.Redis:
     """A client that rides out a Redis restart or a failover: reconnects (to the master Sentinel names
     now, where MRC_REDIS_SENTINELS is set) and retries with exponential backoff (about 30 s in all with
     the default 10 retries: right for a worker, too long for a person at a command line, who gets
-    fewer) instead of failing the first command after the connection dropped."""
+    fewer) instead of failing the first command after the connection dropped. `retry_timeouts=False`:
+    a command Redis does not answer within `socket_timeout` fails at once (a Redis that hangs is not
+    waited out: a producer answers 503 / exit 5 instead)."""
+    errors: tuple[type[Exception], ...] = (redis.ConnectionError,)
+    if retry_timeouts:
+        errors += (redis.TimeoutError, TimeoutError)
     return redis_target.client(
         settings,
         decode_responses=True,
-        socket_timeout=REDIS_SOCKET_TIMEOUT_S,  # above any WAIT the settings allow
+        socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
         health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=5.0, base=0.1), retries=retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        retry=Retry(ExponentialBackoff(cap=5.0, base=0.1), retries=retries, supported_errors=errors),
+        retry_on_error=list(errors),
     )
 
 
 SCRAPE_TIMEOUT_S = 2.0
+
+
+def answer_timeout_s(settings: Settings) -> float:
+    """How long a command of a producer waits for Redis's answer: MRC_CONNECT_TIMEOUT_S, and the
+    replicas' WAIT on top. A submission waits for Redis as long as the settings say, then answers
+    503 / exit 5 (review, helper-74: mrc-api held its requests for as long as Redis hung, 10 s a
+    command and each retried, then named S3)."""
+    return settings.connect_timeout_s + settings.redis_wait_timeout_ms / 1000
 
 
 def scrape_client(settings: Settings) -> redis.Redis:

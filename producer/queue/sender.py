@@ -21,9 +21,17 @@ from redis.retry import Retry
 from producer.queue import resubmission
 from shared import logs, names, redis_target
 from shared.celery_app import make_celery, send_job
-from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, StoreUnavailable
+from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, ServiceUnreachable, StoreUnavailable
 from shared.jobs import Job
-from shared.records import CLAIM_TTL_S, TERMINAL, JobRecords, RedisJobRecords, connect, unstored_result
+from shared.records import (
+    CLAIM_TTL_S,
+    TERMINAL,
+    JobRecords,
+    RedisJobRecords,
+    answer_timeout_s,
+    connect,
+    unstored_result,
+)
 from shared.settings import Settings
 from shared.stores import ImageSource, ResultStore, open_stores
 
@@ -48,14 +56,20 @@ class Queue:
         self.images: ImageSource = images
         self.results: ResultStore = results
         self.records: JobRecords = records or RedisJobRecords(
-            connect(settings, settings.connect_timeout_s, retries=3)
+            connect(
+                settings,
+                settings.connect_timeout_s,
+                retries=3,  # a failover's reconnects
+                socket_timeout=answer_timeout_s(settings),
+                retry_timeouts=False,  # a hung Redis: 503 / exit 5, not a wait as long as the hang
+            )
         )
         # The completion events a wait wakes on (a hint): read on a connection of their own that never
         # retries and times out soon after its longest block, so an unreachable Redis costs a wait no
         # more than it did before. Records handed in (in-process ones) serve for both.
         self._hints: JobRecords | None = records
         self._hints_made = threading.Lock()
-        self.celery = celery or make_celery(settings)
+        self.celery = celery or make_celery(settings, socket_timeout=answer_timeout_s(settings))
         self.log = logs.get_logger()
 
     def close(self) -> None:
@@ -118,7 +132,9 @@ class Queue:
             if record and record.get("published") != "0":
                 return None
             if time.monotonic() >= deadline:
-                raise StoreUnavailable(f"job {job.job_id}: another submission of it neither ends nor expires")
+                raise ServiceUnreachable(  # Redis: its claim outlives its lease (review, helper-74: "S3")
+                    "Redis", f"job {job.job_id}: another submission of it neither ends nor expires"
+                )
             time.sleep(0.05)
 
     def _send_claimed(self, job: Job, token: str) -> bool | None:

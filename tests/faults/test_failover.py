@@ -179,9 +179,10 @@ def test_a_push_a_partitioned_primary_took_is_pushed_again_when_resubmitted(
             ),
             **cluster.env(),
         }
-        env.update(
-            {"MRC_REDIS_WAIT_REPLICAS": "1", "MRC_REDIS_WAIT_TIMEOUT_MS": "500", "MRC_CONNECT_TIMEOUT_S": "2"}
-        )
+        # A producer waits for Redis's answer MRC_CONNECT_TIMEOUT_S (and the WAIT) before it gives up:
+        # long enough here for the push to wait on the stopped primary until the failover is done.
+        env.update({"MRC_REDIS_WAIT_REPLICAS": "1", "MRC_REDIS_WAIT_TIMEOUT_MS": "500"})
+        env["MRC_CONNECT_TIMEOUT_S"] = "30"
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
             monkeypatch.setenv(name, env[name])
         client = Client(services.settings_from_env(env))

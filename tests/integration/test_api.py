@@ -7,9 +7,11 @@ import hashlib
 import json
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,7 +20,7 @@ from producer.client import Client
 from producer.openai.errors import PATHS as OPENAI_PATHS
 from producer.server import create_app
 from scripts import devservices as services
-from shared import names
+from shared import names, redis_target
 from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
@@ -283,7 +285,8 @@ def test_health_ready_metrics_and_schema(api: TestClient) -> None:
     api.get("/v1/nowhere/at/all", headers=AUTH)
     schema = api.get("/openapi.json").json()
     text = api.get("/metrics").text
-    assert "mrc_redis_failovers_total 0.0" in text
+    # the failovers this process followed (a Sentinel test run before in this process counts too)
+    assert f"mrc_redis_failovers_total {float(redis_target.failovers)}" in text
     for series in (
         '{method="GET",route="/v1/jobs/{job_id}",status="404"}',
         '{method="GET",route="/v1/jobs/{job_id}",status="401"}',
@@ -451,3 +454,55 @@ def test_mrc_events_reads_to_the_end_and_refuses_ids_redis_cannot_read(
     refused = services.run_cli(env, "events", "--after", "99999999999999999999")
     assert refused.returncode == 2
     assert "Redis" not in refused.stderr
+
+
+def test_a_redis_that_hangs_is_answered_503_naming_redis_not_waited_out(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-74: with Redis stopped (it takes connections and answers nothing), mrc-api held
+    each request for as long as the hang (70 s, 100 s...), 10 s a command and each retried, and named
+    S3: a submission's own claim, retried, was taken for another's. Each route answers 503 naming
+    Redis while the hang lasts (the hang ends only after every answer: a route that waited it out
+    would never answer), nothing is queued, and once Redis answers again the same job id goes in."""
+    redis = services.start_redis(tmp_path / "redis")
+    env = {**api_env, "MRC_REDIS_URL": redis.url, "MRC_CONNECT_TIMEOUT_S": "1"}
+    photo = imagegen.photo(64, 48, seed=33)
+    try:
+        with TestClient(create_app(services.settings_from_env(env))) as api:
+            job_id = _job_id("hang")
+            assert api.get(f"/v1/jobs/{job_id}", headers=AUTH).status_code == 404
+            answers: list[Any] = []
+
+            def ask() -> None:
+                answers.append(
+                    api.post(
+                        "/v1/jobs",
+                        data={"prompt": "Refund?", "job_id": job_id},
+                        files={"image": ("p.jpg", photo, "image/jpeg")},
+                        headers=AUTH,
+                    )
+                )
+                answers.append(api.get(f"/v1/jobs/{job_id}", headers=AUTH))
+
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                asking = threading.Thread(target=ask, daemon=True)
+                asking.start()
+                # Each command waits MRC_CONNECT_TIMEOUT_S (1 s), once: seconds. A minute is no
+                # measurement, only a bound the old retries (3 min 30 s here) broke.
+                asking.join(60)
+                assert len(answers) == 2, "a request waited for Redis as long as it hung"
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            for answer in answers:
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["message"].startswith("Redis cannot be reached"), answer.text
+            again = api.post(
+                "/v1/jobs",
+                data={"prompt": "Refund?", "job_id": job_id},
+                files={"image": ("p.jpg", photo, "image/jpeg")},
+                headers=AUTH,
+            )
+            assert again.status_code == 202, again.text
+    finally:
+        redis.stop()

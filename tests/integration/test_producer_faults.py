@@ -242,6 +242,18 @@ def test_a_confirm_for_a_claim_no_longer_held_writes_nothing(client: Client) -> 
     assert client.records.get(job_id)["claim"] == other
 
 
+def test_a_claim_sent_again_with_its_own_token_is_still_its_holders(client: Client) -> None:
+    """A claim whose answer was lost (a timeout, a dropped connection) and that redis-py sends again
+    finds the record it made itself: its holder's, not another submission's (review, helper-74: the
+    submission then waited out its own claim and was answered 503 naming S3)."""
+    job_id = _id()
+    claim = client.records._claim  # type: ignore[attr-defined]  # the script, as redis-py resends it
+    args = [30, "interactive", "2026-12-06T00:00:00Z", "fp", "token-one"]
+    assert claim(keys=[names.job_key(job_id)], args=args) == 1
+    assert claim(keys=[names.job_key(job_id)], args=args) == 1, "its own claim, sent again"
+    assert claim(keys=[names.job_key(job_id)], args=[*args[:4], "token-two"]) == 0
+
+
 def test_a_look_for_an_earlier_result_that_hangs_is_cut_well_inside_the_claim(
     client: Client, worker: services.Worker, image: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
