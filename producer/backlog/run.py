@@ -135,6 +135,8 @@ class Backlog(RunReader):
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
         step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse, partials)
+        if on_progress:  # the display's first line at once, not after a chunk of 5,000 lines
+            on_progress(progress)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
                 self._go_over(step, number, chunk, fresh, young)
@@ -284,7 +286,7 @@ class Backlog(RunReader):
         the run was cancelled meanwhile (what was queued before stays, the rest is never queued). The
         depth limit and the cancel are both decided per job inside the enqueue step, never from a read
         made before it."""
-        run_id, progress, entries = step.run_id, step.progress, index.entries
+        run_id, progress = step.run_id, step.progress
         at = 0
         while at < len(jobs):
             room = self._wait_for_room(run_id, progress, step, index)
@@ -298,18 +300,7 @@ class Backlog(RunReader):
                 replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]), limit)
             except PartNotReplicated as exc:  # queued on the master; counted below, then the run stops
                 replies, unreplicated = exc.replies, exc
-            for (line, job), reply in zip(part, replies, strict=True):
-                if reply in (CANCELLED, FULL):
-                    break  # this job and the rest of the part: not queued
-                at += 1
-                if reply == 1:
-                    progress.enqueued += 1
-                elif reply == job.fingerprint():
-                    progress.already += 1
-                else:
-                    entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
-                    continue
-                entries.append({"line": line.number, "custom_id": line.custom_id, "job_id": job.job_id})
+            at += _took(part, replies, index.entries, progress)
             if unreplicated is not None:
                 # The chunk's index is not written: a resume looks at every line of it again (what is
                 # queued stays; what a failover lost is queued anew). Nothing past it is queued unconfirmed.
@@ -317,6 +308,8 @@ class Backlog(RunReader):
             if CANCELLED in replies:
                 return True
             index.grew()
+            if step.on_progress:  # a part at a time (review, helper-74: a --rate run said nothing for
+                step.on_progress(progress)  # a whole chunk; cron logs got no line per --interval)
         return False
 
     def _job(self, line: Line, images: dict[str, str | Exception]) -> Job:
@@ -389,6 +382,27 @@ class Backlog(RunReader):
 
 
 _UNCONFIRMED = "unconfirmed_chunk_"
+
+
+def _took(
+    part: list[tuple[Line, Job]], replies: list[int | str], entries: list[dict[str, Any]], progress: Progress
+) -> int:
+    """What the enqueue step made of a part, in its index entries and the progress; how many of its
+    jobs it went through (up to the first it did not queue: the lane full, or the run cancelled)."""
+    went = 0
+    for (line, job), reply in zip(part, replies, strict=True):
+        if reply in (CANCELLED, FULL):
+            break  # this job and the rest of the part: not queued
+        went += 1
+        if reply == 1:
+            progress.enqueued += 1
+        elif reply == job.fingerprint():
+            progress.already += 1
+        else:
+            entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
+            continue
+        entries.append({"line": line.number, "custom_id": line.custom_id, "job_id": job.job_id})
+    return went
 
 
 def _unconfirmed(record: dict[str, str]) -> set[int]:

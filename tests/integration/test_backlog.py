@@ -114,9 +114,10 @@ def test_a_manifest_runs_and_its_results_follow_the_manifest(
 
 
 def _start_run(
-    env: dict[str, str], folder: Path, run_id: str, lines: int, rate: int
+    env: dict[str, str], folder: Path, run_id: str, lines: int, rate: int, *options: str
 ) -> subprocess.Popen[bytes]:
-    """`mrc backlog` of `lines` lines at `rate` a second, in the background."""
+    """`mrc backlog` of `lines` lines at `rate` a second, in the background (its stderr in the folder's
+    `<run_id>.err`)."""
     rows = [
         {"custom_id": f"c{i}", "image": f"s3://mrc-backlog/in/{i}.jpg", "prompt": f"Q{i}?"}
         for i in range(lines)
@@ -130,8 +131,10 @@ def _start_run(
         run_id,
         "--rate",
         str(rate),
+        *options,
     ]
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with (folder / f"{run_id}.err").open("wb") as err:
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def test_resume_after_the_producer_is_killed_enqueues_exactly_what_is_missing(
@@ -164,9 +167,10 @@ def test_a_slow_chunk_is_seen_as_it_is_queued_and_a_kill_mid_way_is_resumed_whol
     own: dict[str, str], tmp_path: Path
 ) -> None:
     """A `--rate` run's first chunk takes seconds: its jobs are in `status` while it is queued (a
-    partial index), and a producer killed then is resumed to every line once, each counted once."""
+    partial index), its progress is a line every `--interval` off a terminal (review, helper-74: none
+    until the chunk's end), and a producer killed then is resumed to every line once, each counted once."""
     total = 3000
-    proc = _start_run(own, tmp_path, "slow", total, 400)
+    proc = _start_run(own, tmp_path, "slow", total, 400, "--interval", "0.5")
     files = open_run_files(services.settings_from_env(own))
     lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
     partial = "runs/slow/index/00000000.partial.jsonl"
@@ -181,6 +185,9 @@ def test_a_slow_chunk_is_seen_as_it_is_queued_and_a_kill_mid_way_is_resumed_whol
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert list(files.list_keys("runs/slow/index/")) == [partial], "the kill came after the chunk's end"
+    shown = [line for line in (tmp_path / "slow.err").read_text().splitlines() if line.startswith("enqueue:")]
+    assert shown[0].startswith("enqueue: lines 0, enqueued 0"), shown  # the first line at once
+    assert len({line.split(", ")[1] for line in shown}) >= 3, shown  # then as jobs go in
 
     resumed = services.run_cli(own, "backlog", "--resume", "slow", "--interval", "0")
     assert resumed.returncode == 0, resumed.stderr
