@@ -47,13 +47,19 @@ def _lanes(value: str) -> list[str]:
     return lanes
 
 
-def _refuse_readiness(reason: str, state: health.HealthState, log: Any) -> int:
-    """Stay alive but never ready (an orchestrator keeps traffic away and shows why), until SIGTERM."""
+def _refuse_readiness(reason: str, state: health.HealthState, log: Any, heartbeat: Any) -> int:
+    """Stay alive but never ready (an orchestrator keeps traffic away and shows why), until SIGTERM;
+    the heartbeat says why at once, then at every beat (`mrc queues`, the ops page)."""
+    import contextlib
     import signal
     import threading
 
+    import redis
+
     state.set_not_ready(reason)
     log.critical("MRC_NOT_READY", reason=reason)
+    with contextlib.suppress(redis.RedisError):  # Redis away: the next beat says it
+        heartbeat.beat()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -90,10 +96,12 @@ def _names_no_model(exc: OSError) -> bool:
     return isinstance(exc.__cause__, ValueError) or any(words in str(exc) for words in said)
 
 
-def _let_go(server: Any, redis_client: Any, results: Any = None) -> None:
+def _let_go(server: Any, redis_client: Any, results: Any = None, heartbeat: Any = None) -> None:
     """What a start refused before the model loads opened: the health server, the Redis and S3
     clients (a SIGHUP's restart runs in the same process: its port must be free again, and nothing
-    is left for the garbage collector to warn about)."""
+    is left for the garbage collector to warn about), the heartbeat (its entry gone with it)."""
+    if heartbeat is not None:
+        heartbeat.stop()
     if server is not None:
         server.shutdown()
         server.server_close()
@@ -197,6 +205,18 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         _let_go(server, depth_client, results)
         return EXIT_UNREACHABLE
 
+    # Seen from the start, not once ready: `mrc queues` and the ops page show a worker loading its
+    # model (minutes) or refusing readiness, and why (review, helper-74: they showed no worker at all).
+    hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
+    state.set_not_ready("loading the model")
+    starting = {"hostname": hostname, "lanes": lanes, "model": settings.model, "device": settings.device}
+    heartbeat = Heartbeat(
+        connect(settings),
+        hostname,
+        lambda: {**starting, "ready": False, "not_ready_reason": state.reason, "jobs": 0},
+        every_minute=lambda: ops_counts.sample_depth(depth_client),
+    )
+    heartbeat.start()
     backend = make_backend(settings)
     began = time.perf_counter()
     try:
@@ -211,7 +231,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         cause = exc.__cause__ if isinstance(exc, MrcError) and isinstance(exc.__cause__, OSError) else exc
         settings_fault = not isinstance(cause, OSError) or _names_no_model(cause)
         print(f"mrc-worker: {'bad settings: ' if settings_fault else ''}{message}", file=sys.stderr)
-        _let_go(server, depth_client, results)
+        _let_go(server, depth_client, results, heartbeat)
         return EXIT_USAGE if settings_fault else EXIT_UNUSABLE
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
@@ -221,9 +241,12 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         attention_kernel_decode=backend.describe().get("attention_backend_decode", ""),
     )  # fmt: skip
     if settings.require_fast_attention and kernel not in attention.FAST_KERNELS:
-        return _refuse_readiness(f"attention kernel {kernel!r} is not a fast kernel", state, log)
+        refused = _refuse_readiness(
+            f"attention kernel {kernel!r} is not a fast kernel", state, log, heartbeat
+        )
+        heartbeat.stop()
+        return refused
 
-    hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     records = RedisJobRecords.from_settings(settings)
     app = make_celery(settings)
     cache = RedisResultCache(connect(settings))
@@ -251,6 +274,21 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         batch_for=lambda: pipeline.batch_for_s,
     )
 
+    heartbeat.describe = lambda: {
+        "hostname": hostname,
+        "lanes": lanes,
+        **backend.describe(),
+        "jobs": pipeline.jobs_seen,
+        "busy_ratio": round(pipeline.busy_ratio, 4),
+        **pipeline.describe(),
+        **pipeline.live(),
+        "buffered": tasks.buffered(app),
+        "batch_in_progress_s": round(pipeline.batch_for_s or 0.0, 1) or None,
+        "ready": state.readiness() is not None,
+        "not_ready_reason": None if state.readiness() is not None else state.reason,
+        "stuck_after_s": settings.stuck_after_s,
+        **_gpu_memory(backend.device),
+    }
     state.set_ready({**backend.describe(), **pipeline.describe()})
     metrics.ready.set(1)
     log.info("MRC_WORKER_READY", hostname=hostname, lanes=",".join(lanes), **backend.describe())
@@ -276,27 +314,6 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         without_mingle=True,
         without_heartbeat=True,
     )
-    heartbeat = Heartbeat(
-        connect(settings),
-        hostname,
-        lambda: {
-            "hostname": hostname,
-            "lanes": lanes,
-            **backend.describe(),
-            "jobs": pipeline.jobs_seen,
-            "busy_ratio": round(pipeline.busy_ratio, 4),
-            **pipeline.describe(),
-            **pipeline.live(),
-            "buffered": tasks.buffered(app),
-            "batch_in_progress_s": round(pipeline.batch_for_s or 0.0, 1) or None,
-            "ready": state.readiness() is not None,
-            "not_ready_reason": None if state.readiness() is not None else state.reason,
-            "stuck_after_s": settings.stuck_after_s,
-            **_gpu_memory(backend.device),
-        },
-        every_minute=lambda: ops_counts.sample_depth(depth_client),
-    )
-    heartbeat.start()
     worker.start()
     heartbeat.stop()
     state.set_not_ready()

@@ -29,7 +29,7 @@ class Heartbeat:
         self._redis = client
         self._every_minute, self._minute = every_minute, -1
         self._key = names.worker_key(hostname)
-        self._describe = describe
+        self.describe = describe  # what the next beat says (a worker says more once it is ready)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mrc-heartbeat", daemon=True)
 
@@ -44,7 +44,7 @@ class Heartbeat:
             self._redis.zrem(names.workers_seen_key(), self._key)  # gone, not dead, on the ops page
 
     def beat(self) -> None:
-        state = {**self._describe(), "seen_at": now_rfc3339()}
+        state = {**self.describe(), "seen_at": now_rfc3339()}
         self._redis.set(self._key, json.dumps(state), ex=TTL_S)
         self._redis.zadd(names.workers_seen_key(), {self._key: time.time()})
         minute = int(time.time() // 60)

@@ -74,9 +74,14 @@ def _engine(w: dict[str, Any]) -> str:
     )
 
 
+def _not_ready(w: dict[str, Any]) -> str:
+    """ ", not ready: why" for a worker that says so (loading its model, or refusing readiness)."""
+    return f", not ready: {w.get('not_ready_reason')}" if w.get("ready") is False else ""
+
+
 def _worker_line(w: dict[str, Any]) -> str:
     return (
-        f"worker {w.get('hostname')}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
+        f"worker {w.get('hostname')}{_not_ready(w)}: lanes {','.join(w.get('lanes', []))}, {w.get('model')} "
         f"{w.get('quantization')} on {w.get('device')}, {w.get('jobs')} jobs, "
         f"busy {w.get('busy_ratio')}, {_engine(w)}, buffered "
         f"{w.get('buffered', '-')}, batch in progress {w.get('batch_in_progress_s') or '-'} s, "
@@ -148,7 +153,8 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         workers.add_column(column)
     for w in view["workers"]:
         workers.add_row(
-            str(w.get("hostname")), ",".join(w.get("lanes", [])), f"{w.get('model')} {w.get('quantization')}",
+            str(w.get("hostname")) + _not_ready(w), ",".join(w.get("lanes", [])),
+            f"{w.get('model')} {w.get('quantization')}",
             str(w.get("device")), str(w.get("jobs")), str(w.get("busy_ratio")), str(w.get("buffered", "-")),
             str(w.get("batch_in_progress_s") or "-"), _engine(w).removeprefix("engine "),
             str(w.get("attention_backend", "-")),

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.integration
 
 
 def test_required_fast_attention_refuses_readiness_on_eager(env: dict[str, str], tmp_path: Path) -> None:
+    """Not ready, and seen so: `mrc queues` (and the ops page, from the same heartbeat) lists it with
+    its reason, also while it loads its model (review, helper-74: neither showed it at all)."""
     log = tmp_path / "worker.log"
+    hostname = f"refuses-{tmp_path.name[-8:]}"
     worker_env = {
         **env,
         "MRC_ATTENTION": "eager",
@@ -26,7 +29,7 @@ def test_required_fast_attention_refuses_readiness_on_eager(env: dict[str, str],
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(services.BIN / "mrc-worker")],
+            [str(services.BIN / "mrc-worker"), "--hostname", hostname],
             env=worker_env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -41,8 +44,17 @@ def test_required_fast_attention_refuses_readiness_on_eager(env: dict[str, str],
         assert caught.value.code == 503
         assert json.loads(caught.value.read())["status"] == "not_ready"
         assert not worker.find("MRC_WORKER_READY")
+        shown = {
+            w["hostname"]: w for w in json.loads(services.run_cli(env, "queues", "--json").stdout)["workers"]
+        }
+        assert shown[hostname]["ready"] is False
+        assert "is not a fast kernel" in shown[hostname]["not_ready_reason"]
+        line = next(x for x in services.run_cli(env, "queues").stdout.splitlines() if hostname in x)
+        assert f"worker {hostname}, not ready: attention kernel" in line
     finally:
         assert worker.stop(signal.SIGTERM) == 0
+    listed = json.loads(services.run_cli(env, "queues", "--json").stdout)["workers"]
+    assert hostname not in {w["hostname"] for w in listed}, "a stopped worker's entry stays"
 
 
 def test_the_backend_is_chosen_from_settings(env: dict[str, str], tmp_path: Path) -> None:
