@@ -26,7 +26,9 @@ def check_s3(settings: Settings) -> None:
     from shared.stores.s3 import S3Connection
 
     try:
-        S3Connection(settings, attempts=1).probe(settings.s3_bucket)
+        # An answer within MRC_CONNECT_TIMEOUT_S too (review, helper-74: an S3 that hangs took the
+        # stores' read timeout, 30 s, before a command or a starting worker said so).
+        S3Connection(settings, attempts=1, read_timeout=settings.connect_timeout_s).probe(settings.s3_bucket)
     except StoreUnavailable as exc:
         where = settings.s3_endpoint_url or "AWS"
         raise ServiceUnreachable(f"S3 at {where}", _first_line(exc.message)) from None

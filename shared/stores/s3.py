@@ -44,11 +44,11 @@ class S3Connection:
     """One boto3 client and the error mapping every store shares: an outage, a server error or a broken
     stream is StoreUnavailable (retryable); "no such key" stays a ClientError for the caller."""
 
-    def __init__(self, settings: Settings, attempts: int = 3) -> None:
+    def __init__(self, settings: Settings, attempts: int = 3, read_timeout: float = 30) -> None:
         config = Config(
             retries={"total_max_attempts": attempts, "mode": "standard"},
             connect_timeout=settings.connect_timeout_s,
-            read_timeout=30,
+            read_timeout=read_timeout,
             # mrc-api's batches store 8 images at a time each, several batches at once: boto3's pool
             # of 10 discarded connections under that ("Connection pool is full", review).
             max_pool_connections=64,

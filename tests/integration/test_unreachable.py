@@ -68,6 +68,31 @@ def test_s3_unreachable_is_exit_5_naming_s3(
     assert time.monotonic() - began < 15
 
 
+def test_an_s3_that_hangs_is_exit_5_naming_s3_for_a_command_and_a_starting_worker(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """An endpoint that takes connections and never answers (review, helper-74: 30 s, the stores'
+    read timeout, before `mrc submit` or a starting worker said so; MRC_CONNECT_TIMEOUT_S bounds it)."""
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # listens: the kernel takes the connections
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        hanging = {**env, "MRC_S3_ENDPOINT_URL": url, "MRC_CONNECT_TIMEOUT_S": "1", "MRC_MODEL": "echo"}
+        image = tmp_path / "h.jpg"
+        image.write_bytes(imagegen.photo(32, 24))
+        done = services.run_cli(hanging, "submit", "--image", str(image), "--prompt", "refund?", timeout=20)
+        assert done.returncode == 5, done.stderr
+        assert "S3" in _one_line(done.stderr)
+        started = subprocess.run(
+            [str(services.BIN / "mrc-worker")],
+            env=hanging,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        assert started.returncode == 5, started.stderr
+        assert "cannot reach S3" in started.stderr
+
+
 def _worker(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(services.BIN / "mrc-worker")], env=env, capture_output=True, text=True, timeout=60, check=False
