@@ -39,7 +39,7 @@ class RunReader:
             yield from chunk_index.entries_of(self.files.get_text(key) or "")
 
     def status(self, run_id: str) -> dict[str, Any]:
-        run = self._run(run_id)
+        run = self._run(run_id, indexed=True)
         states: Counter[str] = Counter()
         codes: Counter[str] = Counter()
         recent = invalid = cancelling = 0  # cancelling: of the queued, apart from the states' sum
@@ -74,7 +74,7 @@ class RunReader:
             "run_id": run_id,
             "state": "done"
             if jobs and not left and settled and run.get("state") == "enqueued"
-            else run.get("state"),
+            else run.get("state", "expired"),
             "created_at": run.get("created_at"),
             "lines": int(run.get("lines", 0)),
             "jobs": jobs,
@@ -108,7 +108,7 @@ class RunReader:
     def report(self, run_id: str) -> dict[str, Any]:
         """Write results.jsonl (one line per valid manifest line, in order) and errors.jsonl (invalid
         lines and failed jobs), streaming; returns their URIs and the counts."""
-        run = self._run(run_id)
+        run = self._run(run_id, indexed=True)
         counts: Counter[str] = Counter()
         codes: Counter[str] = Counter()
         last_finish: list[str] = []
@@ -152,11 +152,15 @@ class RunReader:
     def _result_of(self, entry: dict[str, Any]) -> dict[str, Any] | None:
         return None if "job_id" not in entry else self.queue.settled_result(entry["job_id"])
 
-    def _run(self, run_id: str) -> dict[str, str]:
+    def _run(self, run_id: str, indexed: bool = False) -> dict[str, str]:
+        """The run's record; `indexed`: {} for a run whose record expired (30 days) and whose index is
+        still in S3, which is all `status` and `report` need (review, helper-74: "no backlog run")."""
         run = self.runs.get(run_id)
-        if not run:
-            raise UsageError(f"no backlog run {run_id[:70]!r} (or its record expired)")
-        return run
+        if run:
+            return run
+        if indexed and next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is not None:
+            return {}
+        raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
 
     def _key(self, run_id: str, name: str) -> str:
         return names.run_key(self.settings.s3_prefix, run_id, name)

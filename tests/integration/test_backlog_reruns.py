@@ -230,6 +230,17 @@ def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_
     status = json.loads(services.run_cli(own, "backlog", "status", "twice", "--json").stdout)
     assert (status["lines"], status["jobs"], status["queued"]) == (3, 2, 2)
     assert len(_file(own, "twice", "index/00000000.jsonl")) == 3  # each line is in the index
+    # Its record expires after 30 days; its index and results stay in S3, and status and report read
+    # them (review, helper-74: "no backlog run").
+    redis_lib.Redis.from_url(own["MRC_REDIS_URL"]).delete(names.run_record_key("twice"))
+    status = json.loads(services.run_cli(own, "backlog", "status", "twice", "--json").stdout)
+    assert (status["state"], status["jobs"], status["queued"]) == ("expired", 2, 2)
+    report = services.run_cli(own, "backlog", "report", "twice")
+    assert report.returncode == 3, report.stderr  # pending: no worker here
+    assert [row["custom_id"] for row in _file(own, "twice", "results.jsonl")] == ["d", "e", "d"]
+    nowhere = services.run_cli(own, "backlog", "report", "never-was")
+    assert nowhere.returncode == 2
+    assert "no backlog run 'never-was'" in nowhere.stderr
 
 
 def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
