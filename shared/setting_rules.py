@@ -56,6 +56,9 @@ def bucket(value: str) -> str:
     return value
 
 
+URL_OPTIONS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
 def redis_url(value: str) -> str:
     """MRC_REDIS_URL as every Redis client of mrc will read it (its scheme lower-cased: redis-py reads
     it case-sensitively)."""
@@ -77,13 +80,30 @@ def redis_url(value: str) -> str:
     database = url.path.strip("/")
     if database and not database.isdigit():
         raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
-    requirement = dict(parse_qsl(url.query)).get("ssl_cert_reqs", "required").lower()
+    _url_options(url.query)
+    _as_redis_py_reads(value)
+    return value
+
+
+def _url_options(query: str) -> None:
+    """Its TLS options alone: the broker (kombu) fails at its first publish on others redis-py takes
+    (?socket_timeout=2: review, helper-75), and mrc sets its own timeouts (MRC_CONNECT_TIMEOUT_S)."""
+    others = sorted({name for name, _ in parse_qsl(query, keep_blank_values=True)} - set(URL_OPTIONS))
+    if others:
+        raise ValueError(
+            f"MRC_REDIS_URL: option {others[0][:40]!r} is not taken; the URL takes {', '.join(URL_OPTIONS)} "
+            "(mrc sets its own timeouts: MRC_CONNECT_TIMEOUT_S)"
+        )
+    requirement = dict(parse_qsl(query)).get("ssl_cert_reqs", "required").lower()
     if requirement not in ("none", "optional", "required"):
         raise ValueError("MRC_REDIS_URL's ssl_cert_reqs must be none, optional or required")
+
+
+def _as_redis_py_reads(value: str) -> None:
     try:
         import redis
     except ImportError:  # a process that uses no Redis, without it installed (the GPU proving ground)
-        return value
+        return
     try:  # a connection made as every client makes one, not connected: its options read and checked
         redis.ConnectionPool.from_url(value).make_connection()
     except ValueError as exc:  # e.g. ?socket_timeout=abc (review: a traceback from every command)
@@ -93,7 +113,6 @@ def redis_url(value: str) -> str:
         raise ValueError(f"MRC_REDIS_URL: unknown option {unknown}") from None
     except redis.RedisError as exc:  # ?protocol=9: read as Redis being away (exit 5), not a bad setting
         raise ValueError(f"MRC_REDIS_URL: {str(exc)[:200]}") from None
-    return value
 
 
 def sentinels(value: str) -> str:

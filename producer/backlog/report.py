@@ -158,9 +158,13 @@ class RunReader:
         run = self.runs.get(run_id)
         if run:
             return run
-        if indexed and next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is not None:
-            return {}
-        raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
+        if next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is None:
+            raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
+        if not indexed:  # cancel: its jobs' records (7 days) went before the run's (review, helper-75)
+            raise UsageError(
+                f"run {run_id[:70]!r} has expired (its record and its jobs' are gone): nothing to cancel"
+            )
+        return {}
 
     def _key(self, run_id: str, name: str) -> str:
         return names.run_key(self.settings.s3_prefix, run_id, name)

@@ -238,6 +238,9 @@ def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_
     report = services.run_cli(own, "backlog", "report", "twice")
     assert report.returncode == 3, report.stderr  # pending: no worker here
     assert [row["custom_id"] for row in _file(own, "twice", "results.jsonl")] == ["d", "e", "d"]
+    cancel = services.run_cli(own, "backlog", "cancel", "twice")
+    assert cancel.returncode == 2
+    assert "has expired" in cancel.stderr
     nowhere = services.run_cli(own, "backlog", "report", "never-was")
     assert nowhere.returncode == 2
     assert "no backlog run 'never-was'" in nowhere.stderr

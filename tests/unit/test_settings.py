@@ -66,6 +66,8 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?bogus=1"),  # review, helper-73: a traceback too
         ("MRC_REDIS_URL", "rediss://127.0.0.1:6379/0?ssl_ca_cert=/ca.pem"),  # misspelt: a traceback
         ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?protocol=9"),  # exit 5, "cannot reach Redis"
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?socket_timeout=2"),  # review, helper-75: the broker
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?health_check_interval=10"),  # failed at its publish
         ("MRC_ALLOWED_BUCKETS", ""),  # not JSON: pydantic-settings' SettingsError, a traceback
         ("MRC_ALLOWED_BUCKETS", "nan"),
     ],
@@ -163,4 +165,6 @@ def test_settings_load_where_redis_is_not_installed(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setitem(sys.modules, "redis", None)
     monkeypatch.setitem(sys.modules, "redis.connection", None)
-    assert Settings(redis_url="redis://127.0.0.1:6379/0?socket_timeout=abc").redis_url.startswith("redis://")
+    assert Settings(redis_url="rediss://127.0.0.1:6379/0?ssl_cert_reqs=none").redis_url.startswith(
+        "rediss://"
+    )
