@@ -44,10 +44,21 @@ redis.call('LPUSH', KEYS[2], ARGV[6])
 return 1
 """
 
-# KEYS[1] the run's hash: `enqueued` once every chunk is queued, unless it was cancelled meanwhile.
+# KEYS[1] the run's hash; ARGV[1] the pass. `enqueued` once every chunk is queued, unless it was
+# cancelled meanwhile (0); -1 when the record is not this pass's (LOST: below).
 FINISH_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'state') == 'cancelled' then return 0 end
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'pass') ~= ARGV[1] then return -1 end
 redis.call('HSET', KEYS[1], 'state', 'enqueued')
+return 1
+"""
+
+# KEYS[1] the run's hash; ARGV[1] the pass ('' for none: a cancel), then field, amount pairs. The counts
+# go into the record only while it is the pass's: a record Redis lost and a pass (or a worker) made anew
+# holds other counts, and a newer pass counts from the index (0: LOST).
+COUNT_SCRIPT = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'pass') ~= ARGV[1] then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -76,6 +87,16 @@ class Queued:
 run_key = names.run_record_key
 
 
+class RunLost(Exception):
+    """The run's record is not the pass's any more: Redis lost it (restarted without its data, or a
+    failover to a replica that had not got it), or a newer pass of the run began. The pass's counts went
+    with it (review, helper-76: a second pass started after the loss, and both counted every line)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id}'s record in Redis is gone or another pass's")
+        self.run_id = run_id
+
+
 class PartNotReplicated(NotReplicated):
     """A part of a run was recorded and queued, and fewer replicas than asked confirmed it: `replies`
     says what each of its jobs became, as enqueue_many would have returned."""
@@ -98,6 +119,7 @@ class RunRecords:
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._cancel = client.register_script(CANCEL_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
+        self._count = client.register_script(COUNT_SCRIPT)
 
     @property
     def client(self) -> redis.Redis:
@@ -110,11 +132,16 @@ class RunRecords:
     def get(self, run_id: str) -> dict[str, str]:
         return dict(self._redis.hgetall(run_key(run_id)))  # type: ignore[arg-type]  # decode_responses
 
-    def start(self, run_id: str, manifest: str, workdir: str | None = None) -> dict[str, str]:
+    def start(
+        self, run_id: str, manifest: str, workdir: str | None = None, pass_id: str | None = None
+    ) -> dict[str, str]:
         """Create the run's record unless it exists (a resume keeps the first one); returns it.
-        `workdir`: where the first pass ran (a manifest's relative image paths are relative to it)."""
+        `workdir`: where the first pass ran (a manifest's relative image paths are relative to it);
+        `pass_id`: the pass that counts into it from now on (`count`)."""
         key = run_key(run_id)
         with self._redis.pipeline() as pipe:
+            if pass_id:
+                pipe.hset(key, "pass", pass_id)
             pipe.hsetnx(key, "created_at", now_rfc3339())
             pipe.hsetnx(key, "manifest", manifest)
             if workdir:
@@ -132,19 +159,23 @@ class RunRecords:
     def update(self, run_id: str, **fields: str) -> None:
         self._redis.hset(run_key(run_id), mapping=fields)  # type: ignore[arg-type]  # str values
 
-    def finish_enqueue(self, run_id: str) -> bool:
-        """The run is `enqueued`, unless a cancel came first (which then stays); False if it did."""
-        return bool(self._finish(keys=[run_key(run_id)]))
+    def finish_enqueue(self, run_id: str, pass_id: str = "") -> bool:
+        """The run is `enqueued`, unless a cancel came first (which then stays); False if it did.
+        RunLost when the record is not `pass_id`'s."""
+        done = int(self._finish(keys=[run_key(run_id)], args=[pass_id]))
+        if done < 0:
+            raise RunLost(run_id)
+        return bool(done)
 
     def cancelled(self, run_id: str) -> bool:
         return self._redis.hget(run_key(run_id), "state") == "cancelled"
 
-    def count(self, run_id: str, **increments: int) -> None:
-        with self._redis.pipeline(transaction=False) as pipe:
-            for field, amount in increments.items():
-                if amount:
-                    pipe.hincrby(run_key(run_id), field, amount)
-            pipe.execute()
+    def count(self, run_id: str, pass_id: str = "", **increments: int) -> None:
+        """Add to the run's counts in one step; with `pass_id`, only into that pass's record (else
+        RunLost, nothing added)."""
+        pairs = [str(part) for field, amount in increments.items() if amount for part in (field, amount)]
+        if pairs and not self._count(keys=[run_key(run_id)], args=[pass_id, *pairs]):
+            raise RunLost(run_id)
 
     # ---- its jobs ----
     def enqueue_many(self, run_id: str, jobs: Sequence[Queued], depth_limit: int) -> list[int | str]:

@@ -96,7 +96,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from producer.backlog import manifest, run_lease
+    from producer.backlog import manifest
     from producer.backlog.run import Backlog
     from producer.queue.sender import Queue
 
@@ -106,41 +106,90 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return _subcommand(backlog, target[0], target[1], args)
     run_id = args.resume or args.run_id or manifest.new_run_id()
     with tempfile.TemporaryFile() as spool:
-        lines, source = _source(backlog, args, run_id, spool)
+        lines, source, prompt = _source(backlog, args, run_id, spool)
         if args.strict:
             _strict(lines(), run_id, settings)
         print(run_id, flush=True)
-        with run_lease.held(backlog.runs.client, run_id):
-            progress = _enqueue(backlog, args, run_id, lines, source, settings)
-        if isinstance(progress, int):
-            return progress
-    if not args.wait:
-        return EXIT_FAILED if progress.invalid else EXIT_OK
+        passes, deadline = 0, time.monotonic() + args.timeout  # a repair's wait within the same --timeout
+        while True:
+            progress = _pass(backlog, args, run_id, (lines, source, prompt), settings)
+            passes += 1
+            if isinstance(progress, int):
+                return progress
+            if not args.wait:
+                return EXIT_FAILED if progress.invalid else EXIT_OK
+            # A pass that queued nothing again cannot mend what a next one would find (review, helper-76).
+            repair = passes < _PASSES and (passes == 1 or progress.enqueued > 0)
+            code = _wait(backlog, run_id, args, settings, source, repair, deadline)
+            if code is not None:
+                return code
+
+
+# A --wait that finds jobs Redis lost (no record, no result, nothing queued) runs a pass of the run again,
+# which queues them, this many passes in all at most.
+_PASSES = 4
+
+
+def _pass(backlog: Any, args: argparse.Namespace, run_id: str, given: tuple[Lines, str, str | None],
+          settings: Settings) -> Any:  # fmt: skip
+    """One pass of the run, under its lease: its Progress, or the exit code of a pass cut short."""
+    from producer.backlog import run_lease
+
+    lines, source, prompt = given
+    with run_lease.held(backlog.runs.client, run_id) as lease:
+        if prompt:  # a listing's: a refused pass changes nothing of the run (review, helper-76)
+            _record_prompt(backlog, run_id, source, prompt)
+        return _enqueue(backlog, args, run_id, lines, source, settings, lease)
+
+
+def _wait(
+    backlog: Any, run_id: str, args: argparse.Namespace, settings: Settings, source: str, repair: bool,
+    deadline: float,
+) -> int | None:  # fmt: skip
+    """--wait: the run's exit code once it is done, or None where Redis lost jobs a pass can queue."""
     try:
-        return _wait_and_report(backlog, run_id, args.timeout, args.interval, settings.backlog_outage_s)
+        return _wait_and_report(
+            backlog, run_id, args.timeout, args.interval, settings.backlog_outage_s, repair, deadline
+        )
     except outages.Outage as exc:
         return _gave_up(run_id, source, exc)
+    except KeyboardInterrupt:  # review, helper-76: a bare "mrc: interrupted"
+        print(f"\nmrc: interrupted; run {run_id} is whole in the queue and goes on without this wait: "
+              f"mrc backlog status {run_id}, then mrc backlog report {run_id}", file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
 
 
 def _enqueue(
-    backlog: Any, args: argparse.Namespace, run_id: str, lines: Lines, source: str, settings: Settings
-) -> Any:
+    backlog: Any, args: argparse.Namespace, run_id: str, lines: Lines, source: str, settings: Settings,
+    lease: Any,
+) -> Any:  # fmt: skip
     """The run's lines queued, with progress shown and outages waited out: its Progress, or the exit
     code of a pass cut short."""
     from producer.backlog.progress import Display
+    from shared.runs import RunLost
 
     display = Display(interval_s=args.interval)
     heard = outages.Heard()
 
     def shown(progress: Any) -> None:
+        lease.check()  # another pass took the run (Redis lost the lease): this one stops
         heard.saw(progress)
         display.show(progress.snapshot())
 
     def enqueue() -> Any:
-        return backlog.enqueue(
-            lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown,
-            workdir=os.getcwd(),  # a resume reads relative image paths from where the run began
-        )  # fmt: skip
+        for _ in range(_PASSES):
+            try:
+                return backlog.enqueue(
+                    lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown,
+                    workdir=os.getcwd(),  # a resume reads relative image paths from where the run began
+                )  # fmt: skip
+            except RunLost:  # Redis lost the run's record: its counts start again from the index
+                if not lease.renew():
+                    lease.check()
+                print(f"\nmrc: run {run_id}'s record was lost with Redis's data (a restart without "
+                      "persistence?): the pass goes over the run again from its index",
+                      file=sys.stderr)  # fmt: skip
+        raise UsageError(f"run {run_id}'s record in Redis was lost {_PASSES} times over: stopped")
 
     try:
         return outages.outlast(
@@ -181,10 +230,12 @@ def _go_on(run_id: str, source: str) -> str:
 Lines = Callable[[], Iterator[tuple[int, bytes]]]
 
 
-def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes]) -> tuple[Lines, str]:
+def _source(
+    backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes]
+) -> tuple[Lines, str, str | None]:
     """A way to read the manifest's (line number, raw line) stream from the start (twice with
-    --strict), and its name for the run's record: a file, stdin (spooled to `spool`), a bucket
-    listing, or, with --resume, the source the run recorded."""
+    --strict), its name for the run's record (a file, stdin (spooled to `spool`), a bucket listing,
+    or, with --resume, the source the run recorded), and a listing's prompt."""
     from producer.backlog import manifest
 
     source = args.target[0] if args.target else args.from_s3
@@ -202,15 +253,13 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
         bucket, _, prefix = source[5:].partition("/")
         if not prompt:
             raise UsageError("--prompt is needed to resume a --from-s3 run")
-        backlog.runs.start(run_id, source)
-        backlog.runs.update(run_id, prompt=prompt)
-
-        return functools.partial(_listing, backlog, run_id, bucket, prefix, prompt), source
+        _same_prompt(backlog.runs.get(run_id), run_id, prompt)  # recorded under the run's lease (run())
+        return functools.partial(_listing, backlog, run_id, bucket, prefix, prompt), source, prompt
     if source == "-":
         if args.resume:
             raise UsageError("a run read from stdin resumes with: mrc backlog - --run-id RUN_ID")
         shutil.copyfileobj(sys.stdin.buffer, spool)
-        return lambda: _from(spool), "-"
+        return lambda: _from(spool), "-", None
     path = Path(source).resolve()
     if not path.is_file():
         raise UsageError(f"manifest not found: {path}")
@@ -219,7 +268,26 @@ def _source(backlog: Any, args: argparse.Namespace, run_id: str, spool: IO[bytes
         with path.open("rb") as handle:
             yield from manifest.read_lines(handle)
 
-    return from_file, str(path)
+    return from_file, str(path), None
+
+
+def _record_prompt(backlog: Any, run_id: str, source: str, prompt: str) -> None:
+    """A listing run's question, kept in its record for `--resume`; checked again under the lease."""
+    backlog.runs.start(run_id, source)
+    _same_prompt(backlog.runs.get(run_id), run_id, prompt)
+    backlog.runs.update(run_id, prompt=prompt)
+
+
+def _same_prompt(record: dict[str, str], run_id: str, prompt: str) -> None:
+    """A listing run asks one question of every object: one asked another way would be another job under
+    a line's id, refused as a reused custom_id (review, helper-76: a `--resume --prompt` rewrote the
+    run's question, and the lines queued before became invalid)."""
+    recorded = record.get("prompt")
+    if recorded and recorded != prompt:
+        raise UsageError(
+            f"run {run_id} asks {recorded[:80]!r} of every object; a pass of it asks the same (leave "
+            "--prompt out to resume it), or start a new run id for another question"
+        )
 
 
 def _listing(backlog: Any, run_id: str, bucket: str, prefix: str, prompt: str) -> Iterator[tuple[int, bytes]]:
@@ -337,11 +405,16 @@ def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespac
     return _exit_for(summary)
 
 
-def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float, outage_s: float) -> int:
+def _wait_and_report(
+    backlog: Any, run_id: str, timeout: float, interval: float, outage_s: float, repair: bool = False,
+    deadline: float | None = None,
+) -> int | None:  # fmt: skip
+    """The run's exit code once no job of it is queued or running; None (with `repair`) where jobs are
+    neither, nor have a result, because Redis lost them: a pass of the run queues them again."""
     from producer.backlog.progress import Display
 
     display = Display(interval_s=interval)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout if deadline is None else deadline
     try:
         while True:
             began = time.monotonic()
@@ -350,6 +423,15 @@ def _wait_and_report(backlog: Any, run_id: str, timeout: float, interval: float,
             )
             display.show(status)
             if status["queued"] + status["running"] == 0:
+                if repair and status.get("lost"):  # review, helper-76: the wait ended, 140 jobs never ran
+                    print(f"\nmrc: {status['lost']} jobs of run {run_id} have no record (Redis lost them: "
+                          "a restart without persistence?): a pass of the run queues again those without a "
+                          "result", file=sys.stderr)  # fmt: skip
+                    return None
+                if status.get("lost"):
+                    print(f"\nmrc: {status['lost']} jobs of run {run_id} have no record (Redis lost them); "
+                          f"those without a result are queued by: mrc backlog --resume {run_id}",
+                          file=sys.stderr)  # fmt: skip
                 break
             if time.monotonic() >= deadline:
                 print(f"mrc: run {run_id} not done after {timeout:g} s", file=sys.stderr)

@@ -41,12 +41,22 @@ def describe(data: dict[str, Any]) -> str:
         f"{data['queued']} queued"
         + (f" ({data['cancelling']} of them cancelled, to end so)" if data.get("cancelling") else "")
         + f", {data['running']} running, {data['invalid_lines']} invalid lines, "
-        + (
-            f"{data['unknown']} unknown (records expired: the report reads the results), "
-            if data.get("unknown")
-            else ""
-        )
+        + _unknown(data)
         + f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}{_tokens(data.get('usage'))}"
+    )
+
+
+def _unknown(data: dict[str, Any]) -> str:
+    """Jobs without a record: expired (after 7 days), or lost with Redis's data in a younger run."""
+    if data.get("lost"):
+        return (
+            f"{data['lost']} without a record (lost with Redis's data: a pass of the run, `--resume` or "
+            "its manifest again with --run-id, queues again those without a result), "
+        )
+    return (
+        f"{data['unknown']} unknown (records expired: the report reads the results), "
+        if data.get("unknown")
+        else ""
     )
 
 

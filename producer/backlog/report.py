@@ -18,7 +18,7 @@ from shared import usage as usage_book
 from shared.errors import UsageError
 from shared.jobs import parse_rfc3339
 from shared.records import RECORD_TTL_S, TERMINAL
-from shared.runs import RunRecords
+from shared.runs import RUN_TTL_S, RunRecords
 from shared.settings import Settings
 from shared.stores import RunFiles
 
@@ -64,18 +64,23 @@ class RunReader:
         left = states["queued"] + states["running"]
         # Over the last minute, or over the run's own time while it is younger (review: a run seconds
         # old read a sixtieth of its rate per second of age, its ETA that many times too long).
-        created = run.get("created_at")
+        created = run.get("created_at") or self._started(run_id)
         age = time.time() - parse_rfc3339(created).timestamp() if created else 60.0
         rate = recent / min(60.0, max(1.0, age))
         # Jobs without a record are done only once records have expired (7 days): a younger run's
         # were lost with Redis's data, and running it again queues them (review, helper-63: "done").
         settled = not states["unknown"] or age >= RECORD_TTL_S
+        if "created_at" not in run:  # gone (or made anew by a worker's count) within its 30 days: lost
+            # with Redis's data, not expired (review, helper-76)
+            state = "lost" if created and age < RUN_TTL_S else "expired"
+        elif jobs and not left and settled and run.get("state") == "enqueued":
+            state = "done"
+        else:
+            state = run.get("state", "expired")
         return {
             "run_id": run_id,
-            "state": "done"
-            if jobs and not left and settled and run.get("state") == "enqueued"
-            else run.get("state", "expired"),
-            "created_at": run.get("created_at"),
+            "state": state,
+            "created_at": created,
             "lines": int(run.get("lines", 0)),
             "jobs": jobs,
             "queued": states["queued"],
@@ -85,6 +90,9 @@ class RunReader:
             "failed": states["failed"],
             "failed_by_code": dict(codes),
             "unknown": states["unknown"],  # records expired (after 7 days): the results say
+            # of those, in a run younger than its jobs' records: lost with Redis's data (a pass of the
+            # run queues again those without a result)
+            "lost": 0 if settled else states["unknown"],
             "invalid_lines": invalid,
             "rate_per_s": round(rate, 2),
             "eta_s": round(left / rate, 1) if rate > 0 else None,
@@ -149,6 +157,15 @@ class RunReader:
             "images_per_s": round(done / wall, 2) if wall else None,
         }
 
+    def _started(self, run_id: str) -> str | None:
+        """When the run began, from the mark its first pass left beside its index; None if none."""
+        mark = (self.files.get_text(self._key(run_id, "started_at")) or "").strip()
+        try:
+            parse_rfc3339(mark)
+        except ValueError:
+            return None
+        return mark
+
     def _result_of(self, entry: dict[str, Any]) -> dict[str, Any] | None:
         return None if "job_id" not in entry else self.queue.settled_result(entry["job_id"])
 
@@ -161,6 +178,12 @@ class RunReader:
         if next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is None:
             raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
         if not indexed:  # cancel: its jobs' records (7 days) went before the run's (review, helper-75)
+            began = self._started(run_id)
+            if began and time.time() - parse_rfc3339(began).timestamp() < RUN_TTL_S:
+                raise UsageError(
+                    f"run {run_id[:70]!r} has no record: it was lost with Redis's data (a restart "
+                    "without persistence?), and its queued jobs with it: nothing to cancel"
+                )
             raise UsageError(
                 f"run {run_id[:70]!r} has expired (its record and its jobs' are gone): nothing to cancel"
             )

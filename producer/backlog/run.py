@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -83,6 +84,7 @@ class _Pass:
     on_progress: OnProgress | None
     parse: Parse
     partials: set[int]  # chunks a killed pass left a partial index of (deleted once indexed whole)
+    pass_id: str  # the run's record counts this pass's chunks only while it names this pass
 
 
 class Backlog(RunReader):
@@ -125,7 +127,8 @@ class Backlog(RunReader):
         line (another format's lines: an OpenAI batch file, producer/openai/batch_lines.py)."""
         if not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
-        record = self.runs.start(run_id, source, workdir)
+        pass_id = uuid.uuid4().hex
+        record = self.runs.start(run_id, source, workdir, pass_id)
         if record.get("state") == "cancelled":
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.queue.results.ensure_bucket()
@@ -134,20 +137,22 @@ class Backlog(RunReader):
         young = self._young(run_id, record, fresh, bool(done))
         unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
-        step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse, partials)
+        step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse, partials, pass_id)
         if on_progress:  # the display's first line at once, not after a chunk of 5,000 lines
             on_progress(progress)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
             if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
                 self._go_over(step, number, chunk, fresh, young)
             else:
-                self._enqueue_chunk(step, number, chunk, again=number in unconfirmed)
+                again = number in unconfirmed
+                left = self._left_by_kill(run_id, number, chunk) if number in partials and not again else None
+                self._enqueue_chunk(step, number, chunk, again=again, earlier=left)
             if number in partials:  # indexed whole before a kill came between the write and the delete
                 self.files.delete(chunk_index.key_of(self._key(run_id, "index/"), number, partial=True))
                 partials.discard(number)
             if on_progress:
                 on_progress(progress)
-        if not self.runs.finish_enqueue(run_id):  # a cancel that came after the last job stays
+        if not self.runs.finish_enqueue(run_id, pass_id):  # a cancel that came after the last job stays
             raise _cancelled(run_id)
         return progress
 
@@ -184,7 +189,9 @@ class Backlog(RunReader):
         kept = [entry for entry in known if int(entry["line"]) not in lost]
         invalid = sum(1 for entry in kept if "invalid" in entry)
         if fresh:  # the run's record went with Redis: its counts start again from the index
-            self.runs.count(step.run_id, lines=len(kept), valid=len(kept) - invalid, invalid=invalid)
+            self.runs.count(
+                step.run_id, step.pass_id, lines=len(kept), valid=len(kept) - invalid, invalid=invalid
+            )
         step.progress.invalid += invalid
         step.progress.already += len(kept) - invalid
         step.progress.lines += len(kept)
@@ -195,6 +202,15 @@ class Backlog(RunReader):
         grown = _unindexed(chunk, kept)
         if grown:
             self._enqueue_chunk(step, number, grown, known=kept)
+
+    def _left_by_kill(self, run_id: str, number: int, chunk: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
+        """The entries of the partial index a pass that was cut short left for a chunk it never
+        indexed whole: what it queued, kept by this pass until its own entry for the line replaces it
+        (review, helper-76: a resume that found the lane full at once wrote the whole index without
+        them, and status, report and cancel lost sight of jobs that were queued)."""
+        key = chunk_index.key_of(self._key(run_id, "index/"), number, partial=True)
+        lines = {n for n, _ in chunk}
+        return [e for e in chunk_index.entries_of(self.files.get_text(key) or "") if int(e["line"]) in lines]
 
     def _lost(self, entries: list[dict[str, Any]]) -> set[int]:
         """The lines of `entries` whose job has neither a record nor a result."""
@@ -243,9 +259,11 @@ class Backlog(RunReader):
         if not again:  # lines left unqueued by a full lane are counted when a resume queues them
             left = len(_unindexed(chunk, entries_kept)) if full is not None else 0
             bad = sum(1 for e in entries_kept if "invalid" in e)
-            self.runs.count(run_id, lines=len(chunk) - left, valid=len(entries_kept) - bad, invalid=bad)
+            self.runs.count(
+                run_id, step.pass_id, lines=len(chunk) - left, valid=len(entries_kept) - bad, invalid=bad
+            )
         elif earlier:  # lost jobs (valid then) whose lines are invalid now: counted as what they are
-            self.runs.count(run_id, valid=-invalid, invalid=invalid)
+            self.runs.count(run_id, step.pass_id, valid=-invalid, invalid=invalid)
         if unreplicated is not None:
             raise unreplicated
         if full is not None:
@@ -396,8 +414,8 @@ def _took(
         went += 1
         if reply == 1:
             progress.enqueued += 1
-        elif reply == job.fingerprint():
-            progress.already += 1
+        elif reply in (job.fingerprint(), ""):  # '': the record a worker wrote anew after Redis lost the
+            progress.already += 1  # producer's (the worker takes it as this job: review, helper-76)
         else:
             entries.append(_invalid_entry(Invalid(line.number, _REUSED, line.custom_id)))
             continue

@@ -50,8 +50,36 @@ return 0
 """
 
 
+class Lease:
+    """A pass's hold on its run. Redis that lost its data loses the lease too, and a second pass may
+    take it then (review, helper-76: both passes went on): `check` says so to the first."""
+
+    def __init__(self, client: redis.Redis, run_id: str, me: str, ttl_ms: int) -> None:
+        self.client, self.run_id, self.me, self.ttl_ms = client, run_id, me, ttl_ms
+        self.key = names.run_pass_key(run_id)
+        self.taken = threading.Event()  # another pass holds the run now (seen by the renewer)
+
+    def renew(self) -> bool:
+        """Renewed, or taken again where it lapsed (or Redis lost it) and none took it; False where
+        another pass holds it, which `check` then raises."""
+        if self.client.eval(_RENEW, 1, self.key, self.me, self.ttl_ms):
+            return True
+        self.taken.set()
+        return False
+
+    def check(self) -> None:
+        """UsageError once another pass holds the run: this one stops (its jobs stay queued)."""
+        if self.taken.is_set():
+            holder = _get(self.client, self.key)
+            raise UsageError(
+                f"run {self.run_id} was taken over by another pass ({_who(holder)}) while this one "
+                "enqueued it (Redis lost this pass's lease: restarted without its data?); this pass "
+                "stops, what it queued stays queued"
+            )
+
+
 @contextlib.contextmanager
-def held(client: redis.Redis, run_id: str, ttl_s: float = TTL_S) -> Iterator[None]:
+def held(client: redis.Redis, run_id: str, ttl_s: float = TTL_S) -> Iterator[Lease]:
     """The run's lease for the block's length; UsageError when another pass holds it."""
     key, me, ttl_ms = names.run_pass_key(run_id), _holder(), max(1, int(ttl_s * 1000))
     if not client.set(key, me, nx=True, px=ttl_ms):
@@ -63,11 +91,12 @@ def held(client: redis.Redis, run_id: str, ttl_s: float = TTL_S) -> Iterator[Non
                 raise _busy(run_id, _get(client, key))
         else:
             raise _busy(run_id, holder)
+    lease = Lease(client, run_id, me, ttl_ms)
     stop = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(client, key, me, ttl_ms, stop), daemon=True)
+    renewer = threading.Thread(target=_renew, args=(lease, stop), daemon=True)
     renewer.start()
     try:
-        yield
+        yield lease
     finally:
         stop.set()
         renewer.join()
@@ -75,10 +104,11 @@ def held(client: redis.Redis, run_id: str, ttl_s: float = TTL_S) -> Iterator[Non
             client.eval(_RELEASE, 1, key, me)
 
 
-def _renew(client: redis.Redis, key: str, me: str, ttl_ms: int, stop: threading.Event) -> None:
-    while not stop.wait(ttl_ms / 3000):
+def _renew(lease: Lease, stop: threading.Event) -> None:
+    while not stop.wait(lease.ttl_ms / 3000):
         with contextlib.suppress(redis.RedisError):  # an outage: the pass waits it out, the lease too
-            client.eval(_RENEW, 1, key, me, ttl_ms)
+            if not lease.renew():
+                return
 
 
 def _get(client: redis.Redis, key: str) -> str | None:
@@ -125,15 +155,18 @@ def _parse(holder: str) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def _busy(run_id: str, holder: str | None) -> UsageError:
+def _who(holder: str | None) -> str:
     info = _parse(holder or "")
-    who = (
+    return (
         f"pid {info.get('pid')} on {info.get('host')}, since {info.get('since')}"
         if info
         else "another process"
     )
+
+
+def _busy(run_id: str, holder: str | None) -> UsageError:
     return UsageError(
-        f"run {run_id} is being enqueued by another pass ({who}); one pass of a run at a time: wait for "
-        f"it to end (`mrc backlog status {run_id}`), or stop it; a pass that died gives the run up within "
-        f"{TTL_S} s"
+        f"run {run_id} is being enqueued by another pass ({_who(holder)}); one pass of a run at a time: "
+        f"wait for it to end (`mrc backlog status {run_id}`), or stop it; a pass that died gives the run "
+        f"up within {TTL_S} s"
     )

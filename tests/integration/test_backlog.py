@@ -253,6 +253,13 @@ def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
     assert (status["lines"], status["jobs"]) == (301, 301)
     ids = [row["job_id"] for row in _file(own, "listing", "index/00000000.jsonl")]
     assert len(ids) == len(set(ids)) == 301
+    # One question of every object: a pass asking another is refused and changes nothing (review,
+    # helper-76: it rewrote the run's prompt, and the rest of the run asked the other question).
+    other = services.run_cli(own, "backlog", "--resume", "listing", "--prompt", "Other?")
+    assert other.returncode == 2, other.stderr
+    assert "asks 'Refund?' of every object" in other.stderr
+    record = redis_lib.Redis.from_url(own["MRC_REDIS_URL"], decode_responses=True)
+    assert record.hget(names.run_record_key("listing"), "prompt") == "Refund?"
 
 
 def test_runs_enqueued_at_once_through_one_backlog_queue_every_line_as_itself(own: dict[str, str]) -> None:

@@ -234,6 +234,11 @@ def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_
     # them (review, helper-74: "no backlog run").
     redis_lib.Redis.from_url(own["MRC_REDIS_URL"]).delete(names.run_record_key("twice"))
     status = json.loads(services.run_cli(own, "backlog", "status", "twice", "--json").stdout)
+    assert status["state"] == "lost"  # within its 30 days: Redis lost it (review, helper-76: "expired")
+    assert "lost with Redis" in services.run_cli(own, "backlog", "cancel", "twice").stderr
+    files = open_run_files(services.settings_from_env(own))
+    files.put_text(names.run_key("", "twice", "started_at"), "2026-01-01T00:00:00Z")  # its first pass
+    status = json.loads(services.run_cli(own, "backlog", "status", "twice", "--json").stdout)
     assert (status["state"], status["jobs"], status["queued"]) == ("expired", 2, 2)
     report = services.run_cli(own, "backlog", "report", "twice")
     assert report.returncode == 3, report.stderr  # pending: no worker here

@@ -88,3 +88,19 @@ def test_a_pass_on_another_host_holds_the_run_until_its_lease_lapses(client: red
     time.sleep(0.4)
     with run_lease.held(client, run_id):
         pass
+
+
+def test_a_pass_whose_lease_another_took_after_redis_lost_it_is_told_to_stop(client: redis_lib.Redis) -> None:
+    """Review, helper-76: Redis restarted empty, a second pass took the run, and both went on."""
+    run_id = _run_id()
+    with run_lease.held(client, run_id) as lease:
+        lease.check()  # its own: nothing to say
+        client.delete(names.run_pass_key(run_id))  # lost with Redis's data: taken again, still its own
+        assert lease.renew()
+        lease.check()
+        client.set(names.run_pass_key(run_id), json.dumps({"host": "elsewhere", "pid": 7, "since": "now"}))
+        assert not lease.renew()
+        with pytest.raises(
+            UsageError, match=rf"run {run_id} was taken over by another pass \(pid 7 on elsewhere"
+        ):
+            lease.check()
