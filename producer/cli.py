@@ -311,7 +311,11 @@ def _cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
         requeued, invalid, unreplicated = dlq.requeue(client, args.limit)
         print(json.dumps({"requeued": requeued, "invalid": invalid, "not_replicated": unreplicated}))
         if unreplicated:
-            print(f"mrc: {unreplicated} requeued job(s) not confirmed by the Redis replicas", file=sys.stderr)
+            print(
+                "mrc: the last requeued job was not confirmed by the Redis replicas, and the requeue stopped "
+                "there; the rest stay dead-lettered: run it again once the replicas are back",
+                file=sys.stderr,
+            )
             return EXIT_NOT_REPLICATED
     else:
         print(json.dumps({"purged": client.records.purge_dead_letters()}))

@@ -105,9 +105,10 @@ class PartNotReplicated(NotReplicated):
         super().__init__(acknowledged, wanted, timeout_ms, "this part of the run")
         self.message = (
             f"the run stopped: its last part was queued, but only {acknowledged} of {wanted} Redis replicas "
-            f"confirmed it within {timeout_ms} ms; once they are back, resume the run (mrc backlog --resume "
-            "RUN_ID): what is queued stays queued, and what a failover lost is queued again"
+            f"confirmed it within {timeout_ms} ms; once they are back, resume the run: what is queued stays "
+            "queued, and what a failover lost is queued again"
         )
+        self.args = (self.message,)  # as logged (review, helper-77: a batch's log said "submit again")
         self.replies = replies
 
 

@@ -166,7 +166,7 @@ def _enqueue(
     """The run's lines queued, with progress shown and outages waited out: its Progress, or the exit
     code of a pass cut short."""
     from producer.backlog.progress import Display
-    from shared.runs import RunLost
+    from shared.runs import PartNotReplicated, RunLost
 
     display = Display(interval_s=args.interval)
     heard = outages.Heard()
@@ -198,6 +198,9 @@ def _enqueue(
         )  # fmt: skip
     except outages.Outage as exc:
         return _gave_up(run_id, source, exc)
+    except PartNotReplicated as exc:  # the command that resumes this run (review, helper-77: "RUN_ID")
+        exc.message = f"{exc.message}. Go on with: {_go_on(run_id, source)}"
+        raise
     except QueueFull as exc:  # --no-block: what was queued is indexed (status sees it); say so
         then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
         raise QueueFull(exc.depth, exc.limit, then) from None

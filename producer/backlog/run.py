@@ -135,18 +135,17 @@ class Backlog(RunReader):
         done, partials = chunk_index.listed(self.files.list_keys(self._key(run_id, "index/")))
         fresh = "lines" not in record  # with chunks indexed: Redis lost the run's record (counted anew)
         young = self._young(run_id, record, fresh, bool(done))
-        unconfirmed = _unconfirmed(record)  # indexed, but not every job of it confirmed by the replicas
+        unconfirmed = unconfirmed_chunks(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
         step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse, partials, pass_id)
         if on_progress:  # the display's first line at once, not after a chunk of 5,000 lines
             on_progress(progress)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
-            if number in done and number not in unconfirmed:  # enqueued by an earlier pass: its index says
-                self._go_over(step, number, chunk, fresh, young)
+            if number in done:  # enqueued by an earlier pass: its index says
+                self._go_over(step, number, chunk, fresh, young, number in unconfirmed)
             else:
-                again = number in unconfirmed
-                left = self._left_by_kill(run_id, number, chunk) if number in partials and not again else None
-                self._enqueue_chunk(step, number, chunk, again=again, earlier=left)
+                left = self._left_by_kill(run_id, number, chunk) if number in partials else None
+                self._enqueue_chunk(step, number, chunk, earlier=left)
             if number in partials:  # indexed whole before a kill came between the write and the delete
                 self.files.delete(chunk_index.key_of(self._key(run_id, "index/"), number, partial=True))
                 partials.discard(number)
@@ -177,15 +176,27 @@ class Backlog(RunReader):
         return time.time() - begun < RECORD_TTL_S - 3600
 
     def _go_over(
-        self, step: _Pass, number: int, chunk: list[tuple[int, bytes]], fresh: bool, young: bool
+        self,
+        step: _Pass,
+        number: int,
+        chunk: list[tuple[int, bytes]],
+        fresh: bool,
+        young: bool,
+        unconfirmed: bool = False,
     ) -> None:
         """A chunk an earlier pass indexed: what it queued that Redis lost (no record, no result: Redis
         restarted without its data) is queued again, and lines the index does not hold (the manifest
-        grew since: a partial last chunk then, or a listing's new objects) are queued now (review,
-        helper-63: both were skipped, exit 0, and those jobs never ran)."""
+        grew since: a partial last chunk then, or a listing's new objects, or lines a pass cut short
+        left) are queued now (review, helper-63: both were skipped, exit 0, and those jobs never ran).
+        `unconfirmed`: the replicas did not confirm the pass that indexed it, and a failover may have
+        lost any of its jobs: each is queued again where it has no record (review, helper-77: the whole
+        chunk was queued anew over its blanked lines, and its index written empty)."""
         known = chunk_index.entries_of(self.files.get_text(self._index_key(step.run_id, number)) or "")
         given = {n for n, raw in chunk if raw.strip()}  # an OpenAI batch's resume blanks indexed lines
-        lost = {n for n in self._lost(known) if n in given} if young else set()
+        if unconfirmed:
+            lost = {int(e["line"]) for e in known if "job_id" in e and int(e["line"]) in given}
+        else:
+            lost = {n for n in self._lost(known) if n in given} if young else set()
         kept = [entry for entry in known if int(entry["line"]) not in lost]
         invalid = sum(1 for entry in kept if "invalid" in entry)
         if fresh:  # the run's record went with Redis: its counts start again from the index
@@ -202,6 +213,8 @@ class Backlog(RunReader):
         grown = _unindexed(chunk, kept)
         if grown:
             self._enqueue_chunk(step, number, grown, known=kept)
+        if unconfirmed and all(int(e["line"]) in given for e in known if "job_id" in e):
+            self.runs.forget(step.run_id, _UNCONFIRMED + str(number))  # each of its jobs gone over, confirmed
 
     def _left_by_kill(self, run_id: str, number: int, chunk: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
         """The entries of the partial index a pass that was cut short left for a chunk it never
@@ -232,8 +245,9 @@ class Backlog(RunReader):
         known: list[dict[str, Any]] | None = None,
         earlier: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
-        """`again`: the chunk was indexed by a pass the replicas did not confirm (counted then);
-        `known`: the index entries of the chunk's lines an earlier pass queued (`chunk` is the rest)."""
+        """`again`: lines an earlier pass indexed and counted, queued again (Redis lost their jobs, or
+        the replicas did not confirm them), their entries then being `earlier`; `known`: the index
+        entries of the chunk's other lines an earlier pass queued (`chunk` is the rest)."""
         run_id, progress = step.run_id, step.progress
         index = ChunkIndex(
             self.files, self._key(run_id, "index/"), number, known, earlier, number in step.partials
@@ -256,8 +270,9 @@ class Backlog(RunReader):
         entries_kept = index.kept()
         indexed = index.write()
         step.partials.discard(number)
-        if not again:  # lines left unqueued by a full lane are counted when a resume queues them
-            left = len(_unindexed(chunk, entries_kept)) if full is not None else 0
+        if not again:  # lines left unqueued (a full lane, replicas that did not confirm a part) are
+            # counted when a resume queues them (review, helper-77: `valid` stayed short for good)
+            left = len(_unindexed(chunk, entries_kept)) if full is not None or unreplicated is not None else 0
             bad = sum(1 for e in entries_kept if "invalid" in e)
             self.runs.count(
                 run_id, step.pass_id, lines=len(chunk) - left, valid=len(entries_kept) - bad, invalid=bad
@@ -268,8 +283,6 @@ class Backlog(RunReader):
             raise unreplicated
         if full is not None:
             raise full
-        if again:
-            self.runs.forget(run_id, _UNCONFIRMED + str(number))
         progress.lines += len(chunk)
         progress.valid += len(entries) - invalid
         progress.invalid += invalid
@@ -320,8 +333,8 @@ class Backlog(RunReader):
                 replies, unreplicated = exc.replies, exc
             at += _took(part, replies, index.entries, progress)
             if unreplicated is not None:
-                # The chunk's index is not written: a resume looks at every line of it again (what is
-                # queued stays; what a failover lost is queued anew). Nothing past it is queued unconfirmed.
+                # What is queued is indexed and the chunk flagged: a resume queues each of its jobs again
+                # where a failover lost it, and the rest. Nothing past it is queued unconfirmed.
                 raise unreplicated
             if CANCELLED in replies:
                 return True
@@ -423,7 +436,8 @@ def _took(
     return went
 
 
-def _unconfirmed(record: dict[str, str]) -> set[int]:
+def unconfirmed_chunks(record: dict[str, str]) -> set[int]:
+    """The chunks a run's record flags: indexed, but a part of them not confirmed by the replicas."""
     return {int(key.removeprefix(_UNCONFIRMED)) for key in record if key.startswith(_UNCONFIRMED)}
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from producer.backlog import chunk_index, manifest
-from producer.backlog.run import Backlog
+from producer.backlog.run import Backlog, unconfirmed_chunks
 from producer.openai.batch_book import FINAL, RUNNING, BatchBook, now
 from producer.openai.batch_lines import Translator, max_line_bytes, read_s3_lines
 from producer.openai.batch_output import Output
@@ -204,6 +204,9 @@ class Runner:
         record = self.book.get(batch_id)
         # Whole indexes only: a chunk with a partial one is queued again (what it queued stays, once).
         done, _partial = chunk_index.listed(self.backlog.files.list_keys(self._key(batch_id, "index/")))
+        # A chunk the replicas did not confirm is gone over line by line: a failover may have lost any
+        # of its jobs (review, helper-77: its lines were blanked, and its index written empty).
+        done -= unconfirmed_chunks(self.backlog.runs.get(batch_id))
         seen = {
             str(e["custom_id"]): int(e["line"]) for e in self.backlog.entries(batch_id) if e.get("custom_id")
         }

@@ -16,6 +16,7 @@ import pytest
 import redis as redis_lib
 from fastapi.testclient import TestClient
 
+from producer.backlog.run import Backlog
 from producer.client import Client, Submission
 from producer.server import create_app
 from scripts import devservices as services
@@ -112,20 +113,39 @@ def test_a_backlog_run_stops_unconfirmed_and_its_resume_queues_nothing_twice(
     unreplicated: dict[str, str], photo: Path, tmp_path: Path
 ) -> None:
     manifest = tmp_path / "m.jsonl"
-    rows = [{"custom_id": f"c{i}", "image": str(photo), "prompt": f"Refund {i}?"} for i in range(3)]
+    rows = [{"custom_id": f"c{i}", "image": str(photo), "prompt": f"Refund {i}?"} for i in range(600)]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     done = run_cli(unreplicated, "backlog", str(manifest), "--run-id", "wait-run")
     assert done.returncode == 6, done.stderr
     assert "resume the run" in done.stderr
-    assert sorted(_queued(unreplicated, "backlog")) == [f"wait-run.c{i}" for i in range(3)]
+    assert "Go on with: mrc backlog --resume wait-run" in done.stderr
+    every = sorted(f"wait-run.c{i}" for i in range(600))
+    assert sorted(_queued(unreplicated, "backlog")) == sorted(f"wait-run.c{i}" for i in range(500))
     # The unconfirmed part is counted: its jobs are queued, never "unknown" or missing from the run.
     status = run_cli(unreplicated, "backlog", "status", "wait-run", "--json")
     assert status.returncode == 0, status.stderr
     counted = json.loads(status.stdout)
-    assert (counted["jobs"], counted["queued"]) == (3, 3), counted
+    assert (counted["jobs"], counted["queued"]) == (500, 500), counted
+    data = redis_lib.Redis.from_url(unreplicated["MRC_REDIS_URL"], decode_responses=True)
+    record = data.hgetall(names.run_record_key("wait-run"))
+    assert (record["lines"], record["valid"]) == ("500", "500")  # the 100 never queued: not yet
+    # A pass that blanks the lines it finds indexed (an OpenAI batch's) keeps the chunk's index
+    # (review, helper-77: it was written empty, and the batch ended failed with 500 jobs running).
+    backlog = Backlog(Client(services.settings_from_env(unreplicated)))
+    backlog.enqueue(iter([(n, b"") for n in range(1, 601)]), "wait-run", str(manifest))
+    status = run_cli(unreplicated, "backlog", "status", "wait-run", "--json")
+    assert json.loads(status.stdout)["jobs"] == 500
+    assert data.hget(names.run_record_key("wait-run"), "unconfirmed_chunk_0") == "1"  # still to go over
+    # A failover lost one of the part's jobs (its record and message): the resume queues it again.
+    lost = next(m for m in data.lrange(names.queue_name("backlog"), 0, -1) if '"wait-run.c7"' in m)
+    data.lrem(names.queue_name("backlog"), 1, lost)
+    data.delete(names.job_key("wait-run.c7"))
     resumed = run_cli({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}, "backlog", "--resume", "wait-run")
     assert resumed.returncode == 0, resumed.stderr
-    assert sorted(_queued(unreplicated, "backlog")) == [f"wait-run.c{i}" for i in range(3)]
+    assert sorted(_queued(unreplicated, "backlog")) == every
+    record = data.hgetall(names.run_record_key("wait-run"))
+    assert (record["lines"], record["valid"]) == ("600", "600"), "valid stayed short for good (helper-77)"
+    assert not [field for field in record if field.startswith("unconfirmed_chunk_")]
 
 
 def test_the_workers_retry_publish_is_queued_and_logged_never_raised(unreplicated: dict[str, str]) -> None:
@@ -208,3 +228,37 @@ def test_a_push_nobody_can_confirm_is_unconfirmed_and_its_resubmission_pushes_no
     client.celery.send_task, client.records.pushed = lost.real, real_pushed  # type: ignore[method-assign]
     assert client.enqueue(job) is True  # resubmitted: claimed and published again...
     assert _queued(quiet) == ["lost-2"]  # ...and the push, already there, is not queued twice
+
+
+def test_dlq_requeue_stops_at_its_first_unconfirmed_entry_and_an_interrupt_after_a_push_keeps_it_queued(
+    unreplicated: dict[str, str], photo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-77: a wait for the replicas per entry (23 s for 20, ~18 min for the default
+    1,000), and a Ctrl-C in that wait left the job queued and dead-lettered both: queued twice next."""
+    from producer.queue import dlq
+
+    client = Client(services.settings_from_env(unreplicated))
+    jobs = [client.build_job(Submission(image=photo, prompt="refund?", job_id=f"dl-{i}")) for i in range(3)]
+    for job in jobs:
+        client.records.set_state(job.job_id, "failed", dead_letter="1")
+        client.records._redis.lpush(names.dead_letter_key(), json.dumps({"job": job.to_message()}))
+    assert dlq.requeue(client, 10) == (1, 0, 1)
+    assert _queued(unreplicated, "interactive") == ["dl-0"]
+    assert client.records.dead_letter_count() == 2
+
+    durable = Client(services.settings_from_env({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}))
+    real = dlq.send_job
+
+    def pushed_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # as a Ctrl-C in the wait for the replicas, after the push
+
+    monkeypatch.setattr(dlq, "send_job", pushed_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dlq.requeue(durable, 10)
+    monkeypatch.setattr(dlq, "send_job", real)
+    assert sorted(_queued(unreplicated, "interactive")) == ["dl-0", "dl-1"]
+    assert client.records.dead_letter_count() == 1, "the pushed entry is dead-lettered too"
+    assert client.records.get("dl-1").get("dead_letter") != "1"
+    assert dlq.requeue(durable, 10) == (1, 0, 0)
+    assert sorted(_queued(unreplicated, "interactive")) == ["dl-0", "dl-1", "dl-2"]  # each once
