@@ -454,4 +454,8 @@ def _exit_for(summary: dict[str, Any]) -> int:
         return EXIT_FAILED
     if counts.get("pending"):
         return EXIT_TIMEOUT
+    if summary.get("state") == "enqueuing":  # review, helper-76: exit 0 for a run a kill cut short
+        print(f"mrc: run {summary['run_id']} is not whole: its enqueue has not ended (a pass is going on, or "
+              f"it stopped: mrc backlog --resume {summary['run_id']})", file=sys.stderr)  # fmt: skip
+        return EXIT_TIMEOUT
     return EXIT_OK

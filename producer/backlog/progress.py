@@ -37,13 +37,22 @@ def describe(data: dict[str, Any]) -> str:
     failed = data.get("failed_by_code") or {}
     codes = f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items()))})" if failed else ""
     return (
-        f"run {data['run_id']}: {data['succeeded']}/{data['jobs']} done, {data['failed']} failed{codes}, "
+        f"run {data['run_id']}{_state(data.get('state'))}: {data['succeeded']}/{data['jobs']} done, "
+        f"{data['failed']} failed{codes}, "
         f"{data['queued']} queued"
         + (f" ({data['cancelling']} of them cancelled, to end so)" if data.get("cancelling") else "")
         + f", {data['running']} running, {data['invalid_lines']} invalid lines, "
         + _unknown(data)
         + f"{data['rate_per_s']}/s, ETA {_eta(data.get('eta_s'))}{_tokens(data.get('usage'))}"
     )
+
+
+def _state(state: str | None) -> str:
+    """What the counts are of: a run whose lines are not all queued yet (review, helper-76: "90/90
+    done" for a 300-line run whose pass was killed), or one cancelled, lost or expired."""
+    if state == "enqueuing":
+        return " (enqueuing: not every line is queued yet, or its pass stopped: --resume)"
+    return f" ({state})" if state in ("cancelled", "lost", "expired") else ""
 
 
 def _unknown(data: dict[str, Any]) -> str:

@@ -70,9 +70,8 @@ class RunReader:
         # Jobs without a record are done only once records have expired (7 days): a younger run's
         # were lost with Redis's data, and running it again queues them (review, helper-63: "done").
         settled = not states["unknown"] or age >= RECORD_TTL_S
-        if "created_at" not in run:  # gone (or made anew by a worker's count) within its 30 days: lost
-            # with Redis's data, not expired (review, helper-76)
-            state = "lost" if created and age < RUN_TTL_S else "expired"
+        if "created_at" not in run:  # gone (or made anew by a worker's count)
+            state = self._gone(run_id)
         elif jobs and not left and settled and run.get("state") == "enqueued":
             state = "done"
         else:
@@ -149,6 +148,7 @@ class RunReader:
         done = counts["succeeded"] + counts["failed"]
         return {
             "run_id": run_id,
+            "state": run["state"] if "created_at" in run and "state" in run else self._gone(run_id),
             "results": results_uri,
             "errors": errors_uri,
             "counts": dict(counts),
@@ -156,6 +156,12 @@ class RunReader:
             "wall_s": round(wall, 1) if wall is not None else None,
             "images_per_s": round(done / wall, 2) if wall else None,
         }
+
+    def _gone(self, run_id: str) -> str:
+        """The state of a run without its record: `lost` with Redis's data within its 30 days, else
+        `expired` (review, helper-76: "expired" for a run a minute old)."""
+        began = self._started(run_id)
+        return "lost" if began and time.time() - parse_rfc3339(began).timestamp() < RUN_TTL_S else "expired"
 
     def _started(self, run_id: str) -> str | None:
         """When the run began, from the mark its first pass left beside its index; None if none."""
@@ -178,8 +184,7 @@ class RunReader:
         if next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is None:
             raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
         if not indexed:  # cancel: its jobs' records (7 days) went before the run's (review, helper-75)
-            began = self._started(run_id)
-            if began and time.time() - parse_rfc3339(began).timestamp() < RUN_TTL_S:
+            if self._gone(run_id) == "lost":
                 raise UsageError(
                     f"run {run_id[:70]!r} has no record: it was lost with Redis's data (a restart "
                     "without persistence?), and its queued jobs with it: nothing to cancel"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from producer.backlog import cli as backlog_cli
 from producer.backlog import manifest
 from producer.backlog import run as backlog
 from producer.backlog.manifest import Invalid, Line
@@ -131,6 +132,19 @@ def test_status_line_names_failures_by_code() -> None:
     assert "ETA 1h06m" in line
     assert "unknown" not in line
     assert "3 unknown" in describe({**status, "unknown": 3})  # review: --json had it, the line not
+    assert "run r:" in line
+    # A run whose pass was killed is no run done (review, helper-76: "90/90 done", report exit 0).
+    assert "run r (enqueuing: not every line is queued yet" in describe({**status, "state": "enqueuing"})
+    assert "without a record (lost with Redis's data" in describe({**status, "unknown": 3, "lost": 3})
+
+
+def test_the_report_of_a_run_whose_enqueue_has_not_ended_is_no_success(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    summary = {"run_id": "r", "state": "enqueuing", "counts": {"succeeded": 90}}
+    assert backlog_cli._exit_for(summary) == backlog_cli.EXIT_TIMEOUT
+    assert "mrc backlog --resume r" in capsys.readouterr().err
+    assert backlog_cli._exit_for({**summary, "state": "enqueued"}) == backlog_cli.EXIT_OK
 
 
 class _Counting(io.BytesIO):
