@@ -426,7 +426,9 @@ def _wait_and_report(
             )
             display.show(status)
             if status["queued"] + status["running"] == 0:
-                if repair and status.get("lost"):  # review, helper-76: the wait ended, 140 jobs never ran
+                if (
+                    repair and status.get("lost") and status["state"] != "cancelled"
+                ):  # review, helper-76: the wait ended, 140 jobs never ran
                     print(f"\nmrc: {status['lost']} jobs of run {run_id} have no record (Redis lost them: "
                           "a restart without persistence?): a pass of the run queues again those without a "
                           "result", file=sys.stderr)  # fmt: skip

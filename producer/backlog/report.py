@@ -16,13 +16,16 @@ from producer.queue.sender import Queue
 from shared import encoding, names
 from shared import usage as usage_book
 from shared.errors import UsageError
-from shared.jobs import parse_rfc3339
+from shared.jobs import now_rfc3339, parse_rfc3339
 from shared.records import RECORD_TTL_S, TERMINAL
 from shared.runs import RUN_TTL_S, RunRecords
 from shared.settings import Settings
 from shared.stores import RunFiles
 
 _READ_THREADS = 16
+
+
+_CANCELLED_AT = "cancelled_at"
 
 
 class RunReader:
@@ -46,14 +49,17 @@ class RunReader:
         since = time.time() - 60
         usage = usage_book.empty_sums()
         seen: set[str] = set()  # a line repeated is one job: counted, and its tokens summed, once
+        unrecorded: list[str] = []
         for batch in manifest.batched(self.entries(run_id), 1000):
             invalid += sum(1 for e in batch if "invalid" in e)
             ids = [e["job_id"] for e in batch if "job_id" in e and e["job_id"] not in seen]
             ids = list(dict.fromkeys(ids))
             seen.update(ids)
             usage_book.add_records(usage, self.runs.usage(ids))
-            for state, code, updated, marked in self.runs.states(ids):
+            for job_id, (state, code, updated, marked) in zip(ids, self.runs.states(ids), strict=True):
                 states[state or "unknown"] += 1
+                if state is None:
+                    unrecorded.append(job_id)
                 if marked and state == "queued":  # a cancelled run's: ends `cancelled` once a worker looks
                     cancelling += 1
                 if state == "failed":
@@ -68,10 +74,12 @@ class RunReader:
         age = time.time() - parse_rfc3339(created).timestamp() if created else 60.0
         rate = recent / min(60.0, max(1.0, age))
         # Jobs without a record are done only once records have expired (7 days): a younger run's
-        # were lost with Redis's data, and running it again queues them (review, helper-63: "done").
-        settled = not states["unknown"] or age >= RECORD_TTL_S
-        if "created_at" not in run:  # gone (or made anew by a worker's count)
-            state = self._gone(run_id)
+        # were lost with Redis's data, and running it again queues them (review, helper-63: "done"),
+        # unless their result is stored (review, helper-78: counted lost, and a --wait ran a pass).
+        lost = self._without_result(unrecorded) if age < RECORD_TTL_S else 0
+        settled = not lost
+        if "created_at" not in run:  # gone (or made anew by a worker's count, or by a cancel)
+            state = "cancelled" if run.get("state") == "cancelled" else self._gone(run_id)
         elif jobs and not left and settled and run.get("state") == "enqueued":
             state = "done"
         else:
@@ -89,9 +97,9 @@ class RunReader:
             "failed": states["failed"],
             "failed_by_code": dict(codes),
             "unknown": states["unknown"],  # records expired (after 7 days): the results say
-            # of those, in a run younger than its jobs' records: lost with Redis's data (a pass of the
-            # run queues again those without a result)
-            "lost": 0 if settled else states["unknown"],
+            # of those, in a run younger than its jobs' records and without a result: lost with Redis's
+            # data (a pass of the run queues them again)
+            "lost": lost,
             "invalid_lines": invalid,
             "rate_per_s": round(rate, 2),
             "eta_s": round(left / rate, 1) if rate > 0 else None,
@@ -106,6 +114,9 @@ class RunReader:
         # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
         # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
         self.runs.update(run_id, state="cancelled")
+        # Kept beside the index too: a pass after Redis lost the record finds it (review, helper-78: a
+        # --wait's pass queued a cancelled run's 100 jobs again).
+        self.files.put_text(self._key(run_id, _CANCELLED_AT), now_rfc3339())
         cancelled = 0
         for batch in manifest.batched(self.entries(run_id), 1000):
             cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
@@ -157,9 +168,24 @@ class RunReader:
             "images_per_s": round(done / wall, 2) if wall else None,
         }
 
+    def _without_result(self, job_ids: list[str]) -> int:
+        """How many of `job_ids` have no result stored; one found is remembered (a --wait asks again)."""
+        found: set[str] = self.__dict__.setdefault("_with_result", set())
+        look = [job_id for job_id in job_ids if job_id not in found]
+        with ThreadPoolExecutor(_READ_THREADS) as pool:
+            stored = list(pool.map(self.queue.results.has_result, look))
+        found.update(job_id for job_id, has in zip(look, stored, strict=True) if has)
+        return sum(1 for job_id in job_ids if job_id not in found)
+
+    def cancel_marked(self, run_id: str) -> bool:
+        """Whether the run was cancelled, as kept beside its index (whatever Redis still holds)."""
+        return self.files.get_text(self._key(run_id, _CANCELLED_AT)) is not None
+
     def _gone(self, run_id: str) -> str:
-        """The state of a run without its record: `lost` with Redis's data within its 30 days, else
-        `expired` (review, helper-76: "expired" for a run a minute old)."""
+        """The state of a run without its record: `cancelled` if it was, `lost` with Redis's data
+        within its 30 days, else `expired` (review, helper-76: "expired" for a run a minute old)."""
+        if self.cancel_marked(run_id):
+            return "cancelled"
         began = self._started(run_id)
         return "lost" if began and time.time() - parse_rfc3339(began).timestamp() < RUN_TTL_S else "expired"
 
@@ -183,13 +209,8 @@ class RunReader:
             return run
         if next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is None:
             raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
-        if not indexed:  # cancel: its jobs' records (7 days) went before the run's (review, helper-75)
-            if self._gone(run_id) == "lost":
-                raise UsageError(
-                    f"run {run_id[:70]!r} has no record: it was lost with Redis's data (a restart "
-                    "without persistence?), and its queued jobs with it: nothing to cancel"
-                )
-            raise UsageError(
+        if not indexed and self._gone(run_id) != "lost":  # cancel: its jobs' records (7 days) went
+            raise UsageError(  # before the run's (review, helper-75); a lost record's may be queued still
                 f"run {run_id[:70]!r} has expired (its record and its jobs' are gone): nothing to cancel"
             )
         return {}

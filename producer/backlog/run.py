@@ -129,7 +129,8 @@ class Backlog(RunReader):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
         pass_id = uuid.uuid4().hex
         record = self.runs.start(run_id, source, workdir, pass_id)
-        if record.get("state") == "cancelled":
+        if record.get("state") == "cancelled" or self.cancel_marked(run_id):  # the mark: Redis lost the state
+            self.runs.update(run_id, state="cancelled")
             raise UsageError(f"run {run_id} was cancelled; start a new run id")
         self.queue.results.ensure_bucket()
         done, partials = chunk_index.listed(self.files.list_keys(self._key(run_id, "index/")))

@@ -132,3 +132,26 @@ def test_a_wait_whose_jobs_redis_lost_queues_them_again_and_a_ctrl_c_names_the_w
     assert "30 jobs of run w have no record" in err_file.read_text()
     report = json.loads(services.run_cli(own, "backlog", "report", "w").stdout)
     assert report["counts"] == {"failed": 30}
+
+
+def test_a_cancelled_run_stays_cancelled_when_redis_loses_its_record(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-78: after a FLUSHALL a --wait's pass queued the cancelled run's 100 jobs again; a
+    cancel of a run whose record alone was lost refused, with its jobs queued."""
+    rows = [
+        {"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": f"Q{i}?"} for i in range(20)
+    ]
+    path = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "halt").returncode == 0
+    data = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    data.delete(names.run_record_key("halt"))  # its record alone (a partial failover)
+    cancel = services.run_cli(own, "backlog", "cancel", "halt")
+    assert cancel.returncode == 0, cancel.stderr
+    assert json.loads(cancel.stdout)["cancelled"] == 20
+    data.flushall()
+    assert _status(own, "halt")["state"] == "cancelled"
+    again = services.run_cli(own, "backlog", str(path), "--run-id", "halt", "--wait", "--timeout", "30")
+    assert again.returncode == 2, again.stderr
+    assert "was cancelled" in again.stderr
+    assert _queued_ids(own) == []
