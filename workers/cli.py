@@ -250,10 +250,12 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     records = RedisJobRecords.from_settings(settings)
     app = make_celery(settings)
     cache = RedisResultCache(connect(settings))
+    streams = RedisSink(
+        connect(settings, settings.connect_timeout_s, retries=1), settings.stream_ttl_s, backend.model_id
+    )
     pipeline = assemble(
         backend, images_from, results, records, settings,
-        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, worker=hostname,
-        streams=RedisSink(connect(settings, settings.connect_timeout_s, retries=1), settings.stream_ttl_s),
+        metrics=metrics, requeue=tasks.make_requeue(app), cache=cache, worker=hostname, streams=streams,
     )  # fmt: skip
     liveness.watch(lambda: (pipeline.progress_at, pipeline.batch_since), pipeline.live)
     fatal_client = connect(settings, settings.connect_timeout_s, retries=1)

@@ -7,7 +7,9 @@ tokens to text, and writes what is new of every streaming row in one Redis round
 row with new text (and an EXPIRE the first time), so Redis commands per streamed token fall as rows
 and steps grow, never one per row per step.
 
-An entry is `at` (where its text starts in the answer) and `t` (the text); the row's end adds `end`.
+An entry is `at` (where its text starts in the answer) and `t` (the text); the row's end adds `end`,
+and a job's first entry from this worker `m`, the model's name as its result will give it (mrc-api
+names the model in every chunk with it: a name asked for, `tiny` say, is not the name served).
 A row paused or restarted makes the same greedy tokens again: nothing is published twice, since only
 text past what was published goes out. A redelivered job (its worker died) starts from nothing on
 another worker, whose entries start again at 0: mrc-api relays only what lies past what it sent.
@@ -73,8 +75,8 @@ class RedisSink:
 
     MAX_ENTRIES = 2048  # ~ approximate trim: a stream never holds more than about this many
 
-    def __init__(self, client: Any, ttl_s: int) -> None:
-        self._redis, self.ttl_s = client, ttl_s
+    def __init__(self, client: Any, ttl_s: int, model: str = "") -> None:
+        self._redis, self.ttl_s, self.model = client, ttl_s, model
 
     def write(self, entries: list[Entry], fresh: set[str]) -> None:
         pipe = self._redis.pipeline(transaction=False)
@@ -83,6 +85,8 @@ class RedisSink:
             fields: dict[str, Any] = {"at": entry.at, "t": entry.text}
             if entry.end:
                 fields["end"] = 1
+            if entry.job_id in fresh and self.model:
+                fields["m"] = self.model
             pipe.xadd(key, fields, maxlen=self.MAX_ENTRIES, approximate=True)
             if entry.job_id in fresh or entry.end:
                 pipe.expire(key, self.ttl_s)

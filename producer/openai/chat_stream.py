@@ -2,8 +2,11 @@
 the job's Redis stream (written by the worker as the text is decoded, workers/streaming.py).
 
 The request is checked and enqueued exactly as a plain one (producer/openai/chat.py): anything that
-goes wrong up to the push is the usual JSON error, before the first byte. Then the events: a first
-chunk with the role, content deltas as the worker publishes them, and once the job's result is
+goes wrong up to the push is the usual JSON error, before the first byte. Then an SSE comment (the
+stream is open) and the events: a first chunk with the role, once the model's name is known (the
+worker's first text says it, or the result does: every chunk names the model as the plain answer
+does, not as the request did, and a worker may be loading still, or none up yet, when it comes),
+content deltas as the worker publishes them, and once the job's result is
 stored, the rest of its text (whatever the stream missed: a trimmed stream, a Redis failover, a
 stream that was never written, for a job that ended before its row ran), a last chunk with the
 finish reason, a usage chunk when `stream_options.include_usage` asks, and `data: [DONE]`. The
@@ -43,7 +46,7 @@ KEEPALIVE_S = 10.0
 class StreamedJob:
     job_id: str  # as stored (a key's namespace included)
     shown_id: str  # as the client names it
-    model: str
+    model: str  # the name the answer is expected to carry, until the worker or the result says it
     created: int
     include_usage: bool
     wait_s: float
@@ -54,6 +57,8 @@ class _Relay:
     text: str = ""  # what was sent so far
     after: str = "0"  # the last stream entry read
     ended_at: float | None = None  # when the worker said the row ended: its result is coming
+    model: str | None = None  # the model's name, as the worker's stream says it
+    opened: bool = False  # the role chunk was sent (it names the model: every later chunk names it so)
     outage: bool = False
     result: dict[str, Any] | None = field(default=None)
     next_look: float = 0.0  # when the result is looked for next
@@ -96,7 +101,7 @@ class ChatStream:
         relay = _Relay()
         log = logs.get_logger()
         try:
-            yield sse(self.chunk(job, {"role": "assistant", "content": ""}))
+            yield b": queued\n\n"
             async for piece in self._relay(job, relay):
                 yield piece
         except (asyncio.CancelledError, GeneratorExit):
@@ -114,7 +119,8 @@ class ChatStream:
             while True:
                 now = time.monotonic()
                 if now >= deadline:
-                    yield sse(self._timeout(job).body())
+                    for piece in [*self._open(job, relay), sse(self._timeout(job).body())]:
+                        yield piece
                     return
                 if now - quiet_since >= KEEPALIVE_S:
                     quiet_since = now
@@ -123,23 +129,42 @@ class ChatStream:
                 pending = self._start(job, relay, now, deadline)
                 budget = min(deadline - now, KEEPALIVE_S - (now - quiet_since))
                 await asyncio.wait(pending, timeout=max(0.001, budget), return_when=asyncio.FIRST_COMPLETED)
-                delta = _taken(relay, "reading")
-                if relay.ended_at != ended:  # the worker said the row ended: its result is coming
-                    relay.next_look = 0.0
-                if delta:
-                    relay.text += delta
+                pieces, done = self._news(job, relay, ended)
+                if pieces:
                     quiet_since = time.monotonic()
-                    yield sse(self.chunk(job, {"content": delta}))
-                found = _taken(relay, "looking")
-                if found:
-                    relay.result = found
-                    for piece in self._ending(job, relay.text, found):
-                        yield piece
+                for piece in pieces:
+                    yield piece
+                if done:
                     return
         finally:
             for task in (relay.reading, relay.looking):
                 if task is not None:
                     task.cancel()
+
+    def _news(self, job: StreamedJob, relay: _Relay, ended: float | None) -> tuple[list[bytes], bool]:
+        """What the finished read and look bring: the events to send, and whether the stream ends."""
+        out: list[bytes] = []
+        delta = _taken(relay, "reading")
+        if relay.ended_at != ended:  # the worker said the row ended: its result is coming
+            relay.next_look = 0.0
+        if delta:
+            relay.text += delta
+            out += [*self._open(job, relay), sse(self.chunk(job, {"content": delta}))]
+        found = _taken(relay, "looking")
+        if found:
+            relay.result = found
+            return [*out, *self._ending(job, relay, found)], True
+        return out, False
+
+    def _open(self, job: StreamedJob, relay: _Relay, result: dict[str, Any] | None = None) -> list[bytes]:
+        """The role chunk, before any other event; the model it names (and every later chunk with it)
+        is the worker's, else the result's, else the name expected when the request came."""
+        if relay.opened:
+            return []
+        relay.opened = True
+        named = ((result or {}).get("model") or {}).get("id")
+        job.model = relay.model or (str(named) if named else job.model)
+        return [sse(self.chunk(job, {"role": "assistant", "content": ""}))]
 
     def _start(self, job: StreamedJob, relay: _Relay, now: float, deadline: float) -> set[asyncio.Task[Any]]:
         """A read of the stream and a look at the result, unless one of each is under way already."""
@@ -173,6 +198,7 @@ class ChatStream:
                 out += text[sent + len(out) - at :]
             if fields.get("end"):
                 relay.ended_at = time.monotonic()
+            relay.model = relay.model or fields.get("m") or None
         return out
 
     async def _result(self, job_id: str) -> dict[str, Any] | None:
@@ -187,12 +213,13 @@ class ChatStream:
             return None
         return found if isinstance(found, dict) else None
 
-    def _ending(self, job: StreamedJob, sent: str, result: dict[str, Any]) -> list[bytes]:
+    def _ending(self, job: StreamedJob, relay: _Relay, result: dict[str, Any]) -> list[bytes]:
+        out = self._open(job, relay, result)
+        sent = relay.text
         status, body = completion({**result, "job_id": job.shown_id})
         if status != 200:
-            return [sse(body)]
+            return [*out, sse(body)]
         text = str(body["choices"][0]["message"]["content"])
-        out: list[bytes] = []
         if text.startswith(sent):
             if len(text) > len(sent):
                 out.append(sse(self.chunk(job, {"content": text[len(sent) :]})))

@@ -108,6 +108,8 @@ def test_the_streamed_chunks_join_into_the_plain_answer_with_its_usage(
         published += fields["t"]
     assert entries[-1][1].get("end") == "1"
     assert published == text
+    assert entries[0][1].get("m") == plain.model  # the first entry names the model, as the result does
+    assert all("m" not in fields for _id, fields in entries[1:])
 
 
 def test_a_client_that_leaves_mid_stream_cancels_nothing(
@@ -245,7 +247,7 @@ def test_a_redis_that_hangs_mid_stream_still_ends_it_at_its_deadline_with_keep_a
                 "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
             ) as response:
                 lines = response.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))  # the role chunk
+                assert next(lines).startswith(":")  # the stream is open (the job waits in the queue)
                 redis.proc.send_signal(signal.SIGSTOP)
                 rest = [line for line in lines if line.startswith("data: ")]
             took = time.monotonic() - began
@@ -254,3 +256,49 @@ def test_a_redis_that_hangs_mid_stream_still_ends_it_at_its_deadline_with_keep_a
         redis.stop()
     assert json.loads(rest[-1][6:])["error"]["code"] == "answer_timeout"
     assert took < 3 + 8, f"the stream ended {took:.1f} s after it began (deadline 3 s)"  # was ~20 s late
+
+
+def test_every_chunk_names_the_model_the_worker_serves_whatever_the_request_named(
+    stream_env: dict[str, str], model: str, tmp_path: Path
+) -> None:
+    """Review finding (a flaky run): a stream's chunks named `tiny`, the name asked for, when the API
+    had seen no loaded worker's heartbeat yet, and the plain answer `tiny-fuyu-v1`. The role chunk now
+    waits for the worker's first text, which names the model. Here the test writes that text as a
+    worker does (workers/streaming.py's RedisSink), on a Redis no worker reads: the API knows no
+    served model but the one the stream names."""
+    from workers.streaming import Entry, RedisSink
+
+    redis = services.start_redis(tmp_path / "redis")
+    env = {**stream_env, "MRC_REDIS_URL": redis.url, "MRC_OPENAI_WAIT_S": "30"}
+    body = {"model": model, "messages": ask("Refund?", seed=68), "stream": True}
+    try:
+        with (
+            serve(env) as url,
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ) as response,
+        ):
+            assert response.status_code == 200
+            stored = tenants.job_id(KEY_ID, response.headers["x-mrc-job-id"])
+            lines = response.iter_lines()
+            assert next(lines).startswith(":")  # open; nothing names the model yet
+            client = connect(services.settings_from_env(env))
+            RedisSink(client, 60, "served-name").write([Entry(stored, 0, "The parcel")], {stored})
+            client.close()
+            data = [json.loads(line[6:]) for line in _first(lines, 2)]
+    finally:
+        redis.stop()
+    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert data[1]["choices"][0]["delta"] == {"content": "The parcel"}
+    assert [chunk["model"] for chunk in data] == ["served-name", "served-name"]
+
+
+def _first(lines: Iterator[str], count: int) -> list[str]:
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            out.append(line)
+            if len(out) == count:
+                break
+    return out
