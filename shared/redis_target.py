@@ -24,7 +24,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from redis.connection import SSLConnection
-from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from shared import encoding, logs
 from shared.settings import Settings
@@ -94,8 +94,8 @@ class FailoverConnection(SentinelManagedConnection):
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         """Every connect comes through here (connect_to's, redis-py's command retry, kombu's): each one
-        made is logged at debug level (MRC_LOG_LEVEL=DEBUG), noted or not, so a failover a process
-        never noted (seen twice in CI, cause not found) shows next time which path made the connection."""
+        made is logged at debug level (MRC_LOG_LEVEL=DEBUG), noted or not, so the path that made a
+        connection shows (how a failover noted under another key was found: OrderedSentinel)."""
         fresh = self._sock is None
         super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
         if fresh and self._sock is not None:
@@ -155,11 +155,54 @@ class ResolvingSSLConnection(ResolvingConnection, SSLConnection):
     pass
 
 
+def _addresses(pairs: Any) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((str(host), int(port)) for host, port in pairs))
+
+
+class OrderedSentinel(Sentinel):
+    """redis-py's Sentinel, but the Sentinel that answered moves to the front of the list safely.
+    redis-py swaps it there by the index it found it at, unlocked: two threads that asked at once (all
+    the connections a failover remakes do) swapped one list twice, and one Sentinel stood in it twice,
+    another gone, for good. The master's key (`group_of`) was read off that list: the process then
+    noted each new master under a key /readyz never reads, and logged no failover (CI, twice)."""
+
+    def __init__(self, sentinels: list[tuple[str, int]], **kwargs: Any) -> None:
+        super().__init__(sentinels, **kwargs)
+        self.addresses = _addresses(sentinels)  # fixed: the key of this manager's masters
+        self._order = threading.Lock()
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        with self._order:
+            asked = list(self.sentinels)
+        errors: list[str] = []
+        for sentinel in asked:
+            try:
+                masters: Any = sentinel.sentinel_masters()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                errors.append(f"{sentinel} - {exc!r}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                self._to_front(sentinel)
+                forced = getattr(self, "_force_master_ip", None)
+                return (forced if forced is not None else state["ip"]), state["port"]
+        said = f" : {', '.join(errors)}" if errors else ""
+        raise MasterNotFoundError(f"No master found for {service_name!r}{said}")
+
+    def _to_front(self, sentinel: Any) -> None:
+        with self._order:
+            at = next(i for i, s in enumerate(self.sentinels) if s is sentinel)
+            self.sentinels[0], self.sentinels[at] = self.sentinels[at], self.sentinels[0]
+
+
 def group_of(manager: Sentinel, service_name: str) -> tuple[Any, ...]:
-    """The key of one Sentinel-watched master: its Sentinels' addresses (sorted: redis-py moves the
-    Sentinel that answered to the front of its list) and its name."""
+    """The key of one Sentinel-watched master: its Sentinels' addresses, sorted, and its name (what
+    `status` computes from the settings)."""
+    fixed = getattr(manager, "addresses", None)
+    if fixed is not None:
+        return (fixed, service_name)
     kwargs = [s.connection_pool.connection_kwargs for s in manager.sentinels]
-    return (tuple(sorted((str(k.get("host")), int(k.get("port", 0))) for k in kwargs)), service_name)
+    return (_addresses((k.get("host"), k.get("port", 0)) for k in kwargs), service_name)
 
 
 def note_master(group: tuple[Any, ...], address: tuple[str, int]) -> None:
@@ -204,7 +247,7 @@ def manager_for(addresses: list[tuple[str, int]], kwargs: dict[str, Any]) -> Sen
     key = (tuple(addresses), tuple(sorted(kwargs.items())))
     with _lock:
         if key not in _managers:
-            _managers[key] = Sentinel(list(addresses), sentinel_kwargs=dict(kwargs))
+            _managers[key] = OrderedSentinel(list(addresses), sentinel_kwargs=dict(kwargs))
         return _managers[key]
 
 
@@ -300,7 +343,7 @@ def status(settings: Settings) -> dict[str, Any]:
     connected to through Sentinel, or MRC_REDIS_URL's), whether it came from Sentinel, the failovers seen."""
     if not uses_sentinel(settings):
         return {"redis_master": where(settings), "redis_sentinel": False}
-    group = (tuple(sorted(sentinel_addresses(settings))), settings.redis_sentinel_master)
+    group = (_addresses(sentinel_addresses(settings)), settings.redis_sentinel_master)
     with _lock:
         found = _masters.get(group)
     master = f"{found[0]}:{found[1]}" if found is not None else None

@@ -169,3 +169,55 @@ _PIPELINE = "Command # 1 (HSETNX mrc:run:rf created_at 2026-12-06T06:56:55Z) of 
 def test_a_refusal_for_now_is_told_apart_and_said_in_its_words(exc: Exception, now: bool, words: str) -> None:
     assert redis_target.refused_for_now(exc) is now
     assert redis_target.refusal_words(exc) == words
+
+
+def test_threads_that_ask_the_sentinels_at_once_keep_every_sentinel_and_the_masters_key(
+    tmp_path: Path,
+) -> None:
+    """CI, twice: a worker followed a failover but never logged it, and /readyz named the dead master.
+    redis-py moves the Sentinel that answered to the front of its list by the index it found it at,
+    unlocked: threads that asked at once (every connection a failover remakes) left one Sentinel in
+    the list twice and another gone, and the master's key, read off that list, was another key. Here
+    the first Sentinel listed is not there (refused at once), so every thread is answered by the
+    second and moves it to the front, round after round."""
+    import threading
+
+    from scripts import sentinel_cluster
+
+    cluster = sentinel_cluster.start(tmp_path / "cluster", replicas=0, sentinels=2)
+    addresses = [("127.0.0.1", services.free_port()), *(("127.0.0.1", s.port) for s in cluster.sentinels)]
+    # No retry of a refused connection (redis-py's default backs off and tries 3 times more): fast rounds.
+    manager = redis_target.manager_for(addresses, {"socket_timeout": 5.0, "retry": Retry(NoBackoff(), 0)})
+    first = list(manager.sentinels)
+    found: list[tuple[str, int]] = []
+    try:
+        for _ in range(40):
+            manager.sentinels[:] = first
+            start = threading.Barrier(8)
+
+            def discover(start: threading.Barrier = start) -> None:
+                start.wait()
+                found.append(manager.discover_master(sentinel_cluster.MASTER))
+
+            threads = [threading.Thread(target=discover) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            listed = [_address(s) for s in manager.sentinels]
+            assert sorted(listed) == sorted(addresses)  # each Sentinel once
+            assert listed[0] != addresses[0]  # one that answers is asked first now
+    finally:
+        cluster.stop()
+    assert found == [("127.0.0.1", cluster.nodes[0].port)] * 40 * 8
+    settings = Settings(
+        redis_sentinels=",".join(f"{h}:{p}" for h, p in reversed(addresses)),
+        redis_sentinel_master=sentinel_cluster.MASTER,
+    )
+    redis_target.note_master(redis_target.group_of(manager, sentinel_cluster.MASTER), ("127.0.0.1", 1))
+    assert redis_target.status(settings)["redis_master"] == "127.0.0.1:1"
+
+
+def _address(sentinel: redis.Redis) -> tuple[str, int]:
+    kwargs = sentinel.connection_pool.connection_kwargs
+    return str(kwargs["host"]), int(kwargs["port"])
