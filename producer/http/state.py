@@ -4,9 +4,12 @@ answers 503), the long-polls' waits, and the metrics registry."""
 
 from __future__ import annotations
 
+import glob
 import os
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
+from prometheus_client.metrics_core import Metric
 
 from producer.http.waits import Waits
 from producer.intake.intake import Intake
@@ -15,6 +18,24 @@ from shared import redis_target
 from shared.settings import Settings
 
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's, read when it is imported
+
+
+class SizedFilesCollector(multiprocess.MultiProcessCollector):
+    """prometheus_client's multiprocess collector, leaving out a process's file not yet sized: a
+    process creates its file and sizes it after (prometheus/client_python#1199, open), and a scrape
+    that read it then failed whole, 500 (a CI run, MRC_API_WORKERS=2); a process killed then leaves it
+    so for good. Such a file holds nothing yet."""
+
+    def collect(self) -> Iterable[Metric]:
+        files = [path for path in glob.glob(os.path.join(self._path, "*.db")) if _sized(path)]
+        return self.merge(files, accumulate=True)  # type: ignore[no-any-return]
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8  # the header: bytes used, and padding
+    except OSError:  # gone since the listing (a process's files removed as it ends)
+        return False
 
 
 class ApiState:
@@ -35,7 +56,7 @@ class ApiState:
         self.scrape = self.registry
         if os.environ.get(MULTIPROCESS_DIR):
             self.scrape = CollectorRegistry()
-            multiprocess.MultiProcessCollector(self.scrape)
+            SizedFilesCollector(self.scrape)
             self.scrape.register(redis_target.FailoverCollector())
         # Every key's usage (mrc_usage_*): served on /metrics only to a scrape with an `ops` or
         # `all-tenants` key when keys are on, since /metrics needs no key (producer/http/jobs.py).
