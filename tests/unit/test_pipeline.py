@@ -380,7 +380,8 @@ def test_a_delivery_a_broken_device_gives_back_leaves_no_retry_copy_and_no_failu
     """Found by review of c6d1c36: failures settled before the model were written (and a retryable one
     requeued with a countdown) while the delivery ran; a device fault then gives the whole delivery back
     unacked, so the retried job was queued twice (it ran twice) and the failed one was announced again
-    by its redelivery. Only an answer from the cache is written early: its redelivery is skipped."""
+    by its redelivery. Only an answer from the cache is written early: its redelivery is skipped, and the
+    fault waits for its end to be written (record, event) before it ends the delivery."""
     from shared.errors import WorkerUnusable
     from workers.memory_cache import MemoryResultCache
 
@@ -390,10 +391,15 @@ def test_a_delivery_a_broken_device_gives_back_leaves_no_retry_copy_and_no_failu
                 raise StoreUnavailable("S3 503 SlowDown")  # a retryable fetch failure
             return super().get_bytes(bucket, key, max_bytes)
 
+    class SlowEvents(MemoryJobRecords):
+        def add_event(self, event: dict[str, str], keep: int) -> str:
+            time.sleep(0.3)  # a busy machine: the cached answer's end is still being written (a CI run)
+            return super().add_event(event, keep)
+
     flaky = FlakyStore("mrc")
     flaky.objects.update(store.objects)
     flaky.put_bytes("inputs/flaky.jpg", imagegen.photo(64, 48), "image/jpeg")
-    records, requeued, cache = MemoryJobRecords(), Requeued(), MemoryResultCache()
+    records, requeued, cache = SlowEvents(), Requeued(), MemoryResultCache()
     healthy = assemble(EchoBackend(), flaky, flaky, records, Settings(), sleep=lambda _s: None, cache=cache)
     try:
         assert healthy.run([_job("asked-before", prompt="colour?")]) == ["succeeded"]
