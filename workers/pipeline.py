@@ -134,12 +134,6 @@ class Pipeline:
         self._local.writes = []
         try:
             return self._run(messages)
-        except BaseException:
-            # A fault that ends the delivery (the device, Redis or S3 gone; the worker exits): answers
-            # sent off early (from the cache) are waited for, never cut off half done (a result stored
-            # with no record or event), and the delivery is given back after them.
-            concurrent.futures.wait(self._local.writes)
-            raise
         finally:
             self.in_hand.end()
 
