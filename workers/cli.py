@@ -209,7 +209,8 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     # model (minutes) or refusing readiness, and why (review, helper-74: they showed no worker at all).
     hostname = args.hostname or f"mrc@{socket.gethostname()}-{os.getpid()}"
     state.set_not_ready("loading the model")
-    starting = {"hostname": hostname, "lanes": lanes, "model": settings.model, "device": settings.device}
+    starting = {"hostname": hostname, "lanes": lanes, "model": settings.model, "device": settings.device,
+                "loaded": False}  # fmt: skip
     heartbeat = Heartbeat(
         connect(settings),
         hostname,

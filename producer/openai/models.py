@@ -40,7 +40,9 @@ class Models:
             raw = client.get(key)
             beat = json.loads(raw) if raw else {}
             model = beat.get("model")
-            if not model:
+            # A worker loading its model (or refusing readiness) names the model as asked (`tiny`), not
+            # as it serves it (`tiny-fuyu-v1`): it serves nothing yet.
+            if not model or beat.get("loaded") is False:
                 continue
             entry = found.setdefault(
                 str(model),

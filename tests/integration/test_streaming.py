@@ -302,3 +302,33 @@ def _first(lines: Iterator[str], count: int) -> list[str]:
             if len(out) == count:
                 break
     return out
+
+
+def test_a_stream_that_ends_before_any_text_names_the_served_model_not_a_loading_workers(
+    stream_env: dict[str, str], model: str, tmp_path: Path
+) -> None:
+    """Review, helper-79: a stream that timed out named `tiny` (the name asked) while a worker was
+    loading beside one serving `tiny-fuyu-v1`: the loading worker's heartbeat names the model as asked.
+    Heartbeats as the workers write them (workers/heartbeat.py), on a Redis no worker reads."""
+    from workers.heartbeat import Heartbeat
+
+    redis = services.start_redis(tmp_path / "redis")
+    env = {**stream_env, "MRC_REDIS_URL": redis.url, "MRC_OPENAI_WAIT_S": "1.5"}
+    client = connect(services.settings_from_env(env))
+    serving = {"hostname": "a", "lanes": ["interactive"], "model": "served-name", "quantization": "nf4"}
+    loading = {"hostname": "b", "lanes": ["interactive"], "model": model, "loaded": False, "ready": False}
+    Heartbeat(client, "a", lambda: serving).beat()
+    Heartbeat(client, "b", lambda: loading).beat()
+    body = {"model": model, "messages": ask("Refund?", seed=69), "stream": True}
+    try:
+        with serve(env) as url, httpx.Client(timeout=60) as http:
+            raw = http.post(
+                f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ).text
+    finally:
+        client.close()
+        redis.stop()
+    data = [json.loads(block[6:]) for block in raw.split("\n\n") if block.startswith("data: ")]
+    assert data[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert data[0]["model"] == "served-name"
+    assert data[-1]["error"]["code"] == "answer_timeout"
