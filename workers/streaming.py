@@ -7,9 +7,9 @@ tokens to text, and writes what is new of every streaming row in one Redis round
 row with new text (and an EXPIRE the first time), so Redis commands per streamed token fall as rows
 and steps grow, never one per row per step.
 
-An entry is `at` (where its text starts in the answer) and `t` (the text); the row's end adds `end`,
-and a job's first entry from this worker `m`, the model's name as its result will give it (mrc-api
-names the model in every chunk with it: a name asked for, `tiny` say, is not the name served).
+An entry is `at` (where its text starts in the answer), `t` (the text) and `m` (the model's name as
+the result will give it: mrc-api names the model in every chunk with it, where a name asked for,
+`tiny` say, is not the name served); the row's end adds `end`.
 A row paused or restarted makes the same greedy tokens again: nothing is published twice, since only
 text past what was published goes out. A redelivered job (its worker died) starts from nothing on
 another worker, whose entries start again at 0: mrc-api relays only what lies past what it sent.
@@ -85,7 +85,7 @@ class RedisSink:
             fields: dict[str, Any] = {"at": entry.at, "t": entry.text}
             if entry.end:
                 fields["end"] = 1
-            if entry.job_id in fresh and self.model:
+            if self.model:  # on every entry: a stream trimmed of its first still names the model
                 fields["m"] = self.model
             pipe.xadd(key, fields, maxlen=self.MAX_ENTRIES, approximate=True)
             if entry.job_id in fresh or entry.end:

@@ -157,9 +157,12 @@ class RunReader:
         if last_finish and run.get("created_at"):
             wall = (parse_rfc3339(last_finish[0]) - parse_rfc3339(run["created_at"])).total_seconds()
         done = counts["succeeded"] + counts["failed"]
+        state = run["state"] if "created_at" in run and "state" in run else self._gone(run_id)
+        if state == "enqueued" and not counts["pending"]:
+            state = "done"  # as `status` says it (review, helper-79: a --wait's last line said "enqueued")
         return {
             "run_id": run_id,
-            "state": run["state"] if "created_at" in run and "state" in run else self._gone(run_id),
+            "state": state,
             "results": results_uri,
             "errors": errors_uri,
             "counts": dict(counts),

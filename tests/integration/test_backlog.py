@@ -89,6 +89,7 @@ def test_a_manifest_runs_and_its_results_follow_the_manifest(
     assert done.stdout.splitlines()[0] == "e2e"
     summary = json.loads(done.stdout.splitlines()[-1])
     assert summary["counts"] == {"succeeded": 4, "invalid": 4}
+    assert summary["state"] == "done"  # as status says it (review, helper-79: "enqueued")
     assert "done" in done.stderr  # progress lines, plain off a terminal
 
     results = _file(env, "e2e", "results.jsonl")
