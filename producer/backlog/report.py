@@ -80,7 +80,7 @@ class RunReader:
         settled = not lost
         if "created_at" not in run:  # gone (or made anew by a worker's count, or by a cancel)
             state = "cancelled" if run.get("state") == "cancelled" else self._gone(run_id)
-        elif jobs and not left and settled and run.get("state") == "enqueued":
+        elif not left and settled and run.get("state") == "enqueued":  # no jobs: every line invalid
             state = "done"
         else:
             state = run.get("state", "expired")

@@ -27,41 +27,33 @@ class Models:
     def __init__(self, settings: Settings, redis: Callable[[], Any]) -> None:
         self.settings, self._redis = settings, redis
         self._lock = threading.Lock()
-        self._cached: tuple[float, list[dict[str, Any]]] = (-1e18, [])
+        self._cached: tuple[float, list[dict[str, Any]], list[dict[str, Any]]] = (-1e18, [], [])
 
-    def served(self) -> list[dict[str, Any]]:
+    def served(self, loaded_only: bool = False) -> list[dict[str, Any]]:
+        """The models the workers' heartbeats name. `loaded_only`: without the workers still loading
+        theirs (or refusing readiness), which name it as asked (`tiny`), not always as they will
+        serve it (`tiny-fuyu-v1`): what an answer's name is guessed from."""
         with self._lock:
-            at, models = self._cached
-            if time.monotonic() - at < _MODELS_CACHE_S:
-                return models
+            at, every, loaded = self._cached
+        if time.monotonic() - at >= _MODELS_CACHE_S:
+            every, loaded = self._scan()
+            with self._lock:
+                self._cached = (time.monotonic(), every, loaded)
+        return loaded if loaded_only else every
+
+    def _scan(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         client = self._redis()
-        found: dict[str, dict[str, Any]] = {}
+        every: dict[str, dict[str, Any]] = {}
+        loaded: dict[str, dict[str, Any]] = {}
         for key in sorted(client.scan_iter(match=names.worker_pattern(), count=100)):
             raw = client.get(key)
             beat = json.loads(raw) if raw else {}
-            model = beat.get("model")
-            # A worker loading its model (or refusing readiness) names the model as asked (`tiny`), not
-            # as it serves it (`tiny-fuyu-v1`): it serves nothing yet.
-            if not model or beat.get("loaded") is False:
+            if not beat.get("model"):
                 continue
-            entry = found.setdefault(
-                str(model),
-                {
-                    "id": str(model),
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "mrc",
-                    "workers": 0,
-                    "quantization": None,
-                },
-            )
-            entry["workers"] += 1
-            entry["quantization"] = beat.get("quantization")
-            entry["created"] = max(entry["created"], epoch(beat.get("seen_at")))
-        models = sorted(found.values(), key=lambda m: m["id"])
-        with self._lock:
-            self._cached = (time.monotonic(), models)
-        return models
+            _count(every, beat)
+            if beat.get("loaded") is not False:
+                _count(loaded, beat)
+        return _sorted(every), _sorted(loaded)
 
     def listed(self) -> list[dict[str, Any]]:
         """`GET /v1/models`: the models the workers serve, and the deployment's MRC_MODEL under that
@@ -89,7 +81,7 @@ class Models:
     def answering(self, model: str) -> str:
         """The name the answer will carry (a plain answer's `model`, from its result): `model` when a
         worker serves it by that name, else, for MRC_MODEL standing for the one model served, that one."""
-        served = [entry["id"] for entry in self.served()]
+        served = [entry["id"] for entry in self.served(loaded_only=True)]
         return served[0] if model not in served and len(served) == 1 else model
 
     def check(self, model: str) -> None:
@@ -112,3 +104,18 @@ class Models:
             if entry["id"] == model:
                 return JSONResponse(entry)
         raise OpenAIError(404, f"The model `{model[:100]}` does not exist", "model", "model_not_found")
+
+
+def _count(found: dict[str, dict[str, Any]], beat: dict[str, Any]) -> None:
+    model = str(beat["model"])
+    entry = found.setdefault(
+        model,
+        {"id": model, "object": "model", "created": 0, "owned_by": "mrc", "workers": 0, "quantization": None},
+    )
+    entry["workers"] += 1
+    entry["quantization"] = beat.get("quantization")
+    entry["created"] = max(entry["created"], epoch(beat.get("seen_at")))
+
+
+def _sorted(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(found.values(), key=lambda m: m["id"])

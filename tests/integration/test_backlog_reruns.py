@@ -268,3 +268,19 @@ def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
     assert sorted(_queued_ids(own)) == sorted(f"grow.c{i}" for i in range(7000))
     status = json.loads(services.run_cli(own, "backlog", "status", "grow", "--json").stdout)
     assert (status["lines"], status["jobs"], status["queued"]) == (7000, 7000, 7000)
+
+
+def test_a_run_of_invalid_lines_only_is_done_in_status_and_report(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-80: status said `enqueued` for good for a run whose every line was invalid (no
+    job to wait for), where report said `done`."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{not json\n{"custom_id": "x", "image": "ftp://nowhere/x.jpg", "prompt": "a"}\n')
+    ran = services.run_cli(own, "backlog", str(path), "--run-id", "allbad")
+    assert ran.returncode == 1, ran.stderr  # invalid lines
+    status = json.loads(services.run_cli(own, "backlog", "status", "allbad", "--json").stdout)
+    assert (status["jobs"], status["state"]) == (0, "done")
+    report = services.run_cli(own, "backlog", "report", "allbad")
+    assert report.returncode == 1, report.stderr
+    assert json.loads(report.stdout)["state"] == "done"
