@@ -252,13 +252,23 @@ class S3RunFiles:
     def list_keys(self, prefix: str, bucket: str | None = None) -> Iterator[str]:
         token: str | None = None
         while True:
-            page = self.connection.call(
-                "list_objects_v2",
-                Bucket=bucket or self.bucket,
-                Prefix=prefix,
-                MaxKeys=self.page_size,
-                **({"ContinuationToken": token} if token else {}),
-            )
+            try:
+                page = self.connection.call(
+                    "list_objects_v2",
+                    Bucket=bucket or self.bucket,
+                    Prefix=prefix,
+                    MaxKeys=self.page_size,
+                    **({"ContinuationToken": token} if token else {}),
+                )
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) != "NoSuchBucket":
+                    raise
+                if bucket in (None, self.bucket):  # ours, made at the first write: nothing in it yet
+                    return
+                # Another bucket (a listing to run: --from-s3) that is not there: one line, not a traceback
+                raise StoreRefused(
+                    f"S3 bucket {bucket!r} does not exist (listing s3://{bucket}/{prefix})"
+                ) from exc
             for item in page.get("Contents", []):
                 yield str(item["Key"])
             if not page.get("IsTruncated"):

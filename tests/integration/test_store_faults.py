@@ -154,3 +154,20 @@ def test_writers_that_find_the_bucket_gone_at_once_all_store(
             thread.join()
         assert errors == []
         assert len(admin.list_objects_v2(Bucket=bucket).get("Contents", [])) == len(writers)
+
+
+def test_listing_a_bucket_that_is_not_there_is_one_line_never_a_traceback(env: dict[str, str]) -> None:
+    # The deployment's own bucket is made at its first write: before that, a run is as unknown as in
+    # a bucket that holds no such run (it was a NoSuchBucket traceback, exit 1).
+    made = services.run_cli(env, "backlog", "status", "no-such-run")
+    fresh = services.run_cli({**env, "MRC_S3_BUCKET": "mrc-never-made"}, "backlog", "status", "no-such-run")
+    assert (fresh.returncode, fresh.stdout) == (made.returncode, made.stdout)
+    assert "Traceback" not in fresh.stderr + made.stderr
+    assert made.returncode == 2
+    # Another bucket, a listing to run, that is not there: said in one line naming it.
+    listed = services.run_cli(
+        env, "backlog", "--from-s3", "s3://mrc-no-such-listing/photos/", "--prompt", "what?"
+    )
+    assert "Traceback" not in listed.stderr
+    assert "'mrc-no-such-listing' does not exist" in listed.stderr
+    assert listed.returncode == 5
