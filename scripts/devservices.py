@@ -18,15 +18,36 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from shared.logs import parse_line
 
+
+class Process(Protocol):
+    """What the tests use of a started process: subprocess.Popen's, or a forked one's."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# Set by the test session (tests/support/forkserver.py, tests/conftest.py): starts `mrc` or `mrc-worker`
+# forked from a process that imported it already, or returns None where it cannot serve the
+# environment (a plain process then). None here: the demo and the benchmarks start plain processes.
+fork: Callable[..., Process | None] | None = None
+# What base_env starts from: this process's environment, or a copy the test session took before its own
+# imports added to it (torch, transformers and the worker's modules set variables when imported): a
+# worker's environment is then the same in every test, whatever ran before it in the same process.
+environ: Mapping[str, str] = os.environ
 
 
 def free_port() -> int:
@@ -222,7 +243,7 @@ class Worker:
 def base_env(redis_url: str, s3_url: str, bucket: str, home: Path, cpu_threads: int = 0) -> dict[str, str]:
     """A process's environment on these services. `cpu_threads`: MRC_CPU_THREADS, when set (tests: 1);
     0 leaves the choice per call to the worker, as an operator runs it (benchmarks, the demo)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MRC_")}
+    env = {k: v for k, v in environ.items() if not k.startswith("MRC_")}
     if cpu_threads:
         env["MRC_CPU_THREADS"] = str(cpu_threads)
     env.update(
@@ -295,13 +316,15 @@ def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float
         # A Ctrl-C between the child's start and its name being bound would leave it running, in no
         # one's list of things to stop (the demo's Ctrl-C test met it): held until then.
         with _sigint_held() as interrupted, log_path.open("ab") as log_file:
-            proc = subprocess.Popen(
-                [str(BIN / "mrc-worker"), *args],
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = _forked("mrc-worker", args, env, stdout=str(log_path), stderr="stdout", session=True)
+            if proc is None:
+                proc = subprocess.Popen(
+                    [str(BIN / "mrc-worker"), *args],
+                    env=env,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         if interrupted:
             raise KeyboardInterrupt
         wait_for(lambda: "MRC_CONSUMING" in log_path.read_text(errors="replace"), timeout, "mrc-worker", proc)
@@ -318,7 +341,25 @@ def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float
     return Worker(proc, log_path, env)
 
 
+def _forked(program: str, args: Sequence[str], env: dict[str, str], **how: Any) -> Process | None:
+    return None if fork is None else fork(program, args, env, argv0=str(BIN / program), **how)
+
+
 def run_cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "mrc"), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    command = [str(BIN / "mrc"), *args]
+    with tempfile.TemporaryDirectory(prefix="mrc-cli-") as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        proc = _forked("mrc", args, env, stdout=str(out), stderr=str(err))
+        if proc is None:  # no fork server, or an environment it cannot serve
+            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise subprocess.TimeoutExpired(command, timeout, _read(out), _read(err)) from None
+        return subprocess.CompletedProcess(command, code, _read(out), _read(err))
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

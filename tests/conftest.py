@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import devservices as services
+from tests.support import forkserver
 
 # The tiny Fuyu is built once per checkout and reused: building it is deterministic (seeded).
 MODEL_HOME = services.ROOT / ".cache" / "mrc"
@@ -20,6 +21,9 @@ MODEL_HOME = services.ROOT / ".cache" / "mrc"
 # count; benchmarks and the demo keep the choice per call.
 TEST_CPU_THREADS = 1
 os.environ.setdefault("MRC_CPU_THREADS", str(TEST_CPU_THREADS))  # the engines tests run in-process
+# The processes tests start get the environment the session began with (scripts/devservices.py), not
+# what the tests' own imports of torch and the worker's modules added to this process's.
+services.environ = dict(os.environ)
 
 
 _MARK_BY_FOLDER = {"unit": "unit", "integration": "integration", "faults": "faults", "gpu": "gpu"}
@@ -50,6 +54,25 @@ def s3_service(workdir: Path) -> Iterator[services.Service]:
     service = services.start_s3(workdir / "s3")
     yield service
     service.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers(workdir: Path) -> Iterator[None]:
+    """`mrc` and `mrc-worker` forked from servers that imported them once (tests/support/forkserver.py:
+    most of the suite's CPU was their imports), each started at its first use. Not beside a CUDA
+    device (a forked process cannot use CUDA its parent touched), nor with TEST_FORKSERVER=0."""
+    if os.environ.get("TEST_FORKSERVER") == "0" or Path("/dev/nvidiactl").exists():
+        yield
+        return
+    # The environment base_env gives every process the tests start, less what a process reads per call.
+    like = services.base_env("redis://127.0.0.1:1", "http://127.0.0.1:1", "unused", MODEL_HOME)
+    servers = forkserver.ForkServers(like, workdir / "forkserver.log")
+    services.fork = servers
+    try:
+        yield
+    finally:
+        services.fork = None
+        servers.close()
 
 
 @pytest.fixture(scope="session")
