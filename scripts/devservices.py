@@ -56,9 +56,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(
-    check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None
-) -> None:
+def wait_for(check: Callable[[], bool], timeout: float, what: str, proc: Process | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -72,9 +70,7 @@ def wait_for(
     raise RuntimeError(f"{what} did not come up within {timeout:g} s")
 
 
-def _wait_or_stop(
-    check: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen[bytes]
-) -> None:
+def _wait_or_stop(check: Callable[[], bool], timeout: float, what: str, proc: Process) -> None:
     """Wait for a service to come up; if it does not, or we are interrupted, leave nothing running."""
     try:
         wait_for(check, timeout, what, proc)
@@ -83,7 +79,7 @@ def _wait_or_stop(
         raise
 
 
-def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+def stop(proc: Process, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
@@ -91,7 +87,7 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-    return int(proc.returncode)
+    return proc.wait(0)  # its exit code (settled above)
 
 
 @dataclass
@@ -200,7 +196,7 @@ def _start_s3(workdir: Path, port: int) -> Service:
 
 @dataclass
 class Worker:
-    proc: subprocess.Popen[bytes]
+    proc: Process
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
 
@@ -311,7 +307,7 @@ def _sigint_held() -> Iterator[list[int]]:
 
 
 def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float = 180) -> Worker:
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Process | None = None
     try:
         # A Ctrl-C between the child's start and its name being bound would leave it running, in no
         # one's list of things to stop (the demo's Ctrl-C test met it): held until then.
@@ -329,7 +325,8 @@ def start_worker(env: dict[str, str], log_path: Path, *args: str, timeout: float
             raise KeyboardInterrupt
         wait_for(lambda: "MRC_CONSUMING" in log_path.read_text(errors="replace"), timeout, "mrc-worker", proc)
     except RuntimeError as exc:
-        assert proc is not None
+        if proc is None:
+            raise
         stop(proc, signal.SIGKILL)
         raise RuntimeError(
             f"{exc}\n--- worker log ---\n{log_path.read_text(errors='replace')[-4000:]}"

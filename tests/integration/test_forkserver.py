@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -73,12 +74,17 @@ def test_a_forked_process_has_its_own_session_folder_and_signals(
     time.sleep(1.0)  # into its long poll
     assert proc.poll() is None
     assert os.getpgid(proc.pid) == proc.pid  # a session (and process group) of its own
+    assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "mrc"  # what pgrep and ps see
     assert os.readlink(f"/proc/{proc.pid}/cwd") == os.getcwd()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130  # mrc's Ctrl-C exit code, as a plain process gives it
     killed = _follow(env, tmp_path, "b")
     killed.kill()
     assert killed.wait(30) == -signal.SIGKILL
+    # A client gone before its request (a test interrupted) costs the server nothing.
+    stray = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stray.connect(servers.servers["light"].path)  # type: ignore[attr-defined]
+    stray.close()
     waited = _follow(env, tmp_path, "c")
     with pytest.raises(subprocess.TimeoutExpired):
         waited.wait(0.5)

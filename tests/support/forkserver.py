@@ -23,9 +23,11 @@ when it has reaped the child (negative: the signal that ended it, as subprocess 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -60,6 +62,7 @@ LIGHT = (
 )
 MODEL = (
     *LIGHT,
+    "workers.backends.fuyu",  # before transformers: it sets HF_HUB_OFFLINE & co. that hub reads at import
     "torch",
     "torchvision.transforms.v2.functional",
     "torchvision.io",
@@ -67,7 +70,6 @@ MODEL = (
     "transformers.integrations.bitsandbytes",
     "transformers.models.fuyu.modeling_fuyu",
     "transformers.models.fuyu.processing_fuyu",
-    "workers.backends.fuyu",
 )
 PRELOADS = {"light": LIGHT, "model": MODEL}
 # Read when a command runs, never at import: these may differ between the server and a request.
@@ -130,7 +132,13 @@ def serve(path: str) -> dict[str, Any]:
                     sys.exit(0)
             elif key.fileobj is listener:
                 conn, _ = listener.accept()
-                request = json.loads(_read_line(conn))
+                try:  # a client gone before its request (interrupted) costs its own start only
+                    conn.settimeout(10)
+                    request = json.loads(_read_line(conn))
+                except (OSError, ValueError) as exc:
+                    print(f"a request that could not be read: {exc!r}", file=sys.stderr, flush=True)
+                    conn.close()
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
@@ -144,6 +152,7 @@ def serve(path: str) -> dict[str, Any]:
                     os.close(wake_w)
                     return dict(request)
                 children[pid] = conn
+                conn.settimeout(None)
                 with contextlib.suppress(OSError):
                     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             else:
@@ -155,6 +164,12 @@ def _redirect(fd: int, path: str | None, flags: int) -> None:
     target = os.open(path or os.devnull, flags, 0o644)
     os.dup2(target, fd)
     os.close(target)
+
+
+def _name(program: str) -> None:
+    """The process's name (comm: what `pgrep mrc-worker` and ps show) the program's, as exec gives it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(15, program.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 def run(request: dict[str, Any], added: Mapping[str, str]) -> int:
@@ -171,10 +186,13 @@ def run(request: dict[str, Any], added: Mapping[str, str]) -> int:
         _redirect(2, request["stderr"], append)
     os.environ.clear()
     os.environ.update(request["env"])
-    for name, value in added.items():  # what importing set (setdefault), as it would have here
-        os.environ.setdefault(name, value)
     program = request["program"]
+    if program == "mrc-worker":  # what importing the worker's modules set (setdefault), as here
+        for name, value in added.items():
+            os.environ.setdefault(name, value)
     sys.argv = [request["argv0"], *request["args"]]
+    sys.path[0] = os.path.dirname(request["argv0"])  # a console script's, not the server's folder
+    _name(program)
     main = importlib.import_module(PROGRAMS[program]).main
     return int(main() or 0)
 
@@ -194,7 +212,9 @@ def _server_main(path: str, kind: str) -> None:
 
 
 class ForkedProcess:
-    """What a test uses of subprocess.Popen, for a process the server forked."""
+    """What a test uses of subprocess.Popen, for a process the server forked. A pidfd holds the
+    process: signals never reach a pid reused after it ended, and poll() says None only while it
+    runs (the server's word on its exit code may lag its end by a moment: waited for then)."""
 
     def __init__(self, conn: socket.socket, args: list[str]) -> None:
         self._conn = conn
@@ -205,6 +225,7 @@ class ForkedProcess:
         if first is None or "pid" not in first:
             raise RuntimeError(f"fork server did not start {args}: {first}")
         self.pid = int(first["pid"])
+        self._pidfd = os.pidfd_open(self.pid)  # before the child can end: the server reaps it only later
 
     def _message(self, timeout: float | None) -> dict[str, Any] | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -221,12 +242,16 @@ class ForkedProcess:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return dict(json.loads(line))
 
+    def _ended(self) -> bool:
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
     def _settle(self, timeout: float | None) -> None:
         if self.returncode is None:
-            message = self._message(timeout)
+            message = self._message(60 if self._ended() else timeout)
             if message is not None:
                 self.returncode = int(message["returncode"])
                 self._conn.close()
+                os.close(self._pidfd)
 
     def poll(self) -> int | None:
         self._settle(0)
@@ -239,12 +264,14 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
+        if self.returncode is None:  # through the pidfd, whatever became of the server
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+                signal.pidfd_send_signal(self._pidfd, sig)
 
-    def __del__(self) -> None:  # as Popen's: a process nobody waited for leaves no socket open
+    def __del__(self) -> None:  # as Popen's: a process nobody waited for leaves nothing open
         self._conn.close()
+        if self.returncode is None:
+            os.close(self._pidfd)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -259,14 +286,17 @@ class ForkServer:
     def __init__(self, kind: str, env: Mapping[str, str], folder: Path, log_path: Path) -> None:
         self.path = str(folder / f"{kind}.sock")
         with log_path.open("ab") as log:
+            # A session of its own: a Ctrl-C to the tests' terminal is not the server's (it would leave
+            # the workers it forked to no one).
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.support.forkserver", self.path, kind],
                 env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=ROOT,
+                start_new_session=True,
             )  # fmt: skip
         assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != b"ready":
-            self.proc.kill()
-            self.proc.wait(10)
+        ready = select.select([self.proc.stdout], [], [], 300)[0]  # imports on a busy machine
+        if not ready or self.proc.stdout.readline().strip() != b"ready":
+            self.close()
             raise RuntimeError(f"the {kind} fork server did not start: see {log_path}")
 
     def spawn(self, request: dict[str, Any]) -> ForkedProcess:
@@ -294,7 +324,9 @@ class ForkServers:
     def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
         self.env = import_time_env(env)
         self.log_path = log_path
-        self.folder = Path(tempfile.mkdtemp(prefix="mrc-fork-"))  # AF_UNIX names hold 108 bytes
+        # AF_UNIX names hold 108 bytes: /tmp, whatever TMPDIR says
+        self.folder = Path(tempfile.mkdtemp(prefix="mrc-fork-", dir="/tmp"))
+        self.broken: set[str] = set()
         self.servers: dict[str, ForkServer] = {}
 
     def __call__(
@@ -310,13 +342,21 @@ class ForkServers:
                 log.write(f"a plain {program}: its environment differs from the servers' in {differs}\n")
             return None
         kind = "model" if program == "mrc-worker" and env.get("MRC_MODEL") != "echo" else "light"
-        if kind not in self.servers:
-            self.servers[kind] = ForkServer(kind, self.env, self.folder, self.log_path)
+        if kind in self.broken:
+            return None
         request = {
             "program": program, "argv0": argv0, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
             "stdout": stdout, "stderr": stderr, "session": session,
         }  # fmt: skip
-        return self.servers[kind].spawn(request)
+        try:
+            if kind not in self.servers:
+                self.servers[kind] = ForkServer(kind, self.env, self.folder, self.log_path)
+            return self.servers[kind].spawn(request)
+        except (OSError, RuntimeError) as exc:  # said in the log, and plain processes from now on
+            self.broken.add(kind)
+            with self.log_path.open("a") as log:
+                log.write(f"the {kind} fork server cannot serve: {exc!r}; plain processes from now on\n")
+            return None
 
     def close(self) -> None:
         for server in self.servers.values():
