@@ -211,6 +211,13 @@ def _server_main(path: str, kind: str) -> None:
 # --- the client (the test session) ------------------------------------------------------------------
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """poll(2), not select(2): a test process may hold more than select's 1,024 descriptors."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 class ForkedProcess:
     """What a test uses of subprocess.Popen, for a process the server forked. A pidfd holds the
     process: signals never reach a pid reused after it ended, and poll() says None only while it
@@ -243,7 +250,7 @@ class ForkedProcess:
         return dict(json.loads(line))
 
     def _ended(self) -> bool:
-        return bool(select.select([self._pidfd], [], [], 0)[0])
+        return _readable(self._pidfd, 0)
 
     def _settle(self, timeout: float | None) -> None:
         if self.returncode is None:
@@ -294,7 +301,7 @@ class ForkServer:
                 start_new_session=True,
             )  # fmt: skip
         assert self.proc.stdout is not None
-        ready = select.select([self.proc.stdout], [], [], 300)[0]  # imports on a busy machine
+        ready = _readable(self.proc.stdout.fileno(), 300)  # imports on a busy machine
         if not ready or self.proc.stdout.readline().strip() != b"ready":
             self.close()
             raise RuntimeError(f"the {kind} fork server did not start: see {log_path}")
