@@ -355,6 +355,10 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess
             proc.kill()
             proc.wait(10)
             raise subprocess.TimeoutExpired(command, timeout, _read(out), _read(err)) from None
+        except BaseException:  # a Ctrl-C: subprocess.run's child would not outlive it either
+            proc.kill()
+            proc.wait(10)
+            raise
         return subprocess.CompletedProcess(command, code, _read(out), _read(err))
 
 

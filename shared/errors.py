@@ -133,6 +133,11 @@ class StoreRefused(MrcError):
     code = "internal_error"
 
 
+class BucketMissing(StoreRefused):
+    """A listing named a bucket that is not there: a run or batch whose index went with it, or a
+    misspelt --from-s3 (review, helper-82: read as an empty listing, a lost run said "done")."""
+
+
 class QueueFull(MrcError):
     """The backlog lane is at its depth limit and the caller asked not to wait (producer side only)."""
 

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from producer import arg_types
 from producer.backlog import outages
-from shared.errors import QueueFull, UsageError
+from shared.errors import BucketMissing, QueueFull, UsageError
 from shared.settings import Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -293,6 +293,15 @@ def _same_prompt(record: dict[str, str], run_id: str, prompt: str) -> None:
         )
 
 
+def _indexed(backlog: Any, run_id: str) -> Iterator[dict[str, Any]]:
+    """The run's index so far; none where our bucket is not there yet (a first run on a deployment: the
+    run's pass makes it, before it writes)."""
+    try:
+        yield from backlog.entries(run_id)
+    except BucketMissing:
+        return
+
+
 def _listing(backlog: Any, run_id: str, bucket: str, prefix: str, prompt: str) -> Iterator[tuple[int, bytes]]:
     """A bucket listing's manifest lines, numbered as the run's index knows them."""
     from producer.backlog import manifest
@@ -300,7 +309,7 @@ def _listing(backlog: Any, run_id: str, bucket: str, prefix: str, prompt: str) -
     keys = backlog.files.list_keys(prefix, bucket=bucket)
     known: dict[str, int] = {}
     last = 0  # past every indexed line, one without a custom_id too (a line refused as too long)
-    for entry in backlog.entries(run_id):
+    for entry in _indexed(backlog, run_id):
         last = max(last, int(entry["line"]))
         if "custom_id" in entry:
             known[str(entry["custom_id"])] = int(entry["line"])

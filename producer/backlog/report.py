@@ -15,7 +15,7 @@ from producer.backlog import chunk_index, manifest
 from producer.queue.sender import Queue
 from shared import encoding, names
 from shared import usage as usage_book
-from shared.errors import UsageError
+from shared.errors import BucketMissing, UsageError
 from shared.jobs import now_rfc3339, parse_rfc3339
 from shared.records import RECORD_TTL_S, TERMINAL
 from shared.runs import RUN_TTL_S, RunRecords
@@ -114,12 +114,15 @@ class RunReader:
         # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
         # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
         self.runs.update(run_id, state="cancelled")
+        cancelled = 0
+        # The index read before the mark is written: a bucket gone with the index is said (exit 5), not
+        # made again by the mark and read as a run of nothing, "cancelled 0" (review, helper-82). The
+        # state above has stopped the run's jobs either way.
+        for batch in manifest.batched(self.entries(run_id), 1000):
+            cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
         # Kept beside the index too: a pass after Redis lost the record finds it (review, helper-78: a
         # --wait's pass queued a cancelled run's 100 jobs again).
         self.files.put_text(self._key(run_id, _CANCELLED_AT), now_rfc3339())
-        cancelled = 0
-        for batch in manifest.batched(self.entries(run_id), 1000):
-            cancelled += self.runs.cancel_many([e["job_id"] for e in batch if "job_id" in e])
         self.runs.count(run_id, cancelled=cancelled)
         return cancelled
 
@@ -210,7 +213,11 @@ class RunReader:
         run = self.runs.get(run_id)
         if run:
             return run
-        if next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is None:
+        try:
+            indexed_at_all = next(iter(self.files.list_keys(self._key(run_id, "index/"))), None) is not None
+        except BucketMissing:  # no record and no bucket: no run (a recorded run's index gone is said)
+            indexed_at_all = False
+        if not indexed_at_all:
             raise UsageError(f"no backlog run {run_id[:70]!r} (no record, and no index in S3)")
         if not indexed and self._gone(run_id) != "lost":  # cancel: its jobs' records (7 days) went
             raise UsageError(  # before the run's (review, helper-75); a lost record's may be queued still

@@ -31,7 +31,7 @@ from producer.openai.files import Files
 from producer.openai.models import Models
 from shared import logs, names
 from shared import usage as usage_book
-from shared.errors import UsageError
+from shared.errors import BucketMissing, UsageError
 
 ENQUEUE_LEASE_S, FINALIZE_LEASE_S = 60, 600
 
@@ -203,7 +203,10 @@ class Runner:
     def _enqueue(self, batch_id: str, renew: Callable[[], None]) -> None:
         record = self.book.get(batch_id)
         # Whole indexes only: a chunk with a partial one is queued again (what it queued stays, once).
-        done, _partial = chunk_index.listed(self.backlog.files.list_keys(self._key(batch_id, "index/")))
+        try:
+            done, _partial = chunk_index.listed(self.backlog.files.list_keys(self._key(batch_id, "index/")))
+        except BucketMissing as exc:  # the bucket went, and the batch's copy of its input with it
+            raise _InputGone from exc
         # A chunk the replicas did not confirm is gone over line by line: a failover may have lost any
         # of its jobs (review, helper-77: its lines were blanked, and its index written empty).
         done -= unconfirmed_chunks(self.backlog.runs.get(batch_id))

@@ -21,7 +21,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from producer.openai.errors import OpenAIError
 from shared import encoding, names
-from shared.errors import StoreUnavailable
+from shared.errors import BucketMissing, StoreUnavailable
 from shared.settings import Settings
 from shared.stores.s3 import S3Connection
 
@@ -223,12 +223,10 @@ class Files:
     def _keys(self, prefix: str) -> Iterator[str]:
         token: str | None = None
         while True:
-            reply = self.connection.call(
-                "list_objects_v2",
-                Bucket=self.bucket,
-                Prefix=prefix,
-                **({"ContinuationToken": token} if token else {}),
-            )
+            try:
+                reply = self.connection.list_page(self.bucket, prefix, token)
+            except BucketMissing:  # no upload yet (made at the first): no files (review, helper-82: 500)
+                return
             for item in reply.get("Contents", []):
                 yield str(item["Key"])
             if not reply.get("IsTruncated"):

@@ -12,7 +12,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from urllib3.exceptions import HTTPError
 
 from shared import encoding, logs, names
-from shared.errors import ImageTooLarge, StoreRefused, StoreUnavailable
+from shared.errors import BucketMissing, ImageTooLarge, StoreRefused, StoreUnavailable
 from shared.settings import Settings
 
 _MISSING = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
@@ -80,6 +80,25 @@ class S3Connection:
             raise
         except BotoCoreError as exc:
             raise StoreUnavailable(f"S3 {method} failed: {exc}") from exc
+
+    def list_page(self, bucket: str, prefix: str, token: str | None, max_keys: int = 1000) -> Any:
+        """One page of a listing. A bucket that is not there is BucketMissing, a refusal (no
+        s3:ListBucket, a name S3 will not take) StoreRefused, each naming the bucket: one line and exit
+        5 from a command, not a traceback (review, helper-82)."""
+        try:
+            return self.call(
+                "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=max_keys,
+                **({"ContinuationToken": token} if token else {}),
+            )  # fmt: skip
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            where = f"s3://{bucket}/{prefix}"
+            if code == "NoSuchBucket":
+                raise BucketMissing(f"S3 bucket {bucket!r} does not exist (listing {where})") from exc
+            if status == 403 or code in _REFUSALS:
+                raise StoreRefused(f"S3 refused listing {where}: {code or status}") from exc
+            raise
 
     def get(self, bucket: str, key: str, max_bytes: int) -> bytes | None:
         try:
@@ -252,23 +271,7 @@ class S3RunFiles:
     def list_keys(self, prefix: str, bucket: str | None = None) -> Iterator[str]:
         token: str | None = None
         while True:
-            try:
-                page = self.connection.call(
-                    "list_objects_v2",
-                    Bucket=bucket or self.bucket,
-                    Prefix=prefix,
-                    MaxKeys=self.page_size,
-                    **({"ContinuationToken": token} if token else {}),
-                )
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code", "")) != "NoSuchBucket":
-                    raise
-                if bucket in (None, self.bucket):  # ours, made at the first write: nothing in it yet
-                    return
-                # Another bucket (a listing to run: --from-s3) that is not there: one line, not a traceback
-                raise StoreRefused(
-                    f"S3 bucket {bucket!r} does not exist (listing s3://{bucket}/{prefix})"
-                ) from exc
+            page = self.connection.list_page(bucket or self.bucket, prefix, token, self.page_size)
             for item in page.get("Contents", []):
                 yield str(item["Key"])
             if not page.get("IsTruncated"):

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import boto3
+import openai
 import pytest
 
 from scripts import devservices as services
 from shared.errors import StoreUnavailable
 from shared.settings import Settings
 from shared.stores import open_stores
-from tests.support import imagegen
+from tests.support import api_server, imagegen
+from tests.support.s3_refuser import S3Refuser
 
 pytestmark = pytest.mark.integration
 
@@ -157,8 +163,8 @@ def test_writers_that_find_the_bucket_gone_at_once_all_store(
 
 
 def test_listing_a_bucket_that_is_not_there_is_one_line_never_a_traceback(env: dict[str, str]) -> None:
-    # The deployment's own bucket is made at its first write: before that, a run is as unknown as in
-    # a bucket that holds no such run (it was a NoSuchBucket traceback, exit 1).
+    # No record and no bucket (the deployment's own, made at its first write): no such run, as in a
+    # bucket that holds none (it was a NoSuchBucket traceback, exit 1).
     made = services.run_cli(env, "backlog", "status", "no-such-run")
     fresh = services.run_cli({**env, "MRC_S3_BUCKET": "mrc-never-made"}, "backlog", "status", "no-such-run")
     assert (fresh.returncode, fresh.stdout) == (made.returncode, made.stdout)
@@ -171,3 +177,50 @@ def test_listing_a_bucket_that_is_not_there_is_one_line_never_a_traceback(env: d
     assert "Traceback" not in listed.stderr
     assert "'mrc-no-such-listing' does not exist" in listed.stderr
     assert listed.returncode == 5
+
+
+def test_a_recorded_run_whose_bucket_went_is_said_so_never_read_as_empty(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review (helper-82): a run Redis records, its bucket deleted, read as a run of nothing: status
+    "done", exit 0, a cancel of 0 jobs while 4 were queued, a report writing empty files (and so making
+    the bucket again). Each says the bucket is gone instead, exit 5, and the report writes nothing."""
+    own = {**env, "MRC_S3_BUCKET": f"mrc-goes-{uuid.uuid4().hex[:6]}"}
+    image = f"s3://{own['MRC_S3_BUCKET']}/inputs/p.jpg"  # never read: no worker runs here
+    manifest = tmp_path / "m.jsonl"
+    lines = [json.dumps({"custom_id": f"c{i}", "image": image, "prompt": f"q{i}?"}) for i in range(4)]
+    manifest.write_text("\n".join(lines) + "\n")
+    started = services.run_cli(own, "backlog", str(manifest), "--run-id", "goes")  # no worker: all queued
+    assert started.returncode == 0, started.stderr
+    s3 = boto3.resource("s3", endpoint_url=env["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
+    bucket = s3.Bucket(own["MRC_S3_BUCKET"])
+    bucket.objects.all().delete()
+    bucket.delete()
+    for command in (("status", "goes"), ("status", "goes", "--json"), ("report", "goes"), ("cancel", "goes")):
+        done = services.run_cli(own, "backlog", *command)
+        assert done.returncode == 5, (command, done.stdout, done.stderr)
+        assert f"{own['MRC_S3_BUCKET']!r} does not exist" in done.stderr, command
+        assert "Traceback" not in done.stderr, command
+    assert own["MRC_S3_BUCKET"] not in [b.name for b in s3.buckets.all()]  # the report wrote nothing
+
+
+def test_a_listing_s3_refuses_is_one_line_naming_it(env: dict[str, str]) -> None:
+    """Review (helper-82): AccessDenied on a listing (credentials without s3:ListBucket, another's
+    bucket) was a botocore traceback, exit 1."""
+    refuser = S3Refuser(env["MRC_S3_ENDPOINT_URL"], {"mrc-not-yours"})
+    try:
+        through = {**env, "MRC_S3_ENDPOINT_URL": refuser.url}
+        done = services.run_cli(through, "backlog", "--from-s3", "s3://mrc-not-yours/p/", "--prompt", "what?")
+    finally:
+        refuser.close()
+    assert "Traceback" not in done.stderr
+    assert "refused listing s3://mrc-not-yours/p/: AccessDenied" in done.stderr
+    assert done.returncode == 5
+
+
+def test_the_files_of_a_deployment_with_no_bucket_yet_are_none(env: dict[str, str]) -> None:
+    """Review (helper-82): GET /v1/files answered 500 (NoSuchBucket) before the first upload."""
+    unmade = f"mrc-unmade-{uuid.uuid4().hex[:6]}"
+    with api_server.api_env(env, MRC_S3_BUCKET=unmade) as own, api_server.serve(own) as base:
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        assert sdk.files.list().data == []
