@@ -88,11 +88,25 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("give one of: a MANIFEST (or -), --resume RUN_ID, --from-s3 S3_URI")
     if args.from_s3 and not args.prompt:
         raise UsageError("--from-s3 needs --prompt")
+    if args.from_s3:  # before the run starts (review, helper-82: a bucket S3 cannot name was waited
+        _check_listing(args.from_s3)  # out as an outage, and none listed our own bucket)
     if target and target[0] != "-" and not Path(target[0]).is_file():
         raise UsageError(f"manifest not found: {target[0]}")
     for run_id in (args.run_id, args.resume):
         if run_id and not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
+
+
+def _check_listing(uri: str) -> None:
+    from shared import names
+
+    bucket = uri.removeprefix("s3://").partition("/")[0]
+    try:
+        names.parse_s3_uri(f"s3://{bucket}/key")  # the bucket's name; a prefix may be empty
+        if not uri.startswith("s3://"):
+            raise ValueError("not an s3:// URI")
+    except ValueError as exc:
+        raise UsageError(f"--from-s3 {uri[:80]!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
