@@ -119,8 +119,34 @@ class Cluster:
                         done[job_id] = result
                         pending.discard(job_id)
             time.sleep(0.2)
-        assert not pending, f"{len(pending)} jobs without a result after {timeout} s: {sorted(pending)[:5]}"
+        assert not pending, (
+            f"{len(pending)} jobs without a result after {timeout} s: {sorted(pending)[:5]}\n{self.state()}"
+        )
         return done
+
+    def state(self) -> str:
+        """What a failed wait shows (a rare failure explained by its own report, not a rerun): the
+        queues, the unacked records with their ages, the restore mutex and each worker's last lines."""
+        import redis as redis_lib
+
+        from shared import names
+
+        client = redis_lib.Redis.from_url(self.env["MRC_REDIS_URL"], decode_responses=True)
+        try:
+            now = time.time()
+            index: list[tuple[str, float]] = client.zrange(names.UNACKED_INDEX_KEY, 0, -1, withscores=True)  # type: ignore[assignment]
+            ages = {tag: round(now - score, 1) for tag, score in index}
+            lines = [
+                f"queues: { {k: client.llen(k) for k in client.keys('mrc.*') if client.type(k) == 'list'} }",
+                f"unacked: {client.hkeys(names.UNACKED_KEY)} ages (s): {ages}",
+                f"restore mutex: {client.get('unacked_mutex')!r} ttl {client.pttl('unacked_mutex')} ms",
+            ]
+        finally:
+            client.close()
+        for w in self.workers:
+            tail = w.log_path.read_text(errors="replace").splitlines()[-15:]
+            lines.append(f"{w.log_path.name} (exit {w.proc.poll()}):\n  " + "\n  ".join(tail))
+        return "\n".join(lines)
 
     def successes(self, job_id: str) -> int:
         """How many times any worker computed this job (MRC_SUCCESS lines across all worker logs)."""
