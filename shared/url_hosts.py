@@ -52,6 +52,8 @@ def _entry(entry: str) -> HostPattern:
     name, port = _split(entry)
     wildcard = name.startswith("*.")
     bare = name[2:] if wildcard else name
+    if wildcard and (":" in bare or bare.startswith("[") or _numeric_end(bare)):
+        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r}: `*.` goes before a name, not an address")
     if ":" in bare or entry.startswith("["):  # an IPv6 address, compressed and lower case as URLs give it
         try:
             address = ipaddress.IPv6Address(bare)
@@ -62,12 +64,43 @@ def _entry(entry: str) -> HostPattern:
         bare = bare.encode("idna").decode("ascii").lower().rstrip(".")
     except UnicodeError:
         bare = ""
-    if not _NAME.fullmatch(bare):
-        raise ValueError(f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a host name (name, *.name, name:port)")
+    if not is_host(bare):
+        raise ValueError(
+            f"MRC_IMAGE_URL_HOSTS: {entry!r} is not a host name or address (name, *.name, name:port, "
+            "a dotted IPv4 address, [IPv6])"
+        )
     return HostPattern(("*." if wildcard else "") + bare, port)
 
 
 _NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*")
+
+
+def is_host(host: str) -> bool:
+    """Whether `host` (as DNS carries it: IDNA, lower case, no final dot) is a DNS name of letters,
+    digits, `-` and `_`, a dotted IPv4 address or an IPv6 one: nothing a resolver reads another way.
+    A name ending in a number is an address or nothing: the C resolver reads `2130706433`, `0x7f.1`
+    and `127.1` as 127.0.0.1, and `evil\\.example.com` (an escaped dot) as a name in `com`, not in
+    `example.com` (review, helper-83)."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    if not _NAME.fullmatch(host):
+        return False
+    if _numeric_end(host):
+        try:
+            ipaddress.IPv4Address(host)  # four decimal parts, no leading zeros
+        except ValueError:
+            return False
+    return True
+
+
+def _numeric_end(host: str) -> bool:
+    """Whether the last label is a number (decimal, or hex as `0x..` the resolver also reads)."""
+    last = host.rsplit(".", 1)[-1]
+    return last.isdigit() or bool(re.fullmatch(r"0x[0-9a-f]*", last))
 
 
 def _split(entry: str) -> tuple[str, int | None]:

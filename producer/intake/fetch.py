@@ -186,6 +186,8 @@ def _target(url: str, settings: Settings) -> tuple[str, int, bool, str]:
     try:
         host = parts.hostname.encode("idna").decode("ascii").lower()
     except UnicodeError:
+        host = ""
+    if not url_hosts.is_host(host.rstrip(".")):
         raise FetchRefused("image_url_fetch_failed", f"{_show(url)}: the host name is not valid") from None
     if port == 0:
         raise FetchRefused("image_url_fetch_failed", f"{_show(url)}: port 0")
@@ -210,7 +212,8 @@ def _get(url: str, settings: Settings, deadline: float, owner: str) -> tuple[int
     response: http.client.HTTPResponse | None = None
     try:
         with watchdog:
-            named = host if port == (443 if tls else 80) else f"{host}:{port}"
+            bare = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets (RFC 9110)
+            named = bare if port == (443 if tls else 80) else f"{bare}:{port}"
             connection.request(
                 "GET", path, headers={"Host": named, "User-Agent": "mrc-api", "Accept": "image/*"}
             )

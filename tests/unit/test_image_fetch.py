@@ -228,9 +228,61 @@ def test_a_host_named_with_a_port_allows_that_port_only() -> None:
         "photos.example.com :443",
         "photos example.com",
         "[not-an-address]:80",
+        # What the C resolver reads as another host (review, helper-83): numbers it takes for
+        # 127.0.0.1, a wildcard over an address (`*.1` matched every IPv4 address ending in .1),
+        # an escaped dot.
+        "*.::1",
+        "*.[::1]",
+        "*.1",
+        "2130706433",
+        "0x7f.1",
+        "127.1",
+        "1.2.3.4.5",
+        "example.123",
+        "evil\\.example.com",
     ):
         with pytest.raises(ValueError, match="MRC_IMAGE_URL_HOSTS"):
             Settings(image_url_hosts=f"ok.example.com,{bad}")
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://evil\\.localhost/parcel.png", "http://evil%5C.localhost/parcel.png", "http://2130706433/",
+     "http://0x7f.1/", "http://127.1/", "http://a.0x7f/", "http://017700000001/"],
+)  # fmt: skip
+def test_a_host_a_resolver_reads_as_another_is_not_fetched(url: str) -> None:
+    """An escaped dot passed `*.localhost` and went to the resolver, which reads `evil\\.localhost` as a
+    name in the parent zone (review, helper-83); numbers it reads as addresses: never looked up."""
+    assert _refusal(url, _settings(image_url_hosts="*.localhost,localhost")) == "image_url_fetch_failed"
+
+
+def test_an_ipv6_host_goes_in_brackets_in_the_host_header() -> None:
+    """`Host: ::1:PORT` is no host at all to a strict server or a virtual-host router (review,
+    helper-83): an IPv6 address goes in brackets, RFC 9110."""
+    seen: list[str] = []
+
+    class Host(_Handler):
+        def do_GET(self) -> None:
+            seen.append(self.headers["Host"])
+            self._send(IMAGE)
+
+    class Server6(ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+        daemon_threads = True
+
+    try:
+        server = Server6(("::1", 0), Host)
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = int(server.server_address[1])
+        assert fetch.fetch(f"http://[::1]:{port}/parcel.png", _settings(image_url_hosts="[::1]")) == IMAGE
+        assert seen == [f"[::1]:{port}"]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_port_bound_host_refuses_its_other_ports_and_redirects_to_them(port: int) -> None:
