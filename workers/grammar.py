@@ -18,7 +18,14 @@ from typing import Any
 
 from shared.errors import InvalidJob, ModelError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
+from workers import grammar_fork
 from workers.utf8_guard import Utf8Guard
+
+RAN_OUT_KEEP_S = 300.0  # a format whose compile was stopped is refused at once this long after
+
+
+class CompileTimedOut(InvalidJob):
+    """The format's grammar did not compile within its limit (the caller names the format's place)."""
 
 
 class Constraint:
@@ -66,7 +73,17 @@ class Constraint:
 class Grammars:
     """The compiler for one model's vocabulary, and the compiled grammars it keeps (LRU, bounded)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_id: int, keep: int, threads: int = 1) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_id: int,
+        keep: int,
+        threads: int = 1,
+        limit_s: float | None = None,
+    ) -> None:
+        """`limit_s`: each compile runs in a forked child stopped past it (workers/grammar_fork.py);
+        None compiles on the caller's thread, however long it takes."""
         import xgrammar
 
         self._xgr = xgrammar
@@ -76,8 +93,9 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.guard = Utf8Guard(self.info.decoded_vocab, vocab_size)
         self.vocab_size = vocab_size
-        self.keep = keep
+        self.keep, self.limit_s = keep, limit_s
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._ran_out: OrderedDict[str, float] = OrderedDict()  # format hash -> when its compile was stopped
         self._lock = threading.Lock()
 
     @property
@@ -123,19 +141,57 @@ class Grammars:
         return compiled, seconds
 
     def compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
+        """The compiled grammar; InvalidJob when it does not compile, admits no answer, or (with
+        `limit_s`) did not compile within it: CompileTimedOut, also at once for RAN_OUT_KEEP_S after."""
         try:
-            if isinstance(fmt, ChoiceFormat):
-                compiled = self.compiler.compile_grammar(choice_ebnf(fmt.choices))
-            else:
-                # No free whitespace: a weak model would otherwise pad the answer with spaces until its
-                # token limit. Separators are JSON's usual ", " and ": ".
-                grammar = self._xgr.Grammar.from_json_schema(json.dumps(fmt.schema_), any_whitespace=False)
-                compiled = self.compiler.compile_grammar(strict_strings(str(grammar)))
+            compiled = self._compile(fmt) if self.limit_s is None else self._compile_within(fmt, self.limit_s)
+        except InvalidJob:
+            raise
         except Exception as exc:  # the library's errors are RuntimeError/ValueError with its reason
             raise InvalidJob(f"response_format does not compile to a grammar: {str(exc)[:300]}") from None
         if not self._any_first_token(compiled):
             raise InvalidJob("response_format allows no answer: its grammar admits no first token")
         return compiled
+
+    def _compile(self, fmt: JsonSchemaFormat | ChoiceFormat, compiler: Any = None) -> Any:
+        compiler = compiler or self.compiler
+        if isinstance(fmt, ChoiceFormat):
+            return compiler.compile_grammar(choice_ebnf(fmt.choices))
+        # No free whitespace: a weak model would otherwise pad the answer with spaces until its token
+        # limit. Separators are JSON's usual ", " and ": ".
+        grammar = self._xgr.Grammar.from_json_schema(json.dumps(fmt.schema_), any_whitespace=False)
+        return compiler.compile_grammar(strict_strings(str(grammar)))
+
+    def _compile_within(self, fmt: JsonSchemaFormat | ChoiceFormat, limit_s: float) -> Any:
+        """Compiled in a forked child stopped at `limit_s` (workers/grammar_fork.py); here when no child
+        can be made. A format stopped is refused at once for RAN_OUT_KEEP_S: its next job would spend
+        the same seconds of a compile place to the same end."""
+        key = digest(fmt)
+        with self._lock:
+            stopped = self._ran_out.get(key)
+            if stopped is not None and time.monotonic() - stopped > RAN_OUT_KEEP_S:
+                del self._ran_out[key]
+                stopped = None
+        if stopped is not None:
+            raise CompileTimedOut(f"stopped at {limit_s:g} s less than {RAN_OUT_KEEP_S:g} s ago")
+
+        def in_child() -> str:  # a compiler of its own: none a parent thread may hold mid-compile
+            own = self._xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+            return str(self._compile(fmt, own).serialize_json())
+
+        try:
+            text = grammar_fork.run(in_child, limit_s)
+        except OSError:  # no process to be had (a limit on processes, memory): compiled here
+            return self._compile(fmt)
+        except grammar_fork.ChildFailed as failed:
+            raise InvalidJob(f"response_format does not compile to a grammar: {str(failed)[:300]}") from None
+        except grammar_fork.TimedOut:
+            with self._lock:
+                self._ran_out[key] = time.monotonic()
+                while len(self._ran_out) > max(self.keep, 1):
+                    self._ran_out.popitem(last=False)
+            raise CompileTimedOut(f"stopped at {limit_s:g} s") from None
+        return self._xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def _any_first_token(self, compiled: Any) -> bool:
         """Whether an answer can start at all (a grammar dead at its start, e.g. a $ref cycle with no

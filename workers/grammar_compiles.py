@@ -15,7 +15,12 @@ in the delivery waited. Here:
   next one, as long as fewer than OVERDUE compiles are past theirs: so THREADS + OVERDUE threads at
   most, however many costly formats arrive. A job whose compile could not start within the limit
   (every place taken by costly compiles) is retried later (`CompilerBusy`): its format is not at fault;
-- a queued compile that no job waits for any more is dropped, never started.
+- a queued compile that no job waits for any more is dropped, never started;
+- the next compile to start is the one whose owner (the API key of the job that asked first) has
+  the fewest compiles under way, the oldest among equals: one key's many costly formats queue behind
+  each other, never in front of another key's (review, helper-84: eight from one key filled every
+  place and another key's small schemas were retried until they failed). The real compiler also
+  stops each compile at its limit (workers/grammar_fork.py), so a place comes free within it.
 
 Policy only: no xgrammar here (workers/grammar.py compiles), and a clock the tests can drive.
 """
@@ -46,6 +51,7 @@ class Compile:
     started_at: float | None = None
     overdue: bool = False  # past its limit and counted against OVERDUE, not THREADS
     waiters: int = 0
+    owner: str = ""  # the API key of the job that asked first ("" without keys)
 
 
 @dataclass(eq=False)
@@ -81,13 +87,15 @@ class Compiles:
         self._queue: deque[Compile] = deque()
         self._running = 0  # within their limit
         self._overdue = 0  # past it, still running
+        self._owners: dict[str, int] = {}  # compiles under way (running or overdue) per owner
 
-    def request(self, key: str, work: Callable[[], Any]) -> Wait:
-        """Start (or join) the compile of `key`; `work` runs on a compile thread and returns the grammar."""
+    def request(self, key: str, work: Callable[[], Any], owner: str = "") -> Wait:
+        """Start (or join) the compile of `key`; `work` runs on a compile thread and returns the grammar.
+        `owner`: whose turn it is (the asking job's API key)."""
         with self._lock:
             compile = self._flight.get(key)
             if compile is None:
-                compile = self._flight[key] = Compile(key, work)
+                compile = self._flight[key] = Compile(key, work, owner=owner)
                 self._queue.append(compile)
             compile.waiters += 1
             self._dispatch()
@@ -127,14 +135,20 @@ class Compiles:
     # ---------------------------------------------------------------- under the lock
     def _dispatch(self) -> None:
         while self._queue and self._running < self.threads:
-            compile = self._queue.popleft()
+            compile = self._next()
+            self._queue.remove(compile)
             if compile.waiters == 0:  # every job that asked for it gave up: never started
                 self._flight.pop(compile.key, None)
                 compile.future.cancel()
                 continue
             compile.started_at = self.clock()
             self._running += 1
+            self._owners[compile.owner] = self._owners.get(compile.owner, 0) + 1
             threading.Thread(target=self._run, args=(compile,), name="mrc-grammar", daemon=True).start()
+
+    def _next(self) -> Compile:
+        """The queued compile whose owner has the fewest under way; the oldest among equals."""
+        return min(self._queue, key=lambda c: self._owners.get(c.owner, 0))  # min keeps the first
 
     def _promote(self, now: float) -> None:
         """Compiles past their limit leave THREADS for OVERDUE, while OVERDUE has room."""
@@ -184,6 +198,11 @@ class Compiles:
                     self._overdue -= 1
                 else:
                     self._running -= 1
+                left = self._owners.get(compile.owner, 1) - 1
+                if left:
+                    self._owners[compile.owner] = left
+                else:
+                    self._owners.pop(compile.owner, None)
                 if self._flight.get(compile.key) is compile:
                     del self._flight[compile.key]
                 self._dispatch()

@@ -167,7 +167,12 @@ class ModelStage:
             if self._first_batch_at is None:
                 self._first_batch_at = time.perf_counter()
         # Compiles start now, beside the decodes (workers/row_grammars.py).
-        asks = [self.grammars.ask(slot.job.response_format if slot.job else None) for slot in live]
+        asks = [
+            self.grammars.ask(
+                slot.job.response_format if slot.job else None, slot.job.api_key if slot.job else None
+            )
+            for slot in live
+        ]
         first: dict[tuple[str, ...], Future[Decoded]] = {}
         decodes = [(slot, ask, self.photos.soon(slot, first)) for slot, ask in zip(live, asks, strict=True)]
         del first  # its futures hold decoded images: only their own jobs may, until their inputs are built

@@ -16,6 +16,7 @@ from typing import Any
 from shared import schema_bounds
 from shared.errors import CompilerBusy, InvalidJob, MrcError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
+from workers.grammar import CompileTimedOut
 from workers.grammar_compiles import Compiles, Wait
 from workers.metrics import Metrics
 
@@ -47,8 +48,9 @@ class RowGrammars:
         self.limit_s, self.metrics = limit_s, metrics
         self.compiles = compiles or Compiles(limit_s)
 
-    def ask(self, fmt: Format | None) -> Ask:
-        """Start what this job's grammar needs; never waits for a compile."""
+    def ask(self, fmt: Format | None, owner: str | None = None) -> Ask:
+        """Start what this job's grammar needs; never waits for a compile. `owner`: the job's API key,
+        whose compiles take turns with other keys' (workers/grammar_compiles.py)."""
         if fmt is None:
             return Ask(None)
         if self.grammars is None:
@@ -57,7 +59,7 @@ class RowGrammars:
         self.metrics.grammar_cache.labels(result="hit" if compiled is not None else "miss").inc()
         if compiled is not None:
             return Ask(fmt, self._matcher(compiled))
-        return Ask(fmt, wait=self.compiles.request(digest(fmt), lambda: self._compile(fmt)))
+        return Ask(fmt, wait=self.compiles.request(digest(fmt), lambda: self._compile(fmt), owner or ""))
 
     def settle(self, ask: Ask) -> Settled:
         """The row state, None (free), the job's error, or (a float) seconds before looking again."""
@@ -69,6 +71,8 @@ class RowGrammars:
         if verdict.state == "done":
             try:
                 return self._matcher(ask.wait.compile.future.result())
+            except CompileTimedOut:  # stopped at the limit (workers/grammar_fork.py), or lately was
+                return self._too_costly(ask)
             except MrcError as exc:  # does not compile, allows no answer: the format's own fault
                 return exc
             except Exception as exc:  # anything else the library raised is the job's, never the delivery's
@@ -78,6 +82,9 @@ class RowGrammars:
                 f"the grammar compiler was busy with other formats past their {self.limit_s:g} s limit "
                 "(MRC_GRAMMAR_COMPILE_TIMEOUT_S); the job is retried"
             )
+        return self._too_costly(ask)
+
+    def _too_costly(self, ask: Ask) -> InvalidJob:
         return InvalidJob(
             f"{self._where(ask.fmt)}: its grammar did not compile within {self.limit_s:g} s "
             "(MRC_GRAMMAR_COMPILE_TIMEOUT_S): lower the bounds of its repeats (or split the schema)"

@@ -262,3 +262,24 @@ def test_a_queued_job_never_spins_while_the_compile_ahead_of_it_cannot_give_its_
     assert (verdict.state, verdict.wait_s) == ("waiting", 1.0)  # its own limit, not 0 again and again
     clock.now += 1.0
     assert compiles.poll(b).state == "busy"
+
+
+def test_the_next_compile_is_the_one_of_the_key_with_fewest_under_way(held: Held) -> None:
+    """One key's many formats queue behind each other, never in front of another key's (review,
+    helper-84: eight costly formats from one key held every place and another key's small schema
+    was retried until it failed)."""
+    clock = Clock()
+    compiles = Compiles(limit_s=5.0, threads=1, overdue=1, clock=clock)
+    a1, a2, a3 = (compiles.request(k, held.work(k), owner="key-a") for k in ("a1", "a2", "a3"))
+    assert held.ran("a1").wait(GUARD_S)
+    b1 = compiles.request("b1", held.work("b1"), owner="key-b")
+    clock.now += 5.0  # a1 passes its limit and gives its place: key-b's compile goes before a2
+    assert compiles.poll(a1).state == "overdue"
+    assert held.ran("b1").wait(GUARD_S)
+    held.release("b1")
+    assert _done(b1) == "grammar:b1"
+    assert held.started == ["a1", "b1"]
+    assert held.ran("a2").wait(GUARD_S)  # then key-a's next, in its order
+    held.release()
+    assert (_done(a2), _done(a3)) == ("grammar:a2", "grammar:a3")
+    assert held.started == ["a1", "b1", "a2", "a3"]

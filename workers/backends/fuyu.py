@@ -116,7 +116,10 @@ class FuyuBackend:
 
         # The logits' width (the lm head's): the model's vocabulary can be larger than the tokenizer's.
         vocab = int(self.model.get_output_embeddings().out_features)
-        self.grammars = Grammars(tokenizer, vocab, self.eos_id, self.settings.grammar_cache_size)
+        self.grammars = Grammars(
+            tokenizer, vocab, self.eos_id, self.settings.grammar_cache_size,
+            limit_s=self.settings.grammar_compile_timeout_s,
+        )  # fmt: skip
 
     def _weights(self, path: str) -> Any:
         """The model from its folder or the HF cache. The GPU benchmarks' random Fuyu-8B overrides this

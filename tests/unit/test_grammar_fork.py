@@ -1,0 +1,145 @@
+"""Grammar compiles in a forked child stopped at their limit (workers/grammar_fork.py): a costly format
+is stopped there, leaves no process behind and is refused at once for a while after; the grammar that
+comes back from a child is the one compiled in the parent. Asserts outcomes, never durations."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared import response_format as rf
+from shared.errors import InvalidJob
+from shared.settings import Settings
+from workers import grammar_fork
+from workers.backends.fuyu import FuyuBackend
+from workers.grammar import CompileTimedOut, Grammars
+from workers.grammar_compiles import Compiles
+from workers.metrics import Metrics
+from workers.row_grammars import RowGrammars
+
+# Tens of seconds to compile on a 448-token vocabulary (review, helper-84), on any machine far past
+# the limits below.
+COSTLY = {"type": "json_schema", "schema": {"type": "string", "pattern": "^[a-z]{1,16000}$"}}
+
+
+def _children() -> list[str]:
+    """This process's children (every thread's), from /proc."""
+    return [
+        pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()
+    ]
+
+
+def _fmt(value: dict[str, Any]) -> rf.JsonSchemaFormat | rf.ChoiceFormat:
+    parsed = rf.parse(value)
+    assert parsed is not None
+    return parsed
+
+
+def test_what_the_child_returns_comes_back_whole_however_large() -> None:
+    big = "x" * (5 << 20)  # past any pipe's buffer: read while it is written
+    assert grammar_fork.run(lambda: big, 30.0) == big
+
+
+def test_an_error_in_the_child_comes_back_as_its_reason() -> None:
+    def fails() -> str:
+        raise ValueError("no such rule")
+
+    with pytest.raises(grammar_fork.ChildFailed, match="ValueError: no such rule"):
+        grammar_fork.run(fails, 30.0)
+
+
+def test_a_child_past_its_limit_is_stopped_and_reaped() -> None:
+    def forever() -> str:
+        while True:
+            time.sleep(1)
+
+    with pytest.raises(grammar_fork.TimedOut):
+        grammar_fork.run(forever, 0.2)
+    assert _children() == []
+
+
+@pytest.fixture(scope="module")
+def backend() -> FuyuBackend:
+    from tests.conftest import MODEL_HOME
+
+    loaded = FuyuBackend(Settings(model="tiny", device="cpu", home=str(MODEL_HOME), quantization="fp32"))
+    loaded.load()
+    return loaded
+
+
+def _grammars(backend: FuyuBackend, limit_s: float | None) -> Grammars:
+    tokenizer = backend.processor.tokenizer
+    return Grammars(tokenizer, backend.grammars.vocab_size, backend.eos_id, keep=4, limit_s=limit_s)
+
+
+def test_a_costly_format_is_stopped_at_its_limit_then_refused_at_once(
+    backend: FuyuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grammars = _grammars(backend, 0.3)
+    costly = _fmt(COSTLY)
+    forks: list[float] = []
+    real_run = grammar_fork.run
+
+    def counted(work: Callable[[], str], limit_s: float) -> str:
+        forks.append(limit_s)
+        return real_run(work, limit_s)
+
+    monkeypatch.setattr(grammar_fork, "run", counted)
+    with pytest.raises(CompileTimedOut):
+        grammars.compile(costly)
+    assert _children() == []  # stopped, not left running beside the worker
+    with pytest.raises(CompileTimedOut, match="less than 300 s ago"):
+        grammars.compile(costly)  # no second compile for the same end
+    assert forks == [0.3]
+    boolean = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    cheap = _fmt({"type": "json_schema", "schema": boolean})
+    from_child = grammars.compile(cheap)
+    assert forks == [0.3, 0.3]
+    here = _grammars(backend, None).compile(cheap)
+    assert from_child.serialize_json() == here.serialize_json()
+    lookbehind = {"type": "string", "pattern": "(?<=a)b"}
+    refused = rf.JsonSchemaFormat.model_construct(type="json_schema", schema_=lookbehind)
+    with pytest.raises(InvalidJob, match="does not compile"):  # the library's reason, from the child
+        grammars.compile(refused)
+
+
+def test_another_keys_schema_compiles_while_one_key_sends_costly_ones(backend: FuyuBackend) -> None:
+    """Review, helper-84: eight costly formats from one key held every compile place for 30-40 s; the
+    other key's small schemas were told the compiler was busy until their attempts ran out. Each
+    costly compile is stopped at its limit now, and the other key's goes next."""
+
+    class Holder:
+        model_id = "tiny"
+        grammars = _grammars(backend, 0.3)  # each compile stopped at 0.3 s
+
+    # A generous wait for a place (5 s): what is asserted is the order, not a duration.
+    rows = RowGrammars(Holder(), 5.0, Metrics(), Compiles(5.0, threads=1, overdue=0))
+    costly = [
+        rows.ask(
+            rf.parse({**COSTLY, "schema": {"type": "string", "pattern": f"^[a-z]{{1,{16000 - i}}}$"}}),
+            "key-a",
+        )
+        for i in range(3)
+    ]
+    small = rows.ask(_fmt({"type": "choice", "choices": ["yes", "no"]}), "key-b")
+    settled = _settle(rows, small)
+    assert not isinstance(settled, Exception), settled
+    for ask in costly:
+        error = _settle(rows, ask)
+        assert isinstance(error, InvalidJob), error
+        assert "did not compile within" in error.message
+    assert _children() == []
+
+
+def _settle(rows: RowGrammars, ask: object) -> object:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        value = rows.settle(ask)  # type: ignore[arg-type]
+        if not isinstance(value, float):
+            return value
+        time.sleep(min(value, 0.05))
+    raise AssertionError("the ask never settled")

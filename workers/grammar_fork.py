@@ -1,0 +1,111 @@
+"""A grammar compile in a forked child, killed at its time limit.
+
+The grammar library compiles a format in one native call that cannot be interrupted: a compile past
+MRC_GRAMMAR_COMPILE_TIMEOUT_S ran on in its thread for as long as it took (30-40 s for a pattern's
+`{1,16000}` on a 448-token vocabulary, far longer on Fuyu-8B's), holding a CPU and a compile place.
+Eight such formats from one key filled every place, and another key's small schemas waited, were
+retried and failed for good (review, helper-84). In a child the compile is stopped at the limit.
+
+A fork, not a spawned process: the child has the compiler's vocabulary already (a spawned one would
+import the library and torch, seconds per compile) and costs a few milliseconds. The child makes its
+own compiler (nothing it shares with a thread of the parent mid-compile), compiles, writes the
+serialized grammar to a pipe and leaves with os._exit (no atexit, no buffers of the parent flushed
+twice); it never touches the device, logs or imports. The parent reads the pipe until it closes or the
+limit passes, then kills and reaps the child.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+import warnings
+from collections.abc import Callable
+
+# Python 3.12 warns on every fork of a threaded process; the child here only compiles and exits.
+warnings.filterwarnings(
+    "ignore", message=r".*multi-threaded, use of fork\(\) may lead to deadlocks", category=DeprecationWarning
+)
+
+_OK, _FAILED = b"K", b"E"
+_READ = 1 << 20
+
+
+class TimedOut(Exception):
+    """The compile ran past its limit and was stopped."""
+
+
+class ChildFailed(Exception):
+    """The compile raised in the child: its message is the library's reason."""
+
+
+def run(work: Callable[[], str], limit_s: float) -> str:
+    """What `work` returns, computed in a forked child within `limit_s`; TimedOut past it,
+    ChildFailed with the child's error, OSError when no child can be made (the caller compiles here)."""
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        raise
+    if pid == 0:  # the child: compile, write, leave; nothing else
+        os.close(read_end)
+        _child(work, write_end)
+    os.close(write_end)
+    try:
+        data = _read_until(read_end, time.monotonic() + limit_s)
+    finally:
+        os.close(read_end)
+        _reap(pid)
+    if data is None:
+        raise TimedOut(f"past {limit_s:g} s")
+    if data[:1] == _OK:
+        return data[1:].decode()
+    raise ChildFailed(data[1:].decode(errors="replace") or "the compile's process ended without an answer")
+
+
+def _child(work: Callable[[], str], fd: int) -> None:
+    code = 0
+    try:
+        try:
+            out = _OK + work().encode()
+        except BaseException as exc:  # the reason goes to the parent, whatever it is
+            out = _FAILED + f"{type(exc).__name__}: {exc}".encode(errors="replace")[:2000]
+        view = memoryview(out)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _read_until(fd: int, deadline: float) -> bytes | None:
+    """Everything the child writes until it closes the pipe, or None past the deadline (read as it
+    comes: a grammar larger than the pipe's buffer would otherwise block the child forever)."""
+    chunks: list[bytes] = []
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        if not poller.poll(max(1, int(left * 1000))):
+            continue
+        chunk = os.read(fd, _READ)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _reap(pid: int) -> None:
+    """The child gone, whatever it was doing: killed if it still runs, then waited for (no zombie)."""
+    try:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped already (a SIGCHLD handler set to ignore): nothing left
+        pass
