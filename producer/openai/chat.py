@@ -54,6 +54,8 @@ return now
 """
 # A chat body this small holds no image of its own (text, an s3:// URI or an image URL): it gives its
 # body slot (MRC_API_MAX_BODIES, the bound on request bodies in memory) back before it is read into a job.
+# A larger one gives it back before its image URL is fetched, its bytes dropped first (review, helper-83:
+# a body padded past this held its slot for the whole fetch, and two keys held every slot).
 _SMALL_BODY = 256 * 1024
 
 
@@ -78,9 +80,15 @@ class Chat:
         raw = bytearray()
         async for piece in request.stream():  # not request.body(): nothing keeps it past the enqueue
             raw += piece
+        done_with_body = request.scope["state"]["done_with_body"]
         if len(raw) <= _SMALL_BODY:  # text and URLs: an image URL's fetch holds no body slot of others'
-            request.scope["state"]["done_with_body"]()
-        named, job, chat = await run_in_threadpool(self._take, raw, key, caller)
+            done_with_body()
+        loop = asyncio.get_running_loop()
+
+        def let_go() -> None:  # from the request's thread, before a fetch: the slot is the loop's
+            loop.call_soon_threadsafe(done_with_body)
+
+        named, job, chat = await run_in_threadpool(self._take, raw, key, caller, let_go)
         del raw
         request.scope["state"]["done_with_body"]()  # the wait holds neither the body nor the image
         # From here on the job is queued: whatever happens, the answer names it (never a 503, which
@@ -152,20 +160,32 @@ class Chat:
             headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
-    def _take(self, raw: bytearray, key: str | None, caller: Caller) -> tuple[bool, Job, ChatJob]:
+    def _take(
+        self, raw: bytearray, key: str | None, caller: Caller, let_go: Callable[[], None]
+    ) -> tuple[bool, Job, ChatJob]:
         """The request read, checked and enqueued (off the event loop): (whether a retry of it lands on
-        the same job, its job, the request read)."""
-        chat = parse_chat(read_json(raw), self.settings, owner=caller.owner, check_model=self.models.check)
+        the same job, its job, the request read). Before an image URL is fetched the body's bytes are
+        dropped and its slot given back (`let_go`): what the request holds then is its checked text."""
+        digest = hashlib.sha256(raw).hexdigest()[:32]  # the body as it came: no copy of it
+
+        def before_fetch() -> None:
+            raw.clear()
+            let_go()
+
+        chat = parse_chat(
+            read_json(raw), self.settings, owner=caller.owner, check_model=self.models.check,
+            before_fetch=before_fetch,
+        )  # fmt: skip
         job_id = chat.job_id or idempotent_job_id(caller, key)
         if job_id is None and self.settings.openai_retry_window_s > 0:
-            job_id = self._retry_job_id(caller, raw)
+            job_id = self._retry_job_id(caller, digest)
         return job_id is not None, self._enqueue(chat, job_id, caller), chat
 
-    def _retry_job_id(self, caller: Caller, raw: bytearray) -> str:
-        """The job this exact request (same key, same bytes) names within MRC_OPENAI_RETRY_WINDOW_S:
-        an SDK's retry after a 5xx or a lost answer waits for the first attempt's job instead of
-        queueing a second. A job that failed is not reused: sending the request again runs it again."""
-        digest = hashlib.sha256(raw).hexdigest()[:32]  # the body as it came: no copy of it
+    def _retry_job_id(self, caller: Caller, digest: str) -> str:
+        """The job this exact request (same key, same bytes: `digest`) names within
+        MRC_OPENAI_RETRY_WINDOW_S: an SDK's retry after a 5xx or a lost answer waits for the first
+        attempt's job instead of queueing a second. A job that failed is not reused: sending the
+        request again runs it again."""
         mapping = names.idempotency_key("chat-retry", caller.owner, digest)
         fresh = f"chat-{uuid.uuid4().hex}"
         ttl = max(1, int(self.settings.openai_retry_window_s))

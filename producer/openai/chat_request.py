@@ -165,10 +165,12 @@ def parse_chat(
     batch: bool = False,
     owner: str = "",
     check_model: Callable[[str], None] = lambda _model: None,
+    before_fetch: Callable[[], None] = lambda: None,
 ) -> ChatJob:
     """The request checked and read; OpenAIError (400) naming the field otherwise. `check_model`
     refuses a model no worker serves before an image URL is fetched for it (review, helper-73: the
-    fetch went out, then the answer was 404)."""
+    fetch went out, then the answer was 404); `before_fetch` runs once everything else is checked,
+    just before an image URL is fetched."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
     _counted(body)
@@ -200,7 +202,7 @@ def parse_chat(
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
     check_model(request.model)
-    uri, data = _image(folded.image.url, settings, image_param, batch, owner)
+    uri, data = _image(folded.image.url, settings, image_param, batch, owner, before_fetch)
     stream, options = bool(request.stream), request.stream_options or {}
     return ChatJob(
         request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param,
@@ -281,7 +283,12 @@ def check_metadata(metadata: dict[str, str]) -> None:
 
 
 def _image(
-    url: str, settings: Settings, param: str, batch: bool = False, owner: str = ""
+    url: str,
+    settings: Settings,
+    param: str,
+    batch: bool = False,
+    owner: str = "",
+    before_fetch: Callable[[], None] = lambda: None,
 ) -> tuple[str | None, bytes | None]:
     """(s3 URI, None) or (None, the bytes of a data: URL or of an http(s) URL from an allowed host)."""
     found = _DATA_URL.match(url)
@@ -319,7 +326,7 @@ def _image(
             )
         return url, None
     if url.lower().startswith(("http://", "https://")) and settings.image_url_hosts:
-        return None, _fetched(url, settings, param, batch, owner)
+        return None, _fetched(url, settings, param, batch, owner, before_fetch)
     kind = "a URL" if _URL.match(url) else "not a URL"
     if settings.image_url_hosts and _URL.match(url):  # review, helper-73: ftp:// was told of the hosts
         raise OpenAIError(
@@ -338,7 +345,9 @@ def _image(
     )
 
 
-def _fetched(url: str, settings: Settings, param: str, batch: bool, owner: str) -> bytes:
+def _fetched(
+    url: str, settings: Settings, param: str, batch: bool, owner: str, before_fetch: Callable[[], None]
+) -> bytes:
     """An http(s) image fetched by the API from a host the operator allowed (producer/intake/fetch.py):
     for a chat request only. A batch line's fetch would hold its batch's enqueue, every line's bytes
     in memory at once: refused, the line naming why."""
@@ -350,6 +359,7 @@ def _fetched(url: str, settings: Settings, param: str, batch: bool, owner: str) 
             param,
             "image_source_forbidden",
         )
+    before_fetch()
     try:
         return fetch.fetch(url, settings, owner)
     except fetch.FetchBusy as busy:  # nothing fetched, nothing queued: a retry is safe

@@ -516,3 +516,71 @@ def test_readiness_probes_reuse_one_s3_client_and_never_500(
     assert len(made) == 1
     with TestClient(create_app(services.settings_from_env(dead_env)), raise_server_exceptions=False) as api:
         assert {api.get("/readyz").status_code for _ in range(2)} == {503}
+
+
+def test_keys_whose_image_urls_hang_never_hold_another_keys_body_turn(api_env: dict[str, str]) -> None:
+    """Review, helper-83: a chat body padded past 256 KiB kept its body turn for the whole fetch of
+    its image URL; two keys, each at its half of MRC_API_MAX_BODIES, held every turn while their
+    URLs hung, and a third key's upload waited, then was refused 503 `busy`. The body is dropped
+    and its turn given back before the fetch now."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from tests.support.api_server import serve
+
+    hung, asked = threading.Event(), []
+
+    class Hangs(BaseHTTPRequestHandler):
+        def log_message(self, *_: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:  # never answers until the test lets go: the connection then closes
+            asked.append(self.path)
+            hung.wait(60)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hangs)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    keys = {name: f"k-hang-{name}" for name in ("a", "b", "c")}
+    settings = {
+        "MRC_API_KEYS": ",".join(hashlib.sha256(k.encode()).hexdigest() for k in keys.values()),
+        "MRC_API_MAX_BODIES": "2",  # each key's half: one turn
+        "MRC_IMAGE_URL_HOSTS": "localhost",
+        "MRC_IMAGE_URL_PRIVATE": "true",
+        "MRC_IMAGE_URL_TIMEOUT_S": "60",
+    }
+    url = f"http://localhost:{server.server_address[1]}/photo.jpg"
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Refund?"},
+                                                  {"type": "image_url", "image_url": {"url": url}}]}],
+    }  # fmt: skip
+    padded = json.dumps(chat) + " " * 300_000  # whitespace: valid JSON past the small-body size
+
+    def hang(key: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        return httpx.post(f"{base}/v1/chat/completions", content=padded, headers=headers, timeout=90)
+
+    try:
+        with serve({**api_env, **settings}) as base, ThreadPoolExecutor(2) as pool:
+            hanging = [pool.submit(hang, keys[name]) for name in ("a", "b")]
+            services.wait_for(lambda: len(asked) == 2, 30, "both image URLs asked for")
+            photo = imagegen.photo(64, 48)
+            reply = httpx.post(
+                f"{base}/v1/jobs",
+                files={"image": ("p.jpg", photo, "image/jpeg")},
+                data={"prompt": "Refund?"},
+                headers={"Authorization": f"Bearer {keys['c']}"},
+                timeout=60,
+            )
+            assert reply.status_code == 202, reply.text
+            hung.set()
+            for future in hanging:
+                answer = future.result(60)
+                assert answer.status_code == 400, answer.text
+                assert answer.json()["error"]["code"] == "image_url_fetch_failed"
+    finally:
+        hung.set()
+        server.shutdown()
+        server.server_close()
