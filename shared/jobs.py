@@ -299,11 +299,11 @@ def local_image_problem(path: Path, limit: int) -> str | None:
     submit` and every backlog manifest line check it before anything is queued (so --strict can)."""
     try:
         if not path.is_file():
-            return (
-                f"image path is a directory, not a file: {path}"
-                if path.is_dir()
-                else f"image file not found: {path}"
-            )
+            if path.is_dir():
+                return f"image path is a directory, not a file: {path}"
+            if path.exists():  # a device, a FIFO, a socket (review: /dev/zero was "not found")
+                return f"image path is not a regular file: {path}"
+            return f"image file not found: {path}"
         size = path.stat().st_size
     except OSError as exc:
         return f"image file cannot be read: {path} ({exc.strerror})"

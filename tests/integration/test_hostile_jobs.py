@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,27 @@ def test_schemas_whose_grammar_dead_ends_fail_as_the_jobs_own_and_never_stop_the
     assert _result(client, client.submit(photo, "Refund?", max_new_tokens=4))["status"] == "succeeded"
     assert worker.proc.poll() is None, "the worker stopped"
     assert not worker.find("MRC_FATAL")
+
+
+def test_a_schema_or_image_path_that_is_no_regular_file_is_refused_before_it_is_read(
+    env: dict[str, str], photo: Path, tmp_path: Path
+) -> None:
+    """Review, helper-84: `--json-schema /dev/zero` read until the kernel killed `mrc` at 22 GB, a FIFO
+    blocked it for good, and `--image /dev/zero` said the file was not found. Exit 2, saying why."""
+    fifo = tmp_path / "schema.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    huge.write_text("{" + " " * (2 << 20) + "}")
+    missing = tmp_path / "none.json"
+    for path, why in (
+        ("/dev/zero", "not a regular file"),
+        (str(fifo), "not a regular file"),
+        (str(huge), "is over 1048576 bytes"),
+        (str(missing), "neither inline JSON"),
+    ):
+        assert why in _refused_by_cli(env, photo, "--prompt", "x", "--json-schema", path), path
+    small = tmp_path / "schema.json"
+    small.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}, indent=2))
+    done = run_cli(env, "submit", "--image", "/dev/zero", "--prompt", "x", "--json-schema", str(small))
+    assert done.returncode == 2, done.stderr
+    assert "image path is not a regular file: /dev/zero" in done.stderr
