@@ -276,9 +276,9 @@ def test_the_next_compile_is_the_one_of_the_key_with_fewest_under_way(held: Held
     clock.now += 5.0  # a1 passes its limit and gives its place: key-b's compile goes before a2
     assert compiles.poll(a1).state == "overdue"
     assert held.ran("b1").wait(GUARD_S)
+    assert held.started == ["a1", "b1"]
     held.release("b1")
     assert _done(b1) == "grammar:b1"
-    assert held.started == ["a1", "b1"]
     assert held.ran("a2").wait(GUARD_S)  # then key-a's next, in its order
     held.release()
     assert (_done(a2), _done(a3)) == ("grammar:a2", "grammar:a3")
