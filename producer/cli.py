@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lane", choices=names.LANES, default="interactive", help="interactive (default) or backlog"
     )
-    p.add_argument("--max-new-tokens", type=int, help="tokens to generate (1..MRC_MAX_NEW_TOKENS_LIMIT)")
+    p.add_argument(
+        "--max-new-tokens", type=arg_types.integer, help="tokens to generate (1..MRC_MAX_NEW_TOKENS_LIMIT)"
+    )
     p.add_argument("--ticket-id", help="upstream ticket id, copied into the result")
     p.add_argument("--deadline", help="RFC 3339 time after which the job is not run (result: expired)")
     answer = p.add_mutually_exclusive_group()

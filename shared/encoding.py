@@ -91,10 +91,28 @@ class TooDeep(ValueError):
     """JSON nested past MAX_DEPTH (or past what the parser can hold)."""
 
 
-def loads(text: str | bytes) -> Any:
-    """json.loads, with nesting past MAX_DEPTH (or past what the parser can hold) a ValueError."""
+class DuplicateKey(ValueError):
+    """A JSON object naming one key twice: which value was meant cannot be told (json keeps the last)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook refusing a key given twice (review, helper-84: `{"prompt": "first",
+    "prompt": "second"}` ran "second", where multipart refuses a field given twice)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(f"{key[:64]!r} is given more than once in one object")
+            seen.add(key)
+    return value
+
+
+def loads(text: str | bytes | bytearray) -> Any:
+    """json.loads, with nesting past MAX_DEPTH (or past what the parser can hold) a ValueError, and a
+    key given twice in one object a DuplicateKey (a ValueError too)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=unique_keys)
     except RecursionError:
         raise TooDeep("JSON nested too deeply") from None
     problem = depth_problem(value)

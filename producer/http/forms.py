@@ -10,8 +10,10 @@ the job (producer/intake/), so a large hostile schema never holds up other reque
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import starlette.formparsers
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -31,7 +33,9 @@ class JobRequest(BaseModel):
     job_id: str | None = None
     ticket_id: str | None = None
     lane: str = "interactive"
-    max_new_tokens: int | None = None
+    # A JSON number, never "5", true or 5.0 (review, helper-84: all three ran); multipart's text is
+    # read as decimal digits before the model sees it (`_form_integers`).
+    max_new_tokens: int | None = Field(default=None, strict=True)
     deadline: str | None = None
     response_format: dict[str, Any] | None = Field(
         default=None,
@@ -105,15 +109,43 @@ async def job_fields(request: Request) -> tuple[dict[str, Any] | JSONResponse, b
             data = await upload.read()
             fields: dict[str, Any] = {k: v for k, v in form.items() if k != "image" and isinstance(v, str)}
         fields["image"] = ""
+        _form_integers(fields)
         return await run_in_threadpool(checked, fields), data
     if kind != "application/json":
         return error(415, "invalid_job", "send application/json or multipart/form-data"), None
     return await run_in_threadpool(parsed, await request.body()), None
 
 
+_DECIMAL = re.compile(r"-?[0-9]{1,18}")
+
+
+def _form_integers(fields: dict[str, Any]) -> None:
+    """A multipart integer is decimal digits (an optional minus): `1_0`, `5.0`, ` 5` and `²` stay text
+    and are refused by the strict model, as a JSON string would be (Python's int() took `1_0`)."""
+    value = fields.get("max_new_tokens")
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        fields["max_new_tokens"] = int(value)
+
+
+def _decoded(src: bytes | bytearray, codec: str) -> str:
+    """A multipart field's text: bytes its charset does not decode become lone surrogates, which the
+    checks refuse as not valid Unicode, as the JSON route refuses them (review, helper-84: Starlette's
+    own fallback read them as Latin-1, so `caf\\xe9` ran as "café" and an encoded surrogate as
+    mojibake). A charset Python does not know is read as UTF-8, the default."""
+    try:
+        return bytes(src).decode(codec, "surrogateescape")
+    except LookupError:
+        return bytes(src).decode("utf-8", "surrogateescape")
+
+
+starlette.formparsers._user_safe_decode = _decoded  # its only use: multipart names, values, filenames
+
+
 def parsed(body: bytes) -> dict[str, Any] | JSONResponse:
     try:
         data = encoding.loads(body)  # nesting past its bound is a ValueError
+    except encoding.DuplicateKey as twice:
+        return error(422, "invalid_job", f"the body is ambiguous: {twice}")
     except (ValueError, UnicodeDecodeError):
         return error(400, "invalid_job", "the body is not JSON (or is nested too deeply)")
     return checked(data)

@@ -90,6 +90,19 @@ def _slow_down(wait: float) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     return json_body(429, "rate_limited", "too many requests", {"Retry-After": str(max(1, round(wait)))})
 
 
+def _ambiguous(scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+    """400 for a request two parties could read two ways (review, helper-84): two Authorization
+    headers (the last one won: a proxy's and the client's), or a body framed both by Content-Length
+    and by Transfer-Encoding (RFC 9112 6.1: a request smuggled past a proxy that reads the other)."""
+    names = [name.lower() for name, _value in scope.get("headers") or []]
+    if names.count(b"authorization") > 1:
+        return json_body(400, "invalid_request", "Authorization is given more than once")
+    if b"transfer-encoding" in names and b"content-length" in names:
+        message = "a body framed by both Content-Length and Transfer-Encoding"
+        return json_body(400, "invalid_request", message, {"Connection": "close"})
+    return None
+
+
 def _route_label(scope: Scope) -> str:
     """The route template a request is counted under: the one that answered it, or, for an answer
     given before routing (401, 429, 413, 503 at the door) or by a route that sets none (/openapi.json,
@@ -143,7 +156,7 @@ class Front:
             self.count(route, method, status[0] or 500, time.perf_counter() - began)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, status: list[int]) -> None:
-        refused = self._gate(scope)
+        refused = _ambiguous(scope) or self._gate(scope)
         if refused is not None:
             await _reply(send, refused)
             return

@@ -32,7 +32,7 @@ from producer.http.state import ApiState
 from producer.intake.checks import IMAGE_CODES
 from producer.intake.request import Submission
 from producer.openai import chat_stream
-from producer.openai.chat_request import ChatJob, idempotency_key, parse_chat, read_json
+from producer.openai.chat_request import ChatJob, idempotency_key, parse_chat, take_json
 from producer.openai.completion import completion
 from producer.openai.errors import OpenAIError, from_usage_error
 from producer.openai.models import Models
@@ -173,7 +173,7 @@ class Chat:
             let_go()
 
         chat = parse_chat(
-            read_json(raw), self.settings, owner=caller.owner, check_model=self.models.check,
+            take_json(raw), self.settings, owner=caller.owner, check_model=self.models.check,
             before_fetch=before_fetch,
         )  # fmt: skip
         job_id = chat.job_id or idempotent_job_id(caller, key)

@@ -380,11 +380,26 @@ def idempotency_key(headers: Mapping[str, str]) -> str | None:
     return key
 
 
-def read_json(raw: bytes | bytearray) -> object:
+def take_json(raw: bytearray) -> object:
+    """`read_json` of a body read into `raw`, which is emptied once decoded: a chat body's image, as
+    base64, is held twice at most (its text and its string), never three times with the body's bytes."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads reads bytes
+    except (UnicodeDecodeError, LookupError):
+        raise OpenAIError(
+            400, "the body is not JSON (or is nested too deeply)", None, "invalid_json"
+        ) from None
+    raw.clear()
+    return read_json(text)
+
+
+def read_json(raw: str | bytes | bytearray) -> object:
     """A request body as JSON; OpenAIError 400 when it is not, or when a string in it is not valid
     Unicode (a lone surrogate, `\\udcff` on the wire): no store, key or answer could carry it."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, object_pairs_hook=encoding.unique_keys)
+    except encoding.DuplicateKey as twice:
+        raise OpenAIError(400, f"the body is ambiguous: {twice}", None, "invalid_json") from None
     except (ValueError, RecursionError):
         raise OpenAIError(
             400, "the body is not JSON (or is nested too deeply)", None, "invalid_json"

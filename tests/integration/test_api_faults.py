@@ -30,7 +30,7 @@ from producer.http import waits as api_waits
 from producer.server import create_app
 from scripts import devservices as services
 from shared import logs, tenants
-from tests.integration.test_api import AUTH, BACKLOG_KEY, KEYS, OWNER
+from tests.integration.test_api import AUTH, BACKLOG_KEY, KEY, KEYS, OWNER
 from tests.support import imagegen
 
 pytestmark = pytest.mark.integration
@@ -584,3 +584,79 @@ def test_keys_whose_image_urls_hang_never_hold_another_keys_body_turn(api_env: d
         hung.set()
         server.shutdown()
         server.server_close()
+
+
+def _form(fields: list[tuple[bytes, bytes]], image: bytes) -> tuple[bytes, dict[str, str]]:
+    """A multipart job body written byte for byte (a client's own encoding, invalid UTF-8 included)."""
+    parts = [b'--B\r\nContent-Disposition: form-data; name="' + name + b'"\r\n\r\n' + value + b"\r\n"
+             for name, value in fields]  # fmt: skip
+    parts.append(
+        b'--B\r\nContent-Disposition: form-data; name="image"; filename="p.jpg"\r\n\r\n' + image + b"\r\n"
+    )
+    return b"".join(parts) + b"--B--\r\n", {**AUTH, "Content-Type": "multipart/form-data; boundary=B"}
+
+
+def test_a_request_two_readers_could_read_two_ways_is_refused(
+    api: TestClient, api_env: dict[str, str]
+) -> None:
+    """Review, helper-84: a JSON key given twice ran its last value; "5", true and 5.0 were taken for
+    max_new_tokens, and multipart's `1_0`; bytes a multipart field's charset does not decode were read
+    as Latin-1 (`caf\\xe9` ran as "café", which JSON refuses); two Authorization headers were answered
+    as the last key; a body framed by Content-Length and Transfer-Encoding at once was read."""
+    photo = imagegen.photo(64, 48, seed=5)
+    uri = f"s3://{api_env['MRC_S3_BUCKET']}/inputs/nowhere.jpg"
+    twice = b'{"image": "' + uri.encode() + b'", "prompt": "first", "prompt": "second"}'
+    reply = api.post("/v1/jobs", content=twice, headers={**AUTH, "Content-Type": "application/json"})
+    assert reply.status_code == 422, reply.text
+    assert "'prompt' is given more than once" in reply.json()["error"]["message"]
+    for number in ('"5"', "true", "5.0"):
+        body = f'{{"image": "{uri}", "prompt": "p", "max_new_tokens": {number}}}'.encode()
+        reply = api.post("/v1/jobs", content=body, headers={**AUTH, "Content-Type": "application/json"})
+        assert reply.status_code == 422, (number, reply.text)
+        assert "max_new_tokens" in reply.json()["error"]["message"]
+    for digits in (b"1_0", b"5.0", b" 5", "\u00b2".encode()):
+        body, headers = _form([(b"prompt", b"Refund?"), (b"max_new_tokens", digits)], photo)
+        reply = api.post("/v1/jobs", content=body, headers=headers)
+        assert reply.status_code == 422, (digits, reply.text)
+    for text in (b"caf\xe9", b"a\xed\xa0\x80b"):
+        body, headers = _form([(b"prompt", text)], photo)
+        reply = api.post("/v1/jobs", content=body, headers=headers)
+        assert reply.status_code == 422, (text, reply.text)
+        assert "not valid Unicode" in reply.json()["error"]["message"]
+    body, headers = _form([(b"prompt", "caf\u00e9?".encode()), (b"max_new_tokens", b"5")], photo)
+    accepted = api.post("/v1/jobs", content=body, headers=headers)
+    assert accepted.status_code == 202, accepted.text
+    job_id = accepted.json()["job_id"]
+    both = [("Authorization", f"Bearer {KEY}"), ("Authorization", f"Bearer {BACKLOG_KEY}")]
+    reply = api.get(f"/v1/jobs/{job_id}", headers=both)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["code"] == "invalid_request"
+    chat = b'{"model": "tiny", "model": "other", "messages": [{"role": "user", "content": "hi"}]}'
+    reply = api.post(
+        "/v1/chat/completions", content=chat, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert reply.status_code == 400, reply.text
+    assert "'model' is given more than once" in reply.json()["error"]["message"]
+    done = services.run_cli(api_env, "submit", "--image", "x.jpg", "--prompt", "p", "--max-new-tokens", "1_0")
+    assert done.returncode == 2, done.stderr
+    assert "is not a whole number" in done.stderr
+
+
+def test_a_body_framed_two_ways_is_refused_before_it_is_read(api_env: dict[str, str]) -> None:
+    """RFC 9112 6.1: Content-Length beside Transfer-Encoding is how a request is smuggled past a proxy
+    that reads the other framing (review, helper-84: the chunked body was read, 202)."""
+    from tests.support.api_server import serve
+
+    body = b'{"image": "s3://b/x.jpg", "prompt": "p"}'
+    chunked = hex(len(body))[2:].encode() + b"\r\n" + body + b"\r\n0\r\n\r\n"
+    with serve(api_env) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(
+                b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + chunked
+            )
+            answer = b"".join(iter(lambda: conn.recv(4096), b"")).decode("latin-1")  # it closes
+    assert answer.startswith("HTTP/1.1 400"), answer[:300]
+    assert "Content-Length and Transfer-Encoding" in answer
