@@ -72,6 +72,7 @@ bench: install
 	$(PY) tests/bench/bench_durability.py
 	$(PY) tests/bench/bench_enqueue.py
 	$(PY) tests/bench/bench_api.py
+	$(PY) tests/bench/bench_api_memory.py
 	$(PY) tests/bench/bench_waits.py
 	$(PY) tests/bench/bench_streaming.py
 	$(PY) tests/bench/bench_parcel_accuracy.py

@@ -63,7 +63,7 @@ def limits(settings: Settings) -> Limits:
     )
     return Limits(
         capped(SMALL_BODY_BYTES), settings.api_max_bodies, settings.api_drain_bytes,
-        body_read_s=settings.api_body_timeout_s, paths=paths,
+        body_read_s=settings.api_body_timeout_s, paths=paths, heavy_paths=("/v1/chat/",),
     )  # fmt: skip
 
 

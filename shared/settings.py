@@ -81,8 +81,8 @@ class Settings(BaseSettings):
     api_rate_per_s: float = Field(default=50.0, ge=0)  # per key (or per client address without keys); 0: off
     api_rate_burst: int = Field(default=100, ge=1)
     api_result_wait_max_s: float = Field(default=30.0, ge=0)  # the longest ?wait= a request may hold
-    # Request bodies read at once per process: memory for bodies is this x the body limit (8 x 33 MiB
-    # fits the 1 GiB of deploy/k8s/api.yaml with room for the multipart copy); more wait, then 503.
+    # Request bodies read at once per process (a quarter of them at most chat bodies past 1 MiB, which
+    # cost ~3.75x their size to read); more wait, then 503. README sizes the memory this takes.
     api_max_bodies: int = Field(default=8, ge=1)
     # A body must arrive within this of its turn to be read, or 408 (a trickling client holds a turn).
     api_body_timeout_s: float = Field(default=120.0, gt=0)

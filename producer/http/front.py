@@ -68,6 +68,13 @@ class Limits:
     # bounded by what it carries (an image in a multipart job or a chat request, a batch input file,
     # a few KiB of JSON for a batch create).
     paths: tuple[tuple[str, str, int], ...] = ()
+    # Path prefixes whose bodies past `heavy_bytes` (or of no declared length) cost several times their
+    # size to read: they also take one of a quarter of the turns (body_slots.py).
+    heavy_paths: tuple[str, ...] = ()
+    heavy_bytes: int = 1 << 20
+
+    def heavy(self, path: str, declared: int | None) -> bool:
+        return path.startswith(self.heavy_paths) and (declared is None or declared > self.heavy_bytes)
 
     def for_request(self, path: str, content_type: str = "") -> int:
         kind = content_type.split(";", 1)[0].strip().lower()
@@ -217,7 +224,9 @@ class Front:
             return
         caller = (scope.get("state") or {}).get("caller")
         who = caller.key_id if caller is not None else None  # keys off: no one caller to hold back
-        turn = await self._bodies.take(who, let_in=caller is not None)
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        heavy = self.limits.heavy(str(scope.get("path", "")), size)
+        turn = await self._bodies.take(who, let_in=caller is not None, heavy=heavy)
         if isinstance(turn, str):
             await _drain(receive, self.limits.drain_bytes, None)
             await _reply(send, json_body(503, "busy", turn, {"Retry-After": "2"}))

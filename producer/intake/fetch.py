@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import ipaddress
 import re
 import socket
@@ -146,15 +147,30 @@ def _reached(
     return ip
 
 
-def fetch(url: str, settings: Settings, owner: str = "") -> bytes:
-    """The image at `url`, fetched for `owner` (a key's id), or FetchRefused (and nothing else)."""
+def fetch(
+    url: str, settings: Settings, owner: str = "", held: list[Callable[[], None]] | None = None
+) -> bytes:
+    """The image at `url`, fetched for `owner` (a key's id), or FetchRefused (and nothing else).
+    `held`: the fetch's slot is kept past the return, its release put there, so that the bytes the
+    caller goes on to check and upload stay counted (review, helper-83: a request gave its body turn
+    back before its fetch, and then held the fetched image under no bound at all)."""
+    release = slots.take(owner)
     try:
-        with slots.held(owner):
-            return _fetch(url, settings, owner)
+        data = _fetch(url, settings, owner)
     except FetchRefused:
+        release()
         raise
     except Exception as exc:  # a URL or an answer no rule above foresaw: refused, never a 500
+        release()
         raise FetchRefused("image_url_fetch_failed", f"{_show(url)}: {_why(exc)}") from None
+    except BaseException:
+        release()
+        raise
+    if held is None:
+        release()
+    else:
+        held.append(release)
+    return data
 
 
 def _fetch(url: str, settings: Settings, owner: str) -> bytes:
@@ -365,16 +381,14 @@ def _read(response: http.client.HTTPResponse, limit: int) -> bytes:
     exact = int(length) if _LENGTH.fullmatch(length) else None
     if exact is not None and exact > limit:
         raise FetchRefused("image_too_large", f"the image is {exact} bytes; the limit is {limit}")
-    body = bytearray()
+    body = io.BytesIO()  # getvalue() hands its buffer over: the image is in memory once, not twice
     while chunk := response.read1(_CHUNK):
-        body += chunk
-        if len(body) > limit:
+        if body.write(chunk) and body.tell() > limit:
             raise FetchRefused("image_too_large", f"the image is over the limit of {limit} bytes")
-    if length and (exact is None or len(body) != exact):
-        raise FetchRefused(
-            "image_url_fetch_failed", f"the body ({len(body)} bytes) does not match its length"
-        )
-    return bytes(body)
+    size = body.tell()
+    if length and (exact is None or size != exact):
+        raise FetchRefused("image_url_fetch_failed", f"the body ({size} bytes) does not match its length")
+    return body.getvalue()
 
 
 def _left(deadline: float) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -172,14 +173,22 @@ class Chat:
             raw.clear()
             let_go()
 
-        chat = parse_chat(
-            take_json(raw), self.settings, owner=caller.owner, check_model=self.models.check,
-            before_fetch=before_fetch,
-        )  # fmt: skip
-        job_id = chat.job_id or idempotent_job_id(caller, key)
-        if job_id is None and self.settings.openai_retry_window_s > 0:
-            job_id = self._retry_job_id(caller, digest)
-        return job_id is not None, self._enqueue(chat, job_id, caller), chat
+        fetched: list[Callable[[], None]] = []  # a fetch's slot, held until its image is uploaded
+        try:
+            chat = parse_chat(
+                take_json(raw), self.settings, owner=caller.owner, check_model=self.models.check,
+                before_fetch=before_fetch, fetch_held=fetched,
+            )  # fmt: skip
+            job_id = chat.job_id or idempotent_job_id(caller, key)
+            if job_id is None and self.settings.openai_retry_window_s > 0:
+                job_id = self._retry_job_id(caller, digest)
+            job = self._enqueue(chat, job_id, caller)
+            # Uploaded: the answer's wait (a minute, under no turn) holds no copy of the image (it held
+            # the decoded bytes of every waiting request's data: URL).
+            return job_id is not None, job, dataclasses.replace(chat, data=None)
+        finally:
+            for release in fetched:
+                release()
 
     def _retry_job_id(self, caller: Caller, digest: str) -> str:
         """The job this exact request (same key, same bytes: `digest`) names within

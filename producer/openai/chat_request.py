@@ -166,11 +166,13 @@ def parse_chat(
     owner: str = "",
     check_model: Callable[[str], None] = lambda _model: None,
     before_fetch: Callable[[], None] = lambda: None,
+    fetch_held: list[Callable[[], None]] | None = None,
 ) -> ChatJob:
     """The request checked and read; OpenAIError (400) naming the field otherwise. `check_model`
     refuses a model no worker serves before an image URL is fetched for it (review, helper-73: the
     fetch went out, then the answer was 404); `before_fetch` runs once everything else is checked,
-    just before an image URL is fetched."""
+    just before an image URL is fetched; `fetch_held` receives the release of the fetch's slot, which
+    the caller holds until the fetched image is uploaded (producer/intake/fetch.py)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
     _counted(body)
@@ -202,7 +204,7 @@ def parse_chat(
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
     check_model(request.model)
-    uri, data = _image(folded.image.url, settings, image_param, batch, owner, before_fetch)
+    uri, data = _image(folded.image.url, settings, image_param, batch, owner, before_fetch, fetch_held)
     stream, options = bool(request.stream), request.stream_options or {}
     return ChatJob(
         request.model, prompt, uri, data, max_new, fmt, ticket_id, job_id, image_param,
@@ -289,6 +291,7 @@ def _image(
     batch: bool = False,
     owner: str = "",
     before_fetch: Callable[[], None] = lambda: None,
+    fetch_held: list[Callable[[], None]] | None = None,
 ) -> tuple[str | None, bytes | None]:
     """(s3 URI, None) or (None, the bytes of a data: URL or of an http(s) URL from an allowed host)."""
     found = _DATA_URL.match(url)
@@ -326,7 +329,7 @@ def _image(
             )
         return url, None
     if url.lower().startswith(("http://", "https://")) and settings.image_url_hosts:
-        return None, _fetched(url, settings, param, batch, owner, before_fetch)
+        return None, _fetched(url, settings, param, batch, owner, before_fetch, fetch_held)
     kind = "a URL" if _URL.match(url) else "not a URL"
     if settings.image_url_hosts and _URL.match(url):  # review, helper-73: ftp:// was told of the hosts
         raise OpenAIError(
@@ -346,7 +349,13 @@ def _image(
 
 
 def _fetched(
-    url: str, settings: Settings, param: str, batch: bool, owner: str, before_fetch: Callable[[], None]
+    url: str,
+    settings: Settings,
+    param: str,
+    batch: bool,
+    owner: str,
+    before_fetch: Callable[[], None],
+    held: list[Callable[[], None]] | None,
 ) -> bytes:
     """An http(s) image fetched by the API from a host the operator allowed (producer/intake/fetch.py):
     for a chat request only. A batch line's fetch would hold its batch's enqueue, every line's bytes
@@ -361,7 +370,7 @@ def _fetched(
         )
     before_fetch()
     try:
-        return fetch.fetch(url, settings, owner)
+        return fetch.fetch(url, settings, owner, held)
     except fetch.FetchBusy as busy:  # nothing fetched, nothing queued: a retry is safe
         raise OpenAIError(429, busy.detail, param, busy.reason, headers={"Retry-After": "2"}) from None
     except fetch.FetchRefused as refused:

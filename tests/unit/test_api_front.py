@@ -329,3 +329,42 @@ def test_a_key_past_its_share_waits_for_its_own_turn_as_for_the_pool() -> None:
         assert not slots._users  # every place given back: nothing of k's share is kept
 
     asyncio.run(run())
+
+
+def test_bodies_that_cost_several_times_their_size_take_a_quarter_of_the_turns_at_most() -> None:
+    """Review, helper-83: eight chat bodies of 40 MB (a base64 image each) took mrc-api to 986 MB; a
+    chat body past 1 MiB (or of no declared length) also takes one of a quarter of the turns now, and
+    other bodies are not held up by them."""
+    from producer.http.body_slots import HEAVY, BodySlots
+    from producer.http.front import Limits
+
+    limits = Limits(1 << 20, 8, 0, heavy_paths=("/v1/chat/",))
+    assert limits.heavy("/v1/chat/completions", None)
+    assert limits.heavy("/v1/chat/completions", (1 << 20) + 1)
+    assert not limits.heavy("/v1/chat/completions", 1 << 20)
+    assert not limits.heavy("/v1/jobs", None)
+
+    async def run() -> None:
+        slots = BodySlots(turns=8, wait_s=0.3)
+        assert slots.heavy_turns == 2
+        first, second = [await slots.take(key, heavy=True) for key in ("a", "b")]
+        assert callable(first)
+        assert callable(second)
+        assert await slots.take("c", heavy=True) == HEAVY  # none comes back within the wait
+        light = await slots.take("c")
+        assert callable(light)  # a body of another kind goes on
+        waiting = asyncio.create_task(slots.take("c", heavy=True))
+        await asyncio.sleep(0.05)
+        first()  # gives back its turn and its heavy place
+        first()  # once
+        got = await waiting
+        assert callable(got)
+        for turn in (got, second, light):
+            turn()
+        assert not slots._users
+        assert slots._heavy is not None
+        assert slots._heavy._value == 2
+        assert slots._keyed is not None
+        assert slots._keyed._value == 8
+
+    asyncio.run(run())

@@ -497,3 +497,18 @@ def test_a_refused_url_is_named_with_its_port_as_given(port: int) -> None:
         fetch.fetch(f"http://user:secret@localhost:{port}:80/parcel.png", _settings())
     assert f"http://localhost:{port}:80/parcel.png" in refused.value.detail
     assert "secret" not in refused.value.detail
+
+
+def test_a_fetch_whose_caller_holds_its_slot_keeps_it_until_given_back(port: int) -> None:
+    """Review, helper-83: a chat request gave its body turn back before its fetch and then held the
+    fetched image, while it was checked and uploaded, under no bound; the caller keeps the fetch's
+    slot until the upload is done. A refused fetch gives its slot back at once."""
+    held: list[Any] = []
+    assert fetch.fetch(f"http://localhost:{port}/parcel.png", _settings(), "key-h", held) == IMAGE
+    assert fetch.slots._by_key.get("key-h") == 1
+    held.pop()()
+    assert "key-h" not in fetch.slots._by_key
+    with pytest.raises(FetchRefused):
+        fetch.fetch(f"http://localhost:{port}/missing", _settings(), "key-h", held)
+    assert held == []
+    assert "key-h" not in fetch.slots._by_key
