@@ -23,6 +23,7 @@ import base64
 import binascii
 import json
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from producer.intake import fetch
 from producer.openai import chat_messages
 from producer.openai.errors import OpenAIError
 from producer.openai.protocol import MAX_MESSAGES, MAX_PARTS, ChatRequest, JsonObjectFormat, TextFormat
-from shared import encoding, names
+from shared import encoding, logs, names
 from shared import response_format as response_formats
 from shared.jobs import limit_problem
 from shared.settings import Settings
@@ -369,12 +370,23 @@ def _fetched(
             "image_source_forbidden",
         )
     before_fetch()
+    began = time.monotonic()
     try:
-        return fetch.fetch(url, settings, owner, held)
-    except fetch.FetchBusy as busy:  # nothing fetched, nothing queued: a retry is safe
-        raise OpenAIError(429, busy.detail, param, busy.reason, headers={"Retry-After": "2"}) from None
-    except fetch.FetchRefused as refused:
+        data = fetch.fetch(url, settings, owner, held)
+    except fetch.FetchRefused as refused:  # logged: an operator sees a key's refused or hanging URLs
+        logs.get_logger().warning(
+            "MRC_IMAGE_URL_REFUSED", owner=owner, code=refused.reason, message=refused.detail[:300],
+            seconds=round(time.monotonic() - began, 3),
+        )  # fmt: skip
+        if isinstance(refused, fetch.FetchBusy):  # nothing fetched, nothing queued: a retry is safe
+            raise OpenAIError(
+                429, refused.detail, param, refused.reason, headers={"Retry-After": "2"}
+            ) from None
         raise OpenAIError(400, refused.detail, param, refused.reason) from None
+    logs.get_logger().info(
+        "MRC_IMAGE_URL_FETCHED", owner=owner, bytes=len(data), seconds=round(time.monotonic() - began, 3)
+    )
+    return data
 
 
 def idempotency_key(headers: Mapping[str, str]) -> str | None:

@@ -512,3 +512,21 @@ def test_a_fetch_whose_caller_holds_its_slot_keeps_it_until_given_back(port: int
         fetch.fetch(f"http://localhost:{port}/missing", _settings(), "key-h", held)
     assert held == []
     assert "key-h" not in fetch.slots._by_key
+
+
+def test_each_url_a_chat_fetches_or_is_refused_is_logged_for_its_key(port: int) -> None:
+    """Review, helper-83: refused and timed-out fetches left no line and no count, so an operator could
+    not see a key's hanging or refused URLs."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logged:
+        parse_chat(_chat(f"http://localhost:{port}/parcel.png"), _settings(), owner="abcdef012345")
+        with pytest.raises(OpenAIError):
+            parse_chat(_chat(f"http://localhost:{port}/missing"), _settings(), owner="abcdef012345")
+    events = [
+        (e["event"], e["owner"], e.get("code"), e.get("bytes")) for e in logged if "IMAGE_URL" in e["event"]
+    ]
+    assert events == [
+        ("MRC_IMAGE_URL_FETCHED", "abcdef012345", None, len(IMAGE)),
+        ("MRC_IMAGE_URL_REFUSED", "abcdef012345", "image_url_fetch_failed", None),
+    ]
