@@ -91,6 +91,10 @@ class TooDeep(ValueError):
     """JSON nested past MAX_DEPTH (or past what the parser can hold)."""
 
 
+class PastDepth(TooDeep):
+    """JSON the parser read whole, nested past MAX_DEPTH (a job's field: invalid_job, not unreadable)."""
+
+
 class DuplicateKey(ValueError):
     """A JSON object naming one key twice: which value was meant cannot be told (json keeps the last)."""
 
@@ -117,7 +121,7 @@ def loads(text: str | bytes | bytearray) -> Any:
         raise TooDeep("JSON nested too deeply") from None
     problem = depth_problem(value)
     if problem:
-        raise TooDeep(problem)
+        raise PastDepth(problem)
     return value
 
 

@@ -297,19 +297,7 @@ def _image(
     """(s3 URI, None) or (None, the bytes of a data: URL or of an http(s) URL from an allowed host)."""
     found = _DATA_URL.match(url)
     if found:
-        encoded = url[found.end() :]
-        # base64 is 4 characters per 3 bytes: a string this long decodes to more than the limit
-        if len(encoded) > (settings.max_image_bytes + 2) // 3 * 4 + 4:
-            raise OpenAIError(
-                400,
-                f"the image is over the limit of {settings.max_image_bytes} bytes",
-                param,
-                "image_too_large",
-            )
-        try:
-            return None, base64.b64decode(encoded, validate=True)
-        except (binascii.Error, ValueError):
-            raise OpenAIError(400, "the data: URL is not valid base64", param, "invalid_value") from None
+        return None, _data_url(url, found, settings, param)
     if url.startswith("data:"):
         raise OpenAIError(
             400, "a data: URL must be base64 (data:image/png;base64,...)", param, "invalid_value"
@@ -347,6 +335,29 @@ def _image(
         param,
         "image_source_forbidden",
     )
+
+
+def _data_url(url: str, found: re.Match[str], settings: Settings, param: str) -> bytes:
+    """The image of a base64 `data:` URL of an image type (review, helper-84: `data:text/plain;...`
+    was taken, where OpenAI's API and the contract name `data:image/...`)."""
+    kind = found["type"].lower()
+    if not kind.startswith("image/"):
+        raise OpenAIError(
+            400,
+            f"a data: URL's media type is image/... (data:image/png;base64,...), not {kind[:40] or 'none'!r}",
+            param,
+            "invalid_value",
+        )
+    encoded = url[found.end() :]
+    # base64 is 4 characters per 3 bytes: a string this long decodes to more than the limit
+    if len(encoded) > (settings.max_image_bytes + 2) // 3 * 4 + 4:
+        raise OpenAIError(
+            400, f"the image is over the limit of {settings.max_image_bytes} bytes", param, "image_too_large"
+        )
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise OpenAIError(400, "the data: URL is not valid base64", param, "invalid_value") from None
 
 
 def _fetched(

@@ -432,6 +432,15 @@ def test_json_nested_past_the_parser_is_a_400(api: TestClient, body: bytes) -> N
     assert reply.json()["error"]["code"] == "invalid_job"
 
 
+def test_a_job_nested_past_64_levels_is_a_422_as_the_contract_says(api: TestClient) -> None:
+    """Review, helper-84: a body the parser reads whole but nested past 64 levels was a 400 "not JSON";
+    docs/contract.md's hardening note says 422 `invalid_job`."""
+    deep = '{"image": "s3://b/x.jpg", "prompt": "p", "response_format": ' + "[" * 70 + "]" * 70 + "}"
+    reply = api.post("/v1/jobs", content=deep.encode(), headers={**AUTH, "Content-Type": "application/json"})
+    assert reply.status_code == 422, reply.text
+    assert "nested more than 64 levels" in reply.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "after", ["99999999999999999999", "1-99999999999999999999", "18446744073709551616-0"]
 )

@@ -152,6 +152,10 @@ def test_what_mrc_cannot_do_is_refused_by_name(
         ("data:image/png,not-base64", 400, "invalid_value"),
         ("data:image/png;base64,@@@@", 400, "invalid_value"),
         ("data:image/png;base64," + "A" * 2000, 400, "image_too_large"),  # decodes past 1,000 bytes
+        # Not an image type (review, helper-84: these were taken, the bytes decoded as whatever they were)
+        ("data:text/plain;base64," + IMAGE.split(",", 1)[1], 400, "invalid_value"),
+        ("data:;base64," + IMAGE.split(",", 1)[1], 400, "invalid_value"),
+        ("data:application/octet-stream;base64," + IMAGE.split(",", 1)[1], 400, "invalid_value"),
     ],
 )
 def test_images_come_as_base64_or_from_our_bucket(url: str, status: int, code: str) -> None:
