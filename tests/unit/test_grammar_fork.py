@@ -57,9 +57,10 @@ def test_a_child_past_its_limit_is_stopped_and_reaped() -> None:
         while True:
             time.sleep(1)
 
+    before = _children()
     with pytest.raises(grammar_fork.TimedOut):
         grammar_fork.run(forever, 0.2)
-    assert _children() == []
+    assert _children() <= before
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +90,10 @@ def test_a_costly_format_is_stopped_at_its_limit_then_refused_at_once(
         return real_run(work, limit_s)
 
     monkeypatch.setattr(grammar_fork, "run", counted)
+    before = _children()
     with pytest.raises(CompileTimedOut):
         grammars.compile(costly)
-    assert _children() == []  # stopped, not left running beside the worker
+    assert _children() <= before  # stopped, not left running beside the worker
     with pytest.raises(CompileTimedOut, match="less than 300 s ago"):
         grammars.compile(costly)  # no second compile for the same end
     assert forks == [0.3]
@@ -116,6 +118,7 @@ def test_another_keys_schema_compiles_while_one_key_sends_costly_ones(backend: F
         model_id = "tiny"
         grammars = _grammars(backend, 0.3)  # each compile stopped at 0.3 s
 
+    before = _children()
     # A generous wait for a place (5 s): what is asserted is the order, not a duration.
     rows = RowGrammars(Holder(), 5.0, Metrics(), Compiles(5.0, threads=1, overdue=0))
     costly = [
@@ -132,7 +135,7 @@ def test_another_keys_schema_compiles_while_one_key_sends_costly_ones(backend: F
         error = _settle(rows, ask)
         assert isinstance(error, InvalidJob), error
         assert "did not compile within" in error.message
-    assert _children() == []
+    assert _children() <= before
 
 
 def _settle(rows: RowGrammars, ask: object) -> object:
