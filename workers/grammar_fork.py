@@ -44,6 +44,7 @@ def run(work: Callable[[], str], limit_s: float) -> str:
     """What `work` returns, computed in a forked child within `limit_s`; TimedOut past it,
     ChildFailed with the child's error, OSError when no child can be made (the caller compiles here)."""
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -52,7 +53,7 @@ def run(work: Callable[[], str], limit_s: float) -> str:
         raise
     if pid == 0:  # the child: compile, write, leave; nothing else
         os.close(read_end)
-        _child(work, write_end)
+        _child(work, write_end, parent)
     os.close(write_end)
     try:
         data = _read_until(read_end, time.monotonic() + limit_s)
@@ -66,9 +67,16 @@ def run(work: Callable[[], str], limit_s: float) -> str:
     raise ChildFailed(data[1:].decode(errors="replace") or "the compile's process ended without an answer")
 
 
-def _child(work: Callable[[], str], fd: int) -> None:
+def _child(work: Callable[[], str], fd: int, parent: int) -> None:
     code = 0
     try:
+        # Ctrl-C reaches the whole process group: the child must not answer "does not compile" for it
+        # (the parent kills it when it must), and it ends with the parent, whatever ends that.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _die_with_parent()
+        if os.getppid() != parent:  # it died before the line above: nobody waits for this compile
+            os._exit(1)
         try:
             out = _OK + work().encode()
         except BaseException as exc:  # the reason goes to the parent, whatever it is
@@ -80,6 +88,17 @@ def _child(work: Callable[[], str], fd: int) -> None:
         code = 1
     finally:
         os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG (Linux): SIGKILL when the worker that forked this child dies, so no compile
+    outlives the deadline its parent was keeping."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's kill at the deadline still holds
+        pass
 
 
 def _read_until(fd: int, deadline: float) -> bytes | None:

@@ -4,6 +4,9 @@ comes back from a child is the one compiled in the parent. Asserts outcomes, nev
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,11 +29,11 @@ from workers.row_grammars import RowGrammars
 COSTLY = {"type": "json_schema", "schema": {"type": "string", "pattern": "^[a-z]{1,16000}$"}}
 
 
-def _children() -> list[str]:
-    """This process's children (every thread's), from /proc."""
-    return [
-        pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()
-    ]
+def _children() -> set[str]:
+    """This process's children (every thread's), from /proc: in a whole run the session's services
+    and workers are among them, so a test compares with what there was before it."""
+    tasks = Path("/proc/self/task").iterdir()
+    return {pid for task in tasks for pid in (task / "children").read_text().split()}
 
 
 def _fmt(value: dict[str, Any]) -> rf.JsonSchemaFormat | rf.ChoiceFormat:
@@ -61,6 +64,29 @@ def test_a_child_past_its_limit_is_stopped_and_reaped() -> None:
     with pytest.raises(grammar_fork.TimedOut):
         grammar_fork.run(forever, 0.2)
     assert _children() <= before
+
+
+def test_a_ctrl_c_to_the_process_group_is_not_the_compiles_error(tmp_path: Path) -> None:
+    """Ctrl-C reaches every process of the group: a compiling child that took it for its own error
+    failed its job `invalid_job` as a format that does not compile. The child ignores it."""
+    started = tmp_path / "started"
+    before = _children()
+
+    def slow() -> str:
+        started.write_text("1")
+        time.sleep(1.0)
+        return "compiled"
+
+    result: list[str] = []
+    runner = threading.Thread(target=lambda: result.append(grammar_fork.run(slow, 60.0)))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in _children() - before:
+        os.kill(int(pid), signal.SIGINT)
+    runner.join(60)
+    assert result == ["compiled"]
 
 
 @pytest.fixture(scope="module")
