@@ -157,7 +157,11 @@ def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
     if not text.lstrip().startswith("{"):
         text = _schema_file(text)
     try:
-        schema = json.loads(text)
+        schema = encoding.loads(
+            text
+        )  # a key given twice, or nesting past 64 levels: refused, as mrc-api does
+    except encoding.DuplicateKey as twice:
+        raise UsageError(f"--json-schema: {twice}") from None
     except (ValueError, RecursionError) as exc:
         raise UsageError(f"--json-schema: not JSON ({str(exc)[:120]})") from None
     if not isinstance(schema, dict):

@@ -114,6 +114,13 @@ class CompilerBusy(InternalError):
     retryable = True
 
 
+class CompileInterrupted(InternalError):
+    """The process compiling the job's grammar died before it answered (a signal: the kernel's OOM
+    killer, an operator): the worker's fault, not the format's. It is retried."""
+
+    retryable = True
+
+
 class Abandoned(InternalError):
     """The job killed every worker that ran it alone; it is dead-lettered so a person can requeue it."""
 

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from shared.errors import InvalidJob, ModelError
+from shared.errors import CompileInterrupted, InvalidJob, ModelError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
 from workers import grammar_fork
 from workers.utf8_guard import Utf8Guard
@@ -145,7 +145,7 @@ class Grammars:
         `limit_s`) did not compile within it: CompileTimedOut, also at once for RAN_OUT_KEEP_S after."""
         try:
             compiled = self._compile(fmt) if self.limit_s is None else self._compile_within(fmt, self.limit_s)
-        except InvalidJob:
+        except (InvalidJob, CompileInterrupted):  # the format's fault, or the worker's: as they are
             raise
         except Exception as exc:  # the library's errors are RuntimeError/ValueError with its reason
             raise InvalidJob(f"response_format does not compile to a grammar: {str(exc)[:300]}") from None
@@ -185,6 +185,10 @@ class Grammars:
             return self._compile(fmt)
         except grammar_fork.ChildFailed as failed:
             raise InvalidJob(f"response_format does not compile to a grammar: {str(failed)[:300]}") from None
+        except grammar_fork.ChildDied as died:  # review, helper-85: an OOM kill blamed the format
+            raise CompileInterrupted(
+                f"the grammar's compile was interrupted: {died}; the job is retried"
+            ) from None
         except grammar_fork.TimedOut:
             with self._lock:
                 self._ran_out[key] = time.monotonic()

@@ -53,6 +53,8 @@ class JobRequest(BaseModel):
             return None
         try:
             return encoding.loads(value)
+        except encoding.DuplicateKey as twice:
+            raise ValueError(f"response_format: {twice}") from None
         except ValueError:
             raise ValueError("response_format: not JSON (or nested too deeply)") from None
 

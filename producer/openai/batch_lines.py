@@ -161,7 +161,9 @@ class Translator:
         if not text:
             return None
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=encoding.unique_keys)
+        except encoding.DuplicateKey as twice:  # as the chat route refuses its body (review, helper-85)
+            return _error(400, f"the line is ambiguous: {twice}", None, "invalid_json")
         except (ValueError, RecursionError):
             return _error(400, "the line is not JSON", None, "invalid_json")
         custom = data.get("custom_id") if isinstance(data, dict) else None

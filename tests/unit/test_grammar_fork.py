@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from shared import response_format as rf
-from shared.errors import InvalidJob
+from shared.errors import CompileInterrupted, InvalidJob
 from shared.settings import Settings
 from workers import grammar_fork
 from workers.backends.fuyu import FuyuBackend
@@ -172,3 +172,54 @@ def _settle(rows: RowGrammars, ask: object) -> object:
             return value
         time.sleep(min(value, 0.05))
     raise AssertionError("the ask never settled")
+
+
+def test_the_child_holds_none_of_the_workers_descriptors() -> None:
+    """A child forked while another compile's pipe was open held its write end, and that compile saw
+    no end of its pipe until the other child ended, then timed out (review, helper-85: 8 of 14 cheap
+    formats beside a costly one); a child that outlived its worker kept its listening socket."""
+    with open(__file__, "rb") as held_open:
+        listed = grammar_fork.run(lambda: " ".join(sorted(os.listdir("/proc/self/fd"), key=int)), 30.0)
+        assert str(held_open.fileno()) not in listed.split()
+    open_fds = [int(fd) for fd in listed.split()]
+    assert len([fd for fd in open_fds if fd > 2]) <= 2  # the pipe's write end, and the listing's own
+
+
+def test_a_child_killed_by_a_signal_is_not_the_formats_fault(
+    backend: FuyuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-85: an OOM kill of the compile's process failed its job `invalid_job`, for good,
+    as a format that does not compile. It is a retryable fault of the worker's."""
+
+    def killed() -> str:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return "never"
+
+    with pytest.raises(grammar_fork.ChildDied, match="signal 9"):
+        grammar_fork.run(killed, 30.0)
+
+    def died(_work: Callable[[], str], _limit_s: float) -> str:
+        raise grammar_fork.ChildDied("signal 9")
+
+    monkeypatch.setattr(grammar_fork, "run", died)
+    with pytest.raises(CompileInterrupted) as interrupted:
+        _grammars(backend, 5.0).compile(_fmt({"type": "choice", "choices": ["yes", "no"]}))
+    assert interrupted.value.retryable
+
+
+def test_the_child_runs_none_of_the_workers_signal_handlers(tmp_path: Path) -> None:
+    """Review, helper-85: a SIGTERM to the process group ran Celery's handler in the compiling child
+    too (a second "warm shutdown" line, logged from a fork of a threaded process)."""
+    ran = tmp_path / "handler-ran"
+    previous = signal.signal(signal.SIGUSR1, lambda *_: ran.write_text("in " + str(os.getpid())))
+    try:
+
+        def signalled() -> str:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+            return "compiled"
+
+        assert grammar_fork.run(signalled, 30.0) == "compiled"
+        assert not ran.exists()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
