@@ -86,6 +86,11 @@ def limit_problem(
     if len(prompt) > settings.max_prompt_chars:
         return f"prompt has {len(prompt)} characters; the limit is {settings.max_prompt_chars}"
     limit = settings.max_new_tokens_limit
+    whole = isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
+    if max_new_tokens is not None and not whole:
+        # Client.submit(max_new_tokens="5") raised a TypeError; True and 5.0 ran (review, helper-85)
+        kind = type(max_new_tokens).__name__
+        return f"max_new_tokens must be a whole number, got {kind} {str(max_new_tokens)[:20]!r}"
     if max_new_tokens is not None and not 1 <= max_new_tokens <= limit:
         text = str(max_new_tokens)  # a huge one is named by its size, not by a misleading head
         got = text if len(text) <= 20 else f"a number of {len(text.lstrip('-'))} digits"

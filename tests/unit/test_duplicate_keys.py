@@ -1,5 +1,6 @@
-"""A JSON object naming one key twice is refused at every door that reads JSON, the same way (review,
-helper-84, helper-85): json keeps the last value, so which was meant cannot be told."""
+"""A JSON object naming one key twice is refused at every door that reads JSON, the same way (json
+keeps the last value, so which was meant cannot be told), and a number of tokens is a whole number at
+every door (review, helper-84, helper-85)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_mrc_submit_refuses_a_schema_naming_a_key_twice() -> None:
 def test_a_multipart_response_format_naming_a_key_twice_says_so() -> None:
     with pytest.raises(ValidationError, match="'type' is given more than once"):
         JobRequest.model_validate({"image": "", "prompt": "p", "response_format": TWICE})
+
+
+@pytest.mark.parametrize("value", ["5", True, 5.0])
+def test_the_python_client_takes_a_whole_number_of_tokens_only(value: Any) -> None:
+    """Review, helper-85: Client.submit(max_new_tokens="5") raised a bare TypeError; True and 5.0 ran.
+    The same check every door makes, with a UsageError naming it."""
+    from producer.client import Client, Submission
+
+    client = Client(Settings())  # validate() reaches neither Redis nor S3
+    with pytest.raises(UsageError, match="max_new_tokens must be a whole number"):
+        client.validate(Submission(image="s3://b/x.jpg", prompt="p", max_new_tokens=value))
