@@ -87,6 +87,16 @@ def costliest(schema: dict[str, Any]) -> str:
     return place
 
 
+def spelled_out_total(schema: dict[str, Any]) -> int:
+    """Every pattern of the schema spelled out, summed: what a compile's time grows with (roughly as
+    its square; the library keeps maxLength and maxItems as repeats, cheap whatever their size)."""
+    return sum(
+        pattern_rules.spelled_out(node["pattern"])
+        for node, _where in schema_rules.nodes(schema, "")
+        if isinstance(node.get("pattern"), str)
+    )
+
+
 def _place(where: str, key: str = "") -> str:
     """`/properties/note` and `pattern` -> `response_format.schema.properties.note.pattern`."""
     parts = [p for p in where.split("/") if p] + ([key] if key else [])

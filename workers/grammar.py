@@ -16,12 +16,17 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from shared import schema_bounds
 from shared.errors import CompileInterrupted, InvalidJob, ModelError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
 from workers import grammar_fork
 from workers.utf8_guard import Utf8Guard
 
 RAN_OUT_KEEP_S = 300.0  # a format whose compile was stopped is refused at once this long after
+# Patterns spelled out to at most this many characters (all of a schema's, summed) compile in the
+# caller's thread: 2,048 took 0.2 s (docs/benchmarks.md, "Grammar compile against a pattern's repeat"),
+# less than a fork of a large worker costs. Past it, in a child that is stopped at the limit.
+IN_THREAD_SPELLED = 2048
 
 
 class CompileTimedOut(InvalidJob):
@@ -82,8 +87,8 @@ class Grammars:
         threads: int = 1,
         limit_s: float | None = None,
     ) -> None:
-        """`limit_s`: each compile runs in a forked child stopped past it (workers/grammar_fork.py);
-        None compiles on the caller's thread, however long it takes."""
+        """`limit_s`: a compile that could be slow (`_may_be_slow`) runs in a forked child stopped past
+        it (workers/grammar_fork.py); None compiles every format on the caller's thread."""
         import xgrammar
 
         self._xgr = xgrammar
@@ -166,6 +171,8 @@ class Grammars:
         """Compiled in a forked child stopped at `limit_s` (workers/grammar_fork.py); here when no child
         can be made. A format stopped is refused at once for RAN_OUT_KEEP_S: its next job would spend
         the same seconds of a compile place to the same end."""
+        if not _may_be_slow(fmt):
+            return self._compile(fmt)
         key = digest(fmt)
         with self._lock:
             stopped = self._ran_out.get(key)
@@ -203,6 +210,18 @@ class Grammars:
         mask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
         return bool((mask != 0).any())
+
+
+def _may_be_slow(fmt: JsonSchemaFormat | ChoiceFormat) -> bool:
+    """Whether the format's compile could outlast a fork's cost by far: patterns whose repeats the
+    library spells out past IN_THREAD_SPELLED. Anything else compiles in milliseconds (choices,
+    maxLength of any size, hundreds of properties, thousands of enum values: measured, review)."""
+    if isinstance(fmt, ChoiceFormat):
+        return False
+    try:
+        return schema_bounds.spelled_out_total(fmt.schema_) > IN_THREAD_SPELLED
+    except Exception:  # a pattern the reader refuses: the library judges it, in a child
+        return True
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, eos_id: int) -> Any:

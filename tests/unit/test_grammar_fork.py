@@ -124,15 +124,19 @@ def test_a_costly_format_is_stopped_at_its_limit_then_refused_at_once(
         grammars.compile(costly)  # no second compile for the same end
     assert forks == [0.3]
     boolean = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    cheap = _fmt({"type": "json_schema", "schema": boolean})
-    from_child = grammars.compile(cheap)
-    assert forks == [0.3, 0.3]
-    here = _grammars(backend, None).compile(cheap)
+    grammars.compile(_fmt({"type": "json_schema", "schema": boolean}))
+    assert forks == [0.3]  # milliseconds to compile: in the caller's thread, no fork
+    # Patterns spelled out past 2,048 characters go to a child; what comes back is the grammar itself.
+    longer = _fmt({"type": "json_schema", "schema": {"type": "string", "pattern": "^[a-z]{1,2100}$"}})
+    from_child = _grammars(backend, 60.0).compile(longer)
+    assert forks == [0.3, 60.0]
+    here = _grammars(backend, None).compile(longer)
     assert from_child.serialize_json() == here.serialize_json()
-    lookbehind = {"type": "string", "pattern": "(?<=a)b"}
+    lookbehind = {"type": "string", "pattern": "(?<=a)b" + "c{3000}"}  # past 2,048: compiled in a child
     refused = rf.JsonSchemaFormat.model_construct(type="json_schema", schema_=lookbehind)
     with pytest.raises(InvalidJob, match="does not compile"):  # the library's reason, from the child
         grammars.compile(refused)
+    assert len(forks) == 3
 
 
 def test_another_keys_schema_compiles_while_one_key_sends_costly_ones(backend: FuyuBackend) -> None:
@@ -203,7 +207,7 @@ def test_a_child_killed_by_a_signal_is_not_the_formats_fault(
 
     monkeypatch.setattr(grammar_fork, "run", died)
     with pytest.raises(CompileInterrupted) as interrupted:
-        _grammars(backend, 5.0).compile(_fmt({"type": "choice", "choices": ["yes", "no"]}))
+        _grammars(backend, 5.0).compile(_fmt(COSTLY))
     assert interrupted.value.retryable
 
 
