@@ -167,6 +167,10 @@ class Grammars:
         grammar = self._xgr.Grammar.from_json_schema(json.dumps(fmt.schema_), any_whitespace=False)
         return compiler.compile_grammar(strict_strings(str(grammar)))
 
+    def may_be_slow(self, fmt: JsonSchemaFormat | ChoiceFormat) -> bool:
+        """Whether this format's compile could take long (then it holds one of the compile places)."""
+        return _may_be_slow(fmt)
+
     def _compile_within(self, fmt: JsonSchemaFormat | ChoiceFormat, limit_s: float) -> Any:
         """Compiled in a forked child stopped at `limit_s` (workers/grammar_fork.py); here when no child
         can be made. A format stopped is refused at once for RAN_OUT_KEEP_S: its next job would spend

@@ -52,6 +52,7 @@ class Compile:
     overdue: bool = False  # past its limit and counted against OVERDUE, not THREADS
     waiters: int = 0
     owner: str = ""  # the API key of the job that asked first ("" without keys)
+    light: bool = False  # one that compiles in milliseconds: started at once, beside the places
 
 
 @dataclass(eq=False)
@@ -89,14 +90,22 @@ class Compiles:
         self._overdue = 0  # past it, still running
         self._owners: dict[str, int] = {}  # compiles under way (running or overdue) per owner
 
-    def request(self, key: str, work: Callable[[], Any], owner: str = "") -> Wait:
+    def request(self, key: str, work: Callable[[], Any], owner: str = "", light: bool = False) -> Wait:
         """Start (or join) the compile of `key`; `work` runs on a compile thread and returns the grammar.
-        `owner`: whose turn it is (the asking job's API key)."""
+        `owner`: whose turn it is (the asking job's API key). `light`: a format that compiles in
+        milliseconds, started at once on a thread of its own, never queued behind costly ones (review,
+        helper-86: another key's small schemas waited up to 10 s for one of the two places)."""
         with self._lock:
             compile = self._flight.get(key)
             if compile is None:
-                compile = self._flight[key] = Compile(key, work, owner=owner)
-                self._queue.append(compile)
+                compile = self._flight[key] = Compile(key, work, owner=owner, light=light)
+                if light:
+                    compile.started_at = self.clock()
+                    threading.Thread(
+                        target=self._run, args=(compile,), name="mrc-grammar", daemon=True
+                    ).start()
+                else:
+                    self._queue.append(compile)
             compile.waiters += 1
             self._dispatch()
             return Wait(compile, self.clock())
@@ -156,7 +165,8 @@ class Compiles:
             if self._overdue >= self.overdue_cap:
                 break
             started = compile.started_at
-            running = started is not None and not compile.overdue and not compile.future.done()
+            running = started is not None and not compile.overdue and not compile.light
+            running = running and not compile.future.done()
             if running and started is not None and now - started >= self.limit_s:
                 compile.overdue = True
                 self._running -= 1
@@ -169,7 +179,7 @@ class Compiles:
         moments = [
             c.started_at + self.limit_s
             for c in self._flight.values()
-            if c.started_at is not None and not c.overdue and not c.future.done()
+            if c.started_at is not None and not c.overdue and not c.light and not c.future.done()
         ]
         return [moment for moment in moments if moment > now]
 
@@ -194,15 +204,18 @@ class Compiles:
             compile.future.set_result(result)
         finally:
             with self._lock:
-                if compile.overdue:
+                if compile.light:
+                    pass  # held no place
+                elif compile.overdue:
                     self._overdue -= 1
                 else:
                     self._running -= 1
-                left = self._owners.get(compile.owner, 1) - 1
-                if left:
-                    self._owners[compile.owner] = left
-                else:
-                    self._owners.pop(compile.owner, None)
+                if not compile.light:
+                    left = self._owners.get(compile.owner, 1) - 1
+                    if left:
+                        self._owners[compile.owner] = left
+                    else:
+                        self._owners.pop(compile.owner, None)
                 if self._flight.get(compile.key) is compile:
                     del self._flight[compile.key]
                 self._dispatch()

@@ -59,7 +59,11 @@ class RowGrammars:
         self.metrics.grammar_cache.labels(result="hit" if compiled is not None else "miss").inc()
         if compiled is not None:
             return Ask(fmt, self._matcher(compiled))
-        return Ask(fmt, wait=self.compiles.request(digest(fmt), lambda: self._compile(fmt), owner or ""))
+        may_be_slow = getattr(self.grammars, "may_be_slow", None)
+        light = may_be_slow is not None and not may_be_slow(fmt)
+        return Ask(
+            fmt, wait=self.compiles.request(digest(fmt), lambda: self._compile(fmt), owner or "", light)
+        )
 
     def settle(self, ask: Ask) -> Settled:
         """The row state, None (free), the job's error, or (a float) seconds before looking again."""

@@ -39,7 +39,10 @@ from shared import response_format as response_formats
 from shared.jobs import limit_problem
 from shared.settings import Settings
 
-_DATA_URL = re.compile(r"^data:(?P<type>[A-Za-z0-9.+/-]*)(?P<params>(;[^;,]*)*?);base64,", re.ASCII)
+# Schemes are case-insensitive (RFC 3986): `DATA:image/png;BASE64,` too (review, helper-86).
+_DATA_URL = re.compile(
+    r"^data:(?P<type>[A-Za-z0-9.+/-]*)(?P<params>(;[^;,]*)*?);base64,", re.ASCII | re.IGNORECASE
+)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:", re.ASCII)
 _METADATA_KEYS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -298,7 +301,7 @@ def _image(
     found = _DATA_URL.match(url)
     if found:
         return None, _data_url(url, found, settings, param)
-    if url.startswith("data:"):
+    if url[:5].lower() == "data:":
         raise OpenAIError(
             400, "a data: URL must be base64 (data:image/png;base64,...)", param, "invalid_value"
         )

@@ -283,3 +283,21 @@ def test_the_next_compile_is_the_one_of_the_key_with_fewest_under_way(held: Held
     held.release()
     assert (_done(a2), _done(a3)) == ("grammar:a2", "grammar:a3")
     assert held.started == ["a1", "b1", "a2", "a3"]
+
+
+def test_a_light_compile_starts_at_once_beside_costly_ones_holding_every_place(held: Held) -> None:
+    """Review, helper-86: another key's small schemas waited up to 10 s for one of the two places that
+    costly compiles held. A format that compiles in milliseconds takes no place."""
+    clock = Clock()
+    compiles = Compiles(limit_s=5.0, threads=1, overdue=0, clock=clock)
+    costly = compiles.request("costly", held.work("costly"), owner="key-c")
+    queued = compiles.request("costly-2", held.work("costly-2"), owner="key-c")
+    assert held.ran("costly").wait(GUARD_S)
+    light = compiles.request("small", held.work("small"), owner="key-a", light=True)
+    assert held.ran("small").wait(GUARD_S)  # started though the only place is taken
+    held.release("small")
+    assert _done(light) == "grammar:small"
+    assert compiles.counts() == {"queued": 1, "running": 1, "overdue": 0}  # the places as they were
+    held.release()
+    assert (_done(costly), _done(queued)) == ("grammar:costly", "grammar:costly-2")
+    assert compiles.counts() == {"queued": 0, "running": 0, "overdue": 0}

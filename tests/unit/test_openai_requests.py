@@ -166,6 +166,9 @@ def test_images_come_as_base64_or_from_our_bucket(url: str, status: int, code: s
         {"type": "image_url", "image_url": {"url": "s3://mrc-photos/tenant-a/x.jpg", "detail": "high"}},
         {"type": "text", "text": "Refund?"}]}])  # fmt: skip
     assert parse_chat(ours, SETTINGS).image == "s3://mrc-photos/tenant-a/x.jpg"
+    shouted = {"type": "image_url", "image_url": {"url": "DATA:" + IMAGE[5:]}}  # schemes ignore case
+    upper = _request(messages=[{"role": "user", "content": [{"type": "text", "text": "Refund?"}, shouted]}])
+    assert parse_chat(upper, SETTINGS).data is not None
 
 
 def test_json_object_and_json_schema_become_constrained_answers() -> None:
