@@ -196,26 +196,36 @@ class Compiles:
 
     # ---------------------------------------------------------------- the compile thread
     def _run(self, compile: Compile) -> None:
+        outcome: tuple[bool, Any]
         try:
-            result = compile.work()
+            outcome = (True, compile.work())
         except Exception as exc:  # the job's error (e.g. InvalidJob: does not compile), handed to it
-            compile.future.set_exception(exc)
+            outcome = (False, exc)
+        with self._lock:
+            # The place is given back before the future ends, under the same lock: whoever sees the
+            # grammar also sees the place free (CI, 2026-12-06: a test read "running 1" after its
+            # result, the place still held for a moment). Nothing adds callbacks to these futures, so
+            # ending one here runs none of anyone's code under the lock.
+            self._release(compile)
+            ok, value = outcome
+            if ok:
+                compile.future.set_result(value)
+            else:
+                compile.future.set_exception(value)
+            self._dispatch()
+
+    def _release(self, compile: Compile) -> None:
+        if compile.light:
+            pass  # held no place
+        elif compile.overdue:
+            self._overdue -= 1
         else:
-            compile.future.set_result(result)
-        finally:
-            with self._lock:
-                if compile.light:
-                    pass  # held no place
-                elif compile.overdue:
-                    self._overdue -= 1
-                else:
-                    self._running -= 1
-                if not compile.light:
-                    left = self._owners.get(compile.owner, 1) - 1
-                    if left:
-                        self._owners[compile.owner] = left
-                    else:
-                        self._owners.pop(compile.owner, None)
-                if self._flight.get(compile.key) is compile:
-                    del self._flight[compile.key]
-                self._dispatch()
+            self._running -= 1
+        if not compile.light:
+            left = self._owners.get(compile.owner, 1) - 1
+            if left:
+                self._owners[compile.owner] = left
+            else:
+                self._owners.pop(compile.owner, None)
+        if self._flight.get(compile.key) is compile:
+            del self._flight[compile.key]
