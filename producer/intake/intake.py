@@ -21,6 +21,17 @@ from shared.stores import ImageSource
 _CONTENT_TYPES = {"jpg": "image/jpeg", "png": "image/png", "webp": "image/webp", "gif": "image/gif"}
 
 
+def validate(
+    settings: Settings, sub: Submission, *, from_network: bool = False
+) -> JsonSchemaFormat | ChoiceFormat | None:
+    """Every check that needs neither Redis nor S3, nor any client of them: a bad submission is
+    refused before either (UsageError); the parsed response format."""
+    fmt = checks.limits(settings, sub)
+    checks.lane(sub)
+    checks.image_reference(settings, sub, from_network=from_network)
+    return fmt
+
+
 class Intake:
     def __init__(self, settings: Settings, images: ImageSource) -> None:
         self.settings, self.images = settings, images
@@ -28,12 +39,7 @@ class Intake:
     def validate(
         self, sub: Submission, *, from_network: bool = False
     ) -> JsonSchemaFormat | ChoiceFormat | None:
-        """Every check that needs neither Redis nor S3: a bad submission is refused before either
-        (UsageError); the parsed response format."""
-        fmt = checks.limits(self.settings, sub)
-        checks.lane(sub)
-        checks.image_reference(self.settings, sub, from_network=from_network)
-        return fmt
+        return validate(self.settings, sub, from_network=from_network)
 
     def job(self, sub: Submission, data: bytes | None = None, *, from_network: bool = False) -> Job:
         """The job `sub` asks for, after every check, with `data` (the image's bytes, when the request

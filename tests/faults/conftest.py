@@ -1,4 +1,9 @@
-"""Each fault test gets its own Redis (AOF on), S3 server behind a cuttable proxy, and workers."""
+"""Each fault test gets its own Redis (AOF on), S3 bucket behind a cuttable proxy, and workers.
+
+The S3 server is the session's (one per test process), each cluster in a bucket of its own: a moto
+server costs ~1.6 CPU-s to start, and the suite started one per fault test (~30 of its ~60), on two
+cores busy with the rest of make test. No fault test stops the server itself: an outage is the proxy's.
+"""
 
 from __future__ import annotations
 
@@ -19,18 +24,18 @@ from tests.support.proxy import Proxy
 
 
 class Cluster:
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
+    def __init__(self, workdir: Path, s3: services.Service) -> None:
+        self.workdir, self.s3 = workdir, s3
         self.redis = services.start_redis(workdir / "redis", appendonly=True)
         try:
-            self.s3 = services.start_s3(workdir / "s3")
+            self.proxy = Proxy(self.s3.port, services.free_port())
+            self.proxy.start()
         except BaseException:  # nothing left running (a fresh clone's run left this redis-server)
             self.redis.stop()
             raise
-        self.proxy = Proxy(self.s3.port, services.free_port())
-        self.proxy.start()
+        bucket = f"mrc-faults-{uuid.uuid4().hex[:8]}"
         self.env = services.base_env(
-            self.redis.url, f"http://127.0.0.1:{self.proxy.port}", "mrc-faults", MODEL_HOME, TEST_CPU_THREADS
+            self.redis.url, f"http://127.0.0.1:{self.proxy.port}", bucket, MODEL_HOME, TEST_CPU_THREADS
         )
         self.env.update(
             {
@@ -156,13 +161,14 @@ class Cluster:
         for w in self.workers:
             w.stop(9)
         self.proxy.close()
-        self.s3.stop()
         self.redis.stop()
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
+def cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_service: services.Service
+) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, s3_service)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, c.env[name])
     try:

@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,13 @@ HELD_AT_MOST = 3 * 16
 
 
 @pytest.fixture
-def run(tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Run]:
-    made = Run(tmp_path, wait_replicas=request.param)
+def run(
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    s3_service: services.Service,
+) -> Iterator[Run]:
+    made = Run(tmp_path, wait_replicas=request.param, s3=s3_service)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, made.env[name])
     yield made
@@ -163,7 +169,7 @@ def _follows_a_new_master(cluster: sentinel_cluster.SentinelCluster, old: int) -
 
 
 def test_a_push_a_partitioned_primary_took_is_pushed_again_when_resubmitted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_service: services.Service
 ) -> None:
     """The interleaving that lost a job in the scenario above, forced in one submission: the push waits
     on a stopped primary, which takes it when continued (before it has noticed its replicas left: here
@@ -172,11 +178,11 @@ def test_a_push_a_partitioned_primary_took_is_pushed_again_when_resubmitted(
     old primary is demoted, its data dropped. The resubmission used to be answered "already queued"
     with the job in no lane; it must push the job again, once."""
     cluster = sentinel_cluster.start(tmp_path / "redis", down_after_ms=2000)
-    s3 = services.start_s3(tmp_path / "s3")
+    bucket = f"mrc-failover-{uuid.uuid4().hex[:8]}"  # on the session's S3 server
     try:
         env = {
             **services.base_env(
-                "redis://127.0.0.1:1/0", s3.url, "mrc-failover", MODEL_HOME, TEST_CPU_THREADS
+                "redis://127.0.0.1:1/0", s3_service.url, bucket, MODEL_HOME, TEST_CPU_THREADS
             ),
             **cluster.env(),
         }
@@ -214,7 +220,6 @@ def test_a_push_a_partitioned_primary_took_is_pushed_again_when_resubmitted(
         assert _messages(on_new, job.job_id) == 1
     finally:
         cluster.stop()
-        s3.stop()
 
 
 def _partition_during_the_push(client: Client, cluster: sentinel_cluster.SentinelCluster, old: int) -> None:

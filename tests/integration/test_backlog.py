@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,17 +32,19 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """Redis and S3 of this test's own, with no worker: what is queued stays queued."""
+def own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_service: services.Service
+) -> Iterator[dict[str, str]]:
+    """A Redis and an S3 bucket of this test's own, with no worker: what is queued stays queued. The
+    bucket is on the session's S3 server (a moto server of its own cost each test ~1.6 CPU-s)."""
     redis = services.start_redis(tmp_path / "redis")
-    s3 = services.start_s3(tmp_path / "s3")
-    env = services.base_env(redis.url, s3.url, "mrc-backlog", MODEL_HOME, TEST_CPU_THREADS)
+    bucket = f"mrc-backlog-{uuid.uuid4().hex[:8]}"
+    env = services.base_env(redis.url, s3_service.url, bucket, MODEL_HOME, TEST_CPU_THREADS)
     env["MRC_BACKLOG_MAX_DEPTH"] = "100000"
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, env[name])
     yield env
     redis.stop()
-    s3.stop()
 
 
 def _write(path: Path, rows: list[Any]) -> Path:
@@ -120,7 +123,7 @@ def _start_run(
     """`mrc backlog` of `lines` lines at `rate` a second, in the background (its stderr in the folder's
     `<run_id>.err`)."""
     rows = [
-        {"custom_id": f"c{i}", "image": f"s3://mrc-backlog/in/{i}.jpg", "prompt": f"Q{i}?"}
+        {"custom_id": f"c{i}", "image": f"s3://{env['MRC_S3_BUCKET']}/in/{i}.jpg", "prompt": f"Q{i}?"}
         for i in range(lines)
     ]
     manifest_file = _write(folder / f"{run_id}.jsonl", rows)
@@ -201,15 +204,15 @@ def test_a_slow_chunk_is_seen_as_it_is_queued_and_a_kill_mid_way_is_resumed_whol
 
 
 def test_strict_refuses_a_manifest_with_a_bad_line(own: dict[str, str], tmp_path: Path) -> None:
-    rows = [{"custom_id": "a", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}, "oops"]
+    rows = [{"custom_id": "a", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": "Q?"}, "oops"]
     out = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--strict")
     assert out.returncode == 2
     assert "line 2" in out.stderr
     assert _queued_ids(own) == []
     # a custom_id given to two different jobs is a bad line too (review, helper-63: both ran, exit 1);
     # the same line twice is one job
-    twice = [{"custom_id": "d", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}] * 2
-    other = {"custom_id": "d", "image": "s3://mrc-backlog/b.jpg", "prompt": "Q?"}
+    twice = [{"custom_id": "d", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": "Q?"}] * 2
+    other = {"custom_id": "d", "image": f"s3://{own['MRC_S3_BUCKET']}/b.jpg", "prompt": "Q?"}
     out = services.run_cli(own, "backlog", str(_write(tmp_path / "d.jsonl", [*twice, other])), "--strict")
     assert out.returncode == 2
     assert "line 3" in out.stderr
@@ -227,11 +230,11 @@ def test_strict_refuses_a_manifest_with_a_bad_line(own: dict[str, str], tmp_path
 
 def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
     s3 = boto3.client("s3", endpoint_url=own["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
-    s3.create_bucket(Bucket="mrc-backlog")
+    s3.create_bucket(Bucket=own["MRC_S3_BUCKET"])
     for i in range(300):
-        s3.put_object(Bucket="mrc-backlog", Key=f"complaints/2026/{i:04d}.jpg", Body=b"x")
-    s3.put_object(Bucket="mrc-backlog", Key="complaints/2025/old.jpg", Body=b"x")
-    out = services.run_cli(own, "backlog", "--from-s3", "s3://mrc-backlog/complaints/2026/",
+        s3.put_object(Bucket=own["MRC_S3_BUCKET"], Key=f"complaints/2026/{i:04d}.jpg", Body=b"x")
+    s3.put_object(Bucket=own["MRC_S3_BUCKET"], Key="complaints/2025/old.jpg", Body=b"x")
+    out = services.run_cli(own, "backlog", "--from-s3", f"s3://{own['MRC_S3_BUCKET']}/complaints/2026/",
                            "--prompt", "Refund?", "--run-id", "listing", "--interval", "0")  # fmt: skip
     assert out.returncode == 0, out.stderr
     queued = _queued_ids(own)
@@ -244,8 +247,8 @@ def test_a_run_from_a_bucket_listing(own: dict[str, str]) -> None:
     # An object added since, sorting among the others, is queued by the same command again; each
     # object once (review, helper-65: it took a known object's line and was skipped, the last one
     # was indexed twice).
-    s3.put_object(Bucket="mrc-backlog", Key="complaints/2026/0007b.jpg", Body=b"x")
-    again = services.run_cli(own, "backlog", "--from-s3", "s3://mrc-backlog/complaints/2026/",
+    s3.put_object(Bucket=own["MRC_S3_BUCKET"], Key="complaints/2026/0007b.jpg", Body=b"x")
+    again = services.run_cli(own, "backlog", "--from-s3", f"s3://{own['MRC_S3_BUCKET']}/complaints/2026/",
                               "--prompt", "Refund?", "--run-id", "listing", "--interval", "0")  # fmt: skip
     assert again.returncode == 0, again.stderr
     queued = _queued_ids(own)
@@ -274,7 +277,13 @@ def test_runs_enqueued_at_once_through_one_backlog_queue_every_line_as_itself(ow
 
     def enqueue(run_id: str) -> int:
         rows = [
-            json.dumps({"custom_id": f"c{i}", "image": "s3://mrc-backlog/p.jpg", "prompt": f"{run_id} {i}?"})
+            json.dumps(
+                {
+                    "custom_id": f"c{i}",
+                    "image": f"s3://{own['MRC_S3_BUCKET']}/p.jpg",
+                    "prompt": f"{run_id} {i}?",
+                }
+            )
             for i in range(runs[run_id])
         ]
         return backlog.enqueue(((n + 1, row.encode()) for n, row in enumerate(rows)), run_id, "test").enqueued
@@ -384,7 +393,10 @@ def test_an_upload_that_meets_s3_away_is_waited_out_not_a_line_refused(
 
 
 def test_cancel_ends_the_runs_waiting_jobs_as_cancelled(own: dict[str, str], tmp_path: Path) -> None:
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(10)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(10)
+    ]
     manifest_file = _write(tmp_path / "m.jsonl", rows)
     assert services.run_cli(own, "backlog", str(manifest_file), "--run-id", "stop").returncode == 0
     out = services.run_cli(own, "backlog", "cancel", "stop")
@@ -497,13 +509,16 @@ def test_a_results_file_bigger_than_a_part_is_streamed_in_parts(own: dict[str, s
         files.write_lines("runs/big/broken.jsonl", broken())
     assert files.get_text("runs/big/broken.jsonl") is None
     s3 = boto3.client("s3", endpoint_url=own["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
-    assert not s3.list_multipart_uploads(Bucket="mrc-backlog").get("Uploads")
+    assert not s3.list_multipart_uploads(Bucket=own["MRC_S3_BUCKET"]).get("Uploads")
 
 
 def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
     own: dict[str, str], tmp_path: Path
 ) -> None:
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/x.jpg", "prompt": "Q?"} for i in range(5)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/x.jpg", "prompt": "Q?"}
+        for i in range(5)
+    ]
     before = time.time()
     assert services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows))).returncode == 0
     after = time.time()
@@ -559,7 +574,10 @@ def test_a_cancel_while_the_run_waits_for_room_queues_nothing_more(
     more job is queued, the run stays cancelled (no resume), and every job it queued ends cancelled,
     also those whose cancel mark never got written (a producer killed before it marked them)."""
     env = {**own, "MRC_BACKLOG_MAX_DEPTH": "50"}
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(80)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(80)
+    ]
     manifest_file = _write(tmp_path / "m.jsonl", rows)
     err = tmp_path / "enqueue.err"
     with err.open("wb") as out:
@@ -601,7 +619,10 @@ def test_the_depth_limit_holds_when_it_is_below_a_part(own: dict[str, str], tmp_
     went in is the run's (review, helper-63: status read 0/0 and cancel found nothing), and a resume
     once there is room queues the rest, each line once."""
     env = {**own, "MRC_BACKLOG_MAX_DEPTH": "40"}
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(240)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(240)
+    ]
     rows.insert(100, "")  # a blank line is no line to queue, on either pass
     done = services.run_cli(
         env, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--no-block", "--run-id", "full"

@@ -59,9 +59,14 @@ def test_a_record_a_worker_made_anew_is_taken_as_the_lines_own_job(
 ) -> None:
     """A worker that finishes a job whose record Redis lost writes a record without the fingerprint;
     the next pass refused the line as "custom_id already used" for good (exit 1, out of the results)."""
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/a.jpg", "prompt": f"Q{i}?"} for i in range(3)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": f"Q{i}?"}
+        for i in range(3)
+    ]
     client = Client(services.settings_from_env(own))
-    client.records.set_state("anew.c1", "succeeded", result_uri="s3://mrc-backlog/results/anew.c1.json")
+    client.records.set_state(
+        "anew.c1", "succeeded", result_uri=f"s3://{own['MRC_S3_BUCKET']}/results/anew.c1.json"
+    )
     done = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "anew")
     assert done.returncode == 0, done.stderr
     assert sorted(_queued_ids(own)) == ["anew.c0", "anew.c2"]
@@ -105,7 +110,8 @@ def test_a_wait_whose_jobs_redis_lost_queues_them_again_and_a_ctrl_c_names_the_w
     own: dict[str, str], tmp_path: Path
 ) -> None:
     rows = [
-        {"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": f"Q{i}?"} for i in range(30)
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": f"Q{i}?"}
+        for i in range(30)
     ]
     path = _write(tmp_path / "m.jsonl", rows)
     command = [str(services.BIN / "mrc"), "backlog", str(path), "--run-id", "w", "--wait", "--interval", "0"]
@@ -140,7 +146,8 @@ def test_a_cancelled_run_stays_cancelled_when_redis_loses_its_record(
     """Review, helper-78: after a FLUSHALL a --wait's pass queued the cancelled run's 100 jobs again; a
     cancel of a run whose record alone was lost refused, with its jobs queued."""
     rows = [
-        {"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": f"Q{i}?"} for i in range(20)
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": f"Q{i}?"}
+        for i in range(20)
     ]
     path = _write(tmp_path / "m.jsonl", rows)
     assert services.run_cli(own, "backlog", str(path), "--run-id", "halt").returncode == 0

@@ -28,7 +28,10 @@ pytestmark = pytest.mark.integration
 
 def test_ctrl_c_stops_the_enqueue_in_one_line_naming_the_resume(own: dict[str, str], tmp_path: Path) -> None:
     """Review, helper-63: a bare KeyboardInterrupt traceback, no word of how to go on."""
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(2000)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(2000)
+    ]
     path = _write(tmp_path / "m.jsonl", rows)
     command = [str(services.BIN / "mrc"), "backlog", str(path), "--run-id", "stop", "--rate", "200"]
     proc = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -48,7 +51,9 @@ def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_m
 ) -> None:
     """A job S3 refused the result of is dead-lettered failed, its record saying why (review,
     helper-63: the report and `mrc result` called it pending for good, while status said failed)."""
-    rows = [{"custom_id": c, "image": "s3://mrc-backlog/none.jpg", "prompt": f"Q {c}?"} for c in "ab"]
+    rows = [
+        {"custom_id": c, "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": f"Q {c}?"} for c in "ab"
+    ]
     done = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "lost")
     assert done.returncode == 0, done.stderr
     client = Client(services.settings_from_env(own))
@@ -74,7 +79,10 @@ def test_a_run_again_after_redis_lost_its_data_queues_what_was_lost(
 ) -> None:
     """Review, helper-63: with Redis restarted empty, the run's index in S3 said every chunk was done,
     so running it again queued nothing (exit 0) and its jobs never ran; status called it done."""
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/a.jpg", "prompt": f"Q{i}?"} for i in range(3)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": f"Q{i}?"}
+        for i in range(3)
+    ]
     path = _write(tmp_path / "m.jsonl", rows)
     assert services.run_cli(own, "backlog", str(path), "--run-id", "gone").returncode == 0
     client = Client(services.settings_from_env(own))
@@ -102,7 +110,10 @@ def test_a_rerun_queues_lost_jobs_once_counts_them_once_and_never_reruns_expired
     pass cut short were counted again by the resume (lines 50 for 30); a blank line where the index
     holds a job (an OpenAI batch's resume passes indexed lines so) dropped its entry; and a run past
     its jobs' 7 days queued again a job that had failed without a stored result."""
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/a.jpg", "prompt": f"Q{i}?"} for i in range(30)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": f"Q{i}?"}
+        for i in range(30)
+    ]
     path = _write(tmp_path / "m.jsonl", rows)
     assert services.run_cli(own, "backlog", str(path), "--run-id", "cut").returncode == 0
     data = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
@@ -206,7 +217,7 @@ def test_a_resume_reads_relative_image_paths_from_where_the_run_began(
     # here, saying so (review, helper-65: it refused, and every 'go on with' message names it)
     gone = tmp_path / "gone"
     gone.mkdir()
-    _write(tmp_path / "s3.jsonl", [{**row, "image": "s3://mrc-backlog/a.jpg"} for row in rows])
+    _write(tmp_path / "s3.jsonl", [{**row, "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg"} for row in rows])
     first = subprocess.run(
         [mrc, "backlog", str(tmp_path / "s3.jsonl"), "--run-id", "far", "--no-block"], cwd=gone,
         env={**own, "MRC_BACKLOG_MAX_DEPTH": "70"}, capture_output=True, text=True, timeout=120,
@@ -224,7 +235,7 @@ def test_a_resume_reads_relative_image_paths_from_where_the_run_began(
 
 def test_a_line_repeated_is_one_job_in_the_runs_status(own: dict[str, str], tmp_path: Path) -> None:
     """Review, helper-63: the same line twice was two jobs in status, its tokens summed twice."""
-    line = {"custom_id": "d", "image": "s3://mrc-backlog/a.jpg", "prompt": "Q?"}
+    line = {"custom_id": "d", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": "Q?"}
     rows = [line, {**line, "custom_id": "e"}, line]
     done = services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "twice")
     assert done.returncode == 0, done.stderr
@@ -256,7 +267,10 @@ def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
 ) -> None:
     """Review, helper-63: a manifest of 3,000 lines grown to 5,000 (the last chunk then partial) was
     'enqueued 0, already there 3000', exit 0, and lines 3,001-5,000 were nowhere."""
-    rows = [{"custom_id": f"c{i}", "image": "s3://mrc-backlog/none.jpg", "prompt": "Q?"} for i in range(7000)]
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(7000)
+    ]
     path = tmp_path / "grow.jsonl"
     first = services.run_cli(
         own, "backlog", str(_write(path, rows[:3000])), "--run-id", "grow", "--interval", "0"

@@ -88,15 +88,14 @@ class Outcome:
 
 
 class Run:
-    def __init__(self, workdir: Path, wait_replicas: int) -> None:
+    def __init__(self, workdir: Path, wait_replicas: int, s3: services.Service) -> None:
         self.workdir = workdir
         # Sentinel's down-after time: 2 s, not Redis's default 30 s (a test's patience), not 1 s either
         # (on a busy 2-core machine a new master that misses one beat gets failed over again).
         self.cluster = sentinel_cluster.start(workdir / "redis", down_after_ms=2000)
-        self.s3 = services.start_s3(workdir / "s3")
-        self.env = services.base_env(
-            "redis://127.0.0.1:1/0", self.s3.url, "mrc-failover", MODEL_HOME, TEST_CPU_THREADS
-        )
+        self.s3 = s3  # the session's server, a bucket of this run's own
+        bucket = f"mrc-failover-{uuid.uuid4().hex[:8]}"
+        self.env = services.base_env("redis://127.0.0.1:1/0", s3.url, bucket, MODEL_HOME, TEST_CPU_THREADS)
         self.env.update(self.cluster.env())
         self.env.update(
             {
@@ -123,7 +122,6 @@ class Run:
         if self.worker is not None:
             self.worker.stop(signal.SIGKILL)
         self.cluster.stop()
-        self.s3.stop()
 
     # ------------------------------------------------------------------ the run
     def run(
