@@ -5,11 +5,13 @@ Every test of the suite that starts `mrc` or `mrc-worker` leans on this."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -102,3 +104,51 @@ def test_an_environment_read_at_import_time_gets_a_plain_process(
     done = services.run_cli({**env, "OMP_NUM_THREADS": "3"}, "--help")
     assert done.returncode == 0
     assert "submit" in done.stdout
+
+
+def test_a_forked_command_signs_s3_requests_with_its_own_keys_and_region(
+    env: dict[str, str], servers: object
+) -> None:
+    """The server holds boto3's default session with S3's model loaded (tests/support/forkserver.py,
+    _warm_boto3): a child's requests are still signed with the keys and region of its own
+    environment, as a plain process's are."""
+    seen: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET = do_PUT = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for forked in (True, False):
+            child = {
+                **env,
+                "MRC_S3_ENDPOINT_URL": f"http://127.0.0.1:{server.server_address[1]}",
+                "AWS_ACCESS_KEY_ID": f"child-key-{forked}",
+                "AWS_SECRET_ACCESS_KEY": "child-secret",
+                "AWS_DEFAULT_REGION": "eu-west-3",
+                "MRC_S3_REGION": "eu-west-3",
+            }
+            saved = services.fork
+            services.fork = saved if forked else None
+            try:
+                seen.clear()
+                done = services.run_cli(child, "result", "no-such-job")
+            finally:
+                services.fork = saved
+            assert done.returncode != 0  # the recorder refuses every request
+            assert seen, done.stderr
+            assert all(f"Credential=child-key-{forked}/" in header for header in seen), seen
+            assert all("/eu-west-3/s3/aws4_request" in header for header in seen), seen
+    finally:
+        server.shutdown()
+        server.server_close()
