@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -119,7 +118,7 @@ def test_a_manifest_runs_and_its_results_follow_the_manifest(
 
 def _start_run(
     env: dict[str, str], folder: Path, run_id: str, lines: int, rate: int, *options: str
-) -> subprocess.Popen[bytes]:
+) -> services.Process:
     """`mrc backlog` of `lines` lines at `rate` a second, in the background (its stderr in the folder's
     `<run_id>.err`)."""
     rows = [
@@ -127,18 +126,8 @@ def _start_run(
         for i in range(lines)
     ]
     manifest_file = _write(folder / f"{run_id}.jsonl", rows)
-    command = [
-        str(services.BIN / "mrc"),
-        "backlog",
-        str(manifest_file),
-        "--run-id",
-        run_id,
-        "--rate",
-        str(rate),
-        *options,
-    ]
-    with (folder / f"{run_id}.err").open("wb") as err:
-        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    args = ("backlog", str(manifest_file), "--run-id", run_id, "--rate", str(rate), *options)
+    return services.start_cli(env, *args, stderr=folder / f"{run_id}.err")
 
 
 def test_resume_after_the_producer_is_killed_enqueues_exactly_what_is_missing(
@@ -329,10 +318,10 @@ def test_a_run_waits_out_redis_away_and_ends_whole(own: dict[str, str], tmp_path
     records = redis_lib.Redis.from_url(own["MRC_REDIS_URL"], decode_responses=True)
     worker = None
     try:
-        producer = subprocess.Popen(
-            [str(services.BIN / "mrc"), "backlog", str(manifest_file), "--run-id", "away", "--wait",
-             "--interval", "0.2"],
-            env=through, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        out_file, err_file = tmp_path / "producer.out", tmp_path / "producer.err"
+        producer = services.start_cli(
+            through, "backlog", str(manifest_file), "--run-id", "away", "--wait", "--interval", "0.2",
+            stdout=out_file, stderr=err_file,
         )  # fmt: skip
         services.wait_for(lambda: len(_queued_ids(own)) == 4, 60, "the lane full", producer)
         proxy.stop()  # Redis away while the enqueue waits for room
@@ -345,16 +334,17 @@ def test_a_run_waits_out_redis_away_and_ends_whole(own: dict[str, str], tmp_path
         proxy.stop()  # and while --wait waits: the worker, on Redis itself, goes on
         time.sleep(3)
         proxy.start()
-        out, err = producer.communicate(timeout=180)
+        code = producer.wait(180)
+        out, err = out_file.read_text(), err_file.read_text()
     finally:
         if worker is not None:
             worker.stop()
         proxy.close()
         records.close()
-    assert producer.returncode == 0, err
-    report = json.loads(out.decode().splitlines()[-1])
+    assert code == 0, err
+    report = json.loads(out.splitlines()[-1])
     assert report["counts"].get("succeeded") == 12, report
-    assert "trying again" in err.decode()
+    assert "trying again" in err
     results = _file(own, "away", "results.jsonl")
     assert sorted(r["custom_id"] for r in results) == sorted(f"w{i}" for i in range(12))
     assert {r["status"] for r in results} == {"succeeded"}
@@ -523,10 +513,7 @@ def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
     assert services.run_cli(own, "backlog", str(_write(tmp_path / "m.jsonl", rows))).returncode == 0
     after = time.time()
     port = services.free_port()
-    proc = subprocess.Popen(
-        [str(services.BIN / "mrc"), "queues", "--serve-metrics", str(port)],
-        env=own, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    proc = services.start_cli(own, "queues", "--serve-metrics", str(port))
     try:
         url = f"http://127.0.0.1:{port}/metrics"
 
@@ -580,11 +567,9 @@ def test_a_cancel_while_the_run_waits_for_room_queues_nothing_more(
     ]
     manifest_file = _write(tmp_path / "m.jsonl", rows)
     err = tmp_path / "enqueue.err"
-    with err.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(services.BIN / "mrc"), "backlog", str(manifest_file), "--run-id", "halt", "--interval", "0"],
-            env=env, stdout=subprocess.DEVNULL, stderr=out,
-        )  # fmt: skip
+    proc = services.start_cli(
+        env, "backlog", str(manifest_file), "--run-id", "halt", "--interval", "0", stderr=err
+    )
     lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
     services.wait_for(lambda: "waiting for room" in err.read_text(), 60, "the run to wait for room", proc)
     assert lane.llen(names.queue_name("backlog")) == 50, "parts shrink to the room left"

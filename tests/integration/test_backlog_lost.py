@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -93,10 +92,7 @@ def test_a_pass_whose_run_record_redis_lost_counts_again_from_the_index(
     first = _start_run(own, tmp_path, "twice", 1000, 250, "--interval", "0")
     services.wait_for(lambda: lane.llen(names.queue_name("backlog")) > 100, 60, "jobs queued", first)
     lane.flushall()  # its lease and record gone: the same command again takes the run
-    second = subprocess.run(
-        [str(services.BIN / "mrc"), "backlog", str(tmp_path / "twice.jsonl"), "--run-id", "twice"],
-        env=own, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    second = services.run_cli(own, "backlog", str(tmp_path / "twice.jsonl"), "--run-id", "twice")
     # The second ends first (no --rate); the first then finds the record another pass's and goes over
     # the run again, or finds that pass still holding the run and stops (exit 2).
     codes = sorted([first.wait(120), second.returncode])
@@ -114,19 +110,21 @@ def test_a_wait_whose_jobs_redis_lost_queues_them_again_and_a_ctrl_c_names_the_w
         for i in range(30)
     ]
     path = _write(tmp_path / "m.jsonl", rows)
-    command = [str(services.BIN / "mrc"), "backlog", str(path), "--run-id", "w", "--wait", "--interval", "0"]
-    waiting = subprocess.Popen(command, env=own, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err_file = tmp_path / "waiting.err"
+    waiting = services.start_cli(
+        own, "backlog", str(path), "--run-id", "w", "--wait", "--interval", "0", stderr=err_file
+    )
     services.wait_for(lambda: _status(own, "w")["state"] == "enqueued", 60, "the run enqueued", waiting)
     waiting.send_signal(signal.SIGINT)
-    _out, err = waiting.communicate(timeout=60)
-    assert waiting.returncode == 130, err
+    code = waiting.wait(60)
+    err = err_file.read_text()
+    assert code == 130, err
     assert "mrc backlog status w" in err
     assert "Traceback" not in err
 
     err_file = tmp_path / "wait.err"
-    with err_file.open("w") as out:
-        again = [*command[:2], "--resume", "w", *command[5:]]
-        resumed = subprocess.Popen(again, env=own, stdout=subprocess.DEVNULL, stderr=out)
+    again = ("backlog", "--resume", "w", "--wait", "--interval", "0")
+    resumed = services.start_cli(own, *again, stderr=err_file)
     lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
     services.wait_for(lambda: "run w: " in err_file.read_text(), 60, "the wait", resumed)
     lane.flushall()  # the run's record, its jobs' and their messages: gone

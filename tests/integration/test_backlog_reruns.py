@@ -33,12 +33,13 @@ def test_ctrl_c_stops_the_enqueue_in_one_line_naming_the_resume(own: dict[str, s
         for i in range(2000)
     ]
     path = _write(tmp_path / "m.jsonl", rows)
-    command = [str(services.BIN / "mrc"), "backlog", str(path), "--run-id", "stop", "--rate", "200"]
-    proc = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err_file = tmp_path / "stop.err"
+    proc = services.start_cli(own, "backlog", str(path), "--run-id", "stop", "--rate", "200", stderr=err_file)
     services.wait_for(lambda: len(_queued_ids(own)) > 0, 120, "the first jobs queued", proc)
     proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    code = proc.wait(60)
+    err = err_file.read_text()
+    assert code == 130, err
     assert "Traceback" not in err
     assert "mrc backlog --resume stop" in err
     resumed = services.run_cli(own, "backlog", "--resume", "stop", "--interval", "0")

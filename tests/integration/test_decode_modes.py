@@ -4,7 +4,6 @@ jobs of several photo sizes at once and answers what the CPU's default step (`ro
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -30,18 +29,16 @@ def _answers(env: dict[str, str], tmp_path: Path, decode: str) -> tuple[list[str
             image = tmp_path / f"{decode}-{index}.png"
             image.write_bytes(imagegen.photo(width, height))
             job_id = f"decode-{decode}-{index}-{tmp_path.name[-8:]}"
-            command = [
-                str(services.BIN / "mrc"), "submit", "--image", str(image), "--prompt", prompt,
-                "--job-id", job_id, "--max-new-tokens", "12", "--wait", "--timeout", "120",
-            ]  # fmt: skip
-            submits.append(
-                subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            )
+            out, err = tmp_path / f"{job_id}.out", tmp_path / f"{job_id}.err"
+            submit = services.start_cli(
+                env, "submit", "--image", str(image), "--prompt", prompt, "--job-id", job_id,
+                "--max-new-tokens", "12", "--wait", "--timeout", "120", stdout=out, stderr=err,
+            )  # fmt: skip
+            submits.append((submit, out, err))
         texts = []
-        for submit in submits:
-            out, err = submit.communicate(timeout=180)
-            assert submit.returncode == 0, err
-            result = json.loads(out)
+        for submit, out, err in submits:
+            assert submit.wait(180) == 0, err.read_text()
+            result = json.loads(out.read_text())
             assert result["status"] == "succeeded", result
             texts.append(result["text"])
         return texts, str(ready.get("engine_decode"))

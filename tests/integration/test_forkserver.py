@@ -152,3 +152,43 @@ def test_a_forked_command_signs_s3_requests_with_its_own_keys_and_region(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_commands_asked_for_at_once_from_threads_are_all_forked_by_one_server(
+    env: dict[str, str], servers: object, tmp_path: Path
+) -> None:
+    """The parcels test starts two workers from two threads: both started the model server on one
+    socket, the second could not bind, and every model worker of the session after it was a plain
+    process. Here a fresh set of servers is asked for two commands at once, before any server runs."""
+    from tests.support import forkserver
+
+    fresh = forkserver.ForkServers(env, tmp_path / "forkserver.log")
+    gate = threading.Barrier(3)
+    procs: list[services.Process | None] = []
+
+    def ask(name: str) -> None:
+        gate.wait(10)
+        procs.append(
+            fresh(
+                "mrc",
+                ["--help"],
+                env,
+                argv0=str(services.BIN / "mrc"),
+                stdout=str(tmp_path / name),
+                stderr=None,
+            )
+        )
+
+    threads = [threading.Thread(target=ask, args=(f"out-{n}",)) for n in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(procs) == 3
+        assert all(proc is not None for proc in procs), (tmp_path / "forkserver.log").read_text()
+        assert [proc.wait(60) for proc in procs if proc is not None] == [0, 0, 0]
+        assert list(fresh.servers) == ["light"]
+        assert not fresh.broken
+    finally:
+        fresh.close()

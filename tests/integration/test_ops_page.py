@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -193,10 +192,7 @@ def test_an_operator_sees_lanes_workers_the_run_moving_dead_letters_and_errors(
     # held (SIGSTOP) until the page has shown the run unfinished: a fast machine ran all 40 jobs within
     # one refresh, and the page's first sight of the run was its end (CI: "the bar never moved").
     with worker.held():
-        sending = subprocess.Popen(
-            [str(services.BIN / "mrc"), "backlog", str(manifest), "--run-id", run_id], env=ops_env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        sending = services.start_cli(ops_env, "backlog", str(manifest), "--run-id", run_id)
         try:
             _wait("the run, before the worker takes it", shown)
         except BaseException:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -213,11 +212,9 @@ class Run:
         self.manifest = self.workdir / "backlog.jsonl"
         self.manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
         self.run_id = f"failover-{uuid.uuid4().hex[:6]}"
-        command = [str(services.BIN / "mrc"), "backlog", str(self.manifest), "--run-id", self.run_id]
-        return subprocess.Popen(
-            [*command, "--rate", "4"], env=self.env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        return services.start_cli(
+            self.env, "backlog", str(self.manifest), "--run-id", self.run_id, "--rate", "4"
+        )
 
     def _finish_backlog(self, proc: Any) -> None:
         """The run as an operator finishes it: the same manifest under the same run id again (it
@@ -291,10 +288,7 @@ class Run:
 
     def _start_exporter(self) -> Any:
         self.exporter_port = services.free_port()
-        proc = subprocess.Popen(
-            [str(services.BIN / "mrc"), "queues", "--serve-metrics", str(self.exporter_port)],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        proc = services.start_cli(self.env, "queues", "--serve-metrics", str(self.exporter_port))
         services.wait_for(
             lambda: "mrc_queue_metrics_up 1" in _scrape(self.exporter_port), 30, "the exporter", proc
         )

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -362,6 +363,10 @@ class ForkServers:
         self.folder = Path(tempfile.mkdtemp(prefix="mrc-fork-", dir="/tmp"))
         self.broken: set[str] = set()
         self.servers: dict[str, ForkServer] = {}
+        # Tests start workers from several threads at once (the parcels test, two): without it both
+        # started the model server on the same socket, the second failed to bind, and every model
+        # worker of the session after it was a plain process (~7 CPU-s more each).
+        self._starting = threading.Lock()
 
     def __call__(
         self, program: str, args: Sequence[str], env: Mapping[str, str], *, argv0: str,
@@ -383,9 +388,13 @@ class ForkServers:
             "stdout": stdout, "stderr": stderr, "session": session,
         }  # fmt: skip
         try:
-            if kind not in self.servers:
-                self.servers[kind] = ForkServer(kind, self.env, self.folder, self.log_path)
-            return self.servers[kind].spawn(request)
+            with self._starting:
+                if kind in self.broken:
+                    return None
+                if kind not in self.servers:
+                    self.servers[kind] = ForkServer(kind, self.env, self.folder, self.log_path)
+                server = self.servers[kind]
+            return server.spawn(request)
         except (OSError, RuntimeError) as exc:  # said in the log, and plain processes from now on
             self.broken.add(kind)
             with self.log_path.open("a") as log:
