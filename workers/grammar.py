@@ -30,7 +30,13 @@ IN_THREAD_SPELLED = 2048
 
 
 class CompileTimedOut(InvalidJob):
-    """The format's grammar did not compile within its limit (the caller names the format's place)."""
+    """The format's grammar did not compile within its limit (the caller names the format's place).
+    `lately`: this job compiled nothing; the format's compile was stopped less than RAN_OUT_KEEP_S ago
+    (review, helper-86: the job was told its grammar "did not compile within 10 s" in 0.3 s)."""
+
+    def __init__(self, message: str, lately: bool = False) -> None:
+        super().__init__(message)
+        self.lately = lately
 
 
 class Constraint:
@@ -184,7 +190,7 @@ class Grammars:
                 del self._ran_out[key]
                 stopped = None
         if stopped is not None:
-            raise CompileTimedOut(f"stopped at {limit_s:g} s less than {RAN_OUT_KEEP_S:g} s ago")
+            raise CompileTimedOut(f"stopped at {limit_s:g} s less than {RAN_OUT_KEEP_S:g} s ago", lately=True)
 
         def in_child() -> str:  # a compiler of its own: none a parent thread may hold mid-compile
             own = self._xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)

@@ -16,7 +16,7 @@ from typing import Any
 from shared import schema_bounds
 from shared.errors import CompilerBusy, InvalidJob, MrcError
 from shared.response_format import ChoiceFormat, JsonSchemaFormat, digest
-from workers.grammar import CompileTimedOut
+from workers.grammar import RAN_OUT_KEEP_S, CompileTimedOut
 from workers.grammar_compiles import Compiles, Wait
 from workers.metrics import Metrics
 
@@ -75,8 +75,8 @@ class RowGrammars:
         if verdict.state == "done":
             try:
                 return self._matcher(ask.wait.compile.future.result())
-            except CompileTimedOut:  # stopped at the limit (workers/grammar_fork.py), or lately was
-                return self._too_costly(ask)
+            except CompileTimedOut as stopped:  # at the limit (workers/grammar_fork.py), or lately
+                return self._too_costly(ask, lately=stopped.lately)
             except MrcError as exc:  # does not compile, allows no answer: the format's own fault
                 return exc
             except Exception as exc:  # anything else the library raised is the job's, never the delivery's
@@ -88,7 +88,14 @@ class RowGrammars:
             )
         return self._too_costly(ask)
 
-    def _too_costly(self, ask: Ask) -> InvalidJob:
+    def _too_costly(self, ask: Ask, lately: bool = False) -> InvalidJob:
+        if lately:  # nothing compiled for this job: say so, and for how long the format is refused
+            return InvalidJob(
+                f"{self._where(ask.fmt)}: this format's grammar was stopped at the "
+                f"{self.limit_s:g} s limit (MRC_GRAMMAR_COMPILE_TIMEOUT_S) less than "
+                f"{RAN_OUT_KEEP_S:g} s ago, and is refused until then without a new compile: lower "
+                "the bounds of its repeats (or split the schema)"
+            )
         return InvalidJob(
             f"{self._where(ask.fmt)}: its grammar did not compile within {self.limit_s:g} s "
             "(MRC_GRAMMAR_COMPILE_TIMEOUT_S): lower the bounds of its repeats (or split the schema)"

@@ -168,6 +168,27 @@ def test_another_keys_schema_compiles_while_one_key_sends_costly_ones(backend: F
     assert _children() <= before
 
 
+def test_a_format_refused_for_a_compile_stopped_lately_says_so_not_that_it_compiled(
+    backend: FuyuBackend,
+) -> None:
+    """Review, helper-86: a job of a format stopped minutes before failed in 0.3 s saying its grammar
+    "did not compile within 10 s", though nothing compiled for it."""
+
+    class Holder:
+        model_id = "tiny"
+        grammars = _grammars(backend, 0.3)
+
+    rows = RowGrammars(Holder(), 5.0, Metrics(), Compiles(5.0, threads=1, overdue=0))
+    first = _settle(rows, rows.ask(rf.parse(COSTLY), "key-a"))
+    assert isinstance(first, InvalidJob), first
+    assert "did not compile within" in first.message
+    again = _settle(rows, rows.ask(rf.parse(COSTLY), "key-c"))
+    assert isinstance(again, InvalidJob), again
+    assert "did not compile within" not in again.message
+    assert "stopped at the 5 s limit" in again.message
+    assert "less than 300 s ago" in again.message
+
+
 def _settle(rows: RowGrammars, ask: object) -> object:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
