@@ -156,10 +156,8 @@ def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
     text = args.json_schema
     if not text.lstrip().startswith("{"):
         text = _schema_file(text)
-    try:
-        schema = encoding.loads(
-            text
-        )  # a key given twice, or nesting past 64 levels: refused, as mrc-api does
+    try:  # a key given twice, or nesting past 64 levels: refused, as mrc-api does
+        schema = encoding.loads(text)
     except encoding.DuplicateKey as twice:
         raise UsageError(f"--json-schema: {twice}") from None
     except (ValueError, RecursionError) as exc:
