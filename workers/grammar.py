@@ -106,7 +106,9 @@ class Grammars:
         self.vocab_size = vocab_size
         self.keep, self.limit_s = keep, limit_s
         self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._ran_out: OrderedDict[str, float] = OrderedDict()  # format hash -> when its compile was stopped
+        # (API key, format hash) -> when its compile was stopped: per key, as the result cache is (review,
+        # helper-87: shared, it told a key that another had sent that exact schema in the last 5 minutes)
+        self._ran_out: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -140,10 +142,11 @@ class Grammars:
                 return self._compiled[key]
         return None
 
-    def compile_and_keep(self, fmt: JsonSchemaFormat | ChoiceFormat) -> tuple[Any, float]:
-        """Compile (InvalidJob when it does not), keep it, and say how many seconds it took."""
+    def compile_and_keep(self, fmt: JsonSchemaFormat | ChoiceFormat, owner: str = "") -> tuple[Any, float]:
+        """Compile (InvalidJob when it does not), keep it, and say how many seconds it took. `owner`: the
+        API key asking (a format stopped at the limit is refused to that key alone for a while)."""
         began = time.perf_counter()
-        compiled = self.compile(fmt)
+        compiled = self.compile(fmt, owner)
         seconds = time.perf_counter() - began
         with self._lock:
             self._compiled[digest(fmt)] = compiled
@@ -151,11 +154,14 @@ class Grammars:
                 self._compiled.popitem(last=False)
         return compiled, seconds
 
-    def compile(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any:
+    def compile(self, fmt: JsonSchemaFormat | ChoiceFormat, owner: str = "") -> Any:
         """The compiled grammar; InvalidJob when it does not compile, admits no answer, or (with
         `limit_s`) did not compile within it: CompileTimedOut, also at once for RAN_OUT_KEEP_S after."""
         try:
-            compiled = self._compile(fmt) if self.limit_s is None else self._compile_within(fmt, self.limit_s)
+            if self.limit_s is None:
+                compiled = self._compile(fmt)
+            else:
+                compiled = self._compile_within(fmt, self.limit_s, owner)
         except (InvalidJob, CompileInterrupted):  # the format's fault, or the worker's: as they are
             raise
         except Exception as exc:  # the library's errors are RuntimeError/ValueError with its reason
@@ -177,13 +183,13 @@ class Grammars:
         """Whether this format's compile could take long (then it holds one of the compile places)."""
         return _may_be_slow(fmt)
 
-    def _compile_within(self, fmt: JsonSchemaFormat | ChoiceFormat, limit_s: float) -> Any:
+    def _compile_within(self, fmt: JsonSchemaFormat | ChoiceFormat, limit_s: float, owner: str) -> Any:
         """Compiled in a forked child stopped at `limit_s` (workers/grammar_fork.py); here when no child
         can be made. A format stopped is refused at once for RAN_OUT_KEEP_S: its next job would spend
         the same seconds of a compile place to the same end."""
         if not _may_be_slow(fmt):
             return self._compile(fmt)
-        key = digest(fmt)
+        key = (owner, digest(fmt))
         with self._lock:
             stopped = self._ran_out.get(key)
             if stopped is not None and time.monotonic() - stopped > RAN_OUT_KEEP_S:

@@ -199,8 +199,8 @@ class Compiles:
         outcome: tuple[bool, Any]
         try:
             outcome = (True, compile.work())
-        except Exception as exc:  # the job's error (e.g. InvalidJob: does not compile), handed to it
-            outcome = (False, exc)
+        except BaseException as exc:  # the job's error (e.g. InvalidJob: does not compile), handed to it;
+            outcome = (False, exc)  # any other, too: a place kept by a compile that ended blocks the rest
         with self._lock:
             # The place is given back before the future ends, under the same lock: whoever sees the
             # grammar also sees the place free (CI, 2026-12-06: a test read "running 1" after its

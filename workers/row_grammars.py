@@ -62,7 +62,10 @@ class RowGrammars:
         may_be_slow = getattr(self.grammars, "may_be_slow", None)
         light = may_be_slow is not None and not may_be_slow(fmt)
         return Ask(
-            fmt, wait=self.compiles.request(digest(fmt), lambda: self._compile(fmt), owner or "", light)
+            fmt,
+            wait=self.compiles.request(
+                digest(fmt), lambda: self._compile(fmt, owner or ""), owner or "", light
+            ),
         )
 
     def settle(self, ask: Ask) -> Settled:
@@ -107,10 +110,10 @@ class RowGrammars:
         if ask.wait is not None:
             self.compiles.give_up(ask.wait)
 
-    def _compile(self, fmt: Format) -> Any:
+    def _compile(self, fmt: Format, owner: str) -> Any:
         """On a compile thread: compile, keep (the next job of this format finds it), measure."""
         assert self.grammars is not None
-        compiled, seconds = self.grammars.compile_and_keep(fmt)
+        compiled, seconds = self.grammars.compile_and_keep(fmt, owner)
         self.metrics.grammar_compile.labels(type=fmt.type).observe(seconds)
         return compiled
 

@@ -147,6 +147,24 @@ def test_a_job_id_no_submit_could_make_is_exit_2_before_any_service(
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [("--deadline", "garbage", "deadline"), ("--ticket-id", "t" * 300, "ticket_id")],
+)
+def test_a_field_the_job_itself_refuses_is_exit_2_before_any_service(
+    env: dict[str, str], tmp_path: Path, option: str, value: str, named: str
+) -> None:
+    """Review, helper-87: with Redis away these were exit 5 ("cannot reach Redis"), with it up 2."""
+    image = tmp_path / "p.png"
+    image.write_bytes(imagegen.photo(32, 24))
+    dead = {"MRC_REDIS_URL": _dead_url("redis") + "/0", "MRC_S3_ENDPOINT_URL": _dead_url("http")}
+    done = services.run_cli(
+        {**env, **dead}, "submit", "--image", str(image), "--prompt", "Refund?", option, value, timeout=30
+    )
+    assert done.returncode == 2, done.stderr
+    assert named in done.stderr
+
+
 def test_an_image_in_a_bucket_the_workers_may_not_read_is_exit_2_before_anything_is_queued(
     env: dict[str, str],
 ) -> None:

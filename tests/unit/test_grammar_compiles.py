@@ -151,7 +151,7 @@ class Grammars:
     def cached(self, fmt: Any) -> Any:
         return self.kept.get(rf.digest(fmt))
 
-    def compile_and_keep(self, fmt: Any) -> tuple[Any, float]:
+    def compile_and_keep(self, fmt: Any, owner: str = "") -> tuple[Any, float]:
         key = rf.digest(fmt)
         self.compiled.append(key)
         grammar = self.held.work(key)()
@@ -300,4 +300,21 @@ def test_a_light_compile_starts_at_once_beside_costly_ones_holding_every_place(h
     assert compiles.counts() == {"queued": 1, "running": 1, "overdue": 0}  # the places as they were
     held.release()
     assert (_done(costly), _done(queued)) == ("grammar:costly", "grammar:costly-2")
+    assert compiles.counts() == {"queued": 0, "running": 0, "overdue": 0}
+
+
+def test_a_compile_that_raises_past_exception_still_gives_its_place_back(held: Held) -> None:
+    """Review, helper-87: work raising a BaseException (SystemExit) kept its place for good and its
+    future never ended, so every later costly compile stayed queued."""
+    compiles = Compiles(limit_s=5.0, threads=1, overdue=0, clock=Clock())
+
+    def leaves() -> str:
+        raise SystemExit("boom")
+
+    gone = compiles.request("gone", leaves, owner="key-a")
+    with pytest.raises(SystemExit):
+        _done(gone)
+    after = compiles.request("after", held.work("after"), owner="key-b")
+    held.release()
+    assert _done(after) == "grammar:after"
     assert compiles.counts() == {"queued": 0, "running": 0, "overdue": 0}

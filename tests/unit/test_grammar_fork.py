@@ -172,7 +172,9 @@ def test_a_format_refused_for_a_compile_stopped_lately_says_so_not_that_it_compi
     backend: FuyuBackend,
 ) -> None:
     """Review, helper-86: a job of a format stopped minutes before failed in 0.3 s saying its grammar
-    "did not compile within 10 s", though nothing compiled for it."""
+    "did not compile within 10 s", though nothing compiled for it. And per key (review, helper-87: the
+    refusal told another key that someone had sent that exact schema): another key's job of the same
+    format compiles it again."""
 
     class Holder:
         model_id = "tiny"
@@ -182,11 +184,15 @@ def test_a_format_refused_for_a_compile_stopped_lately_says_so_not_that_it_compi
     first = _settle(rows, rows.ask(rf.parse(COSTLY), "key-a"))
     assert isinstance(first, InvalidJob), first
     assert "did not compile within" in first.message
-    again = _settle(rows, rows.ask(rf.parse(COSTLY), "key-c"))
+    again = _settle(rows, rows.ask(rf.parse(COSTLY), "key-a"))
     assert isinstance(again, InvalidJob), again
     assert "did not compile within" not in again.message
     assert "stopped at the 5 s limit" in again.message
     assert "less than 300 s ago" in again.message
+    other = _settle(rows, rows.ask(rf.parse(COSTLY), "key-c"))  # compiled (and stopped) for key-c too
+    assert isinstance(other, InvalidJob), other
+    assert "did not compile within" in other.message
+    assert "ago" not in other.message
 
 
 def _settle(rows: RowGrammars, ask: object) -> object:

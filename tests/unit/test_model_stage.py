@@ -60,7 +60,7 @@ class HeldGrammars:
     def cached(self, fmt: Any) -> Any:
         return self.kept.get(rf.digest(fmt))
 
-    def compile_and_keep(self, fmt: Any) -> tuple[Any, float]:
+    def compile_and_keep(self, fmt: Any, owner: str = "") -> tuple[Any, float]:
         self.compiles.append(rf.canonical(fmt))
         if "slow" in rf.canonical(fmt):
             self.release.wait(GUARD_S)

@@ -363,7 +363,7 @@ class _HeldCompile:
     def cached(self, fmt: Any) -> None:
         return None
 
-    def compile_and_keep(self, fmt: Any) -> tuple[str, float]:
+    def compile_and_keep(self, fmt: Any, owner: str = "") -> tuple[str, float]:
         self.running.set()
         assert self.release.wait(30), "never released"
         self.running.clear()
