@@ -10,7 +10,15 @@ from PIL import Image, ImageDraw
 
 from scripts.samples import photo
 
-__all__ = ["camera_photo", "gif_bomb", "photo", "png_header_only", "screenshot", "truncated_jpeg"]
+__all__ = [
+    "camera_photo",
+    "gif_bomb",
+    "photo",
+    "png_header_only",
+    "png_rows",
+    "screenshot",
+    "truncated_jpeg",
+]
 
 
 def camera_photo(width: int, height: int, seed: int = 0) -> bytes:
@@ -46,24 +54,51 @@ def truncated_jpeg() -> bytes:
     return data[: len(data) // 2]
 
 
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header claims a huge size, with one tiny IDAT: a decompression bomb's header."""
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
 
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(body))
-            + kind
-            + body
-            + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-        )
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+def _png(width: int, height: int, pixel_data: bytes, interlaced: bool = False) -> bytes:
+    """An 8-bit RGB PNG around filtered pixel data, well formed chunk by chunk (CRCs and all)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, int(interlaced))
     return (
         b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 16))
-        + chunk(b"IEND", b"")
+        + _chunk(b"IHDR", ihdr)
+        + _chunk(b"IDAT", zlib.compress(pixel_data))
+        + _chunk(b"IEND", b"")
     )
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims a huge size, with one tiny IDAT: a decompression bomb's header."""
+    return _png(width, height, b"\x00" * 16)
+
+
+def png_rows(
+    rgb: bytes, width: int, height: int, interlaced: bool = False, rows_kept: int | None = None
+) -> bytes:
+    """An RGB PNG of these pixels (row by row, 3 bytes each), Adam7-interlaced if asked, whose
+    compressed stream ends cleanly after its first `rows_kept` filtered rows (of all passes, in
+    order) when that is given: a file every chunk of which is valid, and whose pixels run out early.
+    PIL refuses a stream cut inside a row; at a row's end it said nothing."""
+    passes = [
+        (0, 0, 8, 8),
+        (4, 0, 8, 8),
+        (0, 4, 4, 8),
+        (2, 0, 4, 4),
+        (0, 2, 2, 4),
+        (1, 0, 2, 2),
+        (0, 1, 1, 2),
+    ]
+    rows = []
+    for x0, y0, dx, dy in passes if interlaced else [(0, 0, 1, 1)]:
+        if x0 >= width:
+            continue  # a pass with no columns has no rows either, not empty ones
+        for y in range(y0, height, dy):
+            line = rgb[y * width * 3 : (y + 1) * width * 3]
+            rows.append(b"\x00" + b"".join(line[x * 3 : x * 3 + 3] for x in range(x0, width, dx)))
+    return _png(width, height, b"".join(rows[:rows_kept]), interlaced)
 
 
 def gif_bomb(width: int, height: int, frames: int) -> bytes:

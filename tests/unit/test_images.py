@@ -261,3 +261,59 @@ def test_a_one_row_photo_turned_by_its_exif_is_resized_as_a_plain_copy_would_be(
     assert torch.equal(decoded.tensor, expected)
     for _ in range(3):  # an out-of-bounds read shows as patches that differ from run to run
         assert torch.equal(resize_to_fit(decoded.tensor, 480), resize_to_fit(expected, 480))
+
+
+def _pixels(width: int, height: int) -> bytes:
+    return bytes(
+        (x * 7 + y * 13 + c * 50) % 251 + 1 for y in range(height) for x in range(width) for c in range(3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("interlaced", "rows_kept", "said"),
+    [
+        (False, 24, "its pixel data stops after row 24 of 48"),
+        (False, 47, "its pixel data stops after row 47 of 48"),
+        (False, 1, "its pixel data stops after row 1 of 48"),
+        # Adam7 passes of 64x48 RGB hold 150, 150, 294, 588, 1164, 2328 and 4632 bytes.
+        (True, 6, "its pixel data holds 150 of the 9306 bytes its 64x48 header needs"),
+        (True, 66, "its pixel data holds 4674 of the 9306 bytes"),
+    ],
+)
+def test_a_png_whose_pixel_stream_ends_early_is_refused_not_decoded_part_black(
+    interlaced: bool, rows_kept: int, said: str
+) -> None:
+    """Every chunk valid, the zlib stream ended cleanly at a row's end with rows still to come: PIL
+    decoded it and left them black, so the model would have answered about part of a photo."""
+    data = imagegen.png_rows(_pixels(64, 48), 64, 48, interlaced=interlaced, rows_kept=rows_kept)
+    with pytest.raises(ImageDecodeError, match="png data is truncated") as refused:
+        images.load(data, LIMIT)
+    assert said in refused.value.message
+
+
+@pytest.mark.parametrize(("width", "height"), [(64, 48), (1, 1), (3, 2), (5, 9), (13, 1)])
+@pytest.mark.parametrize("interlaced", [False, True])
+def test_a_whole_png_decodes_to_its_pixels_interlaced_or_not(
+    width: int, height: int, interlaced: bool
+) -> None:
+    """The count of bytes an image needs is right for every Adam7 pass shape, empty passes included:
+    a whole file is never refused as short."""
+    rgb = _pixels(width, height)
+    decoded = images.load(imagegen.png_rows(rgb, width, height, interlaced=interlaced), LIMIT)
+    assert decoded.tensor.permute(1, 2, 0).contiguous().flatten().tolist() == list(rgb)
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "RGB", "RGBA", "I;16"])
+def test_a_whole_png_with_a_black_last_row_decodes(mode: str) -> None:
+    """A black last row is what PIL leaves unwritten, so it sends the file to the count: in every
+    mode and bit depth the count must find the whole image there."""
+    img = Image.new("RGB", (37, 20), (200, 100, 50))
+    img.paste((0, 0, 0), (0, 19, 37, 20))
+    if mode == "I;16":
+        img = Image.new("I;16", (37, 20), 40000)
+        img.paste(0, (0, 19, 37, 20))
+    else:
+        img = img.convert(mode)
+    decoded = images.load(_encode(img, "PNG"), LIMIT)
+    assert decoded.tensor.shape == (3, 20, 37)
+    assert decoded.tensor[:, -1].max() == 0
