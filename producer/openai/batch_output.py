@@ -228,9 +228,21 @@ def _refusal(reason: str) -> tuple[int, dict[str, Any]]:
 
 
 def _custom_id(raw: bytes) -> str | None:
+    """The custom_id of a line refused before it was read (over the size limit, a key given twice),
+    as the error file writes it; None where the line names none, or names two: json keeps the last
+    of them, and an error line under either one would answer a request that may not be the one
+    the client meant (review, helper-86)."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, object_pairs_hook=_ambiguous_custom_id)
     except (ValueError, RecursionError):
         return None
     value = data.get("custom_id") if isinstance(data, dict) else None
-    return value if isinstance(value, str) else None
+    return encoding.clean(value) if isinstance(value, str) else None
+
+
+def _ambiguous_custom_id(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object with its custom_id dropped where it is given twice with different values."""
+    value = dict(pairs)
+    if len({json.dumps(v) for k, v in pairs if k == "custom_id"}) > 1:
+        del value["custom_id"]
+    return value

@@ -477,6 +477,10 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         request_line("w", "tiny\udcff", "Refund?", inline),
         request_line("x\udcff", model, "Refund?", inline),
         request_line("e", model, "Refund?", "data:image/png;base64,"),  # review: refused as no image
+        # A key given twice is refused; its error line names the custom_id only where the line names
+        # one (review, helper-86: "d1" then "d2" gave an error line under "d2").
+        request_line("d1", model, "Refund?", inline).replace('"d1"', '"d1", "custom_id": "d2"'),
+        request_line("k", model, "Refund?", inline).replace('"POST"', '"POST", "method": "POST"'),
     ]
     upload = sdk.files.create(file=("backlog.jsonl", "\n".join(lines).encode()), purpose="batch")
     assert (upload.purpose, upload.object) == ("batch", "file")
@@ -491,12 +495,12 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.status == "completed"
     counts = done.request_counts
     assert counts is not None
-    assert (counts.total, counts.completed, counts.failed) == (14, 3, 11)
+    assert (counts.total, counts.completed, counts.failed) == (16, 3, 13)
     outputs, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
     assert sorted(line["custom_id"] for line in outputs) == ["a", "b", "c"]
     ids = sorted(str(line["custom_id"]) for line in errors)
-    assert ids == ["None", "a", "e", "h", "m", "s", "t", "u", "v", "w", "x\ufffd"]
-    assert len({line["id"] for line in outputs + errors}) == 14  # every request once, in one file only
+    assert ids == ["None", "None", "a", "e", "h", "k", "m", "s", "t", "u", "v", "w", "x\ufffd"]
+    assert len({line["id"] for line in outputs + errors}) == 16  # every request once, in one file only
     for line in outputs:
         body = line["response"]["body"]
         assert (line["response"]["status_code"], body["object"], line["error"]) == (
@@ -522,6 +526,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         assert "not valid Unicode" in error["message"], error
     assert {k: (v["status_code"], v["body"]["error"]["code"]) for k, v in by_id.items()} == {
         "None": (400, "invalid_json"),
+        "k": (400, "invalid_json"),
         "t": (400, "unsupported_value"),
         "a": (400, "duplicate_custom_id"),
         "m": (404, "model_not_found"),
@@ -534,7 +539,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.usage.input_tokens == prompt > 0
     status = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
     assert status["usage"]["prompt_tokens"] == prompt
-    assert (status["succeeded"], status["invalid_lines"]) == (3, 11)
+    assert (status["succeeded"], status["invalid_lines"]) == (3, 13)
 
     second = wait_final(
         sdk,
