@@ -68,7 +68,14 @@ def limits(settings: Settings) -> Limits:
 
 
 async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+    """A body's fault is the job's (422 `invalid_job`); a query's is the request's, 400
+    `invalid_request` as `?after=` answers on the same route (`?wait=-1` was 422 `invalid_job` on a
+    GET that names no job)."""
     errors: list[Any] = list(exc.errors()) if isinstance(exc, RequestValidationError) else []
+    where = tuple(errors[0].get("loc", ())) if errors else ()
+    if where and where[0] in ("query", "path", "header", "cookie"):
+        name = ".".join(str(part) for part in where[1:]) or str(where[0])
+        return error(400, "invalid_request", f"{name}: {errors[0].get('msg', 'invalid')}"[:300])
     return invalid_job(errors, "request")
 
 

@@ -453,6 +453,21 @@ def test_event_ids_beyond_what_redis_takes_are_a_400(api: TestClient, after: str
     assert highest.status_code == 200
 
 
+@pytest.mark.parametrize("wait", ["soon", "-1", "nan", "inf", "86401"])
+@pytest.mark.parametrize("path", ["/v1/events", "/v1/jobs/nope/result"])
+def test_a_wait_no_route_takes_is_a_400_as_a_bad_after_is(api: TestClient, path: str, wait: str) -> None:
+    """A query's fault is the request's, on every route the same: `?wait=soon` was 422
+    `invalid_job` on a GET that names no job, where `?after=soon` on the same route is 400."""
+    reply = api.get(path, params={"wait": wait}, headers=AUTH)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"].startswith("wait: "), error
+    assert api.get("/v1/events", params={"after": "soon"}, headers=AUTH).json()["error"]["code"] == (
+        "invalid_request"
+    )
+
+
 # ------------------------------------------------------------------ 7. result waits
 def test_a_failed_job_without_a_stored_result_is_answered_not_202(api: TestClient, client: Client) -> None:
     job_id = _job_id("unstored")
