@@ -82,7 +82,9 @@ class Constraint:
 
 
 class Grammars:
-    """The compiler for one model's vocabulary, and the compiled grammars it keeps (LRU, bounded)."""
+    """The compiler for one model's vocabulary, and the compiled grammars it keeps (LRU, bounded), per
+    API key as the result and prefix caches are: shared, a key's first job of a format ran seconds
+    sooner when another key had sent that format, which told it so."""
 
     def __init__(
         self,
@@ -105,7 +107,7 @@ class Grammars:
         self.guard = Utf8Guard(self.info.decoded_vocab, vocab_size)
         self.vocab_size = vocab_size
         self.keep, self.limit_s = keep, limit_s
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (API key, format hash)
         # (API key, format hash) -> when its compile was stopped: per key, as the result cache is (review,
         # helper-87: shared, it told a key that another had sent that exact schema in the last 5 minutes)
         self._ran_out: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -133,9 +135,9 @@ class Grammars:
         """A fresh row state over a compiled grammar."""
         return Constraint(self._xgr.GrammarMatcher(compiled), self.vocab_size, self.guard)
 
-    def cached(self, fmt: JsonSchemaFormat | ChoiceFormat) -> Any | None:
-        """The compiled grammar kept for this format (by its canonical hash), or None."""
-        key = digest(fmt)
+    def cached(self, fmt: JsonSchemaFormat | ChoiceFormat, owner: str = "") -> Any | None:
+        """The compiled grammar kept for this format (by its canonical hash) and key, or None."""
+        key = (owner, digest(fmt))
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -143,13 +145,13 @@ class Grammars:
         return None
 
     def compile_and_keep(self, fmt: JsonSchemaFormat | ChoiceFormat, owner: str = "") -> tuple[Any, float]:
-        """Compile (InvalidJob when it does not), keep it, and say how many seconds it took. `owner`: the
-        API key asking (a format stopped at the limit is refused to that key alone for a while)."""
+        """Compile (InvalidJob when it does not), keep it for `owner`, and say how many seconds it took.
+        `owner`: the API key asking (its grammars, and its formats stopped at the limit, are its own)."""
         began = time.perf_counter()
         compiled = self.compile(fmt, owner)
         seconds = time.perf_counter() - began
         with self._lock:
-            self._compiled[digest(fmt)] = compiled
+            self._compiled[(owner, digest(fmt))] = compiled
             while len(self._compiled) > self.keep:
                 self._compiled.popitem(last=False)
         return compiled, seconds

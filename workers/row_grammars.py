@@ -55,17 +55,16 @@ class RowGrammars:
             return Ask(None)
         if self.grammars is None:
             return Ask(fmt, InvalidJob(f"the model backend {self.model_id!r} cannot constrain answers"))
-        compiled = self.grammars.cached(fmt)
+        compiled = self.grammars.cached(fmt, owner or "")
         self.metrics.grammar_cache.labels(result="hit" if compiled is not None else "miss").inc()
         if compiled is not None:
             return Ask(fmt, self._matcher(compiled))
         may_be_slow = getattr(self.grammars, "may_be_slow", None)
         light = may_be_slow is not None and not may_be_slow(fmt)
+        # A compile under way is joined by the same key's jobs only: another key's waits its own turn.
+        key = f"{owner or ''}|{digest(fmt)}"  # the digest's fixed length keeps the pair apart
         return Ask(
-            fmt,
-            wait=self.compiles.request(
-                digest(fmt), lambda: self._compile(fmt, owner or ""), owner or "", light
-            ),
+            fmt, wait=self.compiles.request(key, lambda: self._compile(fmt, owner or ""), owner or "", light)
         )
 
     def settle(self, ask: Ask) -> Settled:

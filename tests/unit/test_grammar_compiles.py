@@ -148,8 +148,8 @@ class Grammars:
     def __init__(self, held: Held) -> None:
         self.held, self.kept, self.compiled = held, {}, []
 
-    def cached(self, fmt: Any) -> Any:
-        return self.kept.get(rf.digest(fmt))
+    def cached(self, fmt: Any, owner: str = "") -> Any:
+        return self.kept.get((owner, rf.digest(fmt)))
 
     def compile_and_keep(self, fmt: Any, owner: str = "") -> tuple[Any, float]:
         key = rf.digest(fmt)
@@ -157,7 +157,7 @@ class Grammars:
         grammar = self.held.work(key)()
         if "broken" in rf.canonical(fmt):
             raise InvalidJob("response_format does not compile to a grammar: stand-in")
-        self.kept[key] = grammar
+        self.kept[(owner, key)] = grammar
         return grammar, 0.0
 
     def matcher(self, compiled: Any) -> Any:
@@ -199,6 +199,25 @@ def test_a_job_whose_grammar_overruns_fails_naming_the_schemas_costliest_place(h
     assert len(grammars.compiled) == 1
 
 
+def test_each_key_compiles_a_format_of_its_own_and_joins_only_its_own_compile(held: Held) -> None:
+    """Shared, a key's first job of a format found another key's grammar, or joined its compile, and
+    ran seconds sooner: how long it took told it that another key had sent that schema."""
+    rows, grammars = _row_grammars(held, Clock())
+    fmt = rf.parse({"type": "json_schema", "schema": NOTE})
+    first, again, other = rows.ask(fmt, "key-a"), rows.ask(fmt, "key-a"), rows.ask(fmt, "key-b")
+    assert first.wait is not None
+    assert again.wait is not None
+    assert other.wait is not None
+    assert first.wait.compile is again.wait.compile  # the same key's jobs share one compile
+    assert other.wait.compile is not first.wait.compile
+    held.release()
+    assert _done(first.wait) == _done(other.wait) == f"grammar:{rf.digest(fmt)}"
+    assert len(grammars.compiled) == 2
+    assert rows.ask(fmt, "key-a").wait is None  # kept for each key: no third compile
+    assert rows.ask(fmt, "key-b").wait is None
+    assert rows.ask(fmt, "key-c").wait is not None
+
+
 def test_the_row_grammars_settle_to_a_state_an_error_or_none(held: Held) -> None:
     clock = Clock()
     rows, _grammars = _row_grammars(held, clock)
@@ -226,10 +245,11 @@ def test_a_job_the_compiler_cannot_start_for_is_retried_not_refused(held: Held) 
     grammars = Grammars(held)
     compiles = Compiles(5.0, threads=1, overdue=0, clock=clock)
     rows = RowGrammars(Backend(grammars), 5.0, Metrics(), compiles)
-    first = rows.ask(rf.parse({"type": "choice", "choices": ["a"]}))
+    choice_a = rf.parse({"type": "choice", "choices": ["a"]})
+    first = rows.ask(choice_a)
     second = rows.ask(rf.parse({"type": "choice", "choices": ["b"]}))
     assert first.wait is not None
-    assert held.ran(first.wait.compile.key).wait(GUARD_S)
+    assert held.ran(rf.digest(choice_a)).wait(GUARD_S)
     clock.now += 5.0
     busy = rows.settle(second)
     assert isinstance(busy, CompilerBusy)

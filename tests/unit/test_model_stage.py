@@ -57,7 +57,7 @@ class HeldGrammars:
         self.compiles: list[str] = []
         self.kept: dict[str, str] = {}
 
-    def cached(self, fmt: Any) -> Any:
+    def cached(self, fmt: Any, owner: str = "") -> Any:
         return self.kept.get(rf.digest(fmt))
 
     def compile_and_keep(self, fmt: Any, owner: str = "") -> tuple[Any, float]:

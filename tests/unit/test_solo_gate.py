@@ -360,7 +360,7 @@ class _HeldCompile:
     def __init__(self) -> None:
         self.running, self.release = threading.Event(), threading.Event()
 
-    def cached(self, fmt: Any) -> None:
+    def cached(self, fmt: Any, owner: str = "") -> None:
         return None
 
     def compile_and_keep(self, fmt: Any, owner: str = "") -> tuple[str, float]:

@@ -270,6 +270,16 @@ def test_grammars_compile_once_per_format_and_keep_a_bounded_number(backend: Fuy
         grammars.constraint(rf.JsonSchemaFormat.model_construct(type="json_schema", schema_=lookbehind))
 
 
+def test_a_grammar_one_key_compiled_is_never_found_by_another(backend: FuyuBackend) -> None:
+    grammars = backend.grammars
+    fmt = rf.parse({"type": "choice", "choices": ["kept", "apart"]})
+    assert grammars.cached(fmt, "key-a") is None
+    grammars.compile_and_keep(fmt, "key-a")
+    assert grammars.cached(fmt, "key-a") is not None
+    assert grammars.cached(fmt, "key-b") is None
+    assert grammars.cached(fmt) is None  # jobs without a key (the CLI, a backlog) are one more owner
+
+
 def test_bounded_strings_refuse_raw_control_characters(backend: FuyuBackend) -> None:
     """JSON requires U+0000-U+001F escaped; the library's bounded strings let them through raw."""
     fmt = rf.parse({"type": "json_schema", "schema": {"type": "string", "maxLength": 4}})
