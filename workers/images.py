@@ -134,6 +134,9 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
     if width * height * count > max_pixels:
         total = width * height * count
         raise ImageTooLarge(f"{count} frames of {width}x{height}: {total} pixels; limit {max_pixels}")
+    framed = png_data.frame_problem(data) if fmt == "png" else None
+    if framed is not None:  # before any decode: PIL would draw that frame alone, the rest black
+        raise ImageDecodeError(f"png data is not a whole image: {framed}")
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     return EncodedImage(data, fmt, width, height, orientation, count, hashlib.sha256(data).hexdigest())

@@ -42,6 +42,24 @@ def shortfall(data: bytes) -> str | None:
     return f"its pixel data stops after row {rows} of {height}"
 
 
+def frame_problem(data: bytes) -> str | None:
+    """Words for an animated PNG whose default image's frame (an fcTL before the first IDAT) is not the
+    whole image, as the APNG spec requires it to be: PIL decodes only that rectangle of the pixel
+    data and leaves the rest of the picture black (review, helper-88). None when it is whole, or when
+    the default image is not a frame (then the first frame is drawn on an empty canvas, as specified)."""
+    header = _header(data)
+    if header is None:
+        return None
+    width, height = header[0], header[1]
+    for kind, body in _chunks_before_pixels(data):
+        if kind == b"fcTL" and len(body) >= 20:
+            frame_w, frame_h, x, y = struct.unpack(">IIII", body[4:20])
+            if (frame_w, frame_h, x, y) != (width, height, 0, 0):
+                return f"its first frame is {frame_w}x{frame_h} at ({x}, {y}); the image is {width}x{height}"
+            return None
+    return None
+
+
 def needed_bytes(width: int, height: int, bits_per_pixel: int, interlaced: bool) -> int:
     """The filtered, uncompressed size of an image's pixel data: each row is a filter byte and then
     its pixels; an interlaced image is seven smaller images (an empty pass has no rows at all)."""
@@ -65,7 +83,25 @@ def _header(data: bytes) -> tuple[int, int, int, int, bool] | None:
     if not data.startswith(_SIGNATURE) or len(data) < 33 or data[12:16] != b"IHDR":
         return None
     width, height, depth, colour, _compression, _filter, interlace = struct.unpack(">IIBBBBB", data[16:29])
-    return width, height, depth, colour, interlace == 1
+    return (
+        width,
+        height,
+        depth,
+        colour,
+        interlace != 0,
+    )  # PIL reads any other byte as Adam7 (review, helper-88)
+
+
+def _chunks_before_pixels(data: bytes) -> Iterator[tuple[bytes, memoryview]]:
+    """Each chunk's type and body up to the first IDAT (a few, however large the image)."""
+    view = memoryview(data)
+    pos = len(_SIGNATURE)
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        if kind in (b"IDAT", b"IEND"):
+            return
+        yield kind, view[pos + 8 : pos + 8 + length]
+        pos += 12 + length
 
 
 def _idat(data: bytes) -> Iterator[memoryview]:

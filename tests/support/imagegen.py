@@ -15,6 +15,7 @@ __all__ = [
     "gif_bomb",
     "photo",
     "png_header_only",
+    "apng_default_frame",
     "png_rows",
     "screenshot",
     "truncated_jpeg",
@@ -59,12 +60,14 @@ def _chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
 
 
-def _png(width: int, height: int, pixel_data: bytes, interlaced: bool = False) -> bytes:
-    """An 8-bit RGB PNG around filtered pixel data, well formed chunk by chunk (CRCs and all)."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, int(interlaced))
+def _png(width: int, height: int, pixel_data: bytes, interlace: int = 0, before_pixels: bytes = b"") -> bytes:
+    """An 8-bit RGB PNG around filtered pixel data, well formed chunk by chunk (CRCs and all);
+    `before_pixels`: chunks to put between the header and the pixel data."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, interlace)
     return (
         b"\x89PNG\r\n\x1a\n"
         + _chunk(b"IHDR", ihdr)
+        + before_pixels
         + _chunk(b"IDAT", zlib.compress(pixel_data))
         + _chunk(b"IEND", b"")
     )
@@ -76,12 +79,18 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 def png_rows(
-    rgb: bytes, width: int, height: int, interlaced: bool = False, rows_kept: int | None = None
+    rgb: bytes,
+    width: int,
+    height: int,
+    interlaced: bool = False,
+    rows_kept: int | None = None,
+    interlace_byte: int = 1,
 ) -> bytes:
     """An RGB PNG of these pixels (row by row, 3 bytes each), Adam7-interlaced if asked, whose
     compressed stream ends cleanly after its first `rows_kept` filtered rows (of all passes, in
     order) when that is given: a file every chunk of which is valid, and whose pixels run out early.
-    PIL refuses a stream cut inside a row; at a row's end it said nothing."""
+    PIL refuses a stream cut inside a row; at a row's end it said nothing. `interlace_byte`: the
+    header's interlace method when interlaced (PIL reads any byte but 0 as Adam7)."""
     passes = [
         (0, 0, 8, 8),
         (4, 0, 8, 8),
@@ -98,7 +107,17 @@ def png_rows(
         for y in range(y0, height, dy):
             line = rgb[y * width * 3 : (y + 1) * width * 3]
             rows.append(b"\x00" + b"".join(line[x * 3 : x * 3 + 3] for x in range(x0, width, dx)))
-    return _png(width, height, b"".join(rows[:rows_kept]), interlaced)
+    return _png(width, height, b"".join(rows[:rows_kept]), interlace_byte if interlaced else 0)
+
+
+def apng_default_frame(rgb: bytes, width: int, height: int, frame: tuple[int, int, int, int]) -> bytes:
+    """A one-frame animated PNG whose pixel data is the whole image and whose default image's frame
+    (the fcTL before IDAT: width, height, x, y) is `frame`; the APNG spec says it must be the whole
+    image."""
+    actl = _chunk(b"acTL", struct.pack(">II", 1, 0))
+    fctl = _chunk(b"fcTL", struct.pack(">IIIIIHHBB", 0, *frame, 1, 10, 0, 0))
+    rows = b"".join(b"\x00" + rgb[y * width * 3 : (y + 1) * width * 3] for y in range(height))
+    return _png(width, height, rows, before_pixels=actl + fctl)
 
 
 def gif_bomb(width: int, height: int, frames: int) -> bytes:

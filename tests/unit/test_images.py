@@ -291,6 +291,30 @@ def test_a_png_whose_pixel_stream_ends_early_is_refused_not_decoded_part_black(
     assert said in refused.value.message
 
 
+@pytest.mark.parametrize("interlace_byte", [2, 255])
+def test_a_png_read_as_interlaced_is_counted_as_interlaced(interlace_byte: int) -> None:
+    """Review, helper-88: PIL reads any interlace byte but 0 as Adam7; counted against the smaller
+    plain size, a stream cut late in the seventh pass passed with rows black."""
+    # 8x400: Adam7's 750 rows hold 10,350 bytes, the plain 400 rows 10,000; all but 3 of the last
+    # pass's rows (25 bytes each) is more than the plain size, less than the interlaced one.
+    data = imagegen.png_rows(_pixels(8, 400), 8, 400, True, 750 - 3, interlace_byte)
+    with pytest.raises(ImageDecodeError, match="png data is truncated: its pixel data holds 10275 of"):
+        images.load(data, LIMIT)
+
+
+@pytest.mark.parametrize("frame", [(64, 32, 0, 0), (64, 32, 0, 16), (32, 48, 32, 0)])
+def test_an_animated_png_whose_default_frame_is_part_of_the_image_is_refused(
+    frame: tuple[int, int, int, int],
+) -> None:
+    """Review, helper-88: PIL decoded only the default frame's rectangle of the pixel data and left
+    the rest black, above or beside it, where the last-row gate never looked."""
+    data = imagegen.apng_default_frame(_pixels(64, 48), 64, 48, frame)
+    with pytest.raises(ImageDecodeError, match="png data is not a whole image: its first frame is"):
+        images.load(data, LIMIT)
+    whole = images.load(imagegen.apng_default_frame(_pixels(64, 48), 64, 48, (64, 48, 0, 0)), LIMIT)
+    assert whole.tensor.permute(1, 2, 0).contiguous().flatten().tolist() == list(_pixels(64, 48))
+
+
 @pytest.mark.parametrize(("width", "height"), [(64, 48), (1, 1), (3, 2), (5, 9), (13, 1)])
 @pytest.mark.parametrize("interlaced", [False, True])
 def test_a_whole_png_decodes_to_its_pixels_interlaced_or_not(
