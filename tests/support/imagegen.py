@@ -11,11 +11,11 @@ from PIL import Image, ImageDraw
 from scripts.samples import photo
 
 __all__ = [
+    "apng_default_frame",
     "camera_photo",
     "gif_bomb",
     "photo",
     "png_header_only",
-    "apng_default_frame",
     "png_rows",
     "screenshot",
     "truncated_jpeg",
