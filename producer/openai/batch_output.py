@@ -21,6 +21,7 @@ from typing import Any
 from producer.backlog import manifest
 from producer.backlog.run import Backlog
 from producer.openai.batch_book import FINAL, BatchBook, now
+from producer.openai.batch_lines import custom_id_of
 from producer.openai.completion import completion
 from producer.openai.files import Files, new_file_id
 from shared import encoding, logs, names, tenants
@@ -184,7 +185,7 @@ def _line(
 ) -> tuple[str, dict[str, Any]]:
     """One input line's line in the output or the error file."""
     line_id = "batch_req_" + hashlib.sha256(f"{batch_id}:{number}".encode()).hexdigest()[:24]
-    custom_id = (entry or {}).get("custom_id") or _custom_id(raw)
+    custom_id = (entry or {}).get("custom_id") or custom_id_of(raw)
     base = {"id": line_id, "custom_id": custom_id}
     never_ran = {
         **base,
@@ -225,24 +226,3 @@ def _refusal(reason: str) -> tuple[int, dict[str, Any]]:
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         return int(data.get("status", 400)), dict(data["error"])
     return 400, {"message": reason, "type": "invalid_request_error", "param": None, "code": "invalid_request"}
-
-
-def _custom_id(raw: bytes) -> str | None:
-    """The custom_id of a line refused before it was read (over the size limit, a key given twice),
-    as the error file writes it; None where the line names none, or names two: json keeps the last
-    of them, and an error line under either one would answer a request that may not be the one
-    the client meant (review, helper-86)."""
-    try:
-        data = json.loads(raw, object_pairs_hook=_ambiguous_custom_id)
-    except (ValueError, RecursionError):
-        return None
-    value = data.get("custom_id") if isinstance(data, dict) else None
-    return encoding.clean(value) if isinstance(value, str) else None
-
-
-def _ambiguous_custom_id(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object with its custom_id dropped where it is given twice with different values."""
-    value = dict(pairs)
-    if len({json.dumps(v) for k, v in pairs if k == "custom_id"}) > 1:
-        del value["custom_id"]
-    return value

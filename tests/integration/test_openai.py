@@ -481,6 +481,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         # one (review, helper-86: "d1" then "d2" gave an error line under "d2").
         request_line("d1", model, "Refund?", inline).replace('"d1"', '"d1", "custom_id": "d2"'),
         request_line("k", model, "Refund?", inline).replace('"POST"', '"POST", "method": "POST"'),
+        request_line("k", model, "Same id as a refused line?", inline),  # review, helper-88: it ran
     ]
     upload = sdk.files.create(file=("backlog.jsonl", "\n".join(lines).encode()), purpose="batch")
     assert (upload.purpose, upload.object) == ("batch", "file")
@@ -495,12 +496,14 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.status == "completed"
     counts = done.request_counts
     assert counts is not None
-    assert (counts.total, counts.completed, counts.failed) == (16, 3, 13)
+    assert (counts.total, counts.completed, counts.failed) == (17, 3, 14)
     outputs, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
     assert sorted(line["custom_id"] for line in outputs) == ["a", "b", "c"]
     ids = sorted(str(line["custom_id"]) for line in errors)
-    assert ids == ["None", "None", "a", "e", "h", "k", "m", "s", "t", "u", "v", "w", "x\ufffd"]
-    assert len({line["id"] for line in outputs + errors}) == 16  # every request once, in one file only
+    assert ids == ["None", "None", "a", "e", "h", "k", "k", "m", "s", "t", "u", "v", "w", "x\ufffd"]
+    assert len({line["id"] for line in outputs + errors}) == 17
+    refused_k = [line["response"]["body"]["error"]["code"] for line in errors if line["custom_id"] == "k"]
+    assert refused_k == ["invalid_json", "duplicate_custom_id"]  # every request once, in one file only
     for line in outputs:
         body = line["response"]["body"]
         assert (line["response"]["status_code"], body["object"], line["error"]) == (
@@ -526,7 +529,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
         assert "not valid Unicode" in error["message"], error
     assert {k: (v["status_code"], v["body"]["error"]["code"]) for k, v in by_id.items()} == {
         "None": (400, "invalid_json"),
-        "k": (400, "invalid_json"),
+        "k": (400, "duplicate_custom_id"),
         "t": (400, "unsupported_value"),
         "a": (400, "duplicate_custom_id"),
         "m": (404, "model_not_found"),
@@ -539,7 +542,7 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert done.usage.input_tokens == prompt > 0
     status = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
     assert status["usage"]["prompt_tokens"] == prompt
-    assert (status["succeeded"], status["invalid_lines"]) == (3, 13)
+    assert (status["succeeded"], status["invalid_lines"]) == (3, 14)
 
     second = wait_final(
         sdk,

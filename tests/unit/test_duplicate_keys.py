@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from producer.cli import _response_format
 from producer.http.forms import JobRequest
-from producer.openai.batch_lines import Translator
+from producer.openai.batch_lines import Translator, custom_id_of
 from shared import encoding
 from shared.errors import UsageError
 from shared.settings import Settings
@@ -37,6 +37,47 @@ def test_a_batch_line_naming_a_key_twice_is_refused_as_the_chat_body_is() -> Non
     assert refused["status"] == 400
     assert refused["error"]["code"] == "invalid_json"
     assert "'custom_id' is given more than once" in refused["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("line", "custom_id"),
+    [
+        ('{"custom_id": "c2", "custom_id": "c3", "method": "POST"}', None),  # which was meant?
+        ('{"custom_id": "c2", "custom_id": "c2", "method": "POST"}', "c2"),
+        ('{"custom_id": "c2", "custom_id": "c\\u0032", "method": "POST"}', "c2"),  # the same text
+        ('{"custom_id": "c2", "method": "POST", "method": "GET"}', "c2"),
+        ('{"custom_id": "c2", "body": {"custom_id": "x", "custom_id": "y"}}', "c2"),  # not the line's
+        ('{"custom_id": "c\\udcff", "method": "POST", "method": "POST"}', "c\ufffd"),
+        ('{"custom_id": 7, "custom_id": 7}', None),
+        ("[1, 2]", None),
+        ('{"custom_id": "c2", "method": ', None),
+    ],
+)
+def test_a_refused_lines_custom_id_is_the_one_it_names_or_none(line: str, custom_id: str | None) -> None:
+    assert custom_id_of(line.encode()) == custom_id
+
+
+def test_a_refused_lines_custom_id_is_found_in_a_line_deep_with_custom_ids() -> None:
+    """Review, helper-88: every object's custom_id value was serialised to compare it, so 980 nested
+    {"custom_id": ...} around a 1 MB string took 10 s of the API's CPU (a parse takes 2 ms)."""
+    depth = 900
+    line = '{"custom_id":' * depth + '"' + "e" * 100_000 + '"' + "}" * depth
+    assert custom_id_of(line.encode()) is None  # the line's custom_id is an object
+    assert custom_id_of(('{"custom_id": "deep", "body": ' + line + "}").encode()) == "deep"
+
+
+def test_a_refused_lines_custom_id_is_used_up_as_an_accepted_lines_is() -> None:
+    """Review, helper-88: a line refused as ambiguous kept its custom_id "r" in the error file, and a
+    later line "r" ran too, so "r" was answered in both files."""
+    translator = Translator(SimpleNamespace(settings=Settings()), "/v1/chat/completions", None,  # type: ignore[arg-type]
+                            frozenset({"tiny"}), set(), {})  # fmt: skip
+    twice: Any = translator._read(1, b'{"custom_id": "r", "method": "POST", "method": "POST"}')
+    assert (twice["error"]["code"], twice["custom_id"]) == ("invalid_json", "r")
+    unwritable: Any = translator._read(2, b'{"custom_id": "u", "method": "\\udcff"}')
+    assert (unwritable["error"]["code"], unwritable["custom_id"]) == ("invalid_value", "u")
+    for number, custom_id in ((3, "r"), (4, "u")):
+        again: Any = translator._read(number, f'{{"custom_id": "{custom_id}", "method": "POST"}}'.encode())
+        assert again["error"]["code"] == "duplicate_custom_id", again
 
 
 def test_mrc_submit_refuses_a_schema_naming_a_key_twice() -> None:
