@@ -47,9 +47,12 @@ def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
+    # Past 4,300 digits int() raises (review, helper-88: `limit=` and 5,000 nines was a 500); no bound
+    # here is longer than 20 digits, and leading zeros do not make a number larger.
+    digits = raw.lstrip("0") or "0"
+    if not raw.isascii() or not raw.isdigit() or len(digits) > 20 or not low <= int(digits) <= high:
         raise OpenAIError(400, f"{name} must be an integer from {low} to {high}", name, "invalid_value")
-    return int(raw)
+    return int(digits)
 
 
 def _stored(book: BatchBook, files: Files, owner: str, key: str, file_id: str) -> dict[str, Any]:

@@ -409,6 +409,16 @@ def test_errors_come_in_openai_shape_and_as_the_sdk_classes(
         sdk.chat.completions.create(model=model, messages=ask("Refund?", big))
     assert too_large.value.status_code == 413
     assert too_large.value.type == "invalid_request_error"
+    # Review, helper-88: `limit=` and 5,000 nines was a 500 (int() refuses past 4,300 digits).
+    for limit in ("9" * 5000, "0" * 5000 + "5", "0", "10001", "\u0665"):
+        for route in ("files", "batches"):
+            auth = {"Authorization": f"Bearer {KEY}"}
+            reply = httpx.get(f"{base_url}/v1/{route}", params={"limit": limit}, headers=auth)
+            expected = 200 if limit.endswith("5") else 400
+            assert reply.status_code == expected, (route, limit[:8], reply.text)
+            if expected == 400:
+                error = reply.json()["error"]
+                assert (error["param"], error["code"]) == ("limit", "invalid_value")
 
 
 def test_rate_limits_and_outages_answer_429_and_503_and_retries_enqueue_once(
