@@ -124,6 +124,7 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
         with Image.open(io.BytesIO(data)) as img:  # parses the header only
             width, height = img.size
             orientation = _orientation(img)
+            framed = png_data.frame_problem(img.size, img.tile) if fmt == "png" else None
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"{fmt} header unreadable: {_said(exc)}") from None
     if width < 1 or height < 1:
@@ -134,7 +135,6 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
     if width * height * count > max_pixels:
         total = width * height * count
         raise ImageTooLarge(f"{count} frames of {width}x{height}: {total} pixels; limit {max_pixels}")
-    framed = png_data.frame_problem(data) if fmt == "png" else None
     if framed is not None:  # before any decode: PIL would draw that frame alone, the rest black
         raise ImageDecodeError(f"png data is not a whole image: {framed}")
     if orientation in _SWAPS_SIDES:
@@ -243,15 +243,16 @@ def _decode_pil(image: EncodedImage) -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(image.data)) as img:
             img.seek(0)
+            tile = list(img.tile)  # what PIL decodes: gone once it has
             img.load()
-            _check_rows_written(image, img)
+            _check_rows_written(image, img, tile)
             rgb = _to_rgb(img)
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"{image.format} data is corrupt or truncated: {_said(exc)}") from None
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)  # HWC bytes: `channels_last`
 
 
-def _check_rows_written(image: EncodedImage, img: Image.Image) -> None:
+def _check_rows_written(image: EncodedImage, img: Image.Image, tile: list[Any]) -> None:
     """Refuse a PNG whose pixel stream ended early: PIL leaves the unwritten rows black and says
     nothing. Counting the stream costs another inflate (~0.14 s for 12 MP), so it runs only when the
     decode could have stopped short: an interlaced image (its passes spread the gap), or a last row
@@ -261,7 +262,7 @@ def _check_rows_written(image: EncodedImage, img: Image.Image) -> None:
     width, height = img.size
     if not img.info.get("interlace") and img.crop((0, height - 1, width, height)).tobytes().strip(b"\0"):
         return
-    missing = png_data.shortfall(image.data)
+    missing = png_data.shortfall(image.data, img.size, tile, bool(img.info.get("interlace")))
     if missing is not None:
         raise ImageDecodeError(f"png data is truncated: {missing}; the rest would decode blank")
 

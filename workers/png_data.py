@@ -1,63 +1,69 @@
-"""Whether a PNG's pixel data covers its whole image.
+"""Whether the pixel data PIL decodes from a PNG covers the whole image.
 
-A PNG whose compressed pixel stream (its IDAT chunks) ends cleanly but early, a zlib stream that
-says "done" after half the rows, decodes in PIL without a word: the rows never written stay black,
-and the model answers about a picture that is half missing. PIL's decoder stops at the stream's end
-and reports success; only counting what the stream inflates to tells. torchvision's libpng path,
-which would say "Not enough image data", kills the process on the same file (images.py keeps PNG
-off it). Pure Python over bytes (zlib), so it runs in a decode thread without the GIL held while
-it inflates.
+A PNG whose compressed pixel stream ends cleanly but early, a zlib stream that says "done" after half
+the rows, decodes in PIL without a word: the rows never written stay black, and the model answers
+about a picture that is half missing. PIL's decoder stops at the stream's end and reports success;
+only counting what the stream inflates to tells. torchvision's libpng path, which would say "Not
+enough image data", kills the process on the same file (images.py keeps PNG off it). Likewise PIL
+decodes only the rectangle of an animated PNG's first frame, the rest black.
+
+Both checks read what PIL itself will decode, its tile (the rectangle, where the stream starts and
+the raw mode), not a parse of our own: PIL skips chunks before the header, keeps the last of two
+headers or frame controls, and may take a frame's data (fdAT) as the default image's, and a parse
+that differed from it on any of those was a way past the check (review, helper-89). The count runs
+over bytes (zlib), in a decode thread, without the GIL held while it inflates.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
 # Adam7's seven passes: first column, first row, column step, row step.
 _ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+# Bits per pixel of each raw mode PIL reads a PNG in (PngImagePlugin's table, by bit depth and colour
+# type; tests/unit/test_images.py checks this against it).
+BITS = {
+    "1": 1, "L;2": 2, "L;4": 4, "L": 8, "I;16B": 16, "RGB": 24, "RGB;16B": 48, "P;1": 1, "P;2": 2,
+    "P;4": 4, "P": 8, "LA": 16, "LA;16B": 32, "RGBA": 32, "RGBA;16B": 64,
+}  # fmt: skip
+_DATA = (b"IDAT", b"DDAT")  # the chunks PIL reads pixel data from, with fdAT (after its sequence number)
 _PIECE = 1 << 20  # inflate at most this much at a time: the count needs no copy of the pixels
 
 
-def shortfall(data: bytes) -> str | None:
-    """Words for what is missing when the pixel data inflates to fewer bytes than the header's size
-    needs; None when it covers the image, or when the file is not a PNG this can read (the decoder
-    names those faults itself)."""
-    header = _header(data)
-    if header is None:
+def frame_problem(size: tuple[int, int], tile: Sequence[Any]) -> str | None:
+    """Words for a first frame PIL would draw on part of the image only (an animated PNG's frame
+    control says a rectangle; the APNG spec says the default image's must be the whole image); None
+    when PIL decodes the whole image."""
+    if len(tile) != 1:
         return None
-    width, height, depth, colour, interlaced = header
-    if colour not in _CHANNELS:
+    x0, y0, x1, y1 = (int(v) for v in tile[0][1])
+    if (x0, y0, x1, y1) == (0, 0, *size):
         return None
-    needed = needed_bytes(width, height, depth * _CHANNELS[colour], interlaced)
-    held = _inflated_size(_idat(data), needed)
+    width, height = size
+    return f"its first frame is {x1 - x0}x{y1 - y0} at ({x0}, {y0}); the image is {width}x{height}"
+
+
+def shortfall(data: bytes, size: tuple[int, int], tile: Sequence[Any], interlaced: bool) -> str | None:
+    """Words for what is missing when the stream PIL decodes (from its tile's offset on, through
+    the data chunks that follow it) inflates to fewer bytes than the image needs; None when it
+    covers the image, or when the tile is not one this can read (PIL names those faults itself)."""
+    if len(tile) != 1 or frame_problem(size, tile) is not None:
+        return None
+    _codec, _extents, offset, rawmode = tile[0][:4]
+    bits = BITS.get(rawmode) if isinstance(rawmode, str) else None
+    if bits is None:
+        return None
+    width, height = size
+    needed = needed_bytes(width, height, bits, interlaced)
+    held = _inflated_size(_stream(data, int(offset)), needed)
     if held is None or held >= needed:
         return None
     if interlaced:
         return f"its pixel data holds {held} of the {needed} bytes its {width}x{height} header needs"
-    rows = held // _row_bytes(width, depth * _CHANNELS[colour])
-    return f"its pixel data stops after row {rows} of {height}"
-
-
-def frame_problem(data: bytes) -> str | None:
-    """Words for an animated PNG whose default image's frame (an fcTL before the first IDAT) is not the
-    whole image, as the APNG spec requires it to be: PIL decodes only that rectangle of the pixel
-    data and leaves the rest of the picture black (review, helper-88). None when it is whole, or when
-    the default image is not a frame (then the first frame is drawn on an empty canvas, as specified)."""
-    header = _header(data)
-    if header is None:
-        return None
-    width, height = header[0], header[1]
-    for kind, body in _chunks_before_pixels(data):
-        if kind == b"fcTL" and len(body) >= 20:
-            frame_w, frame_h, x, y = struct.unpack(">IIII", body[4:20])
-            if (frame_w, frame_h, x, y) != (width, height, 0, 0):
-                return f"its first frame is {frame_w}x{frame_h} at ({x}, {y}); the image is {width}x{height}"
-            return None
-    return None
+    return f"its pixel data stops after row {held // _row_bytes(width, bits)} of {height}"
 
 
 def needed_bytes(width: int, height: int, bits_per_pixel: int, interlaced: bool) -> int:
@@ -78,41 +84,25 @@ def _row_bytes(width: int, bits_per_pixel: int) -> int:
     return 1 + (width * bits_per_pixel + 7) // 8
 
 
-def _header(data: bytes) -> tuple[int, int, int, int, bool] | None:
-    """IHDR's width, height, bit depth, colour type and interlace flag."""
-    if not data.startswith(_SIGNATURE) or len(data) < 33 or data[12:16] != b"IHDR":
-        return None
-    width, height, depth, colour, _compression, _filter, interlace = struct.unpack(">IIBBBBB", data[16:29])
-    return (
-        width,
-        height,
-        depth,
-        colour,
-        interlace != 0,
-    )  # PIL reads any other byte as Adam7 (review, helper-88)
-
-
-def _chunks_before_pixels(data: bytes) -> Iterator[tuple[bytes, memoryview]]:
-    """Each chunk's type and body up to the first IDAT (a few, however large the image)."""
+def _stream(data: bytes, offset: int) -> Iterator[memoryview]:
+    """The pixel stream as PIL reads it: from `offset` (in an IDAT, or in an fdAT past its sequence
+    number) to the end of that chunk, then each data chunk that directly follows (a chunk cut short
+    gives what is there)."""
+    if data[offset - 4 : offset] in _DATA:
+        pos = offset - 8
+    elif data[offset - 8 : offset - 4] == b"fdAT":
+        pos = offset - 12
+    else:
+        return
     view = memoryview(data)
-    pos = len(_SIGNATURE)
     while pos + 8 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos : pos + 8])
-        if kind in (b"IDAT", b"IEND"):
-            return
-        yield kind, view[pos + 8 : pos + 8 + length]
-        pos += 12 + length
-
-
-def _idat(data: bytes) -> Iterator[memoryview]:
-    """The IDAT chunks' payloads in file order (a chunk cut short gives what is there)."""
-    view = memoryview(data)
-    pos = len(_SIGNATURE)
-    while pos + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
-        if kind == b"IDAT":
-            yield view[pos + 8 : pos + 8 + length]
-        elif kind == b"IEND":
+        body = view[pos + 8 : pos + 8 + length]
+        if kind in _DATA:
+            yield body
+        elif kind == b"fdAT":
+            yield body[4:]
+        else:
             return
         pos += 12 + length
 

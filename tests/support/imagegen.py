@@ -15,6 +15,7 @@ __all__ = [
     "camera_photo",
     "gif_bomb",
     "photo",
+    "png_file",
     "png_header_only",
     "png_rows",
     "screenshot",
@@ -71,6 +72,12 @@ def _png(width: int, height: int, pixel_data: bytes, interlace: int = 0, before_
         + _chunk(b"IDAT", zlib.compress(pixel_data))
         + _chunk(b"IEND", b"")
     )
+
+
+def png_file(*chunks: tuple[bytes, bytes]) -> bytes:
+    """A PNG of these (type, body) chunks in this order, each with its length and CRC: for files
+    whose structure a test lays out itself."""
+    return b"\x89PNG\r\n\x1a\n" + b"".join(_chunk(kind, body) for kind, body in chunks)
 
 
 def png_header_only(width: int, height: int) -> bytes:

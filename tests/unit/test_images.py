@@ -315,6 +315,69 @@ def test_an_animated_png_whose_default_frame_is_part_of_the_image_is_refused(
     assert whole.tensor.permute(1, 2, 0).contiguous().flatten().tolist() == list(_pixels(64, 48))
 
 
+def _layouts() -> dict[str, tuple[bytes, str]]:
+    """PNGs laid out as PIL reads them and a parse of our own would not (review, helper-89): each
+    decoded by PIL with most of the picture black, and what the refusal must say."""
+    import struct
+    import zlib
+
+    def ihdr(height: int) -> tuple[bytes, bytes]:
+        return b"IHDR", struct.pack(">IIBBBBB", 64, height, 8, 2, 0, 0, 0)
+
+    def fctl(seq: int, width: int, height: int) -> tuple[bytes, bytes]:
+        return b"fcTL", struct.pack(">IIIIIHHBB", seq, width, height, 0, 0, 1, 10, 0, 0)
+
+    rgb = _pixels(64, 48)
+    rows = [b"\x00" + rgb[y * 192 : (y + 1) * 192] for y in range(48)]
+    whole, half = zlib.compress(b"".join(rows)), zlib.compress(b"".join(rows[:24]))
+    actl, end = (b"acTL", struct.pack(">II", 1, 0)), (b"IEND", b"")
+    short_frame = "not a whole image: its first frame is 64x10 at (0, 0); the image is 64x48"
+    half_rows = "truncated: its pixel data stops after row 24 of 48"
+    return {
+        "the last of two frame controls is the one PIL draws": (
+            imagegen.png_file(ihdr(48), actl, fctl(0, 64, 48), fctl(1, 64, 10), (b"IDAT", whole), end),
+            short_frame,
+        ),
+        "a frame's data before the image data is what PIL decodes": (
+            imagegen.png_file(
+                ihdr(48), actl, fctl(0, 64, 48), (b"fdAT", struct.pack(">I", 1) + half), (b"IDAT", whole), end
+            ),
+            half_rows,
+        ),
+        "a chunk before the header is skipped by PIL": (
+            imagegen.png_file((b"tEXt", b"k\x00v"), ihdr(48), (b"IDAT", half), end),
+            half_rows,
+        ),
+        "the last of two headers is the one PIL keeps": (
+            imagegen.png_file(ihdr(24), ihdr(48), (b"IDAT", half), end),
+            half_rows,
+        ),
+        "and with a short frame control after them": (
+            imagegen.png_file(ihdr(10), ihdr(48), fctl(0, 64, 10), (b"IDAT", whole), end),
+            short_frame,
+        ),
+    }
+
+
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_what_pil_decodes_is_what_is_checked_however_the_chunks_lie(layout: str) -> None:
+    data, said = _layouts()[layout]
+    with pytest.raises(ImageDecodeError) as refused:
+        images.load(data, LIMIT)
+    assert said in refused.value.message
+
+
+def test_the_bits_per_pixel_of_every_raw_mode_pil_reads_a_png_in_are_known() -> None:
+    """The count sizes a stream by PIL's raw mode: one it did not know would go unchecked."""
+    from PIL import PngImagePlugin
+
+    from workers import png_data
+
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+    for (depth, colour), (_mode, rawmode) in PngImagePlugin._MODES.items():
+        assert png_data.BITS[rawmode] == depth * channels[colour], rawmode
+
+
 @pytest.mark.parametrize(("width", "height"), [(64, 48), (1, 1), (3, 2), (5, 9), (13, 1)])
 @pytest.mark.parametrize("interlaced", [False, True])
 def test_a_whole_png_decodes_to_its_pixels_interlaced_or_not(
