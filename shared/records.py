@@ -18,8 +18,10 @@ from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
 
 RECORD_TTL_S = 7 * 24 * 3600
-# A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept".
-EVENT_ID_RE = re.compile(r"^\d{1,20}(-\d{1,20})?\Z")
+# A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept". ASCII digits:
+# `\d` takes any Unicode digit and int() reads them, but Redis does not (review, helper-89: `after=٣`
+# was a 500).
+EVENT_ID_RE = re.compile(r"^[0-9]{1,20}(-[0-9]{1,20})?\Z")
 _STREAM_ID_MAX = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
 
 

@@ -442,7 +442,15 @@ def test_a_job_nested_past_64_levels_is_a_422_as_the_contract_says(api: TestClie
 
 
 @pytest.mark.parametrize(
-    "after", ["99999999999999999999", "1-99999999999999999999", "18446744073709551616-0"]
+    "after",
+    [
+        "99999999999999999999",
+        "1-99999999999999999999",
+        "18446744073709551616-0",
+        "\u0663",  # review, helper-89: Unicode digits passed the check, and Redis refused them (a 500)
+        "\u0661\u0667\u0660\u0660-\u0660",
+        "\U0001d7d3",
+    ],
 )
 def test_event_ids_beyond_what_redis_takes_are_a_400(api: TestClient, after: str) -> None:
     reply = api.get("/v1/events", params={"after": after}, headers=AUTH)
