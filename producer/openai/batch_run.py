@@ -16,7 +16,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,9 +210,7 @@ class Runner:
         # A chunk the replicas did not confirm is gone over line by line: a failover may have lost any
         # of its jobs (review, helper-77: its lines were blanked, and its index written empty).
         done -= unconfirmed_chunks(self.backlog.runs.get(batch_id))
-        seen = {
-            str(e["custom_id"]): int(e["line"]) for e in self.backlog.entries(batch_id) if e.get("custom_id")
-        }
+        seen = first_lines(self.backlog.entries(batch_id))
 
         def on_group() -> None:
             renew()
@@ -293,3 +291,16 @@ class Runner:
 
     def _key(self, batch_id: str, name: str) -> str:
         return names.run_key(self.settings.s3_prefix, batch_id, name)
+
+
+def first_lines(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Each custom id an earlier pass indexed, and the first line that named it. The first, not the
+    last: a resumed pass reads the interrupted chunk again, and a line refused as naming an id a line
+    before it had named must be refused again, not taken for the id's own line (review, helper-89:
+    kept last, the refused duplicates of a chunk cut short were queued and ran on a resume)."""
+    seen: dict[str, int] = {}
+    for entry in entries:
+        if entry.get("custom_id"):
+            custom_id, line = str(entry["custom_id"]), int(entry["line"])
+            seen[custom_id] = min(line, seen.get(custom_id, line))
+    return seen

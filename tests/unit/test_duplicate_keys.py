@@ -80,6 +80,28 @@ def test_a_refused_lines_custom_id_is_used_up_as_an_accepted_lines_is() -> None:
         assert again["error"]["code"] == "duplicate_custom_id", again
 
 
+def test_a_resumed_batch_refuses_again_the_duplicates_it_refused_before_it_stopped() -> None:
+    """Review, helper-89: the ids an earlier pass indexed were mapped to their last line, so on a
+    resume the refused duplicate of "k" (line 3) found itself as k's line and was queued."""
+    from producer.openai.batch_run import first_lines
+
+    entries = [
+        {"line": 1, "custom_id": "k", "job_id": "batch.k"},
+        {"line": 2, "custom_id": "u", "job_id": "batch.u"},
+        {"line": 3, "custom_id": "k", "invalid": '{"status": 400}'},
+        {"line": 4, "invalid": "not JSON"},
+    ]
+    assert first_lines(entries) == {"k": 1, "u": 2}
+    assert first_lines(reversed(entries)) == {"k": 1, "u": 2}
+    translator = Translator(SimpleNamespace(settings=Settings()), "/v1/chat/completions", None,  # type: ignore[arg-type]
+                            frozenset({"tiny"}), set(), first_lines(entries))  # fmt: skip
+    line = b'{"custom_id": "k", "method": "POST", "url": "/v1/chat/completions", "body": {}}'
+    again: Any = translator._read(3, line)
+    assert again["error"]["code"] == "duplicate_custom_id", again
+    own: Any = translator._read(1, line)  # the id's own line, read again: not a duplicate of itself
+    assert own["error"]["code"] != "duplicate_custom_id", own
+
+
 def test_mrc_submit_refuses_a_schema_naming_a_key_twice() -> None:
     with pytest.raises(UsageError, match="'type' is given more than once"):
         _response_format(argparse.Namespace(choice=None, json_schema=TWICE))
