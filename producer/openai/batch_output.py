@@ -185,7 +185,10 @@ def _line(
 ) -> tuple[str, dict[str, Any]]:
     """One input line's line in the output or the error file."""
     line_id = "batch_req_" + hashlib.sha256(f"{batch_id}:{number}".encode()).hexdigest()[:24]
-    custom_id = (entry or {}).get("custom_id") or custom_id_of(raw)
+    # A refused line's id is the one the translator read and used up, or none: a line it refused
+    # unread (too long) names none, or a later line naming that id would answer under it too (review,
+    # helper-89). A line never reached is named from its text.
+    custom_id = entry.get("custom_id") if entry is not None else custom_id_of(raw)
     base = {"id": line_id, "custom_id": custom_id}
     never_ran = {
         **base,

@@ -102,6 +102,27 @@ def test_a_resumed_batch_refuses_again_the_duplicates_it_refused_before_it_stopp
     assert own["error"]["code"] != "duplicate_custom_id", own
 
 
+def test_a_line_refused_unread_names_no_custom_id_and_its_ending_is_not_counted() -> None:
+    """Review, helper-89: a line just over the limit was refused unread (its id not used up), yet the
+    error file parsed it and named its id, so a later line with that id answered under it too; and a
+    line of exactly the limit was refused when a newline followed it."""
+    import json
+
+    from producer.openai.batch_output import _line
+
+    translator = Translator(SimpleNamespace(settings=Settings()), "/v1/chat/completions", None,  # type: ignore[arg-type]
+                            frozenset({"tiny"}), set(), {})  # fmt: skip
+    line = b'{"custom_id": "big", "method": "POST", "pad": "' + b"x" * 20 + b'"}'
+    translator.max_bytes = len(line)
+    fits: Any = translator._read(1, line + b"\r\n")
+    assert fits["error"]["code"] != "line_too_long", fits
+    over: Any = translator._read(2, line + b" \n")
+    assert (over["error"]["code"], over.get("custom_id")) == ("line_too_long", None)
+    entry = {"line": 2, "invalid": json.dumps({"status": over["status"], "error": over["error"]})}
+    assert _line("batch", 2, line + b" \n", entry, None, "")[1]["custom_id"] is None
+    assert _line("batch", 3, line, None, None, "cancelled")[1]["custom_id"] == "big"  # never reached
+
+
 def test_mrc_submit_refuses_a_schema_naming_a_key_twice() -> None:
     with pytest.raises(UsageError, match="'type' is given more than once"):
         _response_format(argparse.Namespace(choice=None, json_schema=TWICE))
