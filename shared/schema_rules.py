@@ -21,6 +21,7 @@ grammar library with strings that break the keyword (tests/unit/test_schema_rule
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
@@ -305,6 +306,12 @@ def _bare_cycle(targets: dict[str, Any]) -> str | None:
     return None
 
 
+# A JSON pointer's array index (RFC 6901): ASCII digits, no leading zero. str.isdigit took "٣", which
+# the worker's grammar library refused after the job was queued, and "²", which int() refused with
+# Python's own words (review, helper-90); no schema's array is longer than 18 digits can count.
+_INDEX = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
 def resolve(root: dict[str, Any], ref: str) -> Any:
     """A local reference (`#`, `#/$defs/a`, any JSON pointer) to the subschema it names."""
     pointer = unquote(ref.removeprefix("#"))
@@ -313,7 +320,7 @@ def resolve(root: dict[str, Any], ref: str) -> Any:
         name = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and name in node:
             node = node[name]
-        elif isinstance(node, list) and name.isdigit() and int(name) < len(node):
+        elif isinstance(node, list) and _INDEX.fullmatch(name) and int(name) < len(node):
             node = node[int(name)]
         else:
             return NOWHERE

@@ -78,7 +78,7 @@ def redis_url(value: str) -> str:
     if not url.hostname or port == 0:
         raise ValueError("MRC_REDIS_URL needs a host, e.g. redis://127.0.0.1:6379/0")
     database = url.path.strip("/")
-    if database and not database.isdigit():
+    if database and not (database.isascii() and database.isdigit()):
         raise ValueError("MRC_REDIS_URL's database must be a number, e.g. /0")
     _url_options(url.query)
     _as_redis_py_reads(value)
@@ -118,7 +118,7 @@ def _as_redis_py_reads(value: str) -> None:
 def sentinels(value: str) -> str:
     for entry in filter(None, (part.strip() for part in value.split(","))):
         host, _, port = entry.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
             raise ValueError(f"MRC_REDIS_SENTINELS: {entry!r} is not host:port (e.g. 10.0.0.5:26379)")
     return value
 
@@ -137,7 +137,7 @@ def s3_endpoint(value: str) -> str:
 
 
 def device(value: str) -> str:
-    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]{1,4}", value):
         return value
     raise ValueError("MRC_DEVICE must be auto, cpu, cuda or cuda:N")
 

@@ -75,6 +75,21 @@ def _schema(schema: Any) -> dict[str, Any]:
         ({"type": "array", "prefixItems": [STRING], "items": False, "minItems": 2}, "past the 1 prefixItems"),
         ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}, "no finite answer"),
         ({"$ref": "#/$defs/missing"}, "points at nothing"),
+        # Review, helper-90: an index in Unicode digits passed, and the worker's grammar failed the job;
+        # "²" and 5,000 digits were refused in int()'s own words.
+        (
+            {"$defs": {"a": {"anyOf": [STRING, STRING]}}, "$ref": "#/$defs/a/anyOf/\u0661"},
+            "points at nothing",
+        ),
+        (
+            {"$defs": {"a": {"anyOf": [STRING, STRING]}}, "$ref": "#/$defs/a/anyOf/\u00b2"},
+            "points at nothing",
+        ),
+        ({"$defs": {"a": {"anyOf": [STRING, STRING]}}, "$ref": "#/$defs/a/anyOf/01"}, "points at nothing"),
+        (
+            {"$defs": {"a": {"anyOf": [STRING, STRING]}}, "$ref": "#/$defs/a/anyOf/" + "1" * 5000},
+            "points at nothing",
+        ),
         ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "'false' allows nothing"),
         ({"type": "array", "items": False, "minItems": 1}, "no finite answer"),
         # Patterns the grammar writes raw, drops, or reads unlike Python's re (found by random walks):

@@ -70,6 +70,11 @@ def test_environment_is_read_with_the_prefix(monkeypatch: pytest.MonkeyPatch) ->
         ("MRC_REDIS_URL", "redis://127.0.0.1:6379/0?health_check_interval=10"),  # failed at its publish
         ("MRC_ALLOWED_BUCKETS", ""),  # not JSON: pydantic-settings' SettingsError, a traceback
         ("MRC_ALLOWED_BUCKETS", "nan"),
+        # Review, helper-90: str.isdigit took Unicode digits, which int() then failed on or read
+        ("MRC_REDIS_URL", "redis://127.0.0.1:6379/\u00b2"),
+        ("MRC_REDIS_SENTINELS", "10.0.0.5:\u00b2"),
+        ("MRC_REDIS_SENTINELS", "10.0.0.5:" + "0" * 5000 + "80"),
+        ("MRC_DEVICE", "cuda:\u00b2"),
     ],
 )
 def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
