@@ -155,7 +155,7 @@ class Translator:
 
     def _read(self, number: int, raw: bytes) -> tuple[str, ChatJob] | dict[str, Any] | None:
         """The line's custom id and request, a refusal ({status, error, custom_id}), or None (blank)."""
-        if len(raw.rstrip(b"\r\n")) > self.max_bytes:  # its ending is not counted, as the reader counts
+        if len(manifest.content(raw)) > self.max_bytes:  # its ending is not counted, as the reader counts
             return _error(400, f"the line is over {self.max_bytes} bytes", None, "line_too_long")
         text = raw.strip()
         if not text:

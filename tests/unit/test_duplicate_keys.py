@@ -123,6 +123,28 @@ def test_a_line_refused_unread_names_no_custom_id_and_its_ending_is_not_counted(
     assert _line("batch", 3, line, None, None, "cancelled")[1]["custom_id"] == "big"  # never reached
 
 
+def test_a_line_over_the_limit_whose_cut_falls_on_carriage_returns_is_still_too_long() -> None:
+    """Review, helper-90: the reader cuts a long line at the limit + 2 bytes and drops the rest; every
+    CR stripped from that cut, "a" at the limit followed by CR CR and more was read as "a" alone."""
+    import io
+
+    from producer.backlog import manifest
+
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}'
+    file = line + b"\r\r junk past the limit\n" + line + b"\n"
+    (first, raw), (second, _next) = manifest.read_lines(io.BytesIO(file), len(line))
+    assert (first, second, raw) == (1, 2, line + b"\r\r")
+    translator = Translator(SimpleNamespace(settings=Settings()), "/v1/chat/completions", None,  # type: ignore[arg-type]
+                            frozenset({"tiny"}), set(), {})  # fmt: skip
+    translator.max_bytes = len(line)
+    over: Any = translator._read(1, raw)
+    assert (over["error"]["code"], over.get("custom_id")) == ("line_too_long", None)
+    assert (
+        manifest.content(line + b"\r\n") == manifest.content(line + b"\n") == manifest.content(line) == line
+    )
+    assert manifest.content(line + b"\r\r") == line + b"\r\r"
+
+
 def test_mrc_submit_refuses_a_schema_naming_a_key_twice() -> None:
     with pytest.raises(UsageError, match="'type' is given more than once"):
         _response_format(argparse.Namespace(choice=None, json_schema=TWICE))
