@@ -79,9 +79,13 @@ async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
     return invalid_job(errors, "request")
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
     detail = getattr(exc, "detail", None) or "refused"
+    if status == 404 and request.scope.get("route") is None:  # no such route: name it, as /v1/files does
+        detail = (
+            f"no route {request.method} {request.url.path[:200]}: GET /openapi.json lists mrc-api's routes"
+        )
     headers = getattr(exc, "headers", None)
     return error(status, _HTTP_CODES.get(status, "invalid_job" if status < 500 else "internal_error"),
                  str(detail)[:300], headers)  # fmt: skip

@@ -100,6 +100,8 @@ def test_the_frameworks_own_refusals_have_the_contracts_error_shape() -> None:
         error = reply.json()["error"]
         assert set(error) == {"code", "message"}
         assert error["code"] in {"not_found", "method_not_allowed", "invalid_job"}
+    # Review, helper-89: it said "Not Found", where a path under /v1/files says which it was
+    assert replies[404].json()["error"]["message"].startswith("no route GET /v1/jobs/x/nope: ")
 
 
 def test_every_other_v1_path_answers_in_openais_error_shape() -> None:
