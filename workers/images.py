@@ -254,7 +254,7 @@ def _decode_pil(image: EncodedImage) -> torch.Tensor:
 
 def _check_rows_written(image: EncodedImage, img: Image.Image, tile: list[Any]) -> None:
     """Refuse a PNG whose pixel stream ended early: PIL leaves the unwritten rows black and says
-    nothing. Counting the stream costs another inflate (~0.14 s for 12 MP), so it runs only when the
+    nothing. Counting the stream costs another inflate (0.15-0.2 s for 12 MP), so it runs only when the
     decode could have stopped short: an interlaced image (its passes spread the gap), or a last row
     still all zero bytes, as PIL's fresh image memory is."""
     if image.format != "png":
