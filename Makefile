@@ -62,6 +62,7 @@ bench: install
 	$(PY) tests/bench/bench_cpu_contention.py
 	$(PY) tests/bench/bench_preprocess.py
 	$(PY) tests/bench/bench_png_check.py
+	$(PY) tests/bench/bench_jpeg_decode.py
 	$(PY) tests/bench/bench_throughput.py
 	$(PY) tests/bench/bench_structured.py
 	$(PY) tests/bench/bench_attention_paths.py

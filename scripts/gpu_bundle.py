@@ -103,6 +103,7 @@ BUNDLE = (
     Wanted("rpds-py", "jsonschema"),
     Wanted("attrs", "jsonschema"),
     Wanted("nvidia-ml-py", "GPU telemetry (tests/gpu)"),
+    Wanted("simplejpeg", "JPEG decoded on the CPU (workers/jpeg_decode.py): tests/gpu, the CPU smoke"),
     Wanted("pytest-timeout", "pyproject.toml's `timeout` option (tests/gpu)"),
 )
 

@@ -2,10 +2,11 @@
 
 Everything that can be decided from the bytes (format, pixel count) is decided before the full
 decode, so a decompression bomb never gets its memory: that includes the frame count of animated
-images, since a decoder may draw every frame. Decoding uses torchvision.io (libjpeg-turbo, libwebp;
-JPEG on the GPU with nvjpeg when the device is CUDA) and gives a uint8 RGB CHW tensor whose bytes lie
-pixel by pixel (channels last, as decoders write them: `channels_last`); the EXIF orientation read from
-the header is applied afterwards, the same way on every device. PIL decodes
+images, since a decoder may draw every frame. JPEG on the CPU goes through TurboJPEG, which names
+corrupt data where other libjpeg decoders fill it grey (workers/jpeg_decode.py); torchvision.io decodes
+WebP, still GIF and JPEG on the GPU (nvjpeg, when the device is CUDA). Each gives a uint8 RGB CHW
+tensor whose bytes lie pixel by pixel (channels last, as decoders write them: `channels_last`); the
+EXIF orientation read from the header is applied afterwards, the same way on every device. PIL decodes
 what torchvision cannot or should not (PNG, BMP, animated images: first frame only), and reads headers.
 """
 
@@ -34,7 +35,7 @@ from shared.errors import (
 )
 from shared.sniff import sniff_format
 from shared.stores import ImageSource
-from workers import png_data
+from workers import jpeg_decode, png_data
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +46,10 @@ if TYPE_CHECKING:
 SUPPORTED_FORMATS = sniff.SUPPORTED_FORMATS
 # Not PNG: torchvision's libpng path segfaults on some corrupt PNGs (found by fuzzing: one mangled
 # IDAT chunk kills the process, and with acks_late every worker that takes the job after it).
-# JPEG, WebP and GIF survived 1,200 random mutations each (tests/unit/test_decode_fuzz.py).
+# WebP and GIF survived 1,200 random mutations each (tests/unit/test_decode_fuzz.py), as did JPEG,
+# which goes to nvjpeg on a GPU and to TurboJPEG on the CPU (`_decode_jpeg`).
 # GIF only when it is a still: torchvision's decode_gif draws every frame onto the full canvas.
-_TORCHVISION_FORMATS = frozenset({"jpg", "webp", "gif"})
+_TORCHVISION_FORMATS = frozenset({"webp", "gif"})
 _ORIENTATION_TAG = 0x0112
 _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 # PIL's own bomb guard must not fire before ours (ours gives the job its error code and is stricter).
@@ -171,7 +173,9 @@ def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
     frame only, then orient it. Orientation is applied here and never by a decoder, so every decoder
     and every device gives the same picture (nvjpeg ignores EXIF orientation)."""
     tensor: Any = None
-    if image.format in _TORCHVISION_FORMATS and image.frames == 1:
+    if image.format == "jpg":
+        tensor = _decode_jpeg(image, device)
+    elif image.format in _TORCHVISION_FORMATS and image.frames == 1:
         try:
             tensor = _decode_torchvision(image, device)
         except _DECODE_ERRORS:
@@ -214,6 +218,21 @@ def channels_last(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu" or tensor.permute(1, 2, 0).is_contiguous():
         return tensor
     return tensor.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def _decode_jpeg(image: EncodedImage, device: str) -> torch.Tensor | None:
+    """nvjpeg on a CUDA device, else (or where nvjpeg refuses it) TurboJPEG on the CPU, which refuses a
+    JPEG whose pixels libjpeg says are missing or wrong (torchvision's and PIL's libjpeg decode those
+    grey or garbled and say nothing). None where neither can decode it: PIL then tries, or names why."""
+    import torch
+
+    if device.startswith("cuda"):
+        try:
+            return _decode_torchvision(image, device)
+        except _DECODE_ERRORS:
+            pass  # TurboJPEG names the fault, or decodes what nvjpeg would not
+    pixels = jpeg_decode.decode(image.data)
+    return None if pixels is None else torch.from_numpy(pixels).permute(2, 0, 1)  # HWC bytes
 
 
 def _decode_torchvision(image: EncodedImage, device: str) -> torch.Tensor:

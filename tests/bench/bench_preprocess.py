@@ -1,4 +1,4 @@
-"""Preprocessing throughput: our path (torchvision decode + workers/backends/fuyu_preprocess.py on
+"""Preprocessing throughput: our path (the worker's decoders + workers/backends/fuyu_preprocess.py on
 MRC_DEVICE) against the naive one (PIL decode + FuyuProcessor on the CPU), from image bytes to model
 inputs, same images, same run. Prints images/s for both and the ratio at batch 1 and 16.
 

@@ -54,6 +54,21 @@ def test_cuda_decode_applies_exif_orientation_like_the_cpu(orientation: int) -> 
     assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean().item() <= 2.0
 
 
+def test_a_jpeg_cut_short_is_refused_on_cuda_as_on_the_cpu() -> None:
+    """The CPU decoder refuses a JPEG whose data stops early, end marker or not (libjpeg's other users
+    decode the missing rows grey). Whether nvjpeg says so too has never been measured."""
+    from shared.errors import ImageDecodeError
+    from tests.support import imagegen
+    from workers import images
+
+    whole = imagegen.camera_photo(640, 480)
+    for cut in (whole[: len(whole) // 2], whole[: len(whole) // 2] + b"\xff\xd9"):
+        encoded = images.inspect(cut, 40_000_000)
+        for device in ("cpu", "cuda"):
+            with pytest.raises(ImageDecodeError):
+                images.decode(encoded, device)
+
+
 def test_gpu_telemetry_series_exist_on_a_gpu() -> None:
     """torch's memory accounting always; NVML's utilisation where the driver's library loads."""
     from workers.gpu_metrics import GpuCollector

@@ -49,6 +49,8 @@ def _sixteen_bit_png() -> bytes:
 def images() -> dict[str, tuple[bytes, str | None]]:
     return {
         "truncated.jpg": (imagegen.truncated_jpeg(), "image_decode_error"),
+        # Given its end marker back: libjpeg decoded the missing rows grey and only warned.
+        "truncated-then-ended.jpg": (imagegen.truncated_jpeg() + b"\xff\xd9", "image_decode_error"),
         "corrupt-chunk.png": (_corrupt_png_chunk(), "image_decode_error"),
         "empty.jpg": (b"", "unsupported_image_format"),
         "text-named.jpg": (b"Dear support, my parcel is broken.\n", "unsupported_image_format"),
