@@ -153,6 +153,35 @@ def test_a_transient_out_of_memory_ceiling_is_lifted_under_steady_load() -> None
     assert all(row.error is None for row in done.values())
 
 
+class _OomBesidePrefill(StepProxy):
+    """The echo step model, out of memory once, on a decode step of one row while another row is part
+    way through its chunked prefill."""
+
+    def __init__(self) -> None:
+        self.inner, self.failed, self.engine = ECHO.step_model(), False, None
+
+    def decode(self, batch: Any, last: list[int], masks: Any = None) -> list[int]:
+        if not self.failed and len(batch) == 1 and self.engine is not None and self.engine.prefilling:
+            self.failed = True
+            raise OOM
+        return self.inner.decode(batch, last, masks)
+
+
+def test_out_of_memory_in_one_rows_decode_beside_a_prefilling_row_fails_no_job() -> None:
+    """Review, helper-91: the lone running row failed out_of_memory although another row's prefill held
+    memory beside it, where a chunk or an admission that ran out sends its row back to waiting. A job
+    that fits alone is never failed for memory: it waits for the prefill to finish, then runs."""
+    steps = _OomBesidePrefill()
+    engine, done = _engine(scheduler.Limits(max_rows=2, reserved_interactive=0, prefill_tokens=3), steps)
+    steps.engine = engine
+    rows = [(_row("a", new=12), 0), (_row("b", new=6), 3)]
+    _drive(engine, rows)
+    assert steps.failed, "the injected out-of-memory step never happened"
+    for row, _arrival in rows:
+        assert done[row.row_id].error is None
+        assert done[row.row_id].tokens == _alone_tokens(_row(row.row_id, new=row.max_new_tokens))
+
+
 def test_a_ceiling_lowered_to_the_reserve_never_leaves_the_backlog_idle_with_the_cache_empty() -> None:
     """3 backlog rows, 2 of 4 slots reserved for tickets, one out-of-memory step of 2 rows: the
     ceiling it set (at most the reserve) left no backlog slot, and the rows waited CEILING_STEPS

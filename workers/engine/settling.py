@@ -133,7 +133,9 @@ class Settling:
     def _decode_failed(self, exc: Exception) -> None:
         error = inference.classify(exc)  # raises WorkerUnusable for a device fault
         rows = list(self.running.values())
-        if len(rows) == 1:
+        # One row alone fails with its error; out of memory beside held or prefilling rows is theirs
+        # too (their slots hold memory), so the row waits for them, as a failed chunk's does.
+        if len(rows) == 1 and not (isinstance(error, OutOfMemory) and self.in_memory > 1):
             self._drop_all()
             self._fail(rows[0], error)
             return
