@@ -209,6 +209,26 @@ def test_the_pause_cap_holds_for_groups_too() -> None:
     assert scheduler.plan([_c("t", "interactive")], backlog_group, limits).pause == []
 
 
+@pytest.mark.parametrize(
+    ("max_rows", "waiting_backlog", "due"),
+    [(2, scheduler.Candidate("g-b", "backlog", "g"), False), (1, _c("b"), True)],
+    ids=["its own member on the backlog's turn", "a backlog row on its due turn, one slot"],
+)
+def test_a_backlog_group_paused_for_a_ticket_gives_the_ticket_the_slot(
+    max_rows: int, waiting_backlog: scheduler.Candidate, due: bool
+) -> None:
+    """Review, helper-91: a backlog group in memory gave way to a waiting ticket (its rows paused, to
+    be recomputed), then the backlog's turn in the same plan put a backlog row ahead of the ticket:
+    another member of the group, or with one slot a plain backlog row. The pause cost the group its
+    work and bought the ticket nothing. Once a group has given way, the tickets come first."""
+    limits = _limits(max_rows, 0, False, share=0.5)
+    running = [scheduler.Candidate("g-a", "backlog", "g")]
+    plan = scheduler.plan([waiting_backlog, _c("t", "interactive")], running, limits, due=due)
+    assert plan.pause == ["g-a"], plan
+    assert plan.admit[:1] == ["t"], plan
+    assert waiting_backlog.row_id not in plan.admit, plan
+
+
 def _closed_loop(limits: scheduler.Limits, clients: int, steps: int = 3000) -> tuple[int, int, Engine]:
     """`clients` each keep one 30-token ticket in the engine (the next one the step after its answer),
     beside a backlog of 60-token jobs that filled the slots first. (Backlog done, tickets done.)"""

@@ -186,13 +186,16 @@ def plan(
     result = Plan()
     kept = list(running)
     group = next((c.group for c in kept if c.group is not None), None)
-    if group is not None and not _group_yields(group, waiting, kept, result, limits, pause):
+    yielded = group is not None and _group_yields(group, waiting, kept, result, limits, pause)
+    if group is not None and not yielded:
         _admit_members(group, waiting, kept, result, limits)  # more of it as slots free, nothing else
         return result
     backlog_rows = max(0, limits.max_rows - limits.reserved_interactive)
     prefill = 0  # backlog prefill positions admitted in this plan
     tickets_in = _tickets([*waiting, *kept])
     ordered, ahead = _order(waiting, kept, limits, due)
+    if yielded:  # it gave way to a ticket: no backlog row, of it or not, takes the ticket's slot first
+        ordered, ahead = sorted(ordered, key=lambda c: c.lane != INTERACTIVE), set()
     for candidate in ordered:
         if candidate.group is not None:
             _enter_group(candidate.group, waiting, kept, result, limits, pause)
