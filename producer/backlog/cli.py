@@ -424,7 +424,10 @@ def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespac
             print(describe(status))
         return EXIT_OK
     if command == "cancel":
-        print(json.dumps({"run_id": run_id, "cancelled": backlog.cancel(run_id)}))
+        cancelled = backlog.cancel(run_id)
+        if cancelled is None:
+            print(f"run {run_id} is done: nothing to cancel, and nothing was changed", file=sys.stderr)
+        print(json.dumps({"run_id": run_id, "cancelled": cancelled or 0}))
         return EXIT_OK
     summary = backlog.report(run_id)
     print(json.dumps(summary))

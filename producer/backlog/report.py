@@ -106,11 +106,15 @@ class RunReader:
             "usage": usage,  # the finished jobs' tokens (their results' `usage`, summed)
         }
 
-    def cancel(self, run_id: str) -> int:
+    def cancel(self, run_id: str) -> int | None:
         """Stop a run: jobs not started yet end failed with `cancelled`; returns how many of those were
         in the run's index (an enqueue still going marks its last, unindexed part itself: `status`
-        counts every one as `cancelling` until a worker ends it)."""
+        counts every one as `cancelling` until a worker ends it). None, and nothing marked, for a run
+        that is done: there is nothing to stop, and a cancel mark would refuse for good the run again
+        that makes it whole after Redis lost its data (review, helper-92)."""
         self._run(run_id)
+        if self.status(run_id)["state"] == "done":
+            return None
         # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
         # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
         self.runs.update(run_id, state="cancelled")

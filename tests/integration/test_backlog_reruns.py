@@ -285,6 +285,37 @@ def test_lines_a_manifest_gained_since_its_run_are_queued_by_running_it_again(
     assert (status["lines"], status["jobs"], status["queued"]) == (7000, 7000, 7000)
 
 
+def test_a_cancel_of_a_done_run_changes_nothing_and_a_run_again_still_makes_it_whole(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-92: `mrc backlog cancel` on a finished run said {"cancelled": 0} yet marked the run
+    cancelled for good, and running its manifest again after Redis lost its data (the documented
+    recovery) was refused: "run was cancelled; start a new run id"."""
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": f"Q{i}?"}
+        for i in range(2)
+    ]
+    path = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "over").returncode == 0
+    records = Client(services.settings_from_env(own)).records
+    for i in range(2):  # as a worker leaves them (no worker here)
+        records.set_state(f"over.c{i}", "succeeded")
+    data = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    data.delete(*names.queue_keys("backlog"))
+    status = json.loads(services.run_cli(own, "backlog", "status", "over", "--json").stdout)
+    assert status["state"] == "done"
+    cancel = services.run_cli(own, "backlog", "cancel", "over")
+    assert cancel.returncode == 0, cancel.stderr
+    assert json.loads(cancel.stdout) == {"run_id": "over", "cancelled": 0}
+    assert "is done: nothing to cancel" in cancel.stderr
+    status = json.loads(services.run_cli(own, "backlog", "status", "over", "--json").stdout)
+    assert status["state"] == "done"
+    data.flushall()  # Redis restarted without its data: the run again queues what has no result
+    again = services.run_cli(own, "backlog", str(path), "--run-id", "over", "--interval", "0")
+    assert again.returncode == 0, again.stderr
+    assert sorted(_queued_ids(own)) == ["over.c0", "over.c1"]
+
+
 def test_a_run_of_invalid_lines_only_is_done_in_status_and_report(
     own: dict[str, str], tmp_path: Path
 ) -> None:
