@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 EXIT_USAGE = 2
-API_MODULES = ("fastapi", "uvicorn", "multipart")  # `pip install 'mrc[api]'`
+API_MODULES = ("fastapi", "uvicorn", "multipart")  # `pip install '.[api]'`
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:  # a producer-only install: what to install, not a traceback (review)
         print(
             f"mrc-api: the API's packages are not installed (no module {', '.join(missing)}): "
-            "pip install 'mrc[api]' (see README.md, Install)",
+            "pip install -c constraints.txt '.[api]' in the repository (README.md, \"Install\")",
             file=sys.stderr,
         )
         return EXIT_USAGE

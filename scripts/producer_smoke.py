@@ -69,7 +69,7 @@ def main(where: str) -> int:
         manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
         _run([str(bin_ / "mrc"), "backlog", str(manifest), "--run-id", "smoke-1"], env)
         said = _run([str(bin_ / "mrc-worker")], env, code=2)
-        assert "mrc[worker]" in said, said
+        assert "'.[worker]'" in said, said
         api = subprocess.Popen(
             [str(bin_ / "mrc-api")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )

@@ -111,7 +111,7 @@ def _let_go(server: Any, redis_client: Any, results: Any = None, heartbeat: Any 
         connection.close()
 
 
-# What the worker needs beyond the producer's packages (`pip install 'mrc[worker]'`).
+# What the worker needs beyond the producer's packages (`pip install '.[worker]'`).
 WORKER_MODULES = ("torch", "transformers", "celery_batches", "bitsandbytes", "xgrammar", "PIL")
 
 
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:  # a producer-only install: say what to install, not a traceback (review)
         print(
             f"mrc-worker: the worker's packages are not installed (no module {', '.join(missing)}): "
-            "pip install 'mrc[worker]' (see README.md, Install)",
+            "pip install -c constraints.txt '.[worker]' in the repository (README.md, \"Install\")",
             file=sys.stderr,
         )
         return EXIT_USAGE
