@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -131,8 +132,6 @@ def app_from_env() -> FastAPI:
 
 
 def main() -> int:
-    import uvicorn
-
     from shared.settings import load
 
     try:
@@ -155,6 +154,40 @@ def main() -> int:
         print(f"mrc-api: bad settings: MRC_API_PORT {settings.api_port}: {taken}", file=sys.stderr)
         return 2
     log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
+    try:
+        with _stops_as_exits():
+            _serve(settings, app)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
+
+
+class _Stopped(SystemExit):
+    """SIGTERM or SIGINT, once uvicorn has let go of it."""
+
+
+@contextlib.contextmanager
+def _stops_as_exits() -> Iterator[None]:
+    """SIGTERM ends mrc-api with 0 and SIGINT with 130, as a stop it asked for. uvicorn drains, then
+    raises the signal it caught again to the handler it found (review, helper-92: exit status 143
+    after every graceful stop, which a supervisor counts as a crash); this is that handler. One that
+    comes before uvicorn listens stops the start the same way."""
+    codes: dict[int, int] = {signal.SIGTERM: 0, signal.SIGINT: 130}
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(codes[signum])
+
+    before = {signum: signal.signal(signum, stop) for signum in codes}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def _serve(settings: Settings, app: FastAPI) -> None:
+    import uvicorn
+
     options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
     if settings.api_workers > 1:  # worker processes import the app themselves
         # Their counters in files of one folder, summed at every scrape (prometheus_client's multiprocess
@@ -171,7 +204,6 @@ def main() -> int:
             )
     else:
         uvicorn.run(app, access_log=False, **options)
-    return 0
 
 
 def _port_problem(host: str, port: int, workers: int = 1) -> str | None:

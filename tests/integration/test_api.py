@@ -373,8 +373,9 @@ def test_the_mrc_api_process_serves_the_contract(
             assert json.loads(reply.read())["status_url"].startswith("/v1/jobs/")
     finally:
         proc.send_signal(signal.SIGTERM)
-        # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -15)
-        assert proc.wait(15) in (0, -signal.SIGTERM)
+        # uvicorn shuts down gracefully, then raised the signal it caught again: exit status -15,
+        # which a supervisor counts as a crash (review, helper-92). A stop asked for is 0.
+        assert proc.wait(15) == 0
         assert "Traceback" not in log.read_text()
         assert "MRC_HTTP_LISTENING" in log.read_text()
 
