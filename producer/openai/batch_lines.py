@@ -211,16 +211,16 @@ class Translator:
             raise OpenAIError(
                 400, f"url must be the batch's endpoint, {self.endpoint}", "url", "invalid_value"
             )
-        chat = parse_chat(line.body, self.settings, batch=True)
-        if chat.model not in self.models:
-            raise OpenAIError(
-                404, f"The model `{chat.model[:100]}` does not exist", "model", "model_not_found"
-            )
+        chat = parse_chat(line.body, self.settings, batch=True, check_model=self._check_model)
         if chat.image is not None:  # what the workers may read and, for a key, what it may name
             problem = checks.source_problem(self.settings, chat.image, self.api_key)
             if problem:
                 raise from_usage_error(problem, chat.image_param)
         return line.custom_id, chat
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.models:
+            raise OpenAIError(404, f"The model `{model[:100]}` does not exist", "model", "model_not_found")
 
     def _upload(self, chat: ChatJob) -> str | OpenAIError:
         assert chat.data is not None

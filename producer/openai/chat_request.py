@@ -173,10 +173,11 @@ def parse_chat(
     fetch_held: list[Callable[[], None]] | None = None,
 ) -> ChatJob:
     """The request checked and read; OpenAIError (400) naming the field otherwise. `check_model`
-    refuses a model no worker serves before an image URL is fetched for it (review, helper-73: the
-    fetch went out, then the answer was 404); `before_fetch` runs once everything else is checked,
-    just before an image URL is fetched; `fetch_held` receives the release of the fetch's slot, which
-    the caller holds until the fetched image is uploaded (producer/intake/fetch.py)."""
+    refuses a model no worker serves before the messages are read or an image URL is fetched for it
+    (review, helper-73: the fetch went out, then the answer was 404); `before_fetch` runs once
+    everything else is checked, just before an image URL is fetched; `fetch_held` receives the
+    release of the fetch's slot, which the caller holds until the fetched image is uploaded
+    (producer/intake/fetch.py)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_request")
     _counted(body)
@@ -195,6 +196,9 @@ def parse_chat(
             "stream",
             "unsupported_value",
         )
+    # Which model before what the messages hold: another model is 404 whatever they hold (review,
+    # helper-92: no image gave 400 image_required), and nothing is fetched for it (helper-73).
+    check_model(request.model)
     folded = chat_messages.fold(request.messages)
     prompt, prompt_param, image_param = folded.prompt, folded.prompt_param, folded.image_param
     max_new = _max_tokens(request, settings)
@@ -207,7 +211,6 @@ def parse_chat(
             where = "response_format.json_schema.schema"
             problem = problem.replace("response_format.schema", where)
         raise OpenAIError(400, problem, where, "invalid_job")
-    check_model(request.model)
     uri, data = _image(folded.image.url, settings, image_param, batch, owner, before_fetch, fetch_held)
     stream, options = bool(request.stream), request.stream_options or {}
     return ChatJob(

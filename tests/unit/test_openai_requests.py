@@ -30,6 +30,33 @@ def _refusal(body: object) -> tuple[int, str | None, str | None]:
     return caught.value.status, caught.value.param, caught.value.code
 
 
+def _served_here(model: str) -> None:
+    if model != "m":
+        raise OpenAIError(404, f"The model `{model}` does not exist", "model", "model_not_found")
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Refund?"}],  # no image
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}}] * 2}],  # two
+        [{"role": "user", "content": [{"type": "text", "text": "x" * 20_000}]}],  # a prompt too long
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.jpg"}}]}],
+    ],
+    ids=["no image", "two images", "prompt too long", "a URL mrc may not read"],
+)
+def test_a_model_no_worker_serves_is_404_whatever_the_messages_hold(messages: list[Any]) -> None:
+    """Review, helper-92: "model": "gpt-4o" and no image was 400 image_required, where the contract says
+    another model is 404 model_not_found; the messages were read before the model was looked up."""
+    with pytest.raises(OpenAIError) as refused:
+        parse_chat(_request(model="gpt-4o", messages=messages), SETTINGS, check_model=_served_here)
+    refusal = (refused.value.status, refused.value.param, refused.value.code)
+    assert refusal == (404, "model", "model_not_found")
+    with pytest.raises(OpenAIError) as served:  # the same messages to the model served: their own error
+        parse_chat(_request(messages=messages), SETTINGS, check_model=_served_here)
+    assert served.value.status == 400
+
+
 def test_a_plain_request_reads_into_one_job() -> None:
     chat = parse_chat(
         _request(max_completion_tokens=7, metadata={"ticket_id": "T-1", "job_id": "j-1"}), SETTINGS
