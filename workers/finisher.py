@@ -83,7 +83,7 @@ class Finisher:
             slot.job_id, result.status, **({"error_code": result.error.code} if result.error else {})
         )
         self._count_usage(slot, result)
-        outcomes.report(slot, result, self.backend, self.metrics, self.log)
+        outcomes.report(slot, result, self.metrics, self.log)
         if result.status == "succeeded" and not slot.cache_hit:
             self._remember(slot)
         if error is not None and (error.retryable or isinstance(error, Abandoned)):

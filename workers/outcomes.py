@@ -112,7 +112,7 @@ def usage(slot: Slot, backend: ModelBackend) -> Usage:
     )
 
 
-def report(slot: Slot, result: JobResult, backend: ModelBackend, metrics: Metrics, log: Any) -> None:
+def report(slot: Slot, result: JobResult, metrics: Metrics, log: Any) -> None:
     latency = result.timings_ms.total / 1000
     prompt = prompt_bucket(result.prompt.tokens)
     image = image_bucket(result.image.width or 0, result.image.height or 0)
@@ -124,13 +124,14 @@ def report(slot: Slot, result: JobResult, backend: ModelBackend, metrics: Metric
     code = result.error.code if result.error else ""
     metrics.jobs.labels(status=result.status, code=code, lane=result.lane).inc()
     if result.status == "succeeded":
-        image_tokens = _image_tokens(slot, backend)
         log.info(
             "MRC_SUCCESS",
             job_id=result.job_id,
             lane=result.lane,
             latency=round(latency, 4),
-            input_len=result.prompt.tokens + image_tokens,
+            # The positions the model read, as the result's usage bills them (its BOS and
+            # beginning-of-answer included): the log and the bill agree (review, helper-92).
+            input_len=result.usage.prompt_tokens,
             output_len=slot.output_tokens,
             attempts=result.attempts,
             cache_hit=result.cache_hit,

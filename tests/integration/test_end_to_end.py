@@ -77,7 +77,8 @@ def test_jobs_succeed_with_one_result_object_each(env, worker: Worker, images_di
         success = worker.logged("MRC_SUCCESS", job_id=job_id)
         assert len(success) == 1
         assert float(success[0]["latency"]) > 0
-        assert int(success[0]["input_len"]) > 0
+        # the log's input is the result's billed prompt (review, helper-92: 305 against 307)
+        assert int(success[0]["input_len"]) == stored["usage"]["prompt_tokens"] > 0
         # the default 64 new tokens at most (">= 0" could not fail: a count cannot be negative)
         assert 0 <= int(success[0]["output_len"]) <= 64
         assert success[0]["prompt_head"] == prompt[:64]
