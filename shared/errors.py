@@ -17,6 +17,9 @@ class MrcError(Exception):
         # The sha256 of the image bytes a job's failure was found in (read, then refused): its result
         # names them as a success's does (review: null for every failed job, even a corrupt upload's).
         self.image_sha256: str | None = None
+        # Its width and height as displayed, where the header gave them before the image was refused
+        # (review, helper-92: 0x0 in the result of an image refused as 8000x8000).
+        self.image_size: tuple[int, int] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {"code": self.code, "message": self.message, "retryable": self.retryable}

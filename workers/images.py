@@ -31,6 +31,7 @@ from shared.errors import (
     ImageNotFound,
     ImageSourceForbidden,
     ImageTooLarge,
+    MrcError,
     UnsupportedImageFormat,
 )
 from shared.sniff import sniff_format
@@ -131,16 +132,20 @@ def inspect(data: bytes, max_pixels: int) -> EncodedImage:
         raise ImageDecodeError(f"{fmt} header unreadable: {_said(exc)}") from None
     if width < 1 or height < 1:
         raise ImageDecodeError(f"{fmt} header gives an empty image ({width}x{height})")
+    shown = (height, width) if orientation in _SWAPS_SIDES else (width, height)
+    count = frames.frame_count(data, fmt) if width * height <= max_pixels else 1
+    refused: MrcError | None = None
     if width * height > max_pixels:
-        raise ImageTooLarge(f"{width}x{height} is {width * height} pixels; the limit is {max_pixels}")
-    count = frames.frame_count(data, fmt)
-    if width * height * count > max_pixels:
+        refused = ImageTooLarge(f"{width}x{height} is {width * height} pixels; the limit is {max_pixels}")
+    elif width * height * count > max_pixels:
         total = width * height * count
-        raise ImageTooLarge(f"{count} frames of {width}x{height}: {total} pixels; limit {max_pixels}")
-    if framed is not None:  # before any decode: PIL would draw that frame alone, the rest black
-        raise ImageDecodeError(f"png data is not a whole image: {framed}")
-    if orientation in _SWAPS_SIDES:
-        width, height = height, width
+        refused = ImageTooLarge(f"{count} frames of {width}x{height}: {total} pixels; limit {max_pixels}")
+    elif framed is not None:  # before any decode: PIL would draw that frame alone, the rest black
+        refused = ImageDecodeError(f"png data is not a whole image: {framed}")
+    if refused is not None:
+        refused.image_size = shown
+        raise refused
+    width, height = shown
     return EncodedImage(data, fmt, width, height, orientation, count, hashlib.sha256(data).hexdigest())
 
 

@@ -66,8 +66,8 @@ def build_result(slot: Slot, backend: ModelBackend) -> JobResult:
             uri=job.image_uri if job else "",
             # of the bytes read (used, or refused for what they are), never a claim from the URI
             sha256=slot.encoded.sha256 if slot.encoded else getattr(slot.error, "image_sha256", None),
-            width=size.width if size else 0,
-            height=size.height if size else 0,
+            width=size.width if size else _refused_size(slot)[0],
+            height=size.height if size else _refused_size(slot)[1],
         ),
         prompt=prompt,
         model=ModelInfo(
@@ -149,6 +149,11 @@ def report(slot: Slot, result: JobResult, metrics: Metrics, log: Any) -> None:
             attempts=result.attempts,
             prompt_head=_head(slot),
         )
+
+
+def _refused_size(slot: Slot) -> tuple[int, int]:
+    """An image refused from its header (too large, say) still has the size the header gave."""
+    return getattr(slot.error, "image_size", None) or (0, 0)
 
 
 def _image_tokens(slot: Slot, backend: ModelBackend) -> int:

@@ -46,6 +46,9 @@ def test_bad_images_each_get_their_code_and_spare_their_neighbours(
     for job_id, result in results.items():
         assert (result["status"] == "succeeded") is (expected[job_id] is None)
         assert result["error"] is None or result["error"]["message"]
+        if expected[job_id] == "image_too_large":  # refused from its header, whose size it names
+            size = f"{result['image']['width']}x{result['image']['height']}"
+            assert size in result["error"]["message"], (size, result["error"]["message"])
     # The frame bombs alone would have cost 1.2 GB (and 216 GB) if any decoder had drawn their frames.
     assert _peak_rss_mb(worker) - peak_before < 400, "the worker's peak memory grew on the bad corpus"
     assert worker.proc.poll() is None

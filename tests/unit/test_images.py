@@ -55,8 +55,21 @@ def test_an_empty_image_is_refused_in_words_without_the_workers_memory(data: byt
 
 def test_bomb_is_refused_from_the_header() -> None:
     # 60000 x 60000 x 3 bytes would be 10 GB; the check must happen before any decode.
-    with pytest.raises(ImageTooLarge, match="60000x60000"):
+    with pytest.raises(ImageTooLarge, match="60000x60000") as refused:
         images.load(imagegen.png_header_only(60000, 60000), LIMIT)
+    assert refused.value.image_size == (60000, 60000)  # the result says so (review, helper-92: 0x0)
+
+
+def test_an_image_refused_from_its_header_keeps_its_size_as_displayed() -> None:
+    img = Image.new("RGB", (300, 100))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: shown 100 wide, 300 high
+    with pytest.raises(ImageTooLarge) as refused:
+        images.inspect(_encode(img, "JPEG", exif=exif.tobytes()), 20_000)
+    assert refused.value.image_size == (100, 300)
+    with pytest.raises(ImageTooLarge) as frames:
+        images.inspect(imagegen.gif_bomb(200, 100, 150), 20_000 * 100)
+    assert frames.value.image_size == (200, 100)
 
 
 @pytest.mark.parametrize(
