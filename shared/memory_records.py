@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 
-from shared import ops_counts, pushes
+from shared import ops_counts, pushes, store_faults
 from shared import usage as usage_book
 from shared.jobs import State
 
@@ -120,6 +121,12 @@ class MemoryJobRecords:
             )
             record.pop("usage_counted", None)
             record.pop("suspect_group", None)
+            for field in store_faults.FIELDS:
+                record.pop(field, None)
+
+    def store_fault(self, job_id: str, budget_s: float) -> int:
+        with self._lock:
+            return store_faults.waited_out(self.records.setdefault(job_id, {}), time.time(), budget_s)
 
     def count_usage(
         self,

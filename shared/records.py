@@ -12,7 +12,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import encoding, names, ops_counts, pushes, redis_target, tenants
+from shared import encoding, names, ops_counts, pushes, redis_target, store_faults, tenants
 from shared import usage as usage_book
 from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
@@ -150,6 +150,7 @@ class JobRecords(Protocol):
     def withdraw_solo_run(self, job_id: str) -> None: ...
     def suspect_group(self, job_ids: list[str], size: int) -> None: ...
     def reset_attempts(self, job_id: str, push_id: str) -> None: ...
+    def store_fault(self, job_id: str, budget_s: float) -> int: ...
     def count_usage(
         self,
         job_id: str,
@@ -184,6 +185,7 @@ class RedisJobRecords:
         self._release = client.register_script(_RELEASE_SCRIPT)
         self._count_usage = client.register_script(usage_book.COUNT_SCRIPT)
         self._look = client.register_script(pushes.LOOK_SCRIPT)
+        self._store_fault = client.register_script(store_faults.SCRIPT)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisJobRecords:
@@ -297,9 +299,8 @@ class RedisJobRecords:
             pipe.eval(usage_book.UNCOUNT_RUN_SCRIPT, 1, key, names.run_record_key(""))
             fresh = {"attempts": "0", "solo_runs": "0", "state": "queued", "published": "1", "push": push_id}
             pipe.hset(key, mapping=fresh)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
-            pipe.hdel(
-                key, "suspect_group", "dead_letter", "error_code", "error_message", "usage_counted"
-            )  # runs again
+            runs_again = ("suspect_group", "dead_letter", "error_code", "error_message", "usage_counted")
+            pipe.hdel(key, *runs_again, *store_faults.FIELDS)
             pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
@@ -337,6 +338,12 @@ class RedisJobRecords:
                 if record.get("run_id") in cancelled:
                     record["run_cancelled"] = "1"
         return records
+
+    def store_fault(self, job_id: str, budget_s: float) -> int:
+        """An S3 fault's retry, its attempt given back while the job's faults are under `budget_s`
+        seconds old: the retries so far, or -1 past the budget (shared/store_faults.py)."""
+        key = names.job_key(job_id)
+        return int(self._store_fault(keys=[key], args=[repr(time.time()), budget_s, RECORD_TTL_S]))
 
     def begin(self, job_id: str) -> int:
         """Mark the job running and count the attempt; returns the attempt number (1 for the first)."""

@@ -209,6 +209,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)  # deliveries of a job before a retryable fault is final
     retry_base_s: float = Field(default=1.0, ge=0)  # first retry delay; doubles per attempt, +-50 % jitter
     retry_max_s: float = Field(default=60.0, ge=0)
+    # How long a job's S3 faults are waited out (retried without counting an attempt) from its first:
+    # S3 away is no fault of the job's, and its result can only be stored there (shared/store_faults.py).
+    store_outage_s: float = Field(default=900.0, ge=0, le=7 * 24 * 3600)
     # Default deadlines per lane, in seconds after submission (0: none); past it a job is `expired`.
     deadline_interactive_s: float = Field(default=0.0, ge=0)
     deadline_backlog_s: float = Field(default=0.0, ge=0)

@@ -149,18 +149,19 @@ class Admission:
         except StoreUnavailable as exc:
             # A record says `succeeded` only after its result is stored: done, S3 away or not (review:
             # it was retried, failed over its success at its last attempt, and counted twice once
-            # requeued). Otherwise it cannot tell whether it ran: retried (attempts counted), never
-            # run blind.
+            # requeued). Otherwise it cannot tell whether it ran: retried, never run blind.
             if state == "succeeded":
                 return self._skip(slot, "already_succeeded")
-            slot.error = exc
+            slot.error = exc  # waited out (workers/finisher.py): S3 away is not the job's fault
             return False
         if existing is None:
             return False
         if existing.get("job_fingerprint") not in (None, fingerprint):
             return self._skip(slot, "job_id_reused")
         if existing.get("status") == "succeeded":
-            if state not in _ENDED_OR_UNKNOWN:  # its worker died between the result and the record
+            # Its worker died between the result and the record, or between the record and its count
+            # (review, helper-93: `succeeded` uncounted for good, its run "running" on the ops page).
+            if state not in _ENDED_OR_UNKNOWN or (state == "succeeded" and not record.get("usage_counted")):
                 self.settle(existing, job.api_key)
             return self._skip(slot, "already_succeeded")
         if record.get("state") == "failed":

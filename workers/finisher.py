@@ -10,7 +10,7 @@ from typing import Any
 
 from shared import ops_counts
 from shared.errors import Abandoned, InternalError, StoreUnavailable
-from shared.jobs import JobResult, now_rfc3339, parse_rfc3339
+from shared.jobs import ErrorInfo, JobResult, now_rfc3339, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.stores import ResultStore
@@ -52,6 +52,8 @@ class Finisher:
         a result that is not stored. A retryable fault goes back to the queue until its attempts run out,
         then fails and lands in the dead-letter list."""
         error, last = slot.error, slot.attempts >= self.settings.max_attempts
+        if isinstance(error, StoreUnavailable) and self._wait_out(slot, error.message):
+            return
         if slot.job is not None and error is not None and error.retryable and not last:
             self._retry(slot, error.code, error.message)
             return
@@ -67,15 +69,19 @@ class Finisher:
                 self.settle_stored(existing, slot.job.api_key)
             return
         if not self._put(slot.job_id, result.to_json_dict()):
+            unstored = "the result could not be stored"
+            if self._wait_out(slot, unstored):
+                return
             if slot.job is not None and not last:
-                self._retry(slot, "internal_error", "the result could not be stored")
+                self._retry(slot, "internal_error", unstored)
             else:
                 slot.outcome = "unwritten"
                 self.records.set_state(
                     slot.job_id, "failed", dead_letter="1", error_code="internal_error",
-                    error_message="the result could not be stored",
+                    error_message=unstored,
                 )  # fmt: skip
-                self._dead_letter(slot, "internal_error", "the result could not be stored")
+                self._unwritten(slot, result, unstored)
+                self._dead_letter(slot, "internal_error", unstored)
             return
         slot.outcome = result.status
         # The code in the record too: `mrc backlog status` counts failures by code without S3 reads.
@@ -177,15 +183,36 @@ class Finisher:
         except Exception as exc:  # Redis hiccup after the result is stored: the job is done regardless
             self.log.warning("MRC_EVENT_FAILED", job_id=result.job_id, error=repr(exc)[:200])
 
-    def _retry(self, slot: Slot, code: str, message: str) -> None:
-        base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (slot.attempts - 1))
+    def _wait_out(self, slot: Slot, message: str) -> bool:
+        """A job that met S3 away retried without counting the attempt, while its faults are younger
+        than MRC_STORE_OUTAGE_S (shared/store_faults.py). False past that: counted as any fault."""
+        if slot.job is None:
+            return False
+        retries = self.records.store_fault(slot.job_id, self.settings.store_outage_s)
+        if retries < 0:
+            return False
+        self._retry(slot, "internal_error", message, retries, counted=False)
+        return True
+
+    def _retry(self, slot: Slot, code: str, message: str, nth: int = 0, counted: bool = True) -> None:
+        """Back to its lane after a delay doubling with the attempts (or with `nth`, the retries an
+        S3 outage did not count)."""
+        tries = nth or slot.attempts
+        base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (tries - 1))
         delay = round(base * random.uniform(0.5, 1.5), 3)  # jitter: retries of one outage spread out
         self.records.set_state(slot.job_id, "queued", retry_reason=code)
         self.requeue(slot.request_id, slot.body, delay)
         slot.outcome = "retry"
         self.metrics.retries.labels(code=code).inc()
         self.log.warning("MRC_RETRY", job_id=slot.job_id, code=code, message=message[:300],
-                         attempts=slot.attempts, delay=delay)  # fmt: skip
+                         attempts=slot.attempts, delay=delay, counted=counted)  # fmt: skip
+
+    def _unwritten(self, slot: Slot, result: JobResult, message: str) -> None:
+        """A job failed for good with no result stored: its MRC_ERROR line and metrics as a failed
+        job's (review, helper-93: only MRC_DEAD_LETTER said so, and no job count had it)."""
+        error = InternalError(message)
+        failed = result.model_copy(update={"status": "failed", "error": ErrorInfo.from_error(error)})
+        outcomes.report(slot, failed, self.metrics, self.log)
 
     def _dead_letter(self, slot: Slot, code: str, message: str) -> None:
         entry = {"job_id": slot.job_id, "code": code, "message": message[:500], "attempts": slot.attempts,

@@ -108,20 +108,24 @@ def test_sighup_restarts_the_worker_in_place_and_it_answers_again(cluster: Clust
     _assert_once(cluster, cluster.wait_all(jobs, 60))
 
 
-def test_s3_outage_shorter_than_the_retry_budget_fails_nothing(cluster: Cluster) -> None:
+def test_an_s3_outage_longer_than_the_attempts_fails_nothing(cluster: Cluster) -> None:
+    """Review, helper-93: each retry of a job that met S3 away counted an attempt, so a 4.4 s outage
+    failed 30 of 98 backlog jobs for good and a 20 s one dead-lettered 12 with no result stored. S3
+    away is no job's fault: its retries are not counted, for MRC_STORE_OUTAGE_S."""
     image = cluster.image(imagegen.photo(320, 240))
-    jobs = cluster.jobs(30, image)
-    worker = cluster.echo_worker()
+    jobs = cluster.jobs(12, image)
+    worker = cluster.echo_worker(MRC_MAX_ATTEMPTS="2", MRC_RETRY_BASE_S="0.1", MRC_RETRY_MAX_S="0.4")
     cluster.proxy.stop()
     cluster.send(jobs)
-    # The outage lasts until the worker has met it (seen in its log), not for a guessed time.
-    services.wait_for(lambda: bool(worker.find("MRC_RETRY") or worker.find("MRC_STORE_RETRY")), 60,
-                      "a retry during the outage", worker.proc)  # fmt: skip
+    # The outage lasts until every job has been retried more times than it has attempts (seen in the
+    # log), not for a guessed time.
+    services.wait_for(lambda: len(worker.find("MRC_RETRY")) >= 3 * len(jobs), 120,
+                      "three retries a job during the outage", worker.proc)  # fmt: skip
     cluster.proxy.start()
     results = cluster.wait_all(jobs, 120)
     assert {r["status"] for r in results.values()} == {"succeeded"}
-    assert worker.find("MRC_RETRY") or worker.find("MRC_STORE_RETRY")
-    assert max(r["attempts"] for r in results.values()) > 1
+    assert {r["attempts"] for r in results.values()} == {1}, "an outage's retries counted as attempts"
+    assert {line["counted"] for line in worker.find("MRC_RETRY")} == {"false"}
     assert not worker.find("MRC_DEAD_LETTER")
 
 
@@ -260,7 +264,8 @@ def test_two_workers_process_every_job_once(cluster: Cluster) -> None:
 
 
 def test_outage_past_the_retry_budget_dead_letters_then_requeue_recovers(cluster: Cluster) -> None:
-    worker = cluster.echo_worker(MRC_MAX_ATTEMPTS="2", MRC_RETRY_BASE_S="0.2")
+    # MRC_STORE_OUTAGE_S spent at once: the outage's retries count, as a fault that never clears does
+    worker = cluster.echo_worker(MRC_MAX_ATTEMPTS="2", MRC_RETRY_BASE_S="0.2", MRC_STORE_OUTAGE_S="0")
     jobs = cluster.jobs(3)  # uploads the image while S3 is still reachable
     cluster.proxy.stop()
     cluster.send(jobs)

@@ -233,6 +233,27 @@ def test_a_result_stored_by_a_worker_that_died_before_its_record_is_not_computed
     ]
 
 
+def test_a_job_whose_worker_died_between_its_record_and_its_count_is_counted_on_its_redelivery(
+    store: MemoryStore,
+) -> None:
+    """Review, helper-93: a kill -9 after the record said `succeeded` and before the usage count left
+    the job uncounted for good: the redelivery skipped it (`already_succeeded`) without settling, its
+    run's finished count stayed one short and the ops page showed the run running for ever."""
+    records, backend = MemoryJobRecords(), EchoBackend()
+    pipeline = _pipeline(store, backend, records)
+    assert pipeline.run([_job("counted-late")]) == ["succeeded"]
+    records.records["counted-late"].pop("usage_counted")  # what the kill lost: the count, the event
+    events_before = len(records.events)
+    assert pipeline.run([_job("counted-late")]) == ["skipped"]
+    assert len(backend.prefills) == 1
+    assert records.get("counted-late")["usage_counted"] == "1"
+    assert [(e["job_id"], e["status"]) for e in records.events[events_before:]] == [
+        ("counted-late", "succeeded")
+    ]
+    assert pipeline.run([_job("counted-late")]) == ["skipped"]  # counted: nothing more to settle
+    assert len(records.events) == events_before + 1
+
+
 def test_a_stored_result_is_found_after_a_retry_and_a_settle_that_fails_gives_the_delivery_back(
     store: MemoryStore,
 ) -> None:
@@ -296,10 +317,16 @@ def test_result_that_cannot_be_stored_is_reported_unwritten(store: MemoryStore) 
     down = DownStore("mrc")
     down.objects = dict(store.objects)
     records, requeued = MemoryJobRecords(), Requeued()
-    pipeline = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
-    assert pipeline.run([_job("lost-1")]) == ["retry"]
-    assert pipeline.run([_job("lost-1")]) == ["unwritten"]
-    assert len(requeued) == 1
+    # Within MRC_STORE_OUTAGE_S the outage is waited out, however many retries it takes (review,
+    # helper-93: the second counted attempt dead-lettered it with no result stored).
+    waiting = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
+    assert [waiting.run([_job("lost-1")]) for _ in range(4)] == [["retry"]] * 4
+    assert not records.dlq
+    # Past it (a fault that never clears) the retries count: the last attempt fails unwritten.
+    spent = _pipeline(down, records=records, requeue=requeued, max_attempts=2, store_outage_s=0)
+    assert spent.run([_job("lost-1")]) == ["retry"]
+    assert spent.run([_job("lost-1")]) == ["unwritten"]
+    assert len(requeued) == 5
     assert [e["job_id"] for e in records.dlq] == ["lost-1"]
 
 
@@ -551,8 +578,11 @@ def test_a_result_check_that_meets_an_s3_outage_is_retried_and_counted(store: Me
     down = Down("mrc")
     down.objects = dict(store.objects)
     records, requeued = MemoryJobRecords(), Requeued()
-    pipeline = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
-    assert pipeline.run([_job("unchecked")]) == ["retry"]  # no record: the worker must look first
+    waiting = _pipeline(down, records=records, requeue=requeued, max_attempts=2)
+    assert waiting.run([_job("unchecked")]) == ["retry"]  # no record: the worker must look first
+    assert records.get("unchecked")["attempts"] == "0"  # S3 away: the attempt given back
+    pipeline = _pipeline(down, records=records, requeue=requeued, max_attempts=2, store_outage_s=0)
+    assert pipeline.run([_job("unchecked")]) == ["retry"]  # past MRC_STORE_OUTAGE_S: counted
     assert records.get("unchecked")["attempts"] == "1"
     assert pipeline.run([_job("unchecked")]) == ["failed"]  # the budget ends; never run blind
     assert [e["job_id"] for e in records.dlq] == ["unchecked"]
