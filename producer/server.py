@@ -203,7 +203,27 @@ def _serve(settings: Settings, app: FastAPI) -> None:
                 **options,
             )
     else:
-        uvicorn.run(app, access_log=False, **options)
+        _logged_stops()(uvicorn.Config(app, access_log=False, **options)).run()
+
+
+def _logged_stops() -> type:
+    import uvicorn
+
+    class LoggedStops(uvicorn.Server):
+        """uvicorn's server, saying when a stop begins: it takes no new connection from there and
+        answers those in hand first, a chat completion's wait included (review, helper-93: a stop
+        that held for a minute said nothing)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                logs.get_logger().info(
+                    "MRC_API_STOPPING",
+                    signal=signal.Signals(sig).name,
+                    connections=len(self.server_state.connections),
+                )
+            super().handle_exit(sig, frame)
+
+    return LoggedStops
 
 
 def _port_problem(host: str, port: int, workers: int = 1) -> str | None:

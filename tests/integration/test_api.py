@@ -376,6 +376,7 @@ def test_the_mrc_api_process_serves_the_contract(
         # uvicorn shuts down gracefully, then raised the signal it caught again: exit status -15,
         # which a supervisor counts as a crash (review, helper-92). A stop asked for is 0.
         assert proc.wait(15) == 0
+        assert "MRC_API_STOPPING|" in log.read_text()  # said when the stop began (review, helper-93)
         assert "Traceback" not in log.read_text()
         assert "MRC_HTTP_LISTENING" in log.read_text()
 
