@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import redis
 
-from shared import names
+from shared import logs, names
 from shared.jobs import now_rfc3339
 
 INTERVAL_S = 5.0
@@ -53,8 +53,15 @@ class Heartbeat:
             self._every_minute()
 
     def _run(self) -> None:
+        lost: float | None = None  # when a beat first failed, while they fail
         while not self._stop.wait(INTERVAL_S):
             try:
                 self.beat()
-            except redis.RedisError:
-                continue  # Redis restarting: the next beat catches up
+            except redis.RedisError as exc:  # Redis restarting: the next beat catches up
+                if lost is None:  # once a spell, in mrc's words (review, helper-93: only Celery's
+                    lost = time.monotonic()  # tracebacks said Redis was gone)
+                    logs.get_logger().warning("MRC_REDIS_UNREACHABLE", error=repr(exc)[:300])
+                continue
+            if lost is not None:
+                logs.get_logger().info("MRC_REDIS_BACK", after_s=round(time.monotonic() - lost, 1))
+                lost = None
