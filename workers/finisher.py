@@ -197,7 +197,7 @@ class Finisher:
     def _retry(self, slot: Slot, code: str, message: str, nth: int = 0, counted: bool = True) -> None:
         """Back to its lane after a delay doubling with the attempts (or with `nth`, the retries an
         S3 outage did not count)."""
-        tries = nth or slot.attempts
+        tries = min(nth or slot.attempts, 32)  # an outage's retries are unbounded: 2**1024 overflowed
         base = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (tries - 1))
         delay = round(base * random.uniform(0.5, 1.5), 3)  # jitter: retries of one outage spread out
         self.records.set_state(slot.job_id, "queued", retry_reason=code)

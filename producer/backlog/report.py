@@ -15,7 +15,7 @@ from producer.backlog import chunk_index, manifest
 from producer.queue.sender import Queue
 from shared import encoding, names
 from shared import usage as usage_book
-from shared.errors import BucketMissing, UsageError
+from shared.errors import BucketMissing, StoreUnavailable, UsageError
 from shared.jobs import now_rfc3339, parse_rfc3339
 from shared.records import RECORD_TTL_S, TERMINAL
 from shared.runs import RUN_TTL_S, RunRecords
@@ -113,8 +113,11 @@ class RunReader:
         that is done: there is nothing to stop, and a cancel mark would refuse for good the run again
         that makes it whole after Redis lost its data (review, helper-92)."""
         self._run(run_id)
-        if self.status(run_id)["state"] == "done":
-            return None
+        try:
+            if self.status(run_id)["state"] == "done":
+                return None
+        except StoreUnavailable:  # S3 away: the run is stopped all the same (review, helper-94: an
+            pass  # OpenAI batch's cancel then marked nothing, and its jobs all ran)
         # An enqueue in progress stops at its next job (the enqueue step reads this state), marks what it
         # queued of its chunk, and workers fail any job of a cancelled run that is still unmarked.
         self.runs.update(run_id, state="cancelled")

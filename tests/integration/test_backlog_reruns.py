@@ -18,6 +18,7 @@ from producer.backlog.run import Backlog
 from producer.client import Client
 from scripts import devservices as services
 from shared import names
+from shared.errors import StoreUnavailable
 from shared.stores import open_run_files
 from tests.integration.test_backlog import _file, _queued_ids, _write
 from tests.integration.test_backlog import own as own  # the fixture: Redis and S3 of the test's own
@@ -314,6 +315,31 @@ def test_a_cancel_of_a_done_run_changes_nothing_and_a_run_again_still_makes_it_w
     again = services.run_cli(own, "backlog", str(path), "--run-id", "over", "--interval", "0")
     assert again.returncode == 0, again.stderr
     assert sorted(_queued_ids(own)) == ["over.c0", "over.c1"]
+
+
+def test_a_cancel_while_s3_is_away_still_stops_the_run(own: dict[str, str], tmp_path: Path) -> None:
+    """Review, helper-94: the look at whether the run was done read S3 first, and with S3 away the
+    cancel raised before marking anything: an OpenAI batch's cancel (which calls it) left every job to
+    run and be billed. The run is marked cancelled first, as before, and the S3 fault is said after."""
+    rows = [{"custom_id": "c", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": "Q?"}]
+    assert (
+        services.run_cli(
+            own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "away"
+        ).returncode
+        == 0
+    )
+    away = {
+        **own,
+        "MRC_S3_ENDPOINT_URL": f"http://127.0.0.1:{services.free_port()}",
+        "MRC_CONNECT_TIMEOUT_S": "1",
+    }
+    backlog = Backlog(Client(services.settings_from_env(away)))
+    with pytest.raises(StoreUnavailable):
+        backlog.cancel("away")
+    record = redis_lib.Redis.from_url(own["MRC_REDIS_URL"], decode_responses=True).hgetall(
+        names.run_record_key("away")
+    )
+    assert record["state"] == "cancelled"
 
 
 def test_a_run_of_invalid_lines_only_is_done_in_status_and_report(
