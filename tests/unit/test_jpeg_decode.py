@@ -115,10 +115,65 @@ def test_extraneous_bytes_before_the_end_marker_leave_the_photo_whole() -> None:
     assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(data))
 
 
-def test_what_turbojpeg_cannot_read_is_left_for_the_other_decoders_to_name() -> None:
-    assert jpeg_decode.decode(b"\xff\xd8\xff\xe0 not a jpeg after all") is None
+def test_what_libjpeg_cannot_read_is_refused_in_its_words() -> None:
+    """Review, helper-94: these went to PIL, which decoded what it could of them (garbled)."""
+    with pytest.raises(ImageDecodeError, match="jpg data is corrupt or truncated"):
+        jpeg_decode.decode(b"\xff\xd8\xff\xe0 not a jpeg after all")
     with pytest.raises(ImageDecodeError):
         images.load(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + b"\x00" * 40, LIMIT)
+
+
+def _header_variants(data: bytes) -> dict[str, bytes]:
+    sos = data.index(b"\xff\xda")
+    return {
+        "a byte before its start of scan": data[:sos] + b"\x00" + data[sos:],
+        "a byte before its quantisation tables": data.replace(b"\xff\xdb", b"\x00\xff\xdb", 1),
+        "JFIF 2.01": data.replace(b"JFIF\x00\x01\x01", b"JFIF\x00\x02\x01", 1),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_header_variants(CLEAN["camera photo"])))
+def test_a_header_libjpeg_reads_past_is_decoded_and_its_scans_still_checked(kind: str) -> None:
+    """Review, helper-94: a header warning stopped TurboJPEG even when not told to, and the file went
+    to PIL, which decoded a cut one with grey rows. The header is cleaned as libjpeg reads it."""
+    whole = CLEAN["camera photo"]
+    decoded = images.load(_header_variants(whole)[kind], LIMIT).tensor
+    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(whole))
+    cut = whole[: len(whole) // 2] + b"\xff\xd9"
+    with pytest.raises(ImageDecodeError, match="premature end of data segment"):
+        images.load(_header_variants(cut)[kind], LIMIT)
+
+
+@pytest.mark.parametrize("layout", [{"progressive": True}, {"restart_marker_blocks": 4}])
+def test_a_scan_overrun_in_a_progressive_or_restart_marked_file_is_refused(layout: dict[str, object]) -> None:
+    """Review, helper-94: zeroed bytes in such a scan left "extraneous bytes before marker 0xc4" (or a
+    restart marker), taken for harmless, and 32-104 of 120 rows decoded garbled."""
+    y, x = np.mgrid[0:120, 0:160]
+    smooth = np.stack([x * 255 // 159, y * 255 // 119, (x + y) % 256], -1).astype(np.uint8)
+    data = _jpeg(Image.fromarray(smooth), quality=85, **layout)
+    start, _end = _scan_bounds(data)
+    zeroed = data[: start + 147] + bytes(32) + data[start + 179 :]
+    with pytest.raises(ImageDecodeError, match="extraneous bytes before marker"):
+        images.load(zeroed, LIMIT)
+
+
+def test_a_scan_that_ends_long_before_its_data_is_refused() -> None:
+    """A changed byte made the rest of the scan read as codes: hundreds of bytes left before the end
+    marker, where a camera's padding is one or two."""
+    data = CLEAN["camera photo"]
+    with pytest.raises(ImageDecodeError, match="64 extraneous bytes before marker 0xd9"):
+        images.load(data[:-2] + bytes(65) + data[-2:], LIMIT)
+
+
+def test_a_header_warning_no_pixel_depends_on_goes_to_pil() -> None:
+    """ "Invalid SOS parameters for sequential JPEG" stops TurboJPEG; libjpeg reads on, as PIL does."""
+    data = CLEAN["camera photo"]
+    sos = data.index(b"\xff\xda")
+    odd = bytearray(data)
+    odd[sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big") - 3] = 62  # its spectral end
+    assert jpeg_decode.decode(bytes(odd)) is None
+    decoded = images.load(bytes(odd), LIMIT).tensor
+    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(bytes(odd)))
 
 
 def test_cmyk_to_rgb_is_pils_rounding_for_every_pair_of_values() -> None:
