@@ -14,6 +14,7 @@ __all__ = [
     "apng_default_frame",
     "camera_photo",
     "gif_bomb",
+    "jpeg_sampled",
     "photo",
     "png_file",
     "png_header_only",
@@ -137,3 +138,45 @@ def gif_bomb(width: int, height: int, frames: int) -> bytes:
         out += b"\x2c" + struct.pack("<HHHH", i % width, (i // width) % height, 1, 1) + b"\x00"
         out += b"\x02\x02\x4c\x01\x00"  # LZW (min code 2): clear, white, end
     return bytes(out + b";")
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+def _grey_jpeg_parts(plane: object) -> tuple[bytes, list[bytes], bytes]:
+    """A grey JPEG of `plane`, split: its quantisation table, its Huffman tables, its scan's data."""
+    out = io.BytesIO()
+    Image.fromarray(plane, "L").save(out, format="JPEG", quality=85)  # type: ignore[call-overload]
+    data, at, tables, huffman = out.getvalue(), 2, b"", []
+    while True:
+        marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4], "big")
+        payload = data[at + 4 : at + 2 + length]
+        at += 2 + length
+        if marker == 0xDB:
+            tables = payload
+        elif marker == 0xC4:
+            huffman.append(payload)
+        elif marker == 0xDA:
+            return tables, huffman, data[at:-2]
+
+
+def jpeg_sampled(width: int, height: int, sampling: list[tuple[int, int]]) -> bytes:
+    """A valid baseline YCbCr JPEG with the sampling factors given (horizontal, vertical per component),
+    one component per scan: layouts PIL's encoder does not write (luma 1x3, chroma larger than luma,
+    Y 1x4 with chroma 1x1), which some cameras and tools do (review, helper-95)."""
+    import numpy as np
+
+    picture = Image.open(io.BytesIO(photo(width, height, seed=3, fmt="PNG"))).convert("YCbCr")
+    widest, tallest = max(h for h, _ in sampling), max(v for _, v in sampling)
+    tables, components, scans = b"", b"", b""
+    for index, ((h, v), plane) in enumerate(zip(sampling, picture.split(), strict=True)):
+        size = (-(-width * h // widest), -(-height * v // tallest))
+        quant, huffman, scan = _grey_jpeg_parts(np.asarray(plane.resize(size)))
+        tables += bytes([quant[0] & 0xF0 | index]) + quant[1:]
+        components += bytes([index + 1, (h << 4) | v, index])
+        scans += b"".join(_segment(0xC4, table) for table in huffman)
+        scans += _segment(0xDA, bytes([1, index + 1, 0x00, 0, 63, 0])) + scan
+    frame = bytes([8]) + height.to_bytes(2, "big") + width.to_bytes(2, "big") + bytes([3]) + components
+    jfif = _segment(0xE0, b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00")
+    return b"\xff\xd8" + jfif + _segment(0xDB, tables) + _segment(0xC0, frame) + scans + b"\xff\xd9"

@@ -116,9 +116,20 @@ def test_extraneous_bytes_before_the_end_marker_leave_the_photo_whole() -> None:
 
 
 def test_what_libjpeg_cannot_read_is_refused_in_its_words() -> None:
-    """Review, helper-94: these went to PIL, which decoded what it could of them (garbled)."""
+    """Review, helper-94: an error libjpeg cannot read past went to PIL, which decoded what it could of
+    the file (garbled). One in the header TurboJPEG reports as a layout it cannot name; PIL, whose
+    libjpeg stops there too, names it."""
+    data = bytearray(CLEAN["camera photo"])
+    table = data.index(b"\xff\xc4")
+    data[table + 5 : table + 21] = b"\xff" * 16  # its code counts: more codes than a table has
     with pytest.raises(ImageDecodeError, match="jpg data is corrupt or truncated"):
-        jpeg_decode.decode(b"\xff\xd8\xff\xe0 not a jpeg after all")
+        images.load(bytes(data), LIMIT)
+    whole = CLEAN["progressive"]
+    sos = [at for at in range(len(whole) - 1) if whole[at : at + 2] == b"\xff\xda"][2]
+    bogus = whole[: sos + 2] + b"\x00\x01" + whole[sos + 4 :]  # a later scan's header: length 1
+    with pytest.raises(ImageDecodeError, match="jpg data is corrupt or truncated: Bogus marker length"):
+        images.load(bogus, LIMIT)
+    assert jpeg_decode.decode(b"\xff\xd8\xff\xe0 not a jpeg after all") is None  # PIL names it:
     with pytest.raises(ImageDecodeError):
         images.load(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + b"\x00" * 40, LIMIT)
 
@@ -165,15 +176,38 @@ def test_a_scan_that_ends_long_before_its_data_is_refused() -> None:
         images.load(data[:-2] + bytes(65) + data[-2:], LIMIT)
 
 
-def test_a_header_warning_no_pixel_depends_on_goes_to_pil() -> None:
-    """ "Invalid SOS parameters for sequential JPEG" stops TurboJPEG; libjpeg reads on, as PIL does."""
-    data = CLEAN["camera photo"]
+def _odd_headers(data: bytes) -> dict[str, bytes]:
     sos = data.index(b"\xff\xda")
-    odd = bytearray(data)
-    odd[sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big") - 3] = 62  # its spectral end
-    assert jpeg_decode.decode(bytes(odd)) is None
-    decoded = images.load(bytes(odd), LIMIT).tensor
-    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(bytes(odd)))
+    odd_scan = bytearray(data)
+    odd_scan[sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big") - 3] = 62  # its spectral end
+    adobe = b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x03"  # transform 3: not one libjpeg knows
+    return {"sequential scan fields": bytes(odd_scan), "Adobe transform 3": data[:2] + adobe + data[2:]}
+
+
+@pytest.mark.parametrize("kind", list(_odd_headers(CLEAN["camera photo"])))
+def test_header_fields_libjpeg_reads_past_are_set_as_it_reads_them(kind: str) -> None:
+    """Review, helper-95: "Invalid SOS parameters for sequential JPEG" and "Unknown Adobe color
+    transform code" sent the file to PIL, which decoded a cut one grey (83 of 99 rows)."""
+    whole = CLEAN["camera photo"]
+    decoded = images.load(_odd_headers(whole)[kind], LIMIT).tensor
+    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(_odd_headers(whole)[kind]))
+    cut = whole[: len(whole) // 2] + b"\xff\xd9"
+    with pytest.raises(ImageDecodeError, match="premature end of data segment"):
+        images.load(_odd_headers(cut)[kind], LIMIT)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [[(1, 3), (1, 1), (1, 1)], [(1, 4), (1, 1), (1, 1)], [(1, 1), (2, 2), (2, 2)], [(2, 1), (1, 2), (1, 1)]],
+    ids=["luma 1x3", "luma 1x4 (4:4:1)", "chroma larger than luma", "mixed"],
+)
+def test_a_sampling_layout_turbojpeg_does_not_name_is_decoded_by_pil(sampling: list[tuple[int, int]]) -> None:
+    """Review, helper-95: "Could not determine subsampling level" refused valid photos (and 4:4:1
+    raised a KeyError past images.load); before, torchvision decoded them. PIL does now."""
+    data = imagegen.jpeg_sampled(31, 17, sampling)
+    assert jpeg_decode.decode(data) is None
+    decoded = images.load(data, LIMIT).tensor
+    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(data))
 
 
 def test_cmyk_to_rgb_is_pils_rounding_for_every_pair_of_values() -> None:
