@@ -153,7 +153,8 @@ def main() -> int:
     if taken:  # said before "listening" and as a setting's fault (review: logged listening, then exit 3)
         print(f"mrc-api: bad settings: MRC_API_PORT {settings.api_port}: {taken}", file=sys.stderr)
         return 2
-    log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
+    if settings.api_workers > 1:  # uvicorn's supervisor binds the port and starts the processes
+        log.info("MRC_HTTP_LISTENING", port=settings.api_port, what="mrc-api", workers=settings.api_workers)
     try:
         with _stops_as_exits():
             _serve(settings, app)
@@ -210,9 +211,16 @@ def _logged_stops() -> type:
     import uvicorn
 
     class LoggedStops(uvicorn.Server):
-        """uvicorn's server, saying when a stop begins: it takes no new connection from there and
-        answers those in hand first, a chat completion's wait included (review, helper-93: a stop
-        that held for a minute said nothing)."""
+        """uvicorn's server, saying when it listens and when a stop begins: from there it takes no
+        new connection and answers those in hand first, a chat completion's wait included (review,
+        helper-93: a stop that held for a minute said nothing)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            """Listening said once the port takes connections (review, helper-96: said before uvicorn
+            bound it, a client that waited for the line was refused)."""
+            await super().startup(sockets)
+            if self.started:
+                logs.get_logger().info("MRC_HTTP_LISTENING", port=self.config.port, what="mrc-api", workers=1)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:

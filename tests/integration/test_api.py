@@ -362,7 +362,10 @@ def test_the_mrc_api_process_serves_the_contract(
             except OSError:
                 return False
 
-        services.wait_for(up, 60, "mrc-api", proc)
+        # The line says the port takes connections: one try then, never a retry (review, helper-96:
+        # it was logged before uvicorn bound the port, and the try was refused).
+        services.wait_for(lambda: "MRC_HTTP_LISTENING|" in log.read_text(), 60, "MRC_HTTP_LISTENING", proc)
+        assert up()
         body = json.dumps({"image": uploaded, "prompt": "Refund?", "job_id": _job_id("proc")}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/jobs", data=body, method="POST",
