@@ -159,18 +159,43 @@ _OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 def _orientation(img: Image.Image) -> int:
-    """The EXIF orientation the header carries (1 when none). Only EXIF read with the header counts:
-    a PNG whose eXIf chunk follows the pixel data is taken as it is stored."""
-    raw = img.info.get("exif")
-    if not raw:
-        return 1
+    """The orientation the header carries (1 when none), read where PIL's `exif_transpose` reads it:
+    EXIF (a JPEG's APP1, a PNG's eXIf chunk or ImageMagick's "Raw profile type exif" text, WebP's
+    EXIF chunk), else XMP's `tiff:Orientation` (before, a photo oriented in XMP alone was shown as
+    stored where PIL would turn it). Only what is read with the header counts: a PNG whose eXIf chunk
+    follows the pixel data is taken as it is stored (PIL's `getexif` would decode the whole image to
+    find it)."""
     exif = Image.Exif()
     try:
-        exif.load(raw)
-        value = int(exif.get(_ORIENTATION_TAG, 1))
+        raw = img.info.get("exif")
+        if raw is None and isinstance(profile := img.info.get("Raw profile type exif"), str):
+            raw = bytes.fromhex("".join(profile.split("\n")[3:]))
+        if raw:
+            exif.load(raw)
+        value = exif.get(_ORIENTATION_TAG)
     except (*_DECODE_ERRORS, TypeError, struct.error):
         return 1
-    return value if 1 <= value <= 8 else 1
+    if value is None:
+        value = _xmp_orientation(img.info.get("XML:com.adobe.xmp") or img.info.get("xmp"))
+    try:
+        turned = int(value) if value is not None else 1
+    except (TypeError, ValueError):
+        return 1
+    return turned if 1 <= turned <= 8 else 1
+
+
+# PIL's pattern (Image.getexif): the attribute form and the element form, one digit.
+_XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
+
+
+def _xmp_orientation(packet: object) -> int | None:
+    """XMP's `tiff:Orientation`: a PNG's iTXt packet (text) or a JPEG's, WebP's or GIF's (bytes)."""
+    if isinstance(packet, str):
+        packet = packet.encode("utf-8", "surrogatepass")
+    if not isinstance(packet, bytes | bytearray):
+        return None
+    found = _XMP_ORIENTATION.search(packet)
+    return int(found[2]) if found else None
 
 
 def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:

@@ -244,6 +244,10 @@ def test_every_exif_orientation_matches_pil(fmt: str, orientation: int) -> None:
     exif = Image.Exif()
     exif[0x0112] = orientation
     data = _encode(img, fmt, exif=exif.tobytes(), **({"lossless": True} if fmt == "WEBP" else {}))
+    _assert_turned_as_pil_turns(data, fmt, orientation)
+
+
+def _assert_turned_as_pil_turns(data: bytes, fmt: str, orientation: int) -> None:
     encoded = images.inspect(data, LIMIT)
     assert encoded.orientation == orientation
     decoded = images.decode(encoded)
@@ -417,3 +421,62 @@ def test_a_whole_png_with_a_black_last_row_decodes(mode: str) -> None:
     decoded = images.load(_encode(img, "PNG"), LIMIT)
     assert decoded.tensor.shape == (3, 20, 37)
     assert decoded.tensor[:, -1].max() == 0
+
+
+def _xmp(orientation: int, element: bool) -> str:
+    held = (
+        f"<tiff:Orientation>{orientation}</tiff:Orientation>"
+        if element
+        else f'<rdf:Description tiff:Orientation="{orientation}"/>'
+    )
+    return (
+        '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#"'
+        f' xmlns:tiff="http://ns.adobe.com/tiff/1.0/">{held}</rdf:RDF></x:xmpmeta>'
+    )
+
+
+def _with_xmp(img: Image.Image, fmt: str, packet: str) -> bytes:
+    if fmt == "PNG":
+        from PIL import PngImagePlugin
+
+        info = PngImagePlugin.PngInfo()
+        info.add_itxt("XML:com.adobe.xmp", packet)
+        return _encode(img, fmt, pnginfo=info)
+    return _encode(img, fmt, xmp=packet.encode(), **({"lossless": True} if fmt == "WEBP" else {}))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+@pytest.mark.parametrize("element", [False, True])
+def test_an_orientation_given_in_xmp_alone_is_applied_as_pil_applies_it(
+    fmt: str, orientation: int, element: bool
+) -> None:
+    """Before, a photo whose orientation was in its XMP packet only (no EXIF tag) was shown as stored,
+    where PIL's exif_transpose (and so the processor's reference) turns it."""
+    img = Image.open(io.BytesIO(imagegen.photo(60, 40, fmt="PNG"))).convert("RGB")
+    _assert_turned_as_pil_turns(_with_xmp(img, fmt, _xmp(orientation, element)), fmt, orientation)
+
+
+def test_an_exif_orientation_wins_over_xmp_as_in_pil() -> None:
+    img = Image.open(io.BytesIO(imagegen.photo(60, 40, fmt="PNG"))).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 1
+    data = _encode(img, "JPEG", exif=exif.tobytes(), xmp=_xmp(6, False).encode())
+    assert images.inspect(data, LIMIT).orientation == 1
+    assert tuple(_oriented_pil(data).shape[-2:]) == (40, 60)
+
+
+def test_imagemagicks_raw_exif_profile_in_a_png_is_read() -> None:
+    """ImageMagick writes a PNG's EXIF as hex in a text chunk, which PIL reads (and turns by)."""
+    from PIL import PngImagePlugin
+
+    img = Image.open(io.BytesIO(imagegen.photo(60, 40, fmt="PNG"))).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    raw = exif.tobytes()
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Raw profile type exif", f"\nexif\n{len(raw):8d}\n{raw.hex()}\n")
+    data = _encode(img, "PNG", pnginfo=info)
+    encoded = images.inspect(data, LIMIT)
+    assert encoded.orientation == 6
+    assert torch.equal(images.decode(encoded).tensor, _oriented_pil(data))
