@@ -36,7 +36,7 @@ from shared.errors import (
 )
 from shared.sniff import sniff_format
 from shared.stores import ImageSource
-from workers import jpeg_decode, png_data
+from workers import jpeg_decode, jpeg_scans, png_data
 
 if TYPE_CHECKING:
     import torch
@@ -205,6 +205,8 @@ def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
     tensor: Any = None
     if image.format == "jpg":
         tensor = _decode_jpeg(image, device)
+        if (gap := jpeg_scans.progression_gap(image.data)) is not None:
+            raise ImageDecodeError(f"jpg data is corrupt or truncated: its scans never send {gap}")
     elif image.format in _TORCHVISION_FORMATS and image.frames == 1:
         try:
             tensor = _decode_torchvision(image, device)

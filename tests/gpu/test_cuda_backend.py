@@ -56,13 +56,21 @@ def test_cuda_decode_applies_exif_orientation_like_the_cpu(orientation: int) -> 
 
 def test_a_jpeg_cut_short_is_refused_on_cuda_as_on_the_cpu() -> None:
     """The CPU decoder refuses a JPEG whose data stops early, end marker or not (libjpeg's other users
-    decode the missing rows grey). Whether nvjpeg says so too has never been measured."""
+    decode the missing rows grey), and a progressive one cut at a scan's end (no decoder warns of it).
+    Whether nvjpeg says so too has never been measured."""
+    import io
+
+    from PIL import Image
+
     from shared.errors import ImageDecodeError
     from tests.support import imagegen
     from workers import images
 
     whole = imagegen.camera_photo(640, 480)
-    for cut in (whole[: len(whole) // 2], whole[: len(whole) // 2] + b"\xff\xd9"):
+    progressive = io.BytesIO()
+    Image.open(io.BytesIO(whole)).save(progressive, format="JPEG", progressive=True)
+    at_a_scans_end = progressive.getvalue()[: progressive.getvalue().rindex(b"\xff\xda")] + b"\xff\xd9"
+    for cut in (whole[: len(whole) // 2], whole[: len(whole) // 2] + b"\xff\xd9", at_a_scans_end):
         encoded = images.inspect(cut, 40_000_000)
         for device in ("cpu", "cuda"):
             with pytest.raises(ImageDecodeError):

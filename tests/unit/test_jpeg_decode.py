@@ -12,7 +12,7 @@ from PIL import Image
 
 from shared.errors import ImageDecodeError
 from tests.support import imagegen
-from workers import images, jpeg_decode
+from workers import images, jpeg_decode, jpeg_scans
 
 LIMIT = 40_000_000
 
@@ -216,3 +216,52 @@ def test_cmyk_to_rgb_is_pils_rounding_for_every_pair_of_values() -> None:
     cmyk = np.stack([c, c, c, k], axis=-1)
     expected = (c.astype(np.uint32) * k + 127) // 255  # C·K/255 rounded to nearest
     assert np.array_equal(jpeg_decode._cmyk_to_rgb(cmyk)[..., 0], expected.astype(np.uint8))
+
+
+def _scan_starts(data: bytes) -> list[int]:
+    return [at for at in range(len(data) - 1) if data[at : at + 2] == b"\xff\xda"]
+
+
+@pytest.mark.parametrize(
+    "whole",
+    [
+        _jpeg(_noise(96, 64), quality=85, progressive=True),
+        _jpeg(_noise(96, 64), quality=85, progressive=True, subsampling=0),
+        _jpeg(_noise(70, 50, "L"), progressive=True),
+        _jpeg(_noise(64, 48, "CMYK", seed=3), progressive=True),
+    ],
+    ids=["4:2:0", "4:4:4", "grey", "cmyk"],
+)
+def test_a_progressive_jpeg_cut_at_a_scans_end_is_refused(whole: bytes) -> None:
+    """A progressive file cut where a scan ends and given an end marker decoded without one warning
+    from libjpeg, TurboJPEG or PIL: the coefficients no scan sent were zero, and the model was told
+    about a blurred photo, or one with its colours flat. Every cut is refused now, naming what the
+    scans never sent; the whole file decodes as before."""
+    assert np.array_equal(images.load(whole, LIMIT).tensor.permute(1, 2, 0).numpy(), _pil_rgb(whole))
+    for start in _scan_starts(whole)[1:]:
+        cut = whole[:start] + b"\xff\xd9"
+        _pil_rgb(cut)  # no decoder before said a word
+        with pytest.raises(ImageDecodeError, match=r"its scans never send component \d's coefficients"):
+            images.load(cut, LIMIT)
+
+
+def test_the_scans_are_read_past_segments_that_hold_marker_bytes() -> None:
+    """A thumbnail in APP1 and a comment between scans carry bytes that look like scan headers: they are
+    skipped by their lengths, as libjpeg skips them."""
+    whole = _jpeg(_noise(96, 64), progressive=True)
+    thumbnail = _jpeg(_noise(16, 16))  # a whole sequential JPEG, its own start of scan inside
+    app1 = b"\xff\xe1" + (len(thumbnail) + 2).to_bytes(2, "big") + thumbnail
+    comment = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00"  # a whole scan's header, as a comment's text
+    com = b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment
+    last = _scan_starts(whole)[-1]
+    wrapped = whole[:2] + app1 + whole[2:last] + com + whole[last:]
+    assert jpeg_scans.progression_gap(wrapped) is None
+    decoded = images.load(wrapped, LIMIT).tensor
+    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(whole))
+    cut = whole[:2] + app1 + whole[2:last] + com + b"\xff\xd9"
+    assert jpeg_scans.progression_gap(cut) == "component 1's coefficients 1-63"
+
+
+def test_a_sequential_jpeg_is_not_read_for_scans() -> None:
+    assert jpeg_scans.progression_gap(CLEAN["camera photo"]) is None
+    assert jpeg_scans.progression_gap(b"\xff\xd8\xff\xe0\x00\x40 a header cut short") is None
