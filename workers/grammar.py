@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from shared import schema_bounds
@@ -153,8 +153,17 @@ class Grammars:
         with self._lock:
             self._compiled[(owner, digest(fmt))] = compiled
             while len(self._compiled) > self.keep:
-                self._compiled.popitem(last=False)
+                self._evict_one()
         return compiled, seconds
+
+    def _evict_one(self) -> None:
+        """Drop the least recently used grammar of the key holding the most: one key sending format
+        after format then evicts its own, not every other key's (whose next jobs would each wait a
+        compile again, seconds for a costly one)."""
+        held = Counter(owner for owner, _ in self._compiled)
+        most = max(held.values())
+        oldest = next(key for key in self._compiled if held[key[0]] == most)
+        del self._compiled[oldest]
 
     def compile(self, fmt: JsonSchemaFormat | ChoiceFormat, owner: str = "") -> Any:
         """The compiled grammar; InvalidJob when it does not compile, admits no answer, or (with

@@ -280,6 +280,26 @@ def test_a_grammar_one_key_compiled_is_never_found_by_another(backend: FuyuBacke
     assert grammars.cached(fmt) is None  # jobs without a key (the CLI, a backlog) are one more owner
 
 
+def test_one_key_sending_format_after_format_evicts_its_own_grammars_not_another_keys(
+    backend: FuyuBackend,
+) -> None:
+    """Before, the kept grammars were one LRU over every key: a key sending new formats evicted every
+    other key's, whose next jobs each waited a compile again (seconds for a costly format)."""
+    grammars = Grammars(backend.processor.tokenizer, backend.grammars.vocab_size, backend.eos_id, keep=4)
+    fmt = [rf.parse({"type": "choice", "choices": [f"answer{i}", "other"]}) for i in range(8)]
+    grammars.compile_and_keep(fmt[0], "quiet")
+    grammars.compile_and_keep(fmt[1], "quiet")
+    for each in fmt[2:]:
+        grammars.compile_and_keep(each, "busy")
+    assert grammars.cached(fmt[0], "quiet") is not None
+    assert grammars.cached(fmt[1], "quiet") is not None
+    assert [grammars.cached(each, "busy") is not None for each in fmt[2:]] == [False] * 4 + [True] * 2
+    grammars.compile_and_keep(fmt[2], "third")  # the busy key holds as many as the quiet one: LRU among both
+    assert grammars.cached(fmt[0], "quiet") is None
+    assert grammars.cached(fmt[1], "quiet") is not None
+    assert grammars.cached(fmt[2], "third") is not None
+
+
 def test_bounded_strings_refuse_raw_control_characters(backend: FuyuBackend) -> None:
     """JSON requires U+0000-U+001F escaped; the library's bounded strings let them through raw."""
     fmt = rf.parse({"type": "json_schema", "schema": {"type": "string", "maxLength": 4}})
