@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Any
 
 from shared import schema_bounds
@@ -160,7 +160,9 @@ class Grammars:
         """Drop the least recently used grammar of the key holding the most: one key sending format
         after format then evicts its own, not every other key's (whose next jobs would each wait a
         compile again, seconds for a costly one)."""
-        held = Counter(owner for owner, _ in self._compiled)
+        held: dict[str, int] = {}
+        for owner, _ in self._compiled:
+            held[owner] = held.get(owner, 0) + 1
         most = max(held.values())
         oldest = next(key for key in self._compiled if held[key[0]] == most)
         del self._compiled[oldest]
