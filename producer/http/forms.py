@@ -148,8 +148,8 @@ def parsed(body: bytes) -> dict[str, Any] | JSONResponse:
         data = encoding.loads(body)  # nesting past its bound is a ValueError
     except encoding.DuplicateKey as twice:
         return error(422, "invalid_job", f"the body is ambiguous: {twice}")
-    except encoding.PastDepth as deep:  # read, and past 64 levels: invalid_job, as the contract says
-        return error(422, "invalid_job", f"the body is {deep}")
+    except (encoding.PastDepth, encoding.TooMany) as past:  # invalid_job, as the contract says
+        return error(422, "invalid_job", f"the body is {past}")
     except (ValueError, UnicodeDecodeError):
         return error(400, "invalid_job", "the body is not JSON (or is nested too deeply)")
     return checked(data)

@@ -160,6 +160,9 @@ class Translator:
         text = raw.strip()
         if not text:
             return None
+        too_many = encoding.values_problem(text)
+        if too_many:  # before any parse, custom_id_of's too (review, helper-97: 3.4 GB for one line)
+            return _error(400, f"the line is {too_many}", None, "invalid_value")
         try:
             data = json.loads(text, object_pairs_hook=encoding.unique_keys)
         except encoding.DuplicateKey as twice:  # as the chat route refuses its body (review, helper-85)
@@ -235,7 +238,10 @@ def custom_id_of(raw: bytes | str) -> str | None:
     """The custom_id of a line read as JSON without refusing keys given twice, as the error file
     writes it; None where the line names none, or names two different ones: json keeps the last, and
     an error line under either would answer a request the client may not have meant (review,
-    helper-86). Costs about a parse: values are compared only where an object repeats a key."""
+    helper-86). Costs about a parse: values are compared only where an object repeats a key. None for a
+    line holding more values than any request (never parsed)."""
+    if encoding.values_problem(raw):
+        return None
     try:
         data = json.loads(raw, object_pairs_hook=_one_custom_id)
     except (ValueError, RecursionError):

@@ -433,7 +433,11 @@ def take_json(raw: bytearray) -> object:
 
 def read_json(raw: str | bytes | bytearray) -> object:
     """A request body as JSON; OpenAIError 400 when it is not, or when a string in it is not valid
-    Unicode (a lone surrogate, `\\udcff` on the wire): no store, key or answer could carry it."""
+    Unicode (a lone surrogate, `\\udcff` on the wire): no store, key or answer could carry it, or when
+    it holds more values than any request could (refused before it is parsed)."""
+    too_many = encoding.values_problem(raw)
+    if too_many:
+        raise OpenAIError(400, f"the body is {too_many}", None, "invalid_value")
     try:
         data = json.loads(raw, object_pairs_hook=encoding.unique_keys)
     except encoding.DuplicateKey as twice:
