@@ -118,7 +118,10 @@ def create_app(settings: Settings, queue: Queue | None = None) -> FastAPI:
     ops.mount(app)
     state.usage_registry.register(UsageCollector(usage_redis))
     keys = Keys(settings.api_keys)
-    app.add_middleware(Front, keys=keys, limiter=limiter, limits=limits(settings), count=state.count)
+    app.add_middleware(
+        Front, keys=keys, limiter=limiter, limits=limits(settings), count=state.count,
+        unavailable=state.count_unavailable,
+    )  # fmt: skip
     app.add_middleware(OpenAIErrors)  # outermost: errors on the OpenAI routes leave in OpenAI's shape
     return app
 

@@ -1,6 +1,7 @@
 """Per-lane queue metrics read from Redis at scrape time: depth, in flight (taken by a worker, not
-acked), and the age of the oldest waiting job. Exported by every worker's /metrics and by
-`mrc queues --serve-metrics PORT` (an exporter for autoscalers that needs no worker and no torch).
+acked), and the age of the oldest waiting job; and Redis's memory against its limit. Exported by every
+worker's /metrics and by `mrc queues --serve-metrics PORT` (an exporter for autoscalers that needs no
+worker and no torch).
 """
 
 from __future__ import annotations
@@ -37,7 +38,19 @@ def lane_view(client: redis.Redis) -> dict[str, dict[str, float]]:
         age = (now - oldest).total_seconds() if oldest is not None and depth else 0.0
         view[lane] = {"depth": depth, "in_flight": in_flight.get(lane, 0), "oldest_age_s": max(0.0, age)}
     view["dead_letter"] = {"depth": int(client.llen(names.dead_letter_key()))}
+    view["memory"] = _memory(client)
     return view
+
+
+def _memory(client: redis.Redis) -> dict[str, float]:
+    """Redis's memory in use and its `maxmemory` (0: none), from INFO; empty where INFO is not allowed
+    (an ACL without it). Full under `noeviction`, Redis refuses every write while it still answers
+    reads: mrc-api answers 503 to every new job while the lanes look well (review, helper-99)."""
+    try:
+        info = client.info("memory")
+    except redis.ResponseError:
+        return {}
+    return {"used": float(info.get("used_memory", 0)), "max": float(info.get("maxmemory", 0))}
 
 
 def _in_flight(client: redis.Redis) -> dict[str, int]:
@@ -76,6 +89,8 @@ class LaneCollector(Collector):
             "mrc_queue_oldest_age_seconds", "Age of the oldest waiting job (0 when none)", labels=["lane"]
         )
         dead = GaugeMetricFamily("mrc_dead_letter_depth", "Entries on the dead-letter list")
+        used = GaugeMetricFamily("mrc_redis_memory_used_bytes", "Memory Redis uses (INFO used_memory)")
+        most = GaugeMetricFamily("mrc_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)")
         up = GaugeMetricFamily("mrc_queue_metrics_up", "1 when the lane metrics could be read from Redis")
         up.add_metric([], 0.0 if view is None else 1.0)
         if view is not None:
@@ -85,4 +100,8 @@ class LaneCollector(Collector):
                 age.add_metric([lane], view[lane]["oldest_age_s"])
             dead.add_metric([], view["dead_letter"]["depth"])
             yield from (depth, flight, age, dead)
+            if view["memory"]:
+                used.add_metric([], view["memory"]["used"])
+                most.add_metric([], view["memory"]["max"])
+                yield from (used, most)
         yield up

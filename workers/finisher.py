@@ -186,6 +186,7 @@ class Finisher:
     def _wait_out(self, slot: Slot, message: str) -> bool:
         """A job that met S3 away retried without counting the attempt, while its faults are younger
         than MRC_STORE_OUTAGE_S (shared/store_faults.py). False past that: counted as any fault."""
+        self.metrics.store_faults.inc()  # the outage's signal, counted or not
         if slot.job is None:
             return False
         retries = self.records.store_fault(slot.job_id, self.settings.store_outage_s)

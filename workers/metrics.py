@@ -121,6 +121,13 @@ class Metrics:
         self.dead_letters = Counter(
             "mrc_dead_letters_total", "Jobs moved to the dead-letter list", registry=r
         )
+        # S3 away, seen by the jobs it stops: its retries count no attempt for MRC_STORE_OUTAGE_S, so no
+        # job fails (and no failure alert fires) for that long; this is the outage's own signal.
+        self.store_faults = Counter(
+            "mrc_store_faults_total",
+            "Jobs that met S3 away (their image not read or result not stored)",
+            registry=r,
+        )
         self.cache = Counter("mrc_cache_requests_total", "Result cache look-ups", ["result"], registry=r)
         self.ready = Gauge("mrc_worker_ready", "1 once the model is loaded and warmed up", registry=r)
         # Which lanes this worker takes (--lanes): the GPU-starved alert weighs only their depth, so a

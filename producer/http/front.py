@@ -138,8 +138,10 @@ class Front:
         limiter: RateLimiter,
         limits: Limits,
         count: Callable[[str, str, int, float], None],
+        unavailable: Callable[[str], None] = lambda _service: None,
     ) -> None:
         self.app, self.keys, self.limiter, self.limits, self.count = app, keys, limiter, limits, count
+        self.unavailable = unavailable  # a 503 because Redis or S3 could not serve: by service
         self._bodies = BodySlots(limits.bodies, limits.body_wait_s)
         self.log = logs.get_logger()
 
@@ -287,11 +289,13 @@ class Front:
             if isinstance(exc, ServiceUnreachable):
                 which = exc.service
             self.log.warning("MRC_API_UNAVAILABLE", path=path, service=which, error=repr(exc)[:300])
+            self.unavailable(which)
             message = f"{which} cannot be reached now; retry later"
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
         if redis_target.refused_for_now(exc):  # out of memory, a failover: there, and refusing for now
             words = redis_target.refusal_words(exc)
             self.log.warning("MRC_API_UNAVAILABLE", path=path, service="Redis", error=words)
+            self.unavailable("Redis")
             message = f"Redis cannot serve now ({words[:120]}); retry later"
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
         self.log.exception("MRC_API_ERROR", path=path, error=repr(exc)[:300])

@@ -50,6 +50,16 @@ class ApiState:
             "mrc_api_requests_total", "Requests", ["route", "method", "status"], registry=self.registry
         )
         self.seconds = Histogram("mrc_api_request_seconds", "Request time", ["route"], registry=self.registry)
+        # 503s because Redis or S3 could not serve (not the backlog's backpressure, not a body turn):
+        # the alert's signal for an outage that leaves Redis answering reads (out of memory) or S3 away.
+        self.unavailable = Counter(
+            "mrc_api_unavailable_total",
+            "Requests answered 503 because Redis or S3 could not serve them",
+            ["service"],
+            registry=self.registry,
+        )
+        for service in ("redis", "s3"):  # series from 0, not absent
+            self.unavailable.labels(service=service)
         self.registry.register(redis_target.FailoverCollector())
         # What /metrics serves: this registry, or with several API processes (mrc-api sets
         # prometheus_client's own switch for them: server.py) every process's counters summed.
@@ -79,6 +89,9 @@ class ApiState:
         self.waits.close()
         if self._queue is not None and self._own_queue:
             self._queue.close()
+
+    def count_unavailable(self, service: str) -> None:
+        self.unavailable.labels(service="redis" if service.lower() == "redis" else "s3").inc()
 
     def count(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, method=method, status=str(status)).inc()

@@ -1,14 +1,17 @@
 """mrc-api's peak memory (VmHWM of a real mrc-api process) at the default limits, under the loads that
 cost it most: chat requests each carrying a largest image as a base64 `data:` URL (MRC_MAX_IMAGE_BYTES,
 32 MiB: a 43 MiB body), image URL fetches of the largest image held open by the server, and both at
-once, from four keys (each key takes at most half of the body turns and 4 fetches). Printed beside the
-limit deploy/k8s/api.yaml gives the API. No worker: each chat ends 504 once its job is queued.
+once, from four keys (each key takes at most half of the body turns and 4 fetches); and the hostile
+shapes: chat bodies of 15 million `{}` (45 MB, refused for their count of values since review
+helper-97; 3.4 GB each before) and a batch whose input lines are such bodies. Printed beside the limit
+deploy/k8s/api.yaml gives the API. No worker: each chat ends 504 once its job is queued.
 
-    .venv/bin/python tests/bench/bench_api_memory.py
+    .venv/bin/python tests/bench/bench_api_memory.py [--only WORDS]   # loads whose name holds WORDS
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import json
@@ -75,6 +78,30 @@ def _chat(url: str, key: str, body: Path) -> str:
     return done.stdout
 
 
+def _batch(url: str, key: str, lines: Path) -> str:
+    """Upload the file, create a batch of it, and wait until its lines are read (it fails: none valid)."""
+    auth = ["-H", f"Authorization: Bearer {key}"]
+    upload = ["-F", "purpose=batch", "-F", f"file=@{lines}"]
+    sent = subprocess.run(["curl", "-s", *auth, *upload, f"{url}/v1/files"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    create = {"input_file_id": json.loads(sent.stdout)["id"], "endpoint": "/v1/chat/completions",
+              "completion_window": "24h"}  # fmt: skip
+    as_json = ["-H", "Content-Type: application/json", "-d", json.dumps(create)]
+    made = subprocess.run(["curl", "-s", *auth, *as_json, f"{url}/v1/batches"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    batch_id = json.loads(made.stdout)["id"]
+
+    def status() -> str:
+        done = subprocess.run(["curl", "-s", *auth, f"{url}/v1/batches/{batch_id}"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        return str(json.loads(done.stdout)["status"])
+
+    services.wait_for(
+        lambda: status() not in ("validating", "in_progress", "finalizing"), 600, "the batch read"
+    )
+    return status()
+
+
 def _run(env: dict[str, str], load: Callable[[str], list[str]]) -> tuple[float, list[str]]:
     port = services.free_port()
     settings = {
@@ -113,6 +140,9 @@ def _parallel(calls: list[Callable[[], str]]) -> list[str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="", help="run only the loads whose name holds this")
+    only = parser.parse_args().only
     image = _image()
     _Held.image = image
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Held)
@@ -128,6 +158,13 @@ def main() -> None:
         return path
 
     inline = chat_body("data:image/jpeg;base64," + base64.b64encode(image).decode(), "inline.json")
+    hostile = work / "hostile.json"
+    hostile.write_bytes(b'{"model": "tiny", "messages": [' + b"{}," * 14_999_999 + b"{}]}")
+    hostile_lines = work / "hostile.jsonl"
+    with hostile_lines.open("wb") as out:
+        for n in range(4):
+            line = b'{"custom_id": "c%d", "method": "POST", "url": "/v1/chat/completions", "body": ' % n
+            out.write(line + hostile.read_bytes() + b"}\n")
     by_url = chat_body(fetch_url, "url.json")
     del image
 
@@ -152,13 +189,19 @@ def main() -> None:
         "8 chats, 32 MiB data: URL each": lambda url: _parallel(chats(url)),
         "16 image URL fetches of 32 MiB": lambda url: held(fetches(url), 16),
         "both at once": lambda url: held([*chats(url), *fetches(url)], 16),
+        "hostile: 8 chats of 15 million {}": lambda url: _parallel(
+            [lambda k=KEYS[i % 4]: _chat(url, k, hostile) for i in range(8)]
+        ),
+        "hostile: a batch of 4 such lines": lambda url: [_batch(url, KEYS[0], hostile_lines)],
     }
     with services.local_stack("bench-api-memory-", "bench-api-memory", work / "home") as env:
         env = {**env, "MRC_IMAGE_URL_HOSTS": "localhost", "MRC_IMAGE_URL_PRIVATE": "true"}
-        print(f"{'load':<34} {'peak RSS (MiB)':>15} {'of the limit':>13}  answers")
+        print(f"{'load':<36} {'peak RSS (MiB)':>15} {'of the limit':>13}  answers")
         for name, load in loads.items():
+            if only not in name:
+                continue
             peak, codes = _run(env, load)
-            print(f"{name:<34} {peak:>15.0f} {peak / LIMIT_MIB:>12.0%}  {' '.join(codes)}")
+            print(f"{name:<36} {peak:>15.0f} {peak / LIMIT_MIB:>12.0%}  {' '.join(codes)}")
     server.shutdown()
 
 

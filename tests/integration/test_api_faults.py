@@ -198,6 +198,12 @@ def test_redis_or_s3_out_of_reach_is_a_json_503_with_retry_after(
             assert reply.headers["content-type"] == "application/json"
             assert reply.json()["error"]["code"] == "service_unavailable", reply.text
             assert reply.headers.get("Retry-After"), reply.request.url.path  # /readyz too (review)
+        # The alert's signal (review, helper-99: a Redis out of memory refused every job and nothing
+        # fired): each route's refusal counted by service; the probe's own 503 is not a refusal.
+        scraped = api.get("/metrics").text
+        other = "s3" if down == "redis" else "redis"
+        assert f'mrc_api_unavailable_total{{service="{down}"}} {len(replies) - 1}.0' in scraped, scraped
+        assert f'mrc_api_unavailable_total{{service="{other}"}} 0.0' in scraped
         metrics = api.get("/metrics").text
         assert 'route="/v1/jobs",status="503"' in metrics
 
@@ -226,7 +232,16 @@ def test_a_redis_out_of_memory_is_a_503_and_exit_5_not_a_server_fault(
             assert refused.json()["error"]["code"] == "service_unavailable"
             assert "OOM" in refused.json()["error"]["message"]
             assert refused.headers.get("Retry-After")
-            assert 'route="/v1/jobs",status="503"' in api.get("/metrics").text
+            scraped = api.get("/metrics").text
+            assert 'route="/v1/jobs",status="503"' in scraped
+            # The alerts' signals (review, helper-99: nothing fired while Redis refused every job).
+            assert 'mrc_api_unavailable_total{service="redis"} 1.0' in scraped
+        from shared.lane_metrics import LaneCollector
+
+        gauges = {family.name: family.samples for family in LaneCollector(client).collect()}
+        limit = int(client.config_get("maxmemory")["maxmemory"])
+        assert gauges["mrc_redis_memory_max_bytes"][0].value == limit
+        assert gauges["mrc_redis_memory_used_bytes"][0].value > limit - 1000
         cli = services.run_cli(full, "submit", "--image", str(photo), "--prompt", "Refund?")
         assert cli.returncode == 5, cli.stderr
         assert "cannot serve now: OOM" in cli.stderr
