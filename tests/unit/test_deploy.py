@@ -45,6 +45,17 @@ def test_every_alert_has_a_test() -> None:
         assert f"alertname: {alert}" in tests, alert
 
 
+def test_every_alert_says_what_to_do_in_the_runbook() -> None:
+    """Review, helper-99: no alert had a runbook entry; the on-call person paged at 3 a.m. had a
+    summary line and nothing to do."""
+    rules = (DEPLOY / "prometheus" / "mrc-alerts.yml").read_text()
+    runbook = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    section = runbook.split("\n## Alerts\n", 1)[1].split("\n## ", 1)[0]
+    entries = dict(re.findall(r"^### (\w+) \((page|warning)\)$", section, re.MULTILINE))
+    severities = dict(re.findall(r"- alert: (\w+)\n(?:.*\n)*?\s+labels: \{severity: (\w+)\}", rules))
+    assert entries == severities
+
+
 def dashboard_metrics() -> set[str]:
     """The mrc_ metric families the dashboard queries (histogram suffixes removed)."""
     dashboard = json.loads((DEPLOY / "grafana" / "mrc-dashboard.json").read_text())
