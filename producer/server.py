@@ -192,7 +192,14 @@ def _stops_as_exits() -> Iterator[None]:
 def _serve(settings: Settings, app: FastAPI) -> None:
     import uvicorn
 
-    options: dict[str, Any] = {"host": settings.api_host, "port": settings.api_port, "log_config": None}
+    from producer.http.header_timeout import HeadersInTime
+
+    options: dict[str, Any] = {
+        "host": settings.api_host,
+        "port": settings.api_port,
+        "log_config": None,
+        "http": HeadersInTime,  # a request head late past MRC_API_HEADER_TIMEOUT_S closes its connection
+    }
     if settings.api_workers > 1:  # worker processes import the app themselves
         # Their counters in files of one folder, summed at every scrape (prometheus_client's multiprocess
         # mode): one port cannot show each process, and a scrape answered by one of them undercounted

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     api_max_bodies: int = Field(default=8, ge=1)
     # A body must arrive within this of its turn to be read, or 408 (a trickling client holds a turn).
     api_body_timeout_s: float = Field(default=120.0, gt=0)
+    # A request's line and headers must all arrive within this of its first byte, or the connection is
+    # closed (a client trickling headers held a connection, before any key was asked for, for ever).
+    api_header_timeout_s: float = Field(default=15.0, gt=0)
     # Past the body limit, this much more is read and dropped before closing, so a client that writes
     # its whole body before reading (urllib, requests) sees the 413 instead of a reset connection.
     api_drain_bytes: int = Field(default=128 * 1024 * 1024, ge=0)

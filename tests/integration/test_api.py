@@ -345,7 +345,7 @@ def test_the_mrc_api_process_serves_the_contract(
     api_env: dict[str, str], uploaded: str, tmp_path: Path
 ) -> None:
     port = services.free_port()
-    env = {**api_env, "MRC_API_PORT": str(port)}
+    env = {**api_env, "MRC_API_PORT": str(port), "MRC_API_HEADER_TIMEOUT_S": "1.5"}
     log = tmp_path / "api.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -374,6 +374,7 @@ def test_the_mrc_api_process_serves_the_contract(
         with urllib.request.urlopen(request, timeout=10) as reply:
             assert reply.status == 202
             assert json.loads(reply.read())["status_url"].startswith("/v1/jobs/")
+        _request_heads_must_come_in_time(port)
     finally:
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then raised the signal it caught again: exit status -15,
@@ -382,6 +383,46 @@ def test_the_mrc_api_process_serves_the_contract(
         assert "MRC_API_STOPPING|" in log.read_text()  # said when the stop began (review, helper-93)
         assert "Traceback" not in log.read_text()
         assert "MRC_HTTP_LISTENING" in log.read_text()
+
+
+def _request_heads_must_come_in_time(port: int) -> None:
+    """Review, helper-97: a client sending one header line every few seconds held its connection for
+    ever, before any key was asked for (4,000 of them took 4,027 descriptors). A head not whole within
+    MRC_API_HEADER_TIMEOUT_S (1.5 s here) of its first byte closes the connection: a new one, and the
+    next request on a kept-alive one; a head that comes in parts within it is answered."""
+    import socket
+
+    def closed_by_server(conn: socket.socket) -> bool:
+        conn.settimeout(30)  # far past the limit: a server that never closes fails here, not a clock
+        try:
+            return conn.recv(4096) == b""
+        except TimeoutError:
+            return False
+
+    def answered(conn: socket.socket) -> bytes:
+        """One whole response (head and Content-Length body), nothing of what follows."""
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += conn.recv(4096)
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                     .split(b":")[1])  # fmt: skip
+        while len(body) < length:
+            body += conn.recv(4096)
+        return head
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as trickling:
+        trickling.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        assert closed_by_server(trickling)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as kept:
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answered(kept).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /healthz HTTP/1.1\r\n")  # the next request's head, never finished
+        assert closed_by_server(kept)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as parts:
+        parts.sendall(b"GET /healthz HTTP/1.1\r\n")
+        parts.sendall(b"Host: x\r\n\r\n")
+        assert answered(parts).startswith(b"HTTP/1.1 200")
 
 
 def test_mrc_events_prints_and_follows_completion_events(
