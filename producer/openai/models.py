@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -36,7 +37,13 @@ class Models:
         with self._lock:
             at, every, loaded = self._cached
         if time.monotonic() - at >= _MODELS_CACHE_S:
-            every, loaded = self._scan()
+            try:
+                every, loaded = self._scan()
+            except redis.RedisError:
+                if at < 0:  # never read: the request answers 503
+                    raise
+                # Redis away or hung: the names last read stand for another while, instead of every
+                # request waiting on Redis again (review, helper-98: each chat waited 30 s and more)
             with self._lock:
                 self._cached = (time.monotonic(), every, loaded)
         return loaded if loaded_only else every

@@ -30,7 +30,7 @@ from producer.openai.files import PURPOSES, Files, new_file_id, public
 from producer.openai.models import Models
 from producer.openai.protocol import ChatRequest
 from shared import logs
-from shared.records import connect
+from shared.records import answer_timeout_s, connect
 
 _FILE_FORM = {"file", "purpose"}
 
@@ -88,17 +88,36 @@ class OpenAIRoutes:
         self._batches: Batches | None = None
         self._files: Files | None = None
         self._book: BatchBook | None = None
+        self._runner_redis: Any = None
+        self._runner_book: BatchBook | None = None
         self._keeper: Keeper | None = None
 
     def redis(self) -> Any:
+        """The request path's client: a command Redis does not answer within MRC_CONNECT_TIMEOUT_S
+        (and the replicas' WAIT) fails at once, as a submission's does, and the request answers 503
+        (review, helper-98: with the riding-out client a hung Redis held each chat request 30 s to 3
+        minutes, and their threads starved every other route)."""
         if self._redis is None:
-            self._redis = connect(self.settings, self.settings.connect_timeout_s, retries=2)
+            answer_s = answer_timeout_s(self.settings)
+            self._redis = connect(self.settings, self.settings.connect_timeout_s, retries=2,
+                                  socket_timeout=answer_s, retry_timeouts=False)  # fmt: skip
         return self._redis
+
+    def runner_redis(self) -> Any:
+        """The batch runner's client, off any request: it rides out a Redis restart or failover."""
+        if self._runner_redis is None:
+            self._runner_redis = connect(self.settings, self.settings.connect_timeout_s, retries=2)
+        return self._runner_redis
 
     def book(self) -> BatchBook:
         if self._book is None:
             self._book = BatchBook(self.redis())
         return self._book
+
+    def runner_book(self) -> BatchBook:
+        if self._runner_book is None:
+            self._runner_book = BatchBook(self.runner_redis())
+        return self._runner_book
 
     def _stack(self) -> tuple[Files, Batches]:
         """The files and batches machinery, built on first use (S3 clients, the producer client)."""
@@ -112,14 +131,16 @@ class OpenAIRoutes:
                 backlog = Backlog(
                     self.state.queue, files=S3RunFiles(connection, self.settings), intake=self.state.intake
                 )
-                runner = Runner(backlog, self.book(), self._files, self.models, self.redis())
+                runner = Runner(backlog, self.runner_book(), self._files, self.models, self.runner_redis())
                 self._batches = Batches(runner, self.book(), self._files)
             return self._files, self._batches
 
     def start(self) -> None:
         """This process's batch keeper (it resumes, expires and finishes batches in flight)."""
         self._keeper = Keeper(
-            self.settings.openai_batch_poll_s, lambda: self.book().active(), lambda: self._stack()[1].runner
+            self.settings.openai_batch_poll_s,
+            lambda: self.runner_book().active(),
+            lambda: self._stack()[1].runner,
         )
         self._keeper.start()
 
@@ -131,8 +152,9 @@ class OpenAIRoutes:
             self._batches.runner.backlog.runs.close()
         if self._files is not None:
             self._files.connection.close()
-        if self._redis is not None:
-            self._redis.close()
+        for client in (self._redis, self._runner_redis):
+            if client is not None:
+                client.close()
 
     # ------------------------------------------------------------------ files
     async def create_file(self, request: Request) -> Response:
