@@ -75,7 +75,11 @@ class ApiState:
     @property
     def queue(self) -> Queue:
         if self._queue is None:
-            self._queue = Queue(self.settings)
+            from shared.stores import open_stores
+            from shared.stores.s3 import REQUEST_ATTEMPTS, REQUEST_READ_TIMEOUT_S
+
+            images, results = open_stores(self.settings, REQUEST_ATTEMPTS, REQUEST_READ_TIMEOUT_S)
+            self._queue = Queue(self.settings, images=images, results=results)
             self._own_queue = True
         return self._queue
 

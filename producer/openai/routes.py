@@ -90,6 +90,7 @@ class OpenAIRoutes:
         self._book: BatchBook | None = None
         self._runner_redis: Any = None
         self._runner_book: BatchBook | None = None
+        self._runner_s3: Any = None
         self._keeper: Keeper | None = None
 
     def redis(self) -> Any:
@@ -124,13 +125,15 @@ class OpenAIRoutes:
         with self._lock:
             if self._batches is None or self._files is None:
                 from producer.backlog.run import Backlog
-                from shared.stores.s3 import S3Connection, S3RunFiles
+                from shared.stores import s3
 
-                connection = S3Connection(self.settings)
-                self._files = Files(self.settings, connection)
-                backlog = Backlog(
-                    self.state.queue, files=S3RunFiles(connection, self.settings), intake=self.state.intake
-                )
+                # Files answer requests: a hung S3 is a 503 in seconds. The runner's run files are off
+                # any request, and ride out a slow S3.
+                asked = s3.S3Connection(self.settings, s3.REQUEST_ATTEMPTS, s3.REQUEST_READ_TIMEOUT_S)
+                self._files = Files(self.settings, asked)
+                self._runner_s3 = s3.S3Connection(self.settings)
+                run_files = s3.S3RunFiles(self._runner_s3, self.settings)
+                backlog = Backlog(self.state.queue, files=run_files, intake=self.state.intake)
                 runner = Runner(backlog, self.runner_book(), self._files, self.models, self.runner_redis())
                 self._batches = Batches(runner, self.book(), self._files)
             return self._files, self._batches
@@ -152,6 +155,8 @@ class OpenAIRoutes:
             self._batches.runner.backlog.runs.close()
         if self._files is not None:
             self._files.connection.close()
+        if self._runner_s3 is not None:
+            self._runner_s3.close()
         for client in (self._redis, self._runner_redis):
             if client is not None:
                 client.close()

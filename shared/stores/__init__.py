@@ -77,9 +77,12 @@ def open_run_files(settings: Settings, attempts: int = 3) -> RunFiles:
     return S3RunFiles(S3Connection(settings, attempts), settings)
 
 
-def open_stores(settings: Settings, attempts: int = 3) -> tuple[ImageSource, ResultStore]:
-    """The image source and result store for these settings (today: S3 for both, one connection)."""
+def open_stores(
+    settings: Settings, attempts: int = 3, read_timeout: float = 30.0
+) -> tuple[ImageSource, ResultStore]:
+    """The image source and result store for these settings (today: S3 for both, one connection).
+    `read_timeout`: how long one call waits for S3's answer before it is tried again (`attempts`)."""
     from shared.stores.s3 import S3Connection, S3ImageSource, S3ResultStore
 
-    connection = S3Connection(settings, attempts)
+    connection = S3Connection(settings, attempts, read_timeout)
     return S3ImageSource(connection, settings), S3ResultStore(connection, settings)

@@ -40,6 +40,13 @@ def _addressing(settings: Settings) -> str:
     return "path" if settings.s3_endpoint_url else "auto"
 
 
+# S3 on a request's path (mrc-api): a call waits this long for S3's answer, and is tried twice. A
+# hung S3 held each request 90 s (3 tries of 30 s) before its 503 (review, helper-98); S3 answers an
+# upload's last part or a lookup in well under a second when it is well.
+REQUEST_READ_TIMEOUT_S = 10.0
+REQUEST_ATTEMPTS = 2
+
+
 class S3Connection:
     """One boto3 client and the error mapping every store shares: an outage, a server error or a broken
     stream is StoreUnavailable (retryable); "no such key" stays a ClientError for the caller."""

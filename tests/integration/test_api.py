@@ -564,3 +564,42 @@ def test_a_redis_that_hangs_is_answered_503_naming_redis_not_waited_out(
             assert again.status_code == 202, again.text
     finally:
         redis.stop()
+
+
+def test_an_s3_that_hangs_is_answered_503_in_seconds_not_waited_out(
+    api_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-98: with S3 stopped (it takes connections and answers nothing) an upload, a
+    chat's image and a file each waited 3 tries of 30 s: 90 s before their 503. A call on a request's
+    path waits 10 s for S3's answer, twice."""
+    import boto3
+
+    s3 = services.start_s3(tmp_path / "s3")
+    env = {**api_env, "MRC_S3_ENDPOINT_URL": s3.url}
+    boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1").create_bucket(
+        Bucket=env["MRC_S3_BUCKET"]
+    )
+    photo = imagegen.photo(64, 48, seed=34)
+    try:
+        with TestClient(create_app(services.settings_from_env(env))) as api:
+
+            def upload() -> Any:
+                form = {"prompt": "Refund?", "job_id": _job_id("s3hang")}
+                return api.post(
+                    "/v1/jobs", data=form, files={"image": ("p.jpg", photo, "image/jpeg")}, headers=AUTH
+                )
+
+            assert upload().status_code == 202  # S3 well: the upload goes in
+            answers: list[Any] = []
+            s3.proc.send_signal(signal.SIGSTOP)
+            try:
+                asking = threading.Thread(target=lambda: answers.append(upload()), daemon=True)
+                asking.start()
+                asking.join(75)  # two tries of 10 s: a bound the old 90 s broke, not a measurement
+                assert answers, "the upload waited for S3 as long as it hung"
+            finally:
+                s3.proc.send_signal(signal.SIGCONT)
+            assert answers[0].status_code == 503, answers[0].text
+            assert answers[0].json()["error"]["code"] == "service_unavailable"
+    finally:
+        s3.stop()
