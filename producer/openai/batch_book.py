@@ -71,11 +71,22 @@ def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
 
 
+_REMAP = """
+local now = redis.call('GET', KEYS[1])
+if now == false or now == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  return ARGV[2]
+end
+return now
+"""
+
+
 class BatchBook:
     def __init__(self, client: redis.Redis) -> None:
         self._redis = client
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._remap = client.register_script(_REMAP)
         self._move = client.register_script(_MOVE)
         self._page = client.register_script(_PAGE)
 
@@ -142,12 +153,20 @@ class BatchBook:
         return bool(self._redis.exists(names.batch_lease_key(batch_id, what)))
 
     # ---- Idempotency-Key ----
-    def idempotent(self, scope: str, owner: str, key: str, new_id: str) -> tuple[str, bool]:
+    def idempotent(
+        self, scope: str, owner: str, key: str, new_id: str, ttl_s: int = IDEMPOTENCY_TTL_S
+    ) -> tuple[str, bool]:
         """The object an Idempotency-Key names (`new_id` if it names none yet), and whether it is new."""
         mapping = names.idempotency_key(scope, owner, key_digest(key))
-        if self._redis.set(mapping, new_id, nx=True, ex=IDEMPOTENCY_TTL_S):
+        if self._redis.set(mapping, new_id, nx=True, ex=ttl_s):
             return new_id, True
         return str(self._redis.get(mapping)), False
+
+    def remap(self, scope: str, owner: str, key: str, old_id: str, new_id: str, ttl_s: int) -> str:
+        """The key names `new_id` instead of `old_id`, unless it names another already (a copy of the
+        same request got there first): the id it names now."""
+        mapping = names.idempotency_key(scope, owner, key_digest(key))
+        return str(self._remap(keys=[mapping], args=[old_id, new_id, ttl_s]))
 
     def made(
         self, scope: str, owner: str, key: str, object_id: str, look: Callable[[], T | None]

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from producer.http.guard import Caller
-from producer.openai.batch_book import BatchBook, batch_object, new_batch_id
+from producer.openai.batch_book import IDEMPOTENCY_TTL_S, BatchBook, batch_object, new_batch_id
 from producer.openai.batch_run import Runner, input_key
 from producer.openai.chat_request import check_metadata, param_of
 from producer.openai.errors import OpenAIError
@@ -43,29 +43,41 @@ def not_found(batch_id: str) -> OpenAIError:
     return OpenAIError(404, f"No batch found with id '{batch_id[:100]}'", "batch_id", "not_found")
 
 
+_NOT_REUSED = frozenset({"failed", "expired", "cancelled", "cancelling"})  # a retry's match that ran nothing
+
+
 class Batches:
     def __init__(self, runner: Runner, book: BatchBook, files: Files) -> None:
         self.runner, self.book, self.files = runner, book, files
         self.settings = runner.settings
         self.log = logs.get_logger()
 
-    def create(self, caller: Caller, body: object, idempotency_key: str | None) -> dict[str, Any]:
+    def create(
+        self, caller: Caller, body: object, idempotency_key: str | None, digest: str | None = None
+    ) -> dict[str, Any]:
+        """`digest`: the body's sha256. Without an Idempotency-Key (the SDKs send none) the same bytes
+        from the same key within MRC_OPENAI_RETRY_WINDOW_S are the same batch, as a chat request's are
+        the same job: an SDK's retry after a lost answer ran a second whole batch (review, helper-98).
+        A batch that failed, expired or was cancelled is not reused: sending it again makes a new one."""
         if "backlog" not in caller.lanes:
             raise OpenAIError(
                 403, "this key may not use the backlog lane, where batches run", None, "forbidden"
             )
         request = self._checked(body)
+        scope, key, ttl = "batch", idempotency_key, IDEMPOTENCY_TTL_S
+        if key is None and digest is not None and self.settings.openai_retry_window_s > 0:
+            scope, key, ttl = "batch-retry", digest, max(1, int(self.settings.openai_retry_window_s))
         batch_id = new_batch_id()
-        if idempotency_key is not None:  # before the input's look: it may be deleted since (review)
-            batch_id, fresh = self.book.idempotent("batch", caller.owner, idempotency_key, batch_id)
+        if key is not None:  # before the input's look: it may be deleted since (review)
+            batch_id, fresh = self._claimed(caller, scope, key, batch_id, ttl)
             if not fresh:
-                return self._again(caller, batch_id, request.input_file_id, idempotency_key)
+                return self._again(caller, batch_id, request.input_file_id, key, scope)
         try:
             meta = self._input(caller.owner, request.input_file_id)
             self._start(caller, batch_id, request, meta)
         except BaseException:
-            if idempotency_key is not None:  # nothing was made: a retry makes it afresh
-                self.book.unmap("batch", caller.owner, idempotency_key)
+            if key is not None:  # nothing was made: a retry makes it afresh
+                self.book.unmap(scope, caller.owner, key)
             raise
         self.log.info(
             "MRC_BATCH_CREATED",
@@ -155,9 +167,23 @@ class Batches:
             )
         return meta
 
-    def _again(self, caller: Caller, batch_id: str, input_file_id: str, key: str) -> dict[str, Any]:
-        """A retried create (the same Idempotency-Key): the batch the first one made, once made."""
-        record = self.book.made("batch", caller.owner, key, batch_id, lambda: self.book.get(batch_id) or None)
+    def _claimed(self, caller: Caller, scope: str, key: str, batch_id: str, ttl: int) -> tuple[str, bool]:
+        """The batch the key names (`batch_id` if none yet), and whether it is new. A retry's match that
+        ended without running (failed, expired, cancelled) names a new batch now."""
+        named, fresh = self.book.idempotent(scope, caller.owner, key, batch_id, ttl)
+        if fresh or scope != "batch-retry":
+            return named, fresh
+        if self.book.get(named).get("status") not in _NOT_REUSED:
+            return named, False
+        now_named = self.book.remap(scope, caller.owner, key, named, batch_id, ttl)
+        return now_named, now_named == batch_id
+
+    def _again(
+        self, caller: Caller, batch_id: str, input_file_id: str, key: str, scope: str = "batch"
+    ) -> dict[str, Any]:
+        """A retried create (the same Idempotency-Key, or the same bytes): the batch the first one made,
+        once made."""
+        record = self.book.made(scope, caller.owner, key, batch_id, lambda: self.book.get(batch_id) or None)
         if not record:
             raise OpenAIError(
                 409,

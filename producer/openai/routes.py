@@ -11,6 +11,7 @@ OpenAI's shape (producer/openai/errors.py). Files and batches belong to the key 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any
 
@@ -276,9 +277,11 @@ class OpenAIRoutes:
     async def create_batch(self, request: Request) -> Response:
         _, batches = await run_in_threadpool(self._stack)
         key = idempotency_key(request.headers)
-        body = await run_in_threadpool(read_json, await request.body())  # parsed off the event loop
+        raw = await request.body()
+        body = await run_in_threadpool(read_json, raw)  # parsed off the event loop
         caller = caller_of(request.scope)
-        return JSONResponse(await run_in_threadpool(batches.create, caller, body, key))
+        digest = hashlib.sha256(raw).hexdigest()
+        return JSONResponse(await run_in_threadpool(batches.create, caller, body, key, digest))
 
     async def list_batches(self, request: Request) -> Response:
         _, batches = await run_in_threadpool(self._stack)

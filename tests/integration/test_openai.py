@@ -589,6 +589,31 @@ def idle_stack(oai_env: dict[str, str], db: int, **settings: str) -> Iterator[tu
     client.close()
 
 
+def test_a_batch_create_the_sdk_retries_makes_one_batch_and_a_cancelled_ones_repeat_a_new_one(
+    oai_env: dict[str, str],
+) -> None:
+    """Review, helper-98: the SDK sends no Idempotency-Key, and its retry of a create whose answer was
+    lost (a read timeout) made a second batch that ran every line again. The same bytes from the same
+    key within MRC_OPENAI_RETRY_WINDOW_S are the same batch, as a chat request's are the same job; one
+    that ran nothing (cancelled) is not reused, and other bytes (its metadata) are another batch."""
+    inline = data_url(imagegen.photo(60, 60, seed=48))
+    line = request_line("r", oai_env["MRC_MODEL"], "Refund?", inline)
+    with idle_stack(oai_env, 9) as (sdk, _client):
+        upload = sdk.files.create(file=("retried.jsonl", line.encode()), purpose="batch")
+        ask = {"input_file_id": upload.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        first = sdk.batches.create(**ask)  # type: ignore[arg-type]
+        assert sdk.batches.create(**ask).id == first.id  # type: ignore[arg-type]
+        other = sdk.batches.create(**ask, metadata={"night": "2"})  # type: ignore[arg-type]
+        assert other.id != first.id
+        assert sdk.batches.cancel(first.id).status == "cancelling"
+        wait_final(sdk, first.id, 60)
+        again = sdk.batches.create(**ask)  # type: ignore[arg-type]
+        assert again.id not in (first.id, other.id)
+        assert sdk.batches.create(**ask).id == again.id  # type: ignore[arg-type]
+        for made in (other.id, again.id):
+            sdk.batches.cancel(made)
+
+
 def test_cancel_resume_and_the_window_end_leave_every_line_in_the_error_file(oai_env: dict[str, str]) -> None:
     inline = data_url(imagegen.photo(60, 60, seed=47))
     # No worker reads this database: the model a request may name is the deployment's MRC_MODEL.
