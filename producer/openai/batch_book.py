@@ -71,7 +71,8 @@ def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
 
 
-_REMAP = """
+# The key names ARGV[2] if it named nothing or ARGV[1]; the id it names now (chat's retries use it too).
+REMAP_SCRIPT = """
 local now = redis.call('GET', KEYS[1])
 if now == false or now == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
@@ -86,7 +87,7 @@ class BatchBook:
         self._redis = client
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
-        self._remap = client.register_script(_REMAP)
+        self._remap = client.register_script(REMAP_SCRIPT)
         self._move = client.register_script(_MOVE)
         self._page = client.register_script(_PAGE)
 

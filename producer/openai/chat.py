@@ -33,6 +33,7 @@ from producer.http.state import ApiState
 from producer.intake.checks import IMAGE_CODES
 from producer.intake.request import Submission
 from producer.openai import chat_stream
+from producer.openai.batch_book import REMAP_SCRIPT
 from producer.openai.chat_request import ChatJob, idempotency_key, parse_chat, take_json
 from producer.openai.completion import completion
 from producer.openai.errors import OpenAIError, from_usage_error
@@ -43,16 +44,6 @@ from shared.jobs import Job
 from shared.settings import Settings
 
 _RETRY_LOOK_S = 0.5  # after an outage (or no record yet), the wait looks again this often
-# KEYS[1] a retry-window mapping; ARGV: the job it named, its replacement, ttl. Replace only what the
-# caller saw (concurrent retries of a failed job agree on one new job); the job it names now.
-_REPLACE_IF = """
-local now = redis.call('GET', KEYS[1])
-if now == false or now == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-  return ARGV[2]
-end
-return now
-"""
 # A chat body this small holds no image of its own (text, an s3:// URI or an image URL): it gives its
 # body slot (MRC_API_MAX_BODIES, the bound on request bodies in memory) back before it is read into a job.
 # A larger one gives it back before its image URL is fetched, its bytes dropped first (review, helper-83:
@@ -206,7 +197,8 @@ class Chat:
         if self.state.queue.records.get(stored).get("state") != "failed":
             return earlier
         # It failed: a new job, once however many copies of the request come at the same moment.
-        return str(client.eval(_REPLACE_IF, 1, mapping, earlier, fresh, ttl))
+        # Replace only what this request saw: concurrent retries of a failed job agree on one new job.
+        return str(client.eval(REMAP_SCRIPT, 1, mapping, earlier, fresh, ttl))
 
     def _enqueue(self, chat: ChatJob, job_id: str | None, caller: Caller) -> Job:
         sub = Submission(
