@@ -88,7 +88,9 @@ class Chat:
         job_id = tenants.client_id(caller.namespace, job.job_id)
         headers = {"x-mrc-job-id": job_id}
         if chat.stream:  # keep-alive comments reset a client's read timeout: the whole wait is ours
-            return await self._streamed(job, job_id, chat, headers)
+            return await self._streamed(
+                job, job_id, chat, headers, request.headers.get("x-stainless-read-timeout")
+            )
         wait = self._wait_s(request.headers.get("x-stainless-read-timeout"))
         found = await self._answer(job.job_id, wait)
         if found is not None:
@@ -138,14 +140,17 @@ class Chat:
             # again until the wait is over.
             await asyncio.sleep(min(_RETRY_LOOK_S, left))
 
-    async def _streamed(self, job: Job, shown_id: str, chat: ChatJob, headers: dict[str, str]) -> Response:
+    async def _streamed(
+        self, job: Job, shown_id: str, chat: ChatJob, headers: dict[str, str], read_timeout: str | None
+    ) -> Response:
         try:  # off the event loop (a look at the workers' heartbeats); the job is queued: never a 5xx now
             expected = await run_in_threadpool(self.models.answering, chat.model)
         except Exception:
             expected = chat.model
         streamed = chat_stream.streamed_job(
-            job.job_id, shown_id, expected, job.submitted_at, chat.include_usage, self.settings.openai_wait_s
-        )
+            job.job_id, shown_id, expected, job.submitted_at, chat.include_usage, self.settings.openai_wait_s,
+            read_timeout,
+        )  # fmt: skip
         return StreamingResponse(
             self.stream.events(streamed),
             media_type="text/event-stream",

@@ -50,6 +50,7 @@ class StreamedJob:
     created: int
     include_usage: bool
     wait_s: float
+    keepalive_s: float = KEEPALIVE_S  # a silence longer than this gets a comment
 
 
 @dataclass
@@ -122,12 +123,12 @@ class ChatStream:
                     for piece in [*self._open(job, relay), sse(self._timeout(job).body())]:
                         yield piece
                     return
-                if now - quiet_since >= KEEPALIVE_S:
+                if now - quiet_since >= job.keepalive_s:
                     quiet_since = now
                     yield b": keep-alive\n\n"
                 ended = relay.ended_at
                 pending = self._start(job, relay, now, deadline)
-                budget = min(deadline - now, KEEPALIVE_S - (now - quiet_since))
+                budget = min(deadline - now, job.keepalive_s - (now - quiet_since))
                 await asyncio.wait(pending, timeout=max(0.001, budget), return_when=asyncio.FIRST_COMPLETED)
                 pieces, done = self._news(job, relay, ended)
                 if pieces:
@@ -247,6 +248,20 @@ class ChatStream:
 
 
 def streamed_job(
-    job_id: str, shown_id: str, model: str, submitted_at: str, include_usage: bool, wait_s: float
+    job_id: str,
+    shown_id: str,
+    model: str,
+    submitted_at: str,
+    include_usage: bool,
+    wait_s: float,
+    read_timeout: str | None = None,
 ) -> StreamedJob:
-    return StreamedJob(job_id, shown_id, model, epoch(submitted_at), include_usage, wait_s)
+    """`read_timeout`: the SDK's `x-stainless-read-timeout`. Keep-alives come twice within it: a
+    client told to give up after 4 s of silence got its first after 10 s, and gave up (review,
+    helper-98; the SDK does not retry once the stream's headers came)."""
+    try:
+        told = float(read_timeout) if read_timeout else 0.0
+    except ValueError:
+        told = 0.0
+    keepalive = min(KEEPALIVE_S, max(0.5, told / 2)) if told == told and told > 0 else KEEPALIVE_S
+    return StreamedJob(job_id, shown_id, model, epoch(submitted_at), include_usage, wait_s, keepalive)

@@ -187,6 +187,27 @@ def test_a_stream_that_cannot_start_answers_json_and_one_that_waits_too_long_an_
     assert seen[0].id in timed_out.value.message
 
 
+def test_keep_alives_come_within_the_sdks_read_timeout(stream_env: dict[str, str], model: str) -> None:
+    """Review, helper-98: a client told to give up after 4 s of silence (`OpenAI(timeout=4)`, sent as
+    `x-stainless-read-timeout`) got its first keep-alive after 10 s and gave up, and the SDK does not
+    retry once a stream's headers came. Keep-alives now come twice within the client's timeout: the
+    stream lasts until its own deadline (a database no worker reads: the job stays queued)."""
+    idle = {
+        **stream_env,
+        "MRC_REDIS_URL": stream_env["MRC_REDIS_URL"].rsplit("/", 1)[0] + "/7",
+        "MRC_OPENAI_WAIT_S": "6",
+    }
+    with (
+        serve(idle) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=2.0) as sdk,
+    ):
+        stream = sdk.chat.completions.create(model=model, messages=ask("Refund?", seed=68), stream=True)  # type: ignore[arg-type]
+        with pytest.raises(openai.APIError) as ended:
+            list(stream)
+    assert not isinstance(ended.value, openai.APITimeoutError), ended.value
+    assert "answer_timeout" in str(ended.value.body) or "no answer within" in ended.value.message
+
+
 def test_keep_alive_comments_and_the_events_are_plain_sse(base_url: str, model: str) -> None:
     """What a client without the SDK reads: `data:` lines, a role chunk first, `[DONE]` last."""
     body = {"model": model, "messages": ask("Refund?", seed=65), "max_tokens": 4, "stream": True}
