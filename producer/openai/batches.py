@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from producer.http.guard import Caller
 from producer.openai.batch_book import IDEMPOTENCY_TTL_S, BatchBook, batch_object, new_batch_id
 from producer.openai.batch_run import Runner, input_key
-from producer.openai.chat_request import check_metadata, param_of
+from producer.openai.chat_request import check_metadata, invalid
 from producer.openai.errors import OpenAIError
 from producer.openai.files import Files, listing
 from shared import logs
@@ -115,16 +115,8 @@ class Batches:
             raise OpenAIError(400, "the body must be a JSON object", None, "invalid_value")
         try:
             request = CreateBatch.model_validate(body)
-        except ValidationError as exc:
-            first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
-            param = param_of(tuple(first.get("loc", ()))) or None
-            if first.get("type") == "extra_forbidden":
-                raise OpenAIError(
-                    400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"
-                ) from None
-            raise OpenAIError(
-                400, f"Invalid value for {param}: {first.get('msg')}", param, "invalid_value"
-            ) from None
+        except ValidationError as exc:  # as the chat route answers (a missing field by its code: review)
+            raise invalid(exc) from None
         if request.endpoint not in ENDPOINTS:
             raise OpenAIError(
                 400,

@@ -123,7 +123,8 @@ def param_of(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _invalid(exc: ValidationError, where: str = "") -> OpenAIError:
+def invalid(exc: ValidationError, where: str = "") -> OpenAIError:
+    """A validation error as OpenAI answers it: the field named, unknown and missing ones by their codes."""
     # A union reports each variant's complaint: the deepest one names the field that is wrong.
     first = max(exc.errors(), key=lambda error: len(error.get("loc", ())))
     loc = tuple(first.get("loc", ()))
@@ -184,7 +185,7 @@ def parse_chat(
     try:
         request = ChatRequest.model_validate(body)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise invalid(exc) from None
     for field, (allowed, why) in _NO_OP.items():
         value = getattr(request, field)
         if value is not None and not allowed(value):

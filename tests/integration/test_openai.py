@@ -404,6 +404,19 @@ def test_errors_come_in_openai_shape_and_as_the_sdk_classes(
     with pytest.raises(openai.NotFoundError) as no_file:
         sdk.files.retrieve("file-does-not-exist")
     assert no_file.value.code == "not_found"
+    # A batch create's fields are refused as a chat request's are (review, helper-98: a missing one
+    # was `invalid_value` "Field required" where chat says missing_required_parameter).
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for body, param, code in (
+        ({"input_file_id": "file-x", "endpoint": "/v1/chat/completions"}, "completion_window",
+         "missing_required_parameter"),
+        ({"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h", "x": 1},
+         "x", "unknown_parameter"),
+        ({"input_file_id": 7, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+         "input_file_id", "invalid_value"),
+    ):  # fmt: skip
+        error = httpx.post(f"{base_url}/v1/batches", json=body, headers=auth).json()["error"]
+        assert (error["param"], error["code"]) == (param, code), error
     big = "data:image/jpeg;base64," + "A" * 2_000_000  # the body limit: base64 of 200,000 bytes + 1 MiB
     with pytest.raises(openai.APIStatusError) as too_large:
         sdk.chat.completions.create(model=model, messages=ask("Refund?", big))
