@@ -14,6 +14,7 @@ from shared.logs import parse_line
 from tests.unit.test_deploy import dashboard_metrics
 
 GPU_ONLY_PREFIX = "mrc_gpu_"  # NVML and torch.cuda series: absent on a machine without a GPU
+API_PREFIX = "mrc_api_"  # mrc-api's own series, on its /metrics
 
 
 @pytest.fixture
@@ -32,20 +33,39 @@ def worked(worker: services.Worker, client: Client, tmp_path: Path) -> services.
     return worker
 
 
-def test_every_series_the_dashboard_queries_exists_on_a_live_worker(worked: services.Worker) -> None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{worked.http_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+def _missing(text: str, wanted: set[str]) -> list[str]:
+    """The metric families in `wanted` that the scraped `text` does not expose."""
     exposed = {line.split("{")[0].split()[0] for line in text.splitlines() if line.startswith("mrc_")}
     families = {name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for name in exposed}
     families |= {name.removesuffix("_total") for name in families}
-    missing = sorted(
-        name
-        for name in dashboard_metrics()
-        if not name.startswith(GPU_ONLY_PREFIX)
-        and name not in families
-        and name.removesuffix("_total") not in families
+    return sorted(
+        name for name in wanted if name not in families and name.removesuffix("_total") not in families
     )
-    assert not missing, missing
+
+
+def test_every_series_the_dashboard_queries_exists_on_a_live_worker(worked: services.Worker) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{worked.http_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    wanted = {name for name in dashboard_metrics() if not name.startswith((GPU_ONLY_PREFIX, API_PREFIX))}
+    assert not _missing(text, wanted)
+
+
+def test_every_api_series_the_dashboard_queries_exists_on_mrc_api(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard's mrc-api panels (review, helper-99: there were none) read what mrc-api serves."""
+    from fastapi.testclient import TestClient
+
+    from producer.server import create_app
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    with TestClient(create_app(services.settings_from_env(env))) as api:
+        assert api.get("/healthz").status_code == 200
+        text = api.get("/metrics").text
+    wanted = {name for name in dashboard_metrics() if name.startswith(API_PREFIX)}
+    assert wanted >= {"mrc_api_requests_total", "mrc_api_unavailable_total"}
+    assert not _missing(text, wanted)
 
 
 def test_every_worker_log_line_parses_and_job_events_carry_the_job(worked: services.Worker) -> None:
