@@ -33,7 +33,10 @@ def test_values_are_counted_by_their_commas_and_brackets_outside_strings() -> No
     text = '{"prompt": "' + ",[{" * LIMIT + '\\"' + ",," * 10 + '", "x": [1, 2]}'
     assert encoding.values_problem(text) is None
     assert encoding.values_problem(text.encode()) is None
-    assert encoding.values_problem('"' + "[" * (LIMIT + 5)) is not None  # a string never closed: counted
+    # A string never closed holds what follows it: no value, and the parser stops at it at once.
+    assert encoding.values_problem('"' + "[" * (LIMIT + 5)) is None
+    with pytest.raises(ValueError, match="Unterminated string"):
+        encoding.loads('"' + "[" * (LIMIT + 5))
 
 
 def test_a_hostile_body_is_refused_without_building_it() -> None:
@@ -69,3 +72,26 @@ def test_every_door_that_reads_a_clients_json_refuses_it() -> None:
     assert "too many values" in refused["error"]["message"]
     assert custom_id_of(b'{"custom_id": "c1", "body": ' + body + b"}") is None  # the error file's read
     assert custom_id_of(b'{"custom_id": "c1", "body": ' + _many(10) + b"}") == "c1"
+
+
+@pytest.mark.parametrize("ending", [b"", b"\\"])
+def test_a_string_left_open_is_read_once_not_from_every_quote_in_it(ending: bytes) -> None:
+    """Review, helper-100: `"\\"\\"\\"...` left open failed the string's match at the end of the text,
+    and the search began again at every escaped quote: O(n^2) under the GIL, 24.6 s for 80 KB while
+    every route waited (here 600 KB: the old reading would pass pytest's 600 s limit). A string never
+    closed now runs to the end of the text."""
+    body = b"[" + b"," * (LIMIT + 1) + b'"' + b'\\"' * 300_000 + ending
+    assert encoding.values_problem(body) is not None
+    assert encoding.values_problem(body.decode()) is not None
+    assert encoding.values_problem(b'["' + b'\\"' * 300_000 + b"," * (LIMIT + 1) + ending) is None  # in it
+
+
+@pytest.mark.parametrize("kind", ["utf-16-le", "utf-16", "utf-32-be"])
+def test_json_in_utf16_or_utf32_is_counted_as_json_reads_it(kind: str) -> None:
+    """Review, helper-100: json.loads reads UTF-16 and UTF-32 bytes, where a quote is not the byte 0x22
+    and U+2200 holds one (00 22): a batch line in UTF-16 turned the count inside out and passed it,
+    and its 2 million values were parsed."""
+    line = '{"junk": ["\u2200", ' + "{}," * (LIMIT // 2) + '""], "custom_id": "a"}'
+    assert encoding.values_problem(line.encode(kind)) is not None
+    assert custom_id_of(line.encode(kind)) is None
+    assert encoding.values_problem('{"a": ["\u2200", {}, ""]}'.encode(kind)) is None
