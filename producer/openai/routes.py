@@ -135,7 +135,8 @@ class OpenAIRoutes:
                 self._runner_s3 = s3.S3Connection(self.settings)
                 run_files = s3.S3RunFiles(self._runner_s3, self.settings)
                 backlog = Backlog(self.state.queue, files=run_files, intake=self.state.intake)
-                runner = Runner(backlog, self.runner_book(), self._files, self.models, self.runner_redis())
+                runner_files = Files(self.settings, self._runner_s3)  # its input and output, off any request
+                runner = Runner(backlog, self.runner_book(), runner_files, self.models, self.runner_redis())
                 self._batches = Batches(runner, self.book(), self._files)
             return self._files, self._batches
 
