@@ -12,6 +12,7 @@ component is whole by construction, and not read.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 _PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})  # Huffman, differential, arithmetic, both
 _STANDALONE = frozenset({0x01, 0xD8})  # TEM, SOI: markers with no length
@@ -21,33 +22,53 @@ _STANDALONE = frozenset({0x01, 0xD8})  # TEM, SOI: markers with no length
 _MARKER = re.compile(rb"\xff([^\x00\xd0-\xd7\xff])")
 _EOI = 0xD9
 _SOS = 0xDA
+# More scans than any encoder's progression sends (libjpeg's: 10 for colour, 18 for CMYK; one scan per
+# coefficient and bit of four components would be ~3,300): read past it, a crafted file of millions
+# of tiny scans held the worker 10 s in this loop after nvjpeg had decoded it (review, helper-100).
+_MOST_SCANS = 4096
 
 
 def progression_gap(data: bytes) -> str | None:
-    """What a progressive JPEG's scans leave unsent ("component 2's coefficients 1-63"), or None: all
-    sent, not progressive, or a file whose markers do not parse (the decoder says what is wrong)."""
+    """What is wrong with a progressive JPEG's scans ("its scans never send component 2's coefficients
+    1-63"), or None: all sent, not progressive, or a file whose markers do not parse (the decoder says
+    what is wrong)."""
     sent: dict[int, bytearray] | None = None  # component id -> a flag per coefficient sent whole
+    scans = 0
+    try:
+        for marker, segment in _segments(data):
+            if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame (not DHT, JPG, DAC)
+                if marker not in _PROGRESSIVE:
+                    return None
+                sent = _components(segment)
+            elif marker == _SOS and sent is not None:
+                scans += 1
+                if scans > _MOST_SCANS:
+                    return f"it holds more than {_MOST_SCANS} scans"
+                if not _record_scan(segment, sent):
+                    return None
+    except _Unreadable:
+        return None
+    return None if sent is None else _unsent(sent)
+
+
+class _Unreadable(Exception):
+    """A segment whose length runs past the file."""
+
+
+def _segments(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """Each marker with a length and its payload, as libjpeg finds them, up to the first end marker."""
     at = 2
     while (found := _MARKER.search(data, at)) is not None:
         marker, at = found[1][0], found.end()
         if marker == _EOI:
-            break
+            return
         if marker in _STANDALONE:
             continue
-        if at + 2 > len(data):
-            return None
-        end = at + int.from_bytes(data[at : at + 2], "big")
+        end = at + int.from_bytes(data[at : at + 2], "big") if at + 2 <= len(data) else len(data) + 1
         if end > len(data):
-            return None
-        segment = data[at + 2 : end]
+            raise _Unreadable
+        yield marker, data[at + 2 : end]
         at = end
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame (not DHT, JPG, DAC)
-            if marker not in _PROGRESSIVE:
-                return None
-            sent = _components(segment)
-        elif marker == _SOS and sent is not None and not _record_scan(segment, sent):
-            return None
-    return None if sent is None else _unsent(sent)
 
 
 def _components(frame: bytes) -> dict[int, bytearray]:
@@ -80,7 +101,7 @@ def _unsent(sent: dict[int, bytearray]) -> str | None:
     for number, (_, flags) in enumerate(sent.items(), start=1):
         missing = [k for k in range(64) if not flags[k]]
         if missing:
-            return f"component {number}'s coefficients {_ranges(missing)}"
+            return f"its scans never send component {number}'s coefficients {_ranges(missing)}"
     return None
 
 

@@ -259,9 +259,20 @@ def test_the_scans_are_read_past_segments_that_hold_marker_bytes() -> None:
     decoded = images.load(wrapped, LIMIT).tensor
     assert np.array_equal(decoded.permute(1, 2, 0).numpy(), _pil_rgb(whole))
     cut = whole[:2] + app1 + whole[2:last] + com + b"\xff\xd9"
-    assert jpeg_scans.progression_gap(cut) == "component 1's coefficients 1-63"
+    assert jpeg_scans.progression_gap(cut) == "its scans never send component 1's coefficients 1-63"
 
 
 def test_a_sequential_jpeg_is_not_read_for_scans() -> None:
     assert jpeg_scans.progression_gap(CLEAN["camera photo"]) is None
     assert jpeg_scans.progression_gap(b"\xff\xd8\xff\xe0\x00\x40 a header cut short") is None
+
+
+def test_a_progressive_jpeg_of_more_scans_than_any_encoder_sends_is_refused_at_once() -> None:
+    """Review, helper-100: millions of tiny scans (a crafted file TurboJPEG refuses, nvjpeg may not) held
+    the scans' read 10 s; past 4,096 scans it stops and refuses."""
+    whole = _jpeg(_noise(96, 64), progressive=True)
+    last = _scan_starts(whole)[-1]
+    scan = whole[last:-2]  # the last scan (a refinement of luma's AC, Al 0): header and data
+    crafted = whole[:last] + scan * 5000 + b"\xff\xd9"
+    assert jpeg_scans.progression_gap(crafted) == "it holds more than 4096 scans"
+    assert jpeg_scans.progression_gap(whole[:last] + scan * 3 + b"\xff\xd9") is None
