@@ -1,7 +1,7 @@
 """Per-lane queue metrics read from Redis at scrape time: depth, in flight (taken by a worker, not
-acked), and the age of the oldest waiting job; and Redis's memory against its limit. Exported by every
-worker's /metrics and by `mrc queues --serve-metrics PORT` (an exporter for autoscalers that needs no
-worker and no torch).
+acked), and the age of the oldest waiting job; the backlog runs and batches still going and the age
+of the oldest; and Redis's memory against its limit. Exported by every worker's /metrics and by `mrc
+queues --serve-metrics PORT` (an exporter for autoscalers that needs no worker and no torch).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared import names
+from shared import names, run_progress
 from shared.jobs import parse_rfc3339
 from shared.scrape import ScrapeCache
 
@@ -77,7 +77,9 @@ def _submitted_at(raw: bytes | str) -> datetime | None:
 
 class LaneCollector(Collector):
     def __init__(self, client: redis.Redis) -> None:
-        self._view: ScrapeCache[dict[str, Any]] = ScrapeCache(lambda: lane_view(client))
+        self._view: ScrapeCache[dict[str, Any]] = ScrapeCache(
+            lambda: {**lane_view(client), "runs": run_progress.oldest_active(client)}
+        )
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         view = self._view.get()
@@ -91,6 +93,14 @@ class LaneCollector(Collector):
         dead = GaugeMetricFamily("mrc_dead_letter_depth", "Entries on the dead-letter list")
         used = GaugeMetricFamily("mrc_redis_memory_used_bytes", "Memory Redis uses (INFO used_memory)")
         most = GaugeMetricFamily("mrc_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)")
+        runs = GaugeMetricFamily(
+            "mrc_backlog_runs_active", "Backlog runs and batches still going", labels=["kind"]
+        )
+        run_age = GaugeMetricFamily(
+            "mrc_backlog_run_oldest_age_seconds",
+            "Age of the oldest backlog run or batch still going (0 when none)",
+            labels=["kind"],
+        )
         up = GaugeMetricFamily("mrc_queue_metrics_up", "1 when the lane metrics could be read from Redis")
         up.add_metric([], 0.0 if view is None else 1.0)
         if view is not None:
@@ -99,7 +109,10 @@ class LaneCollector(Collector):
                 flight.add_metric([lane], view[lane]["in_flight"])
                 age.add_metric([lane], view[lane]["oldest_age_s"])
             dead.add_metric([], view["dead_letter"]["depth"])
-            yield from (depth, flight, age, dead)
+            for kind, row in view["runs"].items():
+                runs.add_metric([kind], row["active"])
+                run_age.add_metric([kind], row["oldest_age_s"])
+            yield from (depth, flight, age, dead, runs, run_age)
             if view["memory"]:
                 used.add_metric([], view["memory"]["used"])
                 most.add_metric([], view["memory"]["max"])

@@ -20,7 +20,7 @@ import math
 import time
 from typing import Any
 
-from shared import names, ops_counts
+from shared import names, ops_counts, run_progress
 from shared.lane_metrics import lane_view
 from shared.settings import Settings
 
@@ -169,14 +169,14 @@ def _run_row(run_id: str, record: dict[str, str], now: float) -> dict[str, Any]:
     succeeded, failed = _count(record.get("finished_succeeded")), _count(record.get("finished_failed"))
     done = succeeded + failed
     state = record.get("state", "")
-    remaining = max(0, valid - done)
-    elapsed = max(1.0, now - _epoch(record.get("created_at")))
+    remaining = run_progress.remaining(record)
+    elapsed = max(1.0, now - run_progress.started(record))
     rate = done / elapsed
     if state == "enqueued" and not remaining:
         state = "done"
     return {
         "run_id": run_id,
-        "kind": "batch" if record.get("manifest", "").startswith("openai:") else "backlog",
+        "kind": run_progress.kind(record),
         "state": state,
         "jobs": valid,
         "succeeded": succeeded,
@@ -185,7 +185,7 @@ def _run_row(run_id: str, record: dict[str, str], now: float) -> dict[str, Any]:
         # the mean since it began: of a finished run, nothing (it would only fall as time passes)
         "rate_per_s": round(rate, 2) if remaining else None,
         "eta_s": round(remaining / rate) if rate > 0 and remaining else None,
-        "active": state in ("enqueuing", "enqueued") and (remaining > 0 or state == "enqueuing"),
+        "active": run_progress.active(record),
     }
 
 

@@ -81,3 +81,37 @@ def test_every_worker_log_line_parses_and_job_events_carry_the_job(worked: servi
             seen.add(event)
             assert fields.get("job_id"), line[:120]
     assert "MRC_SUCCESS" in seen
+
+
+def test_the_runs_still_going_and_the_oldest_ones_age_are_exported(env: dict[str, str]) -> None:
+    """Review, helper-99: MrcBacklogOldestJobTooOld claimed the nightly run's 6-hour SLO, but a run
+    bigger than the lane's depth limit is fed as the lane drains: its jobs never wait long, however
+    long it runs. The runs' own records are read now: the runs still going, and the oldest's age."""
+    import redis as redis_lib
+
+    from shared.lane_metrics import LaneCollector
+    from shared.runs import RunRecords
+
+    client = redis_lib.Redis.from_url(env["MRC_REDIS_URL"].rsplit("/", 1)[0] + "/10", decode_responses=True)
+    client.flushdb()
+    try:
+        runs = RunRecords(client)
+        runs.start("nightly-old", "complaints.jsonl")
+        runs.update("nightly-old", created_at="2026-12-06T01:15:00Z", state="enqueued", valid="10",
+                    finished_succeeded="4")  # fmt: skip
+        runs.start("nightly-done", "complaints.jsonl")
+        runs.update("nightly-done", created_at="2026-12-05T01:15:00Z", state="enqueued", valid="3",
+                    finished_succeeded="2", finished_failed="1")  # fmt: skip
+        runs.start("batch_1", "openai:file-1")  # being queued now
+        gauges = {
+            (family.name, sample.labels.get("kind")): sample.value
+            for family in LaneCollector(client).collect()
+            for sample in family.samples
+        }
+    finally:
+        client.flushdb()
+        client.close()
+    assert gauges[("mrc_backlog_runs_active", "backlog")] == 1  # the finished one is not going
+    assert gauges[("mrc_backlog_runs_active", "batch")] == 1
+    assert gauges[("mrc_backlog_run_oldest_age_seconds", "backlog")] > 24 * 3600
+    assert 0 <= gauges[("mrc_backlog_run_oldest_age_seconds", "batch")] < 3600
