@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from shared import logs, names, reach, redis_target
 from shared.errors import MrcError, ServiceUnreachable, StoreRefused, StoreUnavailable
+from shared.jobs import now_rfc3339
 from shared.settings import BadSettings, Settings, unknown_variables
 from shared.settings import load as load_settings
 
@@ -277,8 +278,10 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         batch_for=lambda: pipeline.batch_for_s,
     )
 
+    started_at = now_rfc3339()  # a model's `created` on GET /v1/models: its oldest worker's start
     heartbeat.describe = lambda: {
         "hostname": hostname,
+        "started_at": started_at,
         "lanes": lanes,
         **backend.describe(),
         "jobs": pipeline.jobs_seen,

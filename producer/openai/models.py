@@ -121,7 +121,10 @@ def _count(found: dict[str, dict[str, Any]], beat: dict[str, Any]) -> None:
     )
     entry["workers"] += 1
     entry["quantization"] = beat.get("quantization")
-    entry["created"] = max(entry["created"], epoch(beat.get("seen_at")))
+    # When its oldest worker started: the same on every call while that worker runs (review,
+    # helper-98: the latest heartbeat's time, it changed between two calls).
+    started = epoch(beat.get("started_at") or beat.get("seen_at"))
+    entry["created"] = min(entry["created"], started) if entry["created"] else started
 
 
 def _sorted(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

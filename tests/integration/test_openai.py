@@ -925,9 +925,14 @@ def test_every_model_name_a_request_may_give_is_listed_and_retrievable(
 ) -> None:
     """Item 14: `parcels` (MRC_MODEL) was accepted by chat but 404 on GET /v1/models/parcels; the
     workers report the model by another name (tiny-fuyu-v1 here)."""
-    listed = {m.id for m in sdk.models.list().data}
+    first = sdk.models.list().data
+    listed = {m.id for m in first}
     assert {model, oai_env["MRC_MODEL"]} <= listed
     for name in listed:
         assert sdk.models.retrieve(name).id == name
+    # `created` is when the model's oldest worker started: the same a heartbeat later (review,
+    # helper-98: it was the latest heartbeat's time and changed between calls).
+    time.sleep(6)  # past the names' 5 s cache and a worker's heartbeat (every 5 s): new beats read
+    assert {m.id: m.created for m in sdk.models.list().data} == {m.id: m.created for m in first}
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("gpt-4o")
