@@ -78,7 +78,11 @@ def _submitted_at(raw: bytes | str) -> datetime | None:
 class LaneCollector(Collector):
     def __init__(self, client: redis.Redis) -> None:
         self._view: ScrapeCache[dict[str, Any]] = ScrapeCache(
-            lambda: {**lane_view(client), "runs": run_progress.oldest_active(client)}
+            lambda: {
+                **lane_view(client),
+                "runs": run_progress.oldest_active(client),
+                "rejected": int(client.llen(names.rejected_key())),
+            }
         )
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -91,6 +95,9 @@ class LaneCollector(Collector):
             "mrc_queue_oldest_age_seconds", "Age of the oldest waiting job (0 when none)", labels=["lane"]
         )
         dead = GaugeMetricFamily("mrc_dead_letter_depth", "Entries on the dead-letter list")
+        rejected = GaugeMetricFamily(
+            "mrc_rejected_depth", "Queue entries set aside as no job message (mrc:rejected, the last 1,000)"
+        )
         used = GaugeMetricFamily("mrc_redis_memory_used_bytes", "Memory Redis uses (INFO used_memory)")
         most = GaugeMetricFamily("mrc_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)")
         runs = GaugeMetricFamily(
@@ -109,10 +116,11 @@ class LaneCollector(Collector):
                 flight.add_metric([lane], view[lane]["in_flight"])
                 age.add_metric([lane], view[lane]["oldest_age_s"])
             dead.add_metric([], view["dead_letter"]["depth"])
+            rejected.add_metric([], view["rejected"])
             for kind, row in view["runs"].items():
                 runs.add_metric([kind], row["active"])
                 run_age.add_metric([kind], row["oldest_age_s"])
-            yield from (depth, flight, age, dead, runs, run_age)
+            yield from (depth, flight, age, dead, rejected, runs, run_age)
             if view["memory"]:
                 used.add_metric([], view["memory"]["used"])
                 most.add_metric([], view["memory"]["max"])

@@ -83,12 +83,15 @@ def test_every_worker_log_line_parses_and_job_events_carry_the_job(worked: servi
     assert "MRC_SUCCESS" in seen
 
 
-def test_the_runs_still_going_and_the_oldest_ones_age_are_exported(env: dict[str, str]) -> None:
+def test_the_runs_still_going_the_oldest_ones_age_and_entries_set_aside_are_exported(
+    env: dict[str, str],
+) -> None:
     """Review, helper-99: MrcBacklogOldestJobTooOld claimed the nightly run's 6-hour SLO, but a run
     bigger than the lane's depth limit is fed as the lane drains: its jobs never wait long, however
     long it runs. The runs' own records are read now: the runs still going, and the oldest's age."""
     import redis as redis_lib
 
+    from shared import names
     from shared.lane_metrics import LaneCollector
     from shared.runs import RunRecords
 
@@ -103,6 +106,7 @@ def test_the_runs_still_going_and_the_oldest_ones_age_are_exported(env: dict[str
         runs.update("nightly-done", created_at="2026-12-05T01:15:00Z", state="enqueued", valid="3",
                     finished_succeeded="2", finished_failed="1")  # fmt: skip
         runs.start("batch_1", "openai:file-1")  # being queued now
+        client.lpush(names.rejected_key(), "pickled bytes", "not an envelope")  # set aside by a worker
         gauges = {
             (family.name, sample.labels.get("kind")): sample.value
             for family in LaneCollector(client).collect()
@@ -115,3 +119,4 @@ def test_the_runs_still_going_and_the_oldest_ones_age_are_exported(env: dict[str
     assert gauges[("mrc_backlog_runs_active", "batch")] == 1
     assert gauges[("mrc_backlog_run_oldest_age_seconds", "backlog")] > 24 * 3600
     assert 0 <= gauges[("mrc_backlog_run_oldest_age_seconds", "batch")] < 3600
+    assert gauges[("mrc_rejected_depth", None)] == 2  # review, helper-99: in no metric before
