@@ -96,7 +96,7 @@ class LaneCollector(Collector):
         )
         dead = GaugeMetricFamily("mrc_dead_letter_depth", "Entries on the dead-letter list")
         rejected = GaugeMetricFamily(
-            "mrc_rejected_depth", "Queue entries set aside, no message envelope (mrc:rejected, the last 1,000)"
+            "mrc_rejected_depth", "Queue entries set aside as no message envelope (mrc:rejected, last 1,000)"
         )
         used = GaugeMetricFamily("mrc_redis_memory_used_bytes", "Memory Redis uses (INFO used_memory)")
         most = GaugeMetricFamily("mrc_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)")
