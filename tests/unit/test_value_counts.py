@@ -95,3 +95,15 @@ def test_json_in_utf16_or_utf32_is_counted_as_json_reads_it(kind: str) -> None:
     assert encoding.values_problem(line.encode(kind)) is not None
     assert custom_id_of(line.encode(kind)) is None
     assert encoding.values_problem('{"a": ["\u2200", {}, ""]}'.encode(kind)) is None
+
+
+def test_strings_full_of_escapes_or_past_counting_are_read_at_c_speed() -> None:
+    """Review, helper-101: past the count, each escape pair was a step of the string regex (2-4 s over
+    45 MB); escapes are taken out by str.replace now, and more strings than any request holds are
+    refused from the count of quotes alone (15 million `""` was 15 million matches)."""
+    many_strings = b"[" + b'"",' * (2 * LIMIT + 1) + b'""]'
+    assert "strings" in str(encoding.values_problem(many_strings))
+    assert encoding.values_problem(b"[" + b'"a",' * (LIMIT // 2) + b"1]") is None  # 50,000 strings: real
+    backslash_last = '["' + "," * (LIMIT + 1) + '\\\\", 1]'  # an escaped backslash, then the closing quote
+    assert encoding.values_problem(backslash_last) is None
+    assert encoding.values_problem('["\\\\", ' + "1," * (LIMIT + 1) + "1]") is not None
