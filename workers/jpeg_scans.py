@@ -26,6 +26,10 @@ _SOS = 0xDA
 # coefficient and bit of four components would be ~3,300): read past it, a crafted file of millions
 # of tiny scans held the worker 10 s in this loop after nvjpeg had decoded it (review, helper-100).
 _MOST_SCANS = 4096
+# And more markers of any kind than a file of that many scans has (its tables and restart-free scans):
+# millions of empty comments or TEM markers between two scans cost a step each (review, helper-101:
+# 7 s for 8 million in a 32 MB file, then accepted).
+_MOST_MARKERS = 4 * _MOST_SCANS
 
 
 def progression_gap(data: bytes) -> str | None:
@@ -48,6 +52,8 @@ def progression_gap(data: bytes) -> str | None:
                     return None
     except _Unreadable:
         return None
+    except _TooMany:
+        return f"it holds more than {_MOST_MARKERS} markers"
     return None if sent is None else _unsent(sent)
 
 
@@ -55,11 +61,18 @@ class _Unreadable(Exception):
     """A segment whose length runs past the file."""
 
 
+class _TooMany(Exception):
+    """More markers than _MOST_MARKERS."""
+
+
 def _segments(data: bytes) -> Iterator[tuple[int, bytes]]:
     """Each marker with a length and its payload, as libjpeg finds them, up to the first end marker."""
-    at = 2
+    at, markers = 2, 0
     while (found := _MARKER.search(data, at)) is not None:
         marker, at = found[1][0], found.end()
+        markers += 1
+        if markers > _MOST_MARKERS:
+            raise _TooMany
         if marker == _EOI:
             return
         if marker in _STANDALONE:

@@ -276,3 +276,14 @@ def test_a_progressive_jpeg_of_more_scans_than_any_encoder_sends_is_refused_at_o
     crafted = whole[:last] + scan * 5000 + b"\xff\xd9"
     assert jpeg_scans.progression_gap(crafted) == "it holds more than 4096 scans"
     assert jpeg_scans.progression_gap(whole[:last] + scan * 3 + b"\xff\xd9") is None
+
+
+@pytest.mark.parametrize("filler", [b"\xff\xfe\x00\x02", b"\xff\x01"], ids=["empty comments", "TEM markers"])
+def test_millions_of_empty_markers_between_scans_are_refused_at_once(filler: bytes) -> None:
+    """Review, helper-101: the scan cap counted scans only; 8 million empty comments before the second
+    scan took the read 7 s, and the file was accepted."""
+    whole = _jpeg(_noise(96, 64), progressive=True)
+    second = _scan_starts(whole)[1]
+    crafted = whole[:second] + filler * 20_000 + whole[second:]
+    assert jpeg_scans.progression_gap(crafted) == "it holds more than 16384 markers"
+    assert jpeg_scans.progression_gap(whole[:second] + filler * 100 + whole[second:]) is None
