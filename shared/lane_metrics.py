@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared import names, run_progress
@@ -81,11 +81,11 @@ class LaneCollector(Collector):
             lambda: {
                 **lane_view(client),
                 "runs": run_progress.oldest_active(client),
-                "rejected": int(client.llen(names.rejected_key())),
+                "rejected": int(client.get(names.rejected_count_key()) or 0),
             }
         )
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         view = self._view.get()
         depth = GaugeMetricFamily("mrc_queue_depth", "Jobs waiting on the lane", labels=["lane"])
         flight = GaugeMetricFamily(
@@ -95,8 +95,8 @@ class LaneCollector(Collector):
             "mrc_queue_oldest_age_seconds", "Age of the oldest waiting job (0 when none)", labels=["lane"]
         )
         dead = GaugeMetricFamily("mrc_dead_letter_depth", "Entries on the dead-letter list")
-        rejected = GaugeMetricFamily(
-            "mrc_rejected_depth", "Queue entries set aside as no message envelope (mrc:rejected, last 1,000)"
+        rejected = CounterMetricFamily(
+            "mrc_rejected", "Queue entries set aside as no message envelope (mrc:rejected keeps 1,000)"
         )
         used = GaugeMetricFamily("mrc_redis_memory_used_bytes", "Memory Redis uses (INFO used_memory)")
         most = GaugeMetricFamily("mrc_redis_memory_max_bytes", "Redis's maxmemory (0: no limit)")

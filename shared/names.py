@@ -52,6 +52,11 @@ def rejected_key() -> str:
     return f"{REDIS_PREFIX}rejected"
 
 
+def rejected_count_key() -> str:
+    """How many queue entries were ever set aside (the list keeps only the last 1000)."""
+    return f"{REDIS_PREFIX}rejected:count"
+
+
 def job_key(job_id: str) -> str:
     """Redis hash with a job's state: queued / running / succeeded / failed."""
     return f"{REDIS_PREFIX}job:{job_id}"

@@ -13,6 +13,7 @@ from kombu.utils.encoding import bytes_to_str
 from shared import names
 
 REJECTED_KEY = names.rejected_key()  # the last 1000 unreadable queue entries, for inspection
+REJECTED_COUNT_KEY = names.rejected_count_key()
 _KEEP_REJECTED = 1000
 
 
@@ -72,6 +73,7 @@ def keep(pipe: Any, raw: bytes | str) -> None:
     """Queue the write of an unreadable entry to the rejected list (the last 1000 are kept)."""
     pipe.lpush(REJECTED_KEY, raw)
     pipe.ltrim(REJECTED_KEY, 0, _KEEP_REJECTED - 1)
+    pipe.incr(REJECTED_COUNT_KEY)  # the list stays at 1000 once full: the count goes on (helper-101)
 
 
 def set_aside(client: Any, queue: str, item: bytes | str, reason: str, tag: str | None = None) -> None:

@@ -227,6 +227,7 @@ def test_pickled_and_garbage_messages_are_rejected_and_the_worker_lives(cluster:
 
     queue = names.queue_name("interactive")
     set_aside = client.llen(names.rejected_key())
+    counted = int(client.get(names.rejected_count_key()) or 0)
     client.lpush(queue, envelope(pickle.dumps(((Exploit(),), {}, {})), "application/x-python-serialize"))
     client.lpush(queue, b"{this is not json")
     client.lpush(queue, envelope(b'{"broken": ', "application/json"))
@@ -234,9 +235,10 @@ def test_pickled_and_garbage_messages_are_rejected_and_the_worker_lives(cluster:
         lambda: client.llen(queue) == 0, 30, "the worker to take the three entries", worker.proc
     )
     assert worker.proc.poll() is None
-    # The entry that is no message envelope is kept for a person (mrc_rejected_depth counts it); the
+    # The entry that is no message envelope is kept for a person and counted (mrc_rejected_total); the
     # pickled one is refused by kombu's content check (its LIB_LOG line), the broken body by the task.
     assert client.llen(names.rejected_key()) - set_aside == 1
+    assert int(client.get(names.rejected_count_key()) or 0) - counted == 1
     assert not __import__("os").path.exists(marker)
     jobs = cluster.jobs(3)
     cluster.send(jobs)
