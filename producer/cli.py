@@ -273,7 +273,7 @@ def _serve_lane_metrics(client: Any, port: int) -> int:
     from shared.usage import UsageCollector
 
     registry = CollectorRegistry()
-    registry.register(LaneCollector(client))
+    registry.register(LaneCollector(client, runs=True))
     registry.register(UsageCollector(client))
     registry.register(redis_target.FailoverCollector())
     try:

@@ -76,11 +76,14 @@ def _submitted_at(raw: bytes | str) -> datetime | None:
 
 
 class LaneCollector(Collector):
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, runs: bool = False) -> None:
+        """`runs`: the backlog runs' series too, read from every run record the ops page keeps (up to
+        1,000): the lane exporter's, one process; every worker reading them at each scrape would cost
+        the fleet that many reads a scrape."""
         self._view: ScrapeCache[dict[str, Any]] = ScrapeCache(
             lambda: {
                 **lane_view(client),
-                "runs": run_progress.oldest_active(client),
+                "runs": run_progress.oldest_active(client) if runs else None,
                 "rejected": int(client.get(names.rejected_count_key()) or 0),
             }
         )
@@ -117,10 +120,12 @@ class LaneCollector(Collector):
                 age.add_metric([lane], view[lane]["oldest_age_s"])
             dead.add_metric([], view["dead_letter"]["depth"])
             rejected.add_metric([], view["rejected"])
-            for kind, row in view["runs"].items():
-                runs.add_metric([kind], row["active"])
-                run_age.add_metric([kind], row["oldest_age_s"])
-            yield from (depth, flight, age, dead, rejected, runs, run_age)
+            yield from (depth, flight, age, dead, rejected)
+            if view["runs"] is not None:
+                for kind, row in view["runs"].items():
+                    runs.add_metric([kind], row["active"])
+                    run_age.add_metric([kind], row["oldest_age_s"])
+                yield from (runs, run_age)
             if view["memory"]:
                 used.add_metric([], view["memory"]["used"])
                 most.add_metric([], view["memory"]["max"])

@@ -11,7 +11,9 @@ from typing import Any
 from shared import names
 from shared.jobs import parse_rfc3339
 
-RUNS_READ = 50  # the most recent runs looked at: a run still going is among them
+# Every run the ops page's list keeps (names.runs_recent_key: the last 1,000 started): with only the
+# last 50, fifty small batches made after it hid a nightly run still going (review, helper-101).
+RUNS_READ = 1000
 
 
 def count(value: object) -> int:
@@ -55,8 +57,9 @@ def oldest_active(client: Any, now: float | None = None) -> dict[str, dict[str, 
         records = pipe.execute() if ids else []
     out = {which: {"active": 0.0, "oldest_age_s": 0.0} for which in ("backlog", "batch")}
     for record in records:
-        if record and active(record) and started(record) > 0:
+        if record and active(record):
             row = out[kind(record)]
             row["active"] += 1
-            row["oldest_age_s"] = max(row["oldest_age_s"], at - started(record))
+            if started(record) > 0:  # a record without its start still counts as going
+                row["oldest_age_s"] = max(row["oldest_age_s"], at - started(record))
     return out

@@ -286,6 +286,9 @@ class Runner:
     def _fail(self, batch_id: str, code: str, message: str) -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
         self.book.update(batch_id, status="failed", failed_at=now(), errors=json.dumps(errors))
+        # Its run ends too: left `enqueuing`, it counted as a batch still going for its record's 30
+        # days (mrc_backlog_runs_active, MrcBatchNearItsWindow: review, helper-101)
+        self.backlog.runs.update(batch_id, state="failed")
         self.book.settle(batch_id)
         self.log.warning("MRC_BATCH_DONE", batch_id=batch_id, status="failed", reason=code)
 

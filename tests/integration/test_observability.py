@@ -109,7 +109,7 @@ def test_the_runs_still_going_the_oldest_ones_age_and_entries_set_aside_are_expo
         client.set(names.rejected_count_key(), 1003)  # the list keeps 1,000; the count goes on
         gauges = {
             (family.name, sample.labels.get("kind")): sample.value
-            for family in LaneCollector(client).collect()
+            for family in LaneCollector(client, runs=True).collect()
             for sample in family.samples
         }
     finally:
@@ -120,3 +120,32 @@ def test_the_runs_still_going_the_oldest_ones_age_and_entries_set_aside_are_expo
     assert gauges[("mrc_backlog_run_oldest_age_seconds", "backlog")] > 24 * 3600
     assert 0 <= gauges[("mrc_backlog_run_oldest_age_seconds", "batch")] < 3600
     assert gauges[("mrc_rejected", None)] == 1003  # review, helper-99: in no metric before
+
+
+def test_a_batch_that_failed_before_its_lines_ran_is_no_batch_still_going(env: dict[str, str]) -> None:
+    """Review, helper-101: a batch whose input copy was gone was marked failed, and its run stayed
+    `enqueuing`: counted as a batch going (and MrcBatchNearItsWindow firing) for its record's 30 days."""
+    from types import SimpleNamespace
+
+    import redis as redis_lib
+
+    from producer.openai.batch_book import BatchBook
+    from producer.openai.batch_run import Runner
+    from shared import run_progress
+    from shared.runs import RunRecords
+    from shared.settings import Settings
+
+    client = redis_lib.Redis.from_url(env["MRC_REDIS_URL"].rsplit("/", 1)[0] + "/11", decode_responses=True)
+    client.flushdb()
+    try:
+        runs = RunRecords(client)
+        runs.start("batch_gone", "openai:file-1")
+        backlog = SimpleNamespace(settings=Settings(), runs=runs)
+        runner = Runner(backlog, BatchBook(client), None, None, client)  # type: ignore[arg-type]
+        assert run_progress.oldest_active(client)["batch"]["active"] == 1
+        runner._fail("batch_gone", "input_missing", "the batch's copy of its input file is gone")
+        assert run_progress.oldest_active(client)["batch"]["active"] == 0
+        assert runs.get("batch_gone")["state"] == "failed"
+    finally:
+        client.flushdb()
+        client.close()
