@@ -536,6 +536,10 @@ def test_the_lane_exporter_serves_depth_in_flight_and_age_without_a_worker(
         # not fail): the oldest job was submitted between `before` and `after`.
         assert scraped - after - 0.01 <= float(age.split()[-1]) <= time.time() - before + 0.01
         assert "mrc_queue_metrics_up 1.0" in text
+        # The run just enqueued is going (no worker): the exporter reads the runs (review, helper-99)
+        assert 'mrc_backlog_runs_active{kind="backlog"} 1.0' in text
+        assert 'mrc_backlog_runs_active{kind="batch"} 0.0' in text
+        assert "mrc_rejected_total " in text
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
