@@ -126,6 +126,7 @@ class OpenAIRoutes:
         with self._lock:
             if self._batches is None or self._files is None:
                 from producer.backlog.run import Backlog
+                from producer.intake.intake import Intake
                 from shared.stores import s3
 
                 # Files answer requests: a hung S3 is a 503 in seconds. The runner's run files are off
@@ -134,7 +135,9 @@ class OpenAIRoutes:
                 self._files = Files(self.settings, asked)
                 self._runner_s3 = s3.S3Connection(self.settings)
                 run_files = s3.S3RunFiles(self._runner_s3, self.settings)
-                backlog = Backlog(self.state.queue, files=run_files, intake=self.state.intake)
+                # The lines' images are stored through the runner's connection too (helper-100)
+                intake = Intake(self.settings, s3.S3ImageSource(self._runner_s3, self.settings))
+                backlog = Backlog(self.state.queue, files=run_files, intake=intake)
                 runner_files = Files(self.settings, self._runner_s3)  # its input and output, off any request
                 runner = Runner(backlog, self.runner_book(), runner_files, self.models, self.runner_redis())
                 self._batches = Batches(runner, self.book(), self._files)
