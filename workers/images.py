@@ -206,7 +206,8 @@ def decode(image: EncodedImage, device: str = "cpu") -> DecodedImage:
     if image.format == "jpg":
         tensor = _decode_jpeg(image, device)
         if (gap := jpeg_scans.progression_gap(image.data)) is not None:
-            raise ImageDecodeError(f"jpg data is corrupt or truncated: {gap}")
+            said = "jpg data is corrupt or truncated" if gap.startswith("its scans") else "jpg refused"
+            raise ImageDecodeError(f"{said}: {gap}")
     elif image.format in _TORCHVISION_FORMATS and image.frames == 1:
         try:
             tensor = _decode_torchvision(image, device)

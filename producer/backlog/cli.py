@@ -426,7 +426,8 @@ def _subcommand(backlog: Any, command: str, run_id: str, args: argparse.Namespac
     if command == "cancel":
         cancelled = backlog.cancel(run_id)
         if cancelled is None:
-            print(f"run {run_id} is done: nothing to cancel, and nothing was changed", file=sys.stderr)
+            ended = backlog.status(run_id)["state"]
+            print(f"run {run_id} is {ended}: nothing to cancel, and nothing was changed", file=sys.stderr)
         print(json.dumps({"run_id": run_id, "cancelled": cancelled or 0}))
         return EXIT_OK
     summary = backlog.report(run_id)

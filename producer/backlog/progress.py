@@ -49,10 +49,11 @@ def describe(data: dict[str, Any]) -> str:
 
 def _state(state: str | None) -> str:
     """What the counts are of: a run whose lines are not all queued yet (review, helper-76: "90/90
-    done" for a 300-line run whose pass was killed), or one cancelled, lost or expired."""
+    done" for a 300-line run whose pass was killed), or one cancelled, failed (a batch), lost or
+    expired."""
     if state == "enqueuing":
         return " (enqueuing: not every line is queued yet, or its pass stopped: --resume)"
-    return f" ({state})" if state in ("cancelled", "lost", "expired") else ""
+    return f" ({state})" if state in ("cancelled", "failed", "lost", "expired") else ""
 
 
 def _unknown(data: dict[str, Any]) -> str:

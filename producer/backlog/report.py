@@ -111,10 +111,11 @@ class RunReader:
         in the run's index (an enqueue still going marks its last, unindexed part itself: `status`
         counts every one as `cancelling` until a worker ends it). None, and nothing marked, for a run
         that is done: there is nothing to stop, and a cancel mark would refuse for good the run again
-        that makes it whole after Redis lost its data (review, helper-92)."""
+        that makes it whole after Redis lost its data (review, helper-92), or one that failed (a batch
+        whose input went: helper-102, a cancel turned it `cancelled` where the batch said `failed`)."""
         self._run(run_id)
         try:
-            if self.status(run_id)["state"] == "done":
+            if self.status(run_id)["state"] in ("done", "failed"):
                 return None
         except StoreUnavailable:  # S3 away: the run is stopped all the same (review, helper-94: an
             pass  # OpenAI batch's cancel then marked nothing, and its jobs all ran)

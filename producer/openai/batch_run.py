@@ -287,7 +287,10 @@ class Runner:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
         self.book.update(batch_id, status="failed", failed_at=now(), errors=json.dumps(errors))
         # Its run ends too: left `enqueuing`, it counted as a batch still going for its record's 30
-        # days (mrc_backlog_runs_active, MrcBatchNearItsWindow: review, helper-101)
+        # days (mrc_backlog_runs_active, MrcBatchNearItsWindow: review, helper-101); what is still
+        # queued of it is stopped first, not run and counted for a batch said failed (helper-102).
+        with contextlib.suppress(Exception):
+            self.backlog.cancel(batch_id)
         self.backlog.runs.update(batch_id, state="failed")
         self.book.settle(batch_id)
         self.log.warning("MRC_BATCH_DONE", batch_id=batch_id, status="failed", reason=code)

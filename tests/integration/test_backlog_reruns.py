@@ -317,6 +317,30 @@ def test_a_cancel_of_a_done_run_changes_nothing_and_a_run_again_still_makes_it_w
     assert sorted(_queued_ids(own)) == ["over.c0", "over.c1"]
 
 
+def test_a_failed_runs_status_says_so_and_a_cancel_leaves_it_failed(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-102: a batch that failed (its input gone) marks its run `failed`; `status` printed
+    its counts with no word of it, and `cancel` turned it `cancelled` where the batch said failed."""
+    rows = [{"custom_id": "c", "image": f"s3://{own['MRC_S3_BUCKET']}/a.jpg", "prompt": "Q?"}]
+    path = _write(tmp_path / "m.jsonl", rows)
+    assert services.run_cli(own, "backlog", str(path), "--run-id", "broke").returncode == 0
+    Client(services.settings_from_env(own)).records.set_state("broke.c", "succeeded")
+    from shared.runs import RunRecords
+
+    RunRecords(redis_lib.Redis.from_url(own["MRC_REDIS_URL"], decode_responses=True)).update(
+        "broke", state="failed"
+    )
+    assert "(failed)" in services.run_cli(own, "backlog", "status", "broke").stdout
+    cancel = services.run_cli(own, "backlog", "cancel", "broke")
+    assert cancel.returncode == 0, cancel.stderr
+    assert json.loads(cancel.stdout) == {"run_id": "broke", "cancelled": 0}
+    assert "is failed: nothing to cancel" in cancel.stderr
+    assert (
+        json.loads(services.run_cli(own, "backlog", "status", "broke", "--json").stdout)["state"] == "failed"
+    )
+
+
 def test_a_cancel_while_s3_is_away_still_stops_the_run(own: dict[str, str], tmp_path: Path) -> None:
     """Review, helper-94: the look at whether the run was done read S3 first, and with S3 away the
     cancel raised before marking anything: an OpenAI batch's cancel (which calls it) left every job to

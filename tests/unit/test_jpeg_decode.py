@@ -286,4 +286,7 @@ def test_millions_of_empty_markers_between_scans_are_refused_at_once(filler: byt
     second = _scan_starts(whole)[1]
     crafted = whole[:second] + filler * 20_000 + whole[second:]
     assert jpeg_scans.progression_gap(crafted) == "it holds more than 16384 markers"
+    # Refused as past a bound, not called corrupt (review, helper-102: PIL decodes such a file)
+    with pytest.raises(ImageDecodeError, match=r"^jpg refused: it holds more than 16384 markers$"):
+        images.load(crafted, LIMIT)
     assert jpeg_scans.progression_gap(whole[:second] + filler * 100 + whole[second:]) is None
