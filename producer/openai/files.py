@@ -10,6 +10,7 @@ request body (never whole in memory); the upload counts the file's requests (non
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -65,6 +66,18 @@ def not_found(file_id: str) -> OpenAIError:
     return OpenAIError(404, f"No such File object: {file_id[:100]}", "file_id", "not_found")
 
 
+def upload_digest(stream: IO[bytes], filename: str, purpose: str) -> str:
+    """What names an upload's bytes (its name and purpose included) for a retry's match; the stream is
+    left at its start."""
+    # a name the client's charset decoded to lone surrogates (utf-7) is still a name: hashed as it came
+    digest = hashlib.sha256(f"{purpose}\0{filename}\0".encode("utf-8", "surrogatepass"))
+    stream.seek(0)
+    while chunk := stream.read(_READ_BYTES):
+        digest.update(chunk)
+    stream.seek(0)
+    return digest.hexdigest()
+
+
 def count_requests(stream: IO[bytes]) -> tuple[int, int]:
     """(bytes, non-blank lines) of a stream, read in slices."""
     size = lines = 0
@@ -96,10 +109,11 @@ class Files:
         filename: str,
         purpose: str,
         file_id: str | None = None,
-        idempotency: str = "",
+        idempotency: tuple[str, str] = ("", ""),
     ) -> dict[str, Any]:
         """Store an upload (its purpose checked by the caller); the file object. `idempotency`: the
-        digest of the Idempotency-Key it was made under, forgotten with the file when it is deleted."""
+        scope and digest of the key it was made under (an Idempotency-Key, or its bytes for a retry's
+        match), forgotten with the file when it is deleted."""
         size, lines = count_requests(stream)
         if size > self.settings.openai_file_max_bytes:
             raise OpenAIError(
@@ -135,7 +149,7 @@ class Files:
         filename: str,
         purpose: str,
         lines: int = 0,
-        idempotency: str = "",
+        idempotency: tuple[str, str] = ("", ""),
     ) -> dict[str, Any]:
         meta = {
             "id": file_id,
@@ -151,7 +165,8 @@ class Files:
             "expires_at": None,
             "key": key,
             "lines": lines,
-            "idempotency": idempotency,
+            "idempotency": idempotency[1],
+            "idempotency_scope": idempotency[0],
         }
         body = json.dumps(meta).encode()
         self.connection.put(self.bucket, self._meta_key(owner, file_id), body, "application/json")

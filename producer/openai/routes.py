@@ -18,16 +18,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import FormData, UploadFile
 
 from producer.http.front import caller_of
 from producer.http.state import ApiState
-from producer.openai.batch_book import BatchBook, key_digest
+from producer.openai.batch_book import IDEMPOTENCY_TTL_S, BatchBook, key_digest
 from producer.openai.batch_run import Keeper, Runner
 from producer.openai.batches import Batches, CreateBatch
 from producer.openai.chat import Chat
 from producer.openai.chat_request import idempotency_key, read_json
 from producer.openai.errors import OpenAIError
-from producer.openai.files import PURPOSES, Files, new_file_id, public
+from producer.openai.files import PURPOSES, Files, new_file_id, public, upload_digest
 from producer.openai.models import Models
 from producer.openai.protocol import ChatRequest
 from shared import logs
@@ -56,8 +57,11 @@ def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     return int(digits)
 
 
-def _stored(book: BatchBook, files: Files, owner: str, key: str, file_id: str) -> dict[str, Any]:
-    """A retried upload (the same Idempotency-Key): the file the first one stored, once stored."""
+def _stored(
+    book: BatchBook, files: Files, owner: str, key: str, file_id: str, scope: str = "file"
+) -> dict[str, Any]:
+    """A retried upload (the same Idempotency-Key, or the same bytes within the retry window): the file
+    the first one stored, once stored."""
 
     def look() -> dict[str, Any] | None:
         try:
@@ -65,7 +69,7 @@ def _stored(book: BatchBook, files: Files, owner: str, key: str, file_id: str) -
         except OpenAIError:
             return None
 
-    meta = book.made("file", owner, key, file_id, look)
+    meta = book.made(scope, owner, key, file_id, look)
     if meta is None:
         raise OpenAIError(
             409,
@@ -75,6 +79,34 @@ def _stored(book: BatchBook, files: Files, owner: str, key: str, file_id: str) -
             headers={"x-should-retry": "true", "retry-after": "1"},
         )
     return public(meta)
+
+
+def _file_form(form: FormData) -> tuple[UploadFile, str]:
+    """An upload's file part and purpose, or the 400 naming what is wrong with its form."""
+    unknown = sorted(set(form.keys()) - _FILE_FORM)
+    if unknown:
+        raise OpenAIError(
+            400,
+            f"Unrecognized request argument supplied: {unknown[0][:64]} (files are kept until deleted)",
+            unknown[0][:64],
+            "unknown_parameter",
+        )
+    upload, purpose = form.get("file"), form.get("purpose")
+    if upload is None or isinstance(upload, str):
+        raise OpenAIError(
+            400,
+            "Missing required parameter: file (a file part)",
+            "file",
+            "missing_required_parameter",
+        )
+    if purpose not in PURPOSES:
+        raise OpenAIError(
+            400,
+            "purpose: mrc keeps files for the Batch API only (purpose=batch)",
+            "purpose",
+            "unsupported_value",
+        )
+    return upload, str(purpose)
 
 
 class OpenAIRoutes:
@@ -181,38 +213,23 @@ class OpenAIRoutes:
         if not caller.lanes:  # an `ops` (or `all-tenants`) key alone: it submits nothing (review)
             raise OpenAIError(403, "this key may submit to no lane, so it keeps no files", None, "forbidden")
         async with request.form(max_files=1, max_fields=8) as form:
-            unknown = sorted(set(form.keys()) - _FILE_FORM)
-            if unknown:
-                raise OpenAIError(
-                    400,
-                    f"Unrecognized request argument supplied: {unknown[0][:64]} (files are kept "
-                    "until deleted)",
-                    unknown[0][:64],
-                    "unknown_parameter",
-                )
-            upload, purpose = form.get("file"), form.get("purpose")
-            if upload is None or isinstance(upload, str):
-                raise OpenAIError(
-                    400,
-                    "Missing required parameter: file (a file part)",
-                    "file",
-                    "missing_required_parameter",
-                )
-            if purpose not in PURPOSES:
-                raise OpenAIError(
-                    400,
-                    "purpose: mrc keeps files for the Batch API only (purpose=batch)",
-                    "purpose",
-                    "unsupported_value",
-                )
-            key = idempotency_key(request.headers)
+            upload, purpose = _file_form(form)
+            key, scope, ttl = idempotency_key(request.headers), "file", IDEMPOTENCY_TTL_S
+            if key is None and self.settings.openai_retry_window_s > 0:
+                # The SDK sends no Idempotency-Key, and retries an upload whose answer was lost: the
+                # same bytes (name and purpose) from the same key within the window are the same file.
+                filename = upload.filename or ""
+                key = await run_in_threadpool(upload_digest, upload.file, filename, purpose)
+                scope, ttl = "file-retry", max(1, int(self.settings.openai_retry_window_s))
             file_id, fresh = new_file_id(), True
             if key is not None:
                 file_id, fresh = await run_in_threadpool(
-                    batches.book.idempotent, "file", caller.owner, key, new_file_id()
+                    batches.book.idempotent, scope, caller.owner, key, file_id, ttl
                 )
             if key is not None and not fresh:  # a retried upload: the file the first one stored
-                stored = await run_in_threadpool(_stored, batches.book, files, caller.owner, key, file_id)
+                stored = await run_in_threadpool(
+                    _stored, batches.book, files, caller.owner, key, file_id, scope
+                )
                 return JSONResponse(stored)
             try:
                 meta = await run_in_threadpool(
@@ -220,13 +237,13 @@ class OpenAIRoutes:
                     caller.owner,
                     upload.file,
                     upload.filename or "",
-                    str(purpose),
+                    purpose,
                     file_id,
-                    key_digest(key) if key is not None else "",
+                    (scope, key_digest(key)) if key is not None else ("", ""),
                 )
             except BaseException:
                 if key is not None:  # nothing stored: a retry stores it afresh
-                    await run_in_threadpool(batches.book.unmap, "file", caller.owner, key)
+                    await run_in_threadpool(batches.book.unmap, scope, caller.owner, key)
                 raise
         logs.get_logger().info(
             "MRC_FILE_CREATED",
@@ -270,8 +287,9 @@ class OpenAIRoutes:
         owner = caller_of(request.scope).owner
 
         def forget_key(meta: dict[str, Any]) -> None:
-            if meta.get("idempotency"):
-                batches.book.unmap_deleted("file", owner, str(meta["idempotency"]), file_id)
+            if meta.get("idempotency"):  # its key (or its bytes) names a new upload from now on
+                scope = str(meta.get("idempotency_scope") or "file")
+                batches.book.unmap_deleted(scope, owner, str(meta["idempotency"]), file_id)
 
         deleted = await run_in_threadpool(files.delete, owner, file_id, forget_key)
         logs.get_logger().info("MRC_FILE_DELETED", file_id=file_id, owner=caller_of(request.scope).owner)

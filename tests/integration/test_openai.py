@@ -395,6 +395,7 @@ def test_errors_come_in_openai_shape_and_as_the_sdk_classes(
         assert (error.param, error.code, type(error.body)) == (param, code, dict), change
         assert error.type == ("invalid_request_error"), change
         assert error.message, change
+        assert (error.request_id or "").startswith("req_"), change  # the SDK prints it with the error
     with (
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0) as stranger,
         pytest.raises(openai.AuthenticationError) as unknown_key,
@@ -625,6 +626,35 @@ def test_a_batch_create_the_sdk_retries_makes_one_batch_and_a_cancelled_ones_rep
         assert sdk.batches.create(**ask).id == again.id  # type: ignore[arg-type]
         for made in (other.id, again.id):
             sdk.batches.cancel(made)
+
+
+def test_an_upload_the_sdk_retries_is_one_file_until_it_is_deleted(oai_env: dict[str, str]) -> None:
+    """Review (left out since helper-98): the SDK retries `files.create` after a lost answer without an
+    Idempotency-Key, and each retry stored another copy. The same bytes, name and purpose from the same
+    key within MRC_OPENAI_RETRY_WINDOW_S are the same file; another name, other bytes or another key
+    are another file, and once the file is deleted the same upload stores a new one."""
+    inline = data_url(imagegen.photo(40, 40, seed=57))
+    line = request_line("u", oai_env["MRC_MODEL"], "Refund?", inline, max_tokens=2).encode()
+    with idle_stack(oai_env, 10) as (sdk, _client):
+        first = sdk.files.create(file=("night.jsonl", line), purpose="batch")
+        assert sdk.files.create(file=("night.jsonl", line), purpose="batch").id == first.id
+        renamed = sdk.files.create(file=("other.jsonl", line), purpose="batch")
+        changed = sdk.files.create(file=("night.jsonl", line + b"\n" + line), purpose="batch")
+        assert len({first.id, renamed.id, changed.id}) == 3
+        assert changed.bytes == 2 * len(line) + 1
+        with openai.OpenAI(base_url=str(sdk.base_url), api_key=RATED_KEY, max_retries=0) as rated:
+            theirs = rated.files.create(file=("night.jsonl", line), purpose="batch")
+            assert theirs.id != first.id
+            assert [f.id for f in rated.files.list()] == [theirs.id]
+        assert sdk.files.delete(first.id).deleted
+        again = sdk.files.create(file=("night.jsonl", line), purpose="batch")
+        assert again.id != first.id
+        assert sdk.files.content(again.id).read() == line
+        assert sdk.files.create(file=("night.jsonl", line), purpose="batch").id == again.id
+    with idle_stack(oai_env, 10, MRC_OPENAI_RETRY_WINDOW_S="0") as (sdk, _client):
+        copies = {sdk.files.create(file=("night.jsonl", line), purpose="batch").id for _ in range(2)}
+        assert len(copies) == 2  # the window off: every upload is stored
+        assert again.id not in copies
 
 
 def test_cancel_resume_and_the_window_end_leave_every_line_in_the_error_file(oai_env: dict[str, str]) -> None:
