@@ -11,13 +11,16 @@
    reset connection. A refused caller's body (401, 429) is never read; a client that leaves mid-body
    is counted 499, not a fault;
 4. a fault becomes JSON: Redis or S3 out of reach -> 503 `service_unavailable` with Retry-After; any
-   other exception -> 500 `internal_error` (logged with its traceback), never plain text.
+   other exception -> 500 `internal_error` (logged with its traceback), never plain text;
+5. every answer carries `x-request-id`, the name its fault's log line gives it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import secrets
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -150,10 +153,15 @@ class Front:
             await self.app(scope, receive, send)
             return
         began, status = time.perf_counter(), [0]
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
 
         async def sent(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = int(message["status"])
+                head = list(message.get("headers") or [])
+                if not any(name.lower() == REQUEST_ID_HEADER for name, _value in head):
+                    message = {**message, "headers": [*head, (REQUEST_ID_HEADER, request_id.encode())]}
             await send(message)
 
         try:
@@ -284,25 +292,45 @@ class Front:
 
     def _fault(self, exc: Exception, scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         path = str(scope.get("path", ""))
+        rid = str((scope.get("state") or {}).get("request_id", ""))
         if isinstance(exc, UNAVAILABLE):
             which = "Redis" if isinstance(exc, redis.RedisError | OperationalError) else "S3"
             if isinstance(exc, ServiceUnreachable):
                 which = exc.service
-            self.log.warning("MRC_API_UNAVAILABLE", path=path, service=which, error=repr(exc)[:300])
+            self.log.warning(
+                "MRC_API_UNAVAILABLE", path=path, service=which, request_id=rid, error=repr(exc)[:300]
+            )
             self.unavailable(which)
             message = f"{which} cannot be reached now; retry later"
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
         if redis_target.refused_for_now(exc):  # out of memory, a failover: there, and refusing for now
             words = redis_target.refusal_words(exc)
-            self.log.warning("MRC_API_UNAVAILABLE", path=path, service="Redis", error=words)
+            self.log.warning("MRC_API_UNAVAILABLE", path=path, service="Redis", request_id=rid, error=words)
             self.unavailable("Redis")
             message = f"Redis cannot serve now ({words[:120]}); retry later"
             return json_body(503, "service_unavailable", message, {"Retry-After": RETRY_AFTER_S})
-        self.log.exception("MRC_API_ERROR", path=path, error=repr(exc)[:300])
-        return json_body(500, "internal_error", "the server failed on this request (logged)")
+        self.log.exception("MRC_API_ERROR", path=path, request_id=rid, error=repr(exc)[:300])
+        message = f"the server failed on this request (logged as request {rid})"
+        return json_body(500, "internal_error", message)
 
 
 OPS_COOKIE = "mrc_ops_key"
+REQUEST_ID_HEADER = b"x-request-id"
+# A client's own id is kept when it is a plain token a log line can carry as it is (a proxy's UUID, a
+# trace id); anything else is replaced, never echoed (header and log injection).
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def _request_id(scope: Scope) -> str:
+    """The id every answer carries in `x-request-id` (the OpenAI SDKs keep it as `_request_id`) and
+    every fault's log line names: the client's `X-Request-Id` when it is a plain token, else a new one."""
+    for name, value in scope.get("headers") or []:
+        if name.lower() == REQUEST_ID_HEADER:
+            given = value.decode("latin-1")
+            if _CLIENT_REQUEST_ID.fullmatch(given):
+                return str(given)
+            break
+    return f"req_{secrets.token_hex(12)}"
 
 
 def ops_cookie(header: str) -> str | None:

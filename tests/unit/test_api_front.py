@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 from typing import Any
 
 from producer.http.front import Front, Limits
@@ -383,3 +385,70 @@ def test_bodies_that_cost_several_times_their_size_take_a_quarter_of_the_turns_a
         assert slots._keyed._value == 8
 
     asyncio.run(run())
+
+
+def _answer(front: Front, headers: list[tuple[bytes, bytes]], method: str = "GET") -> dict[str, Any]:
+    """The response start the front sends for one request (a GET: no body to read)."""
+    scope = {"type": "http", "method": method, "path": "/v1/jobs", "headers": headers,
+             "client": ("127.0.0.1", 1)}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"x" * 2000, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(front(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return {"status": start["status"], "headers": start["headers"], "body": body}
+
+
+def _ids(answer: dict[str, Any]) -> list[str]:
+    return [value.decode() for name, value in answer["headers"] if name.lower() == b"x-request-id"]
+
+
+def test_every_answer_names_its_request_and_a_fault_is_logged_under_that_name() -> None:
+    """Left out until now (review, helper-98): no answer carried an `x-request-id`, which the OpenAI
+    SDKs keep as `_request_id` and print with every error, so a client's report of a 500 named nothing
+    an operator could find in the log. Every answer, the routes' and the front's own (413, 500), now
+    carries one; a client's own plain id is kept, and one that could break a header or a log line is
+    replaced, never echoed."""
+    from shared import logs
+
+    out = io.StringIO()
+    logs.configure(stream=out)
+    state = {"fail": False, "own": False}
+
+    async def app(_scope: Any, _receive: Any, send: Any) -> None:
+        if state["fail"]:
+            raise RuntimeError("boom")
+        own = [(b"X-Request-Id", b"set-by-route")] if state["own"] else []
+        await send({"type": "http.response.start", "status": 200, "headers": own})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    front, _counted = _front(app)
+    first, second = _answer(front, []), _answer(front, [])
+    assert [len(_ids(first)), len(_ids(second))] == [1, 1]
+    assert _ids(first)[0].startswith("req_")
+    assert _ids(first) != _ids(second)
+    assert _ids(_answer(front, [(b"x-request-id", b"trace-7f3a:01.b_c")])) == ["trace-7f3a:01.b_c"]
+    for hostile in (b"a b", b"x\r\nset-cookie: y", b"a|b", b"z" * 129, b""):
+        (kept,) = _ids(_answer(front, [(b"X-Request-ID", hostile)]))
+        assert kept.startswith("req_"), hostile
+    state["own"] = True
+    assert _ids(_answer(front, [])) == ["set-by-route"]  # not a second header beside the route's
+    state["own"] = False
+    too_large = _answer(front, [(b"content-length", b"2000")], "POST")
+    assert too_large["status"] == 413
+    assert len(_ids(too_large)) == 1
+    state["fail"] = True
+    failed = _answer(front, [(b"x-request-id", b"ticket-4411")])
+    assert failed["status"] == 500
+    assert _ids(failed) == ["ticket-4411"]
+    assert "request ticket-4411" in json.loads(failed["body"])["error"]["message"]
+    logs.configure()
+    logged = [line for line in out.getvalue().splitlines() if "MRC_API_ERROR" in line]
+    assert len(logged) == 1, logged
+    assert "request_id=ticket-4411" in logged[0]
