@@ -257,6 +257,7 @@ def _source(
 
     source = args.target[0] if args.target else args.from_s3
     prompt = args.prompt
+    _not_a_batch(backlog.runs.get(run_id), run_id)
     if args.resume:
         run = backlog.runs.get(args.resume)
         source, prompt = run.get("manifest"), prompt or run.get("prompt")
@@ -286,6 +287,18 @@ def _source(
             yield from manifest.read_lines(handle)
 
     return from_file, str(path), None
+
+
+def _not_a_batch(record: dict[str, str], run_id: str) -> None:
+    """An OpenAI batch's run is fed by mrc-api's batch runner, from the key's input file: a resume here
+    read its source as a local path ("manifest not found"), and a manifest run under its id would have
+    queued other lines into the key's batch (review)."""
+    source = record.get("manifest") or ""
+    if source.startswith("openai:"):
+        raise UsageError(
+            f"run {run_id} is an OpenAI batch (input {source.removeprefix('openai:')[:80]}): mrc-api "
+            f"queues its lines itself; follow it with: mrc backlog status {run_id}"
+        )
 
 
 def _record_prompt(backlog: Any, run_id: str, source: str, prompt: str) -> None:

@@ -567,6 +567,17 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     status = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
     assert status["usage"]["prompt_tokens"] == prompt
     assert (status["succeeded"], status["invalid_lines"]) == (3, 14)
+    # Review (left out since helper-102): `--resume` of a batch's run said "manifest not found", and a
+    # manifest run under a batch's id would have queued its lines into the batch. mrc-api's runner
+    # feeds a batch; the command says so and touches nothing.
+    manifest = tmp_path / "lines.jsonl"
+    manifest.write_text(json.dumps({"image": "s3://b/x.jpg", "prompt": "Refund?"}) + "\n")
+    for args in (("--resume", first.id), (str(manifest), "--run-id", first.id)):
+        refused = services.run_cli(env, "backlog", *args)
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert f"{first.id} is an OpenAI batch" in refused.stderr, refused.stderr
+    after = json.loads(services.run_cli(env, "backlog", "status", first.id, "--json").stdout)
+    assert (after["jobs"], after["succeeded"]) == (status["jobs"], 3)
 
     second = wait_final(
         sdk,
