@@ -157,7 +157,7 @@ class QueueFull(MrcError):
     def __init__(self, depth: int, limit: int, then: str = "") -> None:
         said = f"queue full: the backlog lane holds {depth} jobs; the limit is {limit}"
         super().__init__(f"{said}; {then}" if then else said)
-        self.depth, self.limit = depth, limit
+        self.depth, self.limit, self.then = depth, limit, then
 
 
 class ServiceUnreachable(MrcError):

@@ -16,7 +16,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared import names, run_progress
+from shared import backlog_share, names, run_progress
 from shared.jobs import parse_rfc3339
 from shared.scrape import ScrapeCache
 
@@ -84,6 +84,7 @@ class LaneCollector(Collector):
             lambda: {
                 **lane_view(client),
                 "runs": run_progress.oldest_active(client) if runs else None,
+                "held": backlog_share.held(client) if runs else None,
                 "rejected": int(client.get(names.rejected_count_key()) or 0),
             }
         )
@@ -111,6 +112,11 @@ class LaneCollector(Collector):
             "Age of the oldest backlog run or batch still going (0 when none)",
             labels=["kind"],
         )
+        held = GaugeMetricFamily(
+            "mrc_backlog_held_jobs",
+            "Backlog jobs queued or running, by the key holding them (`-`: none), for the lane's shares",
+            labels=["key"],
+        )
         up = GaugeMetricFamily("mrc_queue_metrics_up", "1 when the lane metrics could be read from Redis")
         up.add_metric([], 0.0 if view is None else 1.0)
         if view is not None:
@@ -126,6 +132,10 @@ class LaneCollector(Collector):
                     runs.add_metric([kind], row["active"])
                     run_age.add_metric([kind], row["oldest_age_s"])
                 yield from (runs, run_age)
+            if view["held"] is not None:
+                for owner, count in view["held"].items():
+                    held.add_metric([owner], count)
+                yield held
             if view["memory"]:
                 used.add_metric([], view["memory"]["used"])
                 most.add_metric([], view["memory"]["max"])

@@ -7,7 +7,7 @@ import secrets
 import threading
 import time
 
-from shared import ops_counts, pushes, store_faults
+from shared import backlog_share, ops_counts, pushes, store_faults
 from shared import usage as usage_book
 from shared.jobs import State
 
@@ -22,6 +22,7 @@ class MemoryJobRecords:
         self.events: list[dict[str, str]] = []
         self._event_ids: list[int] = []  # each kept event's id (a count that never goes back, as XADD's)
         self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
+        self.held: dict[str, set[str]] = {}  # owner -> backlog jobs held (shared/backlog_share.py)
         self._lock = threading.Lock()
         self._event_added = threading.Condition(self._lock)  # events_after's block, as XREAD's
 
@@ -60,7 +61,19 @@ class MemoryJobRecords:
             record = self.records[job_id]
             record.pop("claim", None)
             record.update(published="1", checked="1" if checked else "0")
+            if record.get("lane") == "backlog" and record.get("state") not in ("succeeded", "failed"):
+                self.held.setdefault(backlog_share.owner_of(job_id), set()).add(job_id)
             return True
+
+    def backlog_room(self, owner: str, limit: int) -> backlog_share.Room:
+        """As shared/backlog_share.py decides it, over the jobs held here (no queues: depth 0)."""
+        with self._lock:
+            mine = len(self.held.get(owner, ()))
+            others = sum(1 for who, jobs in self.held.items() if who != owner and jobs)
+        if others == 0:
+            return backlog_share.Room(limit, 0, mine, 1)
+        share = -(-limit // (others + 1))
+        return backlog_share.Room(min(share - mine, 2 * limit), 0, mine, others + 1)
 
     def release(self, job_id: str, token: str) -> None:
         with self._lock:
@@ -70,6 +83,8 @@ class MemoryJobRecords:
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         with self._lock:
             self.records.setdefault(job_id, {}).update({"state": state, **fields})
+            if state in ("succeeded", "failed"):
+                self.held.get(backlog_share.owner_of(job_id), set()).discard(job_id)
 
     def get(self, job_id: str) -> dict[str, str]:
         with self._lock:

@@ -62,6 +62,16 @@ def job_key(job_id: str) -> str:
     return f"{REDIS_PREFIX}job:{job_id}"
 
 
+def backlog_held_key() -> str:
+    """Redis sorted set of the backlog jobs held, `"<owner> <job id>"` -> when (shared/backlog_share.py)."""
+    return f"{REDIS_PREFIX}backlog:held"
+
+
+def backlog_held_counts_key() -> str:
+    """Redis hash: owner -> its backlog jobs held (shared/backlog_share.py)."""
+    return f"{REDIS_PREFIX}backlog:held:counts"
+
+
 def run_record_key(run_id: str) -> str:
     """Redis hash of a backlog run: its state (enqueuing, enqueued, cancelled) and counts."""
     return f"{REDIS_PREFIX}run:{run_id}"

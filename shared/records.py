@@ -12,12 +12,13 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import encoding, names, ops_counts, pushes, redis_target, store_faults, tenants
+from shared import backlog_share, encoding, names, ops_counts, pushes, redis_target, store_faults, tenants
 from shared import usage as usage_book
 from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
 
 RECORD_TTL_S = 7 * 24 * 3600
+ENDED = frozenset({"succeeded", "failed"})  # a job's last states
 # A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept". ASCII digits:
 # `\d` takes any Unicode digit and int() reads them, but Redis does not (review, helper-89: `after=٣`
 # was a 500).
@@ -60,13 +61,22 @@ return 1
 """
 # KEYS[1]; ARGV: claim token, record ttl, checked. Only the holder confirms, and only its own claim: a
 # record that expired meanwhile is not re-created with half its fields.
-_CONFIRM_SCRIPT = """
+# A backlog job is held for its key's share (shared/backlog_share.py: KEYS[2..3], ARGV[4..6] owner, job
+# id, now) unless it already ended: a worker may take and finish it between the push and this step.
+_CONFIRM_SCRIPT = (
+    backlog_share.ROOM_LUA
+    + """
 if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'published', '1', 'checked', ARGV[3])
 redis.call('HDEL', KEYS[1], 'claim')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'lane') == 'backlog' and state ~= 'succeeded' and state ~= 'failed' then
+  backlog_hold(KEYS[2], KEYS[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))
+end
 return 1
 """
+)
 # KEYS[1]; ARGV: claim token. Undo this holder's unpublished claim, never another's.
 _RELEASE_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'claim') == ARGV[1] and redis.call('HGET', KEYS[1], 'published') == '0' then
@@ -160,6 +170,7 @@ class JobRecords(Protocol):
         done: ops_counts.Finished | None = None,
     ) -> bool: ...
     def list_lengths(self, keys: list[str]) -> int: ...
+    def backlog_room(self, owner: str, limit: int) -> backlog_share.Room: ...
     def dead_letter(self, entry: dict[str, object]) -> None: ...
     def dead_letters(self, limit: int = 100) -> list[dict[str, object]]: ...
     def dead_letter_count(self) -> int: ...
@@ -207,8 +218,16 @@ class RedisJobRecords:
         """The message is published: the claim becomes a record that lives as long as any other.
         `checked`: the producer found no earlier result under this id (else the worker looks).
         False when the claim was no longer this holder's."""
-        args: list[str | int] = [token, RECORD_TTL_S, "1" if checked else "0"]
-        return bool(self._confirm(keys=[names.job_key(job_id)], args=args))
+        args: list[str | int | float] = [
+            token, RECORD_TTL_S, "1" if checked else "0", backlog_share.owner_of(job_id), job_id, time.time()
+        ]  # fmt: skip
+        return bool(self._confirm(keys=[names.job_key(job_id), *backlog_share.keys()], args=args))
+
+    def backlog_room(self, owner: str, limit: int) -> backlog_share.Room:
+        """The room the backlog lane has for `owner`'s next jobs (its depth limit, and its share while
+        other keys have work in it)."""
+        script, keys, args = backlog_share.room_call(owner, limit)
+        return backlog_share.room_from(self._redis.eval(script, len(keys), *keys, *args))
 
     def pushed(self, push_id: str) -> bool:
         """Whether the publish of this push id landed (shared/transport.py marks it in the same step)."""
@@ -235,11 +254,16 @@ class RedisJobRecords:
         self._release(keys=[names.job_key(job_id)], args=[token])
 
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
+        """The job's state; an end (`succeeded`, `failed`) lets go of its hold on the backlog's share in
+        the same step."""
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
             mapping: dict[str, str] = {"state": state, "updated_at": now_rfc3339(), **fields}
             pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
             pipe.expire(key, RECORD_TTL_S)
+            if state in ENDED:
+                script, keys, args = backlog_share.release_call(job_id)
+                pipe.eval(script, len(keys), *keys, *args)
             pipe.execute()
 
     def get(self, job_id: str) -> dict[str, str]:

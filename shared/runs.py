@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from shared import names
+from shared import backlog_share, names
 from shared import usage as usage_book
 from shared.errors import NotReplicated
 from shared.jobs import now_rfc3339
@@ -21,28 +21,39 @@ from shared.records import RECORD_TTL_S
 
 RUN_TTL_S = 30 * 24 * 3600  # a run's record outlives its jobs' (7 days): status still says what it was
 
-# KEYS[1] the job's hash, KEYS[2] its queue's list, KEYS[3] the run's hash, KEYS[4..] every list of the
-# lane (its depth). ARGV: record ttl, lane, submitted_at, fingerprint, run id, message, depth limit.
+# KEYS[1] the job's hash, KEYS[2] its queue's list, KEYS[3] the run's hash, KEYS[4..5] the backlog's
+# held jobs (shared/backlog_share.py), KEYS[6..] every list of the lane (its depth). ARGV: record ttl,
+# lane, submitted_at, fingerprint, run id, message, depth limit, owner, now, held max age, job id.
 # Returns 1 when queued here; CANCELLED when the run was cancelled (nothing queued, in the same atomic
-# step as the cancel could be, so no job slips in after it); FULL when the lane is at its depth limit
-# (exact: the depth is read and the job pushed in one step); else the fingerprint the id already holds
-# ('' if none). The record is `checked = 0`: the worker looks for an earlier result before it runs the
-# job, so a bulk enqueue needs no S3 request per line.
+# step as the cancel could be, so no job slips in after it); FULL when the lane has no room for it (at
+# its depth limit, or, on the backlog lane while several keys have work in it, past the owner's share:
+# exact, the depth and the shares are read and the job pushed and held in one step); else the
+# fingerprint the id already holds ('' if none). The record is `checked = 0`: the worker looks for an
+# earlier result before it runs the job, so a bulk enqueue needs no S3 request per line.
 CANCELLED, FULL = -1, -2
-ENQUEUE_SCRIPT = """
+ENQUEUE_SCRIPT = (
+    backlog_share.ROOM_LUA
+    + """
 if redis.call('HGET', KEYS[3], 'state') == 'cancelled' then return -1 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HGET', KEYS[1], 'fingerprint') or ''
 end
 local depth = 0
-for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-if depth >= tonumber(ARGV[7]) then return -2 end
+for i = 6, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+local backlog = ARGV[2] == 'backlog'
+if backlog then
+  local r = backlog_room(KEYS[4], KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]),
+                         tonumber(ARGV[7]), depth)
+  if r[1] <= 0 then return -2 end
+elseif depth >= tonumber(ARGV[7]) then return -2 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '1', 'checked', '0', 'run_id', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('LPUSH', KEYS[2], ARGV[6])
+if backlog then backlog_hold(KEYS[4], KEYS[5], ARGV[8], ARGV[11], tonumber(ARGV[9])) end
 return 1
 """
+)
 
 # KEYS[1] the run's hash; ARGV[1] the pass. `enqueued` once every chunk is queued, unless it was
 # cancelled meanwhile (0); -1 when the record is not this pass's (LOST: below).
@@ -180,16 +191,19 @@ class RunRecords:
 
     # ---- its jobs ----
     def enqueue_many(self, run_id: str, jobs: Sequence[Queued], depth_limit: int) -> list[int | str]:
-        """Record and queue each job in one step, in one round trip, while the lane holds fewer than
-        `depth_limit`; per job 1 where queued here, CANCELLED, FULL, or the fingerprint its id holds."""
+        """Record and queue each job in one step, in one round trip, while the lane has room for it
+        (`depth_limit`, and on the backlog its owner's share: shared/backlog_share.py); per job 1 where
+        queued here, CANCELLED, FULL, or the fingerprint its id holds."""
         if not jobs:
             return []
-        stamp = now_rfc3339()
+        stamp, now = now_rfc3339(), time.time()
         with self._redis.pipeline(transaction=False) as pipe:
             for job in jobs:
-                keys = [names.job_key(job.job_id), job.list_key, run_key(run_id), *names.queue_keys(job.lane)]
-                args: list[str | int] = [
-                    RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message, depth_limit
+                keys = [names.job_key(job.job_id), job.list_key, run_key(run_id), *backlog_share.keys(),
+                        *names.queue_keys(job.lane)]  # fmt: skip
+                args: list[str | int | float] = [
+                    RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message, depth_limit,
+                    backlog_share.owner_of(job.job_id), now, backlog_share.HELD_MAX_AGE_S, job.job_id,
                 ]  # fmt: skip
                 self._enqueue(keys=keys, args=args, client=pipe)
             if self.wait_replicas > 0:  # on the same connection as the writes: WAIT covers them

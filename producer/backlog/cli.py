@@ -217,7 +217,7 @@ def _enqueue(
         raise
     except QueueFull as exc:  # --no-block: what was queued is indexed (status sees it); say so
         then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
-        raise QueueFull(exc.depth, exc.limit, then) from None
+        raise QueueFull(exc.depth, exc.limit, f"{exc.then}; {then}" if exc.then else then) from None
     except KeyboardInterrupt:
         print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
               f"{_go_on(run_id, source)}", file=sys.stderr)  # fmt: skip

@@ -31,6 +31,7 @@ from producer.backlog.report import RunReader
 from producer.intake.intake import Intake
 from producer.intake.request import Submission
 from producer.queue.sender import Queue
+from shared import backlog_share
 from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, parse_rfc3339
@@ -321,7 +322,9 @@ class Backlog(RunReader):
         run_id, progress = step.run_id, step.progress
         at = 0
         while at < len(jobs):
-            room = self._wait_for_room(run_id, progress, step, index)
+            room = self._wait_for_room(
+                run_id, progress, step, index, backlog_share.owner_of(jobs[at][1].job_id)
+            )
             if room == 0:  # cancelled while it waited
                 return True
             part = jobs[at : at + step.throttle.part(min(_PART, room))]
@@ -395,13 +398,16 @@ class Backlog(RunReader):
             for job, (key, message) in zip(jobs, captured, strict=True)
         ]
 
-    def _wait_for_room(self, run_id: str, progress: Progress, step: _Pass, index: ChunkIndex) -> int:
-        """How many jobs the backlog lane has room for now, waiting while it is full (or raising
-        QueueFull without `block`); 0 when the run was cancelled while it waited."""
+    def _wait_for_room(
+        self, run_id: str, progress: Progress, step: _Pass, index: ChunkIndex, owner: str
+    ) -> int:
+        """How many jobs the backlog lane has room for now, for the run's owner (its depth limit, and the
+        owner's share while other keys have work in it), waiting while it has none (or raising QueueFull
+        without `block`); 0 when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
-        while (depth := self.queue.lane_depth("backlog")) >= limit:
+        while (room := self.queue.backlog_room(owner)).room <= 0:
             if not step.block:
-                raise QueueFull(depth, limit)
+                raise QueueFull(room.depth, limit, room.refusal(limit))
             if self.runs.cancelled(run_id):
                 return 0
             index.grew(waiting=True)  # what is queued so far is seen while the run waits
@@ -410,7 +416,7 @@ class Backlog(RunReader):
                 step.on_progress(progress)
             time.sleep(0.5)
         progress.waiting_for_room = False
-        return limit - depth
+        return room.room
 
 
 _UNCONFIRMED = "unconfirmed_chunk_"

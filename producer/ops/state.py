@@ -20,7 +20,7 @@ import math
 import time
 from typing import Any
 
-from shared import names, ops_counts, run_progress
+from shared import backlog_share, names, ops_counts, run_progress
 from shared.lane_metrics import lane_view
 from shared.settings import Settings
 
@@ -73,6 +73,7 @@ def _lanes(client: Any, settings: Settings, minutes: list[dict[str, int]]) -> di
             "out_per_min": done[1:],
             "in_per_min": came[1:],
         }
+    out["backlog"]["held_by_key"] = backlog_share.held(client)
     return out
 
 

@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from producer.queue import resubmission
-from shared import logs, names, redis_target
+from shared import backlog_share, logs, names, redis_target
 from shared.celery_app import make_celery, send_job
 from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, ServiceUnreachable, StoreUnavailable
 from shared.jobs import Job
@@ -83,20 +83,30 @@ class Queue:
     def lane_depth(self, lane: str) -> int:
         return self.records.list_lengths(names.queue_keys(lane))
 
-    def wait_for_room(self, lane: str, block: bool = True, timeout: float | None = None) -> None:
-        """Backpressure on the backlog lane: wait while it is at its depth limit, or raise QueueFull."""
+    def backlog_room(self, owner: str) -> backlog_share.Room:
+        """The room the backlog lane has for `owner`'s jobs now (shared/backlog_share.py)."""
+        return self.records.backlog_room(owner, self.settings.backlog_max_depth)
+
+    def wait_for_room(
+        self, lane: str, block: bool = True, timeout: float | None = None, owner: str = backlog_share.NO_KEY
+    ) -> None:
+        """Backpressure on the backlog lane: wait while it has no room for `owner`'s job (at its depth
+        limit, or past the owner's share while other keys have work in it), or raise QueueFull."""
         if lane != "backlog":
             return  # interactive tickets are never held back by the backlog
         limit = self.settings.backlog_max_depth
         deadline = None if timeout is None else time.monotonic() + timeout
         logged = False
-        while (depth := self.lane_depth(lane)) >= limit:
+        while (room := self.backlog_room(owner)).room <= 0:
+            why = room.refusal(limit)
             if not block:
-                raise QueueFull(depth, limit)
+                raise QueueFull(room.depth, limit, why)
             if deadline is not None and time.monotonic() >= deadline:
-                raise QueueFull(depth, limit, f"still full after {timeout:g} s; nothing enqueued")
+                waited = f"still full after {timeout:g} s; nothing enqueued"
+                raise QueueFull(room.depth, limit, f"{why}; {waited}" if why else waited)
             if not logged:
-                self.log.info("MRC_BACKPRESSURE", lane=lane, depth=depth, limit=limit)
+                self.log.info("MRC_BACKPRESSURE", lane=lane, depth=room.depth, limit=limit, held=room.held,
+                              keys=room.keys)  # fmt: skip
                 logged = True
             time.sleep(0.5)
 
@@ -108,7 +118,7 @@ class Queue:
         different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
         included) undoes the claim. The message is sent only while the claim is still this call's:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
-        self.wait_for_room(job.lane, block, timeout)
+        self.wait_for_room(job.lane, block, timeout, backlog_share.owner_of(job.job_id))
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job)
             if token is None:  # the same job, once its message is known to be there (or pushed again)

@@ -1,0 +1,135 @@
+"""Each key's share of the backlog lane: one key's big batch no longer fills the lane for every other.
+
+The lane has one depth limit (MRC_BACKLOG_MAX_DEPTH). While one key (or the keyless command line) has
+work in it, that key may fill it, as before. Once several have, each may hold up to the limit divided
+by their number, and one under its share is let in even while the lane is full of another's jobs: the
+other's feeder stops until it is back under its own share, so the lane's throughput is shared by the
+keys with work in it, and a key's single submissions are not refused 503 because another's batch
+holds the lane. The lane then holds at most twice the limit while the shares settle.
+
+What is counted is a key's backlog jobs *held*: queued, and not yet ended (`succeeded` or `failed`).
+A job is held when it is queued (in the run's enqueue step, or once a single submission is
+confirmed) and let go in the same step that writes its end; a pop, a retry, a restore of a dead
+worker's messages or a resend moves no count (the job is still held), so nothing in the transport
+has to keep a count exact. A job held past HELD_MAX_AGE_S is let go at the next look (a record lost
+with Redis's data, a job purged by hand): a lost count opens the lane, it never shuts a key out.
+
+Redis holds a sorted set (`"<owner> <job id>"` -> when held) and a hash (owner -> jobs held), both
+written only by the scripts below. Owner: the key's 12 hex (shared/tenants.py), `-` for a job without
+one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+
+from shared import names, tenants
+
+HELD_MAX_AGE_S = 24 * 3600  # a backlog job held this long without an end is taken for lost
+NO_KEY = "-"
+_PRUNE_AT_ONCE = 200
+
+# room(zset, counts, owner, now, max_age, limit, depth) -> {room, held by owner, keys with work}.
+# Let go of what is held past max_age (a few at a time), then: alone (no other owner holds a job),
+# the room left under the limit; shared, the least of what is left of the owner's share and of twice
+# the limit.
+ROOM_LUA = f"""
+local function backlog_room(zset, counts, owner, now, max_age, limit, depth)
+  local old = redis.call('ZRANGEBYSCORE', zset, '-inf', now - max_age, 'LIMIT', 0, {_PRUNE_AT_ONCE})
+  for _, member in ipairs(old) do
+    redis.call('ZREM', zset, member)
+    local who = string.match(member, '^(%S+) ')
+    if who and redis.call('HINCRBY', counts, who, -1) <= 0 then redis.call('HDEL', counts, who) end
+  end
+  local held = redis.call('HGETALL', counts)
+  local others, mine = 0, 0
+  for i = 1, #held, 2 do
+    local n = tonumber(held[i + 1])
+    if held[i] == owner then mine = n elseif n > 0 then others = others + 1 end
+  end
+  if others == 0 then return {{limit - depth, mine, 1}} end
+  local share = math.ceil(limit / (others + 1))
+  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1}}
+end
+local function backlog_hold(zset, counts, owner, job_id, now)
+  if redis.call('ZADD', zset, 'NX', now, owner .. ' ' .. job_id) == 1 then
+    redis.call('HINCRBY', counts, owner, 1)
+  end
+end
+"""
+
+# KEYS[1] zset, KEYS[2] counts, KEYS[3..] the lane's lists; ARGV owner, now, max_age, limit.
+_ROOM_SCRIPT = (
+    ROOM_LUA
+    + """
+local depth = 0
+for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+local r = backlog_room(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
+                       tonumber(ARGV[4]), depth)
+return {r[1], depth, r[2], r[3]}
+"""
+)
+# KEYS[1] zset, KEYS[2] counts; ARGV owner, job id, now.
+_HOLD_SCRIPT = ROOM_LUA + "backlog_hold(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]))\nreturn 1\n"
+# KEYS[1] zset, KEYS[2] counts; ARGV owner, job id. Idempotent: a job let go twice counts once.
+RELEASE_SCRIPT = """
+if redis.call('ZREM', KEYS[1], ARGV[1] .. ' ' .. ARGV[2]) == 1 then
+  if redis.call('HINCRBY', KEYS[2], ARGV[1], -1) <= 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the lane has room for, for one owner: `room` jobs (0 or less: none now)."""
+
+    room: int
+    depth: int  # jobs waiting in the lane
+    held: int  # the owner's jobs held (queued or running)
+    keys: int  # owners with work in the lane, this one included
+
+    def refusal(self, limit: int) -> str:
+        """Why there is no room, after "the backlog lane holds N jobs; the limit is L"."""
+        if self.keys <= 1:
+            return ""
+        share = -(-limit // self.keys)
+        return (
+            f"the lane is shared by the {self.keys} keys with work in it: this one holds {self.held} "
+            f"jobs, its share is {share}"
+        )
+
+
+def owner_of(job_id: str) -> str:
+    return tenants.owner_of(job_id) or NO_KEY
+
+
+def keys() -> list[str]:
+    return [names.backlog_held_key(), names.backlog_held_counts_key()]
+
+
+def room_call(owner: str, limit: int) -> tuple[str, list[str], list[str | float | int]]:
+    """(script, keys, args) of a look at the room for `owner` (it lets go of what is held too long)."""
+    return _ROOM_SCRIPT, [*keys(), *names.queue_keys("backlog")], [owner, time.time(), HELD_MAX_AGE_S, limit]
+
+
+def hold_call(job_id: str) -> tuple[str, list[str], list[str | float]]:
+    return _HOLD_SCRIPT, keys(), [owner_of(job_id), job_id, time.time()]
+
+
+def release_call(job_id: str) -> tuple[str, list[str], list[str]]:
+    return RELEASE_SCRIPT, keys(), [owner_of(job_id), job_id]
+
+
+def held(client: redis.Redis) -> dict[str, int]:
+    """Each owner's backlog jobs held now (owners holding none are absent)."""
+    counts: dict[str, str] = client.hgetall(names.backlog_held_counts_key())  # type: ignore[assignment]
+    return {str(owner): int(n) for owner, n in sorted(counts.items()) if int(n) > 0}
+
+
+def room_from(reply: list[int]) -> Room:
+    room, depth, held, count = (int(x) for x in reply)
+    return Room(room, depth, held, count)
