@@ -32,12 +32,12 @@ HELD_MAX_AGE_S = 24 * 3600  # a backlog job held this long without an end is tak
 NO_KEY = "-"
 _PRUNE_AT_ONCE = 200
 
-# room(zset, counts, owner, now, max_age, limit, depth) -> {room, held by owner, keys with work}.
-# Let go of what is held past max_age (a few at a time), then: alone (no other owner holds a job),
-# the room left under the limit; shared, the least of what is left of the owner's share and of twice
-# the limit.
+# room(zset, counts, owner, now, max_age, limit, depth, shared) -> {room, held by owner, keys with
+# work}. Let go of what is held past max_age (a few at a time), then: alone (no other owner holds a
+# job) or with shares off (MRC_BACKLOG_KEY_SHARES=false), the room left under the limit; shared, the
+# least of what is left of the owner's share and of twice the limit.
 ROOM_LUA = f"""
-local function backlog_room(zset, counts, owner, now, max_age, limit, depth)
+local function backlog_room(zset, counts, owner, now, max_age, limit, depth, shared)
   local old = redis.call('ZRANGEBYSCORE', zset, '-inf', now - max_age, 'LIMIT', 0, {_PRUNE_AT_ONCE})
   for _, member in ipairs(old) do
     redis.call('ZREM', zset, member)
@@ -50,7 +50,7 @@ local function backlog_room(zset, counts, owner, now, max_age, limit, depth)
     local n = tonumber(held[i + 1])
     if held[i] == owner then mine = n elseif n > 0 then others = others + 1 end
   end
-  if others == 0 then return {{limit - depth, mine, 1}} end
+  if others == 0 or not shared then return {{limit - depth, mine, others + 1}} end
   local share = math.ceil(limit / (others + 1))
   return {{math.min(share - mine, 2 * limit - depth), mine, others + 1}}
 end
@@ -61,14 +61,14 @@ local function backlog_hold(zset, counts, owner, job_id, now)
 end
 """
 
-# KEYS[1] zset, KEYS[2] counts, KEYS[3..] the lane's lists; ARGV owner, now, max_age, limit.
+# KEYS[1] zset, KEYS[2] counts, KEYS[3..] the lane's lists; ARGV owner, now, max_age, limit, shared.
 _ROOM_SCRIPT = (
     ROOM_LUA
     + """
 local depth = 0
 for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 local r = backlog_room(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
-                       tonumber(ARGV[4]), depth)
+                       tonumber(ARGV[4]), depth, ARGV[5] == '1')
 return {r[1], depth, r[2], r[3]}
 """
 )
@@ -92,9 +92,9 @@ class Room:
     held: int  # the owner's jobs held (queued or running)
     keys: int  # owners with work in the lane, this one included
 
-    def refusal(self, limit: int) -> str:
+    def refusal(self, limit: int, shares: bool = True) -> str:
         """Why there is no room, after "the backlog lane holds N jobs; the limit is L"."""
-        if self.keys <= 1:
+        if self.keys <= 1 or not shares:
             return ""
         share = -(-limit // self.keys)
         return (
@@ -111,9 +111,10 @@ def keys() -> list[str]:
     return [names.backlog_held_key(), names.backlog_held_counts_key()]
 
 
-def room_call(owner: str, limit: int) -> tuple[str, list[str], list[str | float | int]]:
+def room_call(owner: str, limit: int, shared: bool = True) -> tuple[str, list[str], list[str | float | int]]:
     """(script, keys, args) of a look at the room for `owner` (it lets go of what is held too long)."""
-    return _ROOM_SCRIPT, [*keys(), *names.queue_keys("backlog")], [owner, time.time(), HELD_MAX_AGE_S, limit]
+    args: list[str | float | int] = [owner, time.time(), HELD_MAX_AGE_S, limit, "1" if shared else "0"]
+    return _ROOM_SCRIPT, [*keys(), *names.queue_keys("backlog")], args
 
 
 def hold_call(job_id: str) -> tuple[str, list[str], list[str | float]]:

@@ -65,13 +65,13 @@ class MemoryJobRecords:
                 self.held.setdefault(backlog_share.owner_of(job_id), set()).add(job_id)
             return True
 
-    def backlog_room(self, owner: str, limit: int) -> backlog_share.Room:
+    def backlog_room(self, owner: str, limit: int, shares: bool = True) -> backlog_share.Room:
         """As shared/backlog_share.py decides it, over the jobs held here (no queues: depth 0)."""
         with self._lock:
             mine = len(self.held.get(owner, ()))
             others = sum(1 for who, jobs in self.held.items() if who != owner and jobs)
-        if others == 0:
-            return backlog_share.Room(limit, 0, mine, 1)
+        if others == 0 or not shares:
+            return backlog_share.Room(limit, 0, mine, others + 1)
         share = -(-limit // (others + 1))
         return backlog_share.Room(min(share - mine, 2 * limit), 0, mine, others + 1)
 

@@ -23,7 +23,8 @@ RUN_TTL_S = 30 * 24 * 3600  # a run's record outlives its jobs' (7 days): status
 
 # KEYS[1] the job's hash, KEYS[2] its queue's list, KEYS[3] the run's hash, KEYS[4..5] the backlog's
 # held jobs (shared/backlog_share.py), KEYS[6..] every list of the lane (its depth). ARGV: record ttl,
-# lane, submitted_at, fingerprint, run id, message, depth limit, owner, now, held max age, job id.
+# lane, submitted_at, fingerprint, run id, message, depth limit, owner, now, held max age, job id,
+# shares on ('1').
 # Returns 1 when queued here; CANCELLED when the run was cancelled (nothing queued, in the same atomic
 # step as the cancel could be, so no job slips in after it); FULL when the lane has no room for it (at
 # its depth limit, or, on the backlog lane while several keys have work in it, past the owner's share:
@@ -43,7 +44,7 @@ for i = 6, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 local backlog = ARGV[2] == 'backlog'
 if backlog then
   local r = backlog_room(KEYS[4], KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]),
-                         tonumber(ARGV[7]), depth)
+                         tonumber(ARGV[7]), depth, ARGV[12] == '1')
   if r[1] <= 0 then return -2 end
 elseif depth >= tonumber(ARGV[7]) then return -2 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
@@ -190,7 +191,9 @@ class RunRecords:
             raise RunLost(run_id)
 
     # ---- its jobs ----
-    def enqueue_many(self, run_id: str, jobs: Sequence[Queued], depth_limit: int) -> list[int | str]:
+    def enqueue_many(
+        self, run_id: str, jobs: Sequence[Queued], depth_limit: int, shares: bool = True
+    ) -> list[int | str]:
         """Record and queue each job in one step, in one round trip, while the lane has room for it
         (`depth_limit`, and on the backlog its owner's share: shared/backlog_share.py); per job 1 where
         queued here, CANCELLED, FULL, or the fingerprint its id holds."""
@@ -204,6 +207,7 @@ class RunRecords:
                 args: list[str | int | float] = [
                     RECORD_TTL_S, job.lane, stamp, job.fingerprint, run_id, job.message, depth_limit,
                     backlog_share.owner_of(job.job_id), now, backlog_share.HELD_MAX_AGE_S, job.job_id,
+                    "1" if shares else "0",
                 ]  # fmt: skip
                 self._enqueue(keys=keys, args=args, client=pipe)
             if self.wait_replicas > 0:  # on the same connection as the writes: WAIT covers them

@@ -251,6 +251,9 @@ class Settings(BaseSettings):
     # Backpressure: submissions to the backlog lane wait (or fail with queue_full) above this depth, so a
     # million-line backlog never sits in Redis memory at once. Interactive submissions never wait.
     backlog_max_depth: int = Field(default=10_000, ge=1)
+    # While several keys hold backlog jobs, each may hold the depth / their number, and one under its
+    # share is let in over a full lane (shared/backlog_share.py); false: one depth, first come first in.
+    backlog_key_shares: bool = True
     # How long `mrc backlog` waits out each outage of Redis or S3 once its run has begun (its enqueue
     # resumes where it was, its --wait goes on): a restart never ends a nightly run.
     backlog_outage_s: float = Field(default=300.0, ge=0, le=24 * 3600)

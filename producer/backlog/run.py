@@ -332,7 +332,8 @@ class Backlog(RunReader):
             limit = self.settings.backlog_max_depth
             unreplicated: PartNotReplicated | None = None
             try:
-                replies = self.runs.enqueue_many(run_id, self._capture([job for _, job in part]), limit)
+                captured = self._capture([job for _, job in part])
+                replies = self.runs.enqueue_many(run_id, captured, limit, self.settings.backlog_key_shares)
             except PartNotReplicated as exc:  # queued on the master; counted below, then the run stops
                 replies, unreplicated = exc.replies, exc
             at += _took(part, replies, index.entries, progress)
@@ -407,7 +408,7 @@ class Backlog(RunReader):
         limit = self.settings.backlog_max_depth
         while (room := self.queue.backlog_room(owner)).room <= 0:
             if not step.block:
-                raise QueueFull(room.depth, limit, room.refusal(limit))
+                raise QueueFull(room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares))
             if self.runs.cancelled(run_id):
                 return 0
             index.grew(waiting=True)  # what is queued so far is seen while the run waits

@@ -85,7 +85,9 @@ class Queue:
 
     def backlog_room(self, owner: str) -> backlog_share.Room:
         """The room the backlog lane has for `owner`'s jobs now (shared/backlog_share.py)."""
-        return self.records.backlog_room(owner, self.settings.backlog_max_depth)
+        return self.records.backlog_room(
+            owner, self.settings.backlog_max_depth, self.settings.backlog_key_shares
+        )
 
     def wait_for_room(
         self, lane: str, block: bool = True, timeout: float | None = None, owner: str = backlog_share.NO_KEY
@@ -98,7 +100,7 @@ class Queue:
         deadline = None if timeout is None else time.monotonic() + timeout
         logged = False
         while (room := self.backlog_room(owner)).room <= 0:
-            why = room.refusal(limit)
+            why = room.refusal(limit, self.settings.backlog_key_shares)
             if not block:
                 raise QueueFull(room.depth, limit, why)
             if deadline is not None and time.monotonic() >= deadline:

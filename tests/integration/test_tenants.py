@@ -257,4 +257,11 @@ def test_one_keys_backlog_leaves_every_other_key_its_share_of_the_lane(
             redis_db.hincrby(names.backlog_held_counts_key(), "0123456789ab", 1)
             assert [r.status_code for r in backlog(api, "bob", 7)] == [202] * 6 + [503]  # alone again
             assert redis_db.hgetall(names.backlog_held_counts_key()) == {OWNER["bob"]: "6"}
+        off = services.settings_from_env(
+            {**idle, "MRC_API_KEYS": spec, "MRC_API_RATE_PER_S": "0", "MRC_BACKLOG_KEY_SHARES": "false"}
+        )
+        with TestClient(create_app(off)) as api:  # shares off: one depth, first come first in
+            (refused,) = backlog(api, "alice", 1)
+            assert refused.status_code == 503
+            assert "share" not in refused.json()["error"]["message"]
     redis_db.flushdb()
