@@ -1,0 +1,147 @@
+"""What another key's backlog jobs meet while one run fills the backlog lane: the lane's shares off
+(MRC_BACKLOG_KEY_SHARES=false, one depth, first come first in) and on, side by side in one run.
+
+Per mode: a fresh redis-server and moto S3 server, one echo worker (`MRC_MODEL=echo`: the whole path,
+queue -> worker -> S3 result, with no model time) on the backlog lane, MRC_BACKLOG_MAX_DEPTH=--depth.
+A command-line run (no key) of --run-lines jobs is fed as the lane drains, as `mrc backlog` feeds
+one; once it has filled the lane, a key submits --key-jobs single backlog jobs one after another, as a
+client does (`Client.enqueue`, no wait: a `queue_full` refusal is retried after --retry-s, as a 503's
+Retry-After asks). Printed: the key's refusals, when its last job was let in and when its last job
+ended (from its first try), and the share of the jobs that ended meanwhile that were the key's.
+
+    .venv/bin/python tests/bench/bench_key_shares.py [--depth 300] [--run-lines 20000] [--key-jobs 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts import devservices as services  # noqa: E402 - after sys.path is set
+from shared import logs  # noqa: E402 - after sys.path is set
+from tests.support import imagegen  # noqa: E402 - after sys.path is set
+
+KEY = "b0b0b0b0b0b0"  # the other key's owner (12 hex, as shared/tenants.py names one)
+
+
+def _mode(shares: bool, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from producer.backlog.run import Backlog
+    from producer.client import Client, Submission
+    from shared.errors import QueueFull, UsageError
+
+    home = ROOT / ".cache" / "mrc"
+    settings_env = {"MRC_BACKLOG_MAX_DEPTH": str(args.depth), "MRC_BACKLOG_KEY_SHARES": str(shares).lower()}
+    with services.local_stack("mrc-bench-share-", "mrc-bench", home, **settings_env) as env:
+        client = Client(services.settings_from_env(env))
+        client.results.ensure_bucket()
+        photo = work / "parcel.jpg"
+        photo.write_bytes(imagegen.photo(64, 48, seed=3))
+        run_image, _ = client.upload_image(photo)
+        key_image, _ = client.upload_image(photo, KEY)
+        worker = services.start_worker({**env, "MRC_MODEL": "echo"}, work / f"worker-{shares}.log")
+        backlog = Backlog(client)
+
+        def lines():  # type: ignore[no-untyped-def]
+            for n in range(1, args.run_lines + 1):
+                yield n, json.dumps({"custom_id": f"n{n}", "image": run_image, "prompt": "Torn?"}).encode()
+
+        def feed() -> None:
+            with contextlib.suppress(UsageError):  # cancelled once the key's jobs ended: the end
+                backlog.enqueue(lines(), "nightly", "bench", block=True)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        try:
+            feeder.start()
+            deadline = time.monotonic() + 120
+            while client.lane_depth("backlog") < args.depth * 0.9:  # the run has filled the lane
+                assert time.monotonic() < deadline, "the run never filled the lane"
+                time.sleep(0.1)
+            return _the_key(client, backlog, key_image, args, Submission, QueueFull)
+        finally:
+            backlog.cancel("nightly")
+            feeder.join(30)
+            worker.stop()
+
+
+def _the_key(client: Any, backlog: Any, image: str, args: argparse.Namespace, submission: Any,
+             queue_full: type[Exception]) -> dict[str, Any]:  # fmt: skip
+    """The key's jobs, submitted one by one with retries; what they met."""
+    ended_before = _ended(client, backlog)
+    began, refused, let_in = time.monotonic(), 0, 0.0
+    ids = []
+    for n in range(args.key_jobs):
+        job = client.build_job(
+            submission(image=image, prompt="Refund?", job_id=f"k{n}", lane="backlog", api_key=KEY)
+        )
+        while True:
+            try:
+                client.enqueue(job, block=False)
+                break
+            except queue_full:
+                refused += 1
+                time.sleep(args.retry_s)
+            assert time.monotonic() - began < args.limit_s, "the key's jobs were not let in in time"
+        ids.append(job.job_id)
+    let_in = time.monotonic() - began
+    while True:
+        states = [r.get("state") for r in client.records.get_many(ids)]
+        if all(s in ("succeeded", "failed") for s in states):
+            break
+        assert time.monotonic() - began < args.limit_s, "the key's jobs did not end in time"
+        time.sleep(0.1)
+    ended = time.monotonic() - began
+    run_ended = _ended(client, backlog) - ended_before
+    return {"refused": refused, "let_in_s": let_in, "ended_s": ended, "run_ended": run_ended}
+
+
+def _ended(client: Any, backlog: Any) -> int:
+    """The run's jobs ended so far (its record's counts as the workers keep them)."""
+    record = backlog.runs.get("nightly")
+    return int(record.get("finished_succeeded", 0)) + int(record.get("finished_failed", 0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="another key's backlog jobs beside a run filling the lane")
+    parser.add_argument("--depth", type=int, default=300)
+    parser.add_argument("--run-lines", type=int, default=20_000)
+    parser.add_argument("--key-jobs", type=int, default=60)
+    parser.add_argument("--retry-s", type=float, default=1.0)
+    parser.add_argument("--limit-s", type=float, default=600.0)
+    args = parser.parse_args()
+    logs.configure("WARNING")
+    import tempfile
+
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="mrc-bench-share-") as folder:
+        for shares in (False, True):
+            rows[shares] = _mode(shares, args, Path(folder))
+    print(
+        f"depth {args.depth}, a run of {args.run_lines} lines feeding the lane, one echo worker; a key's "
+        f"{args.key_jobs} single backlog jobs, a refusal retried after {args.retry_s:g} s"
+    )
+    print(
+        "| shares | the key's refusals | its last job let in | its last job ended "
+        "| jobs ended meanwhile that were the key's |"
+    )
+    print("|---|---|---|---|---|")
+    for shares, row in rows.items():
+        part = args.key_jobs / (args.key_jobs + row["run_ended"])
+        print(
+            f"| {'on' if shares else 'off'} | {row['refused']} | {row['let_in_s']:.1f} s | "
+            f"{row['ended_s']:.1f} s | {part:.0%} |"
+        )
+    off, on = rows[False], rows[True]
+    print(f"last job ended: off / on = {off['ended_s'] / on['ended_s']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
