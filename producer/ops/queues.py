@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from shared import names, redis_target
+from shared import backlog_share, names, redis_target
 from shared import usage as usage_book
 from shared.lane_metrics import lane_view
 from shared.settings import Settings
@@ -25,6 +25,8 @@ def collect(client: Any, settings: Settings) -> dict[str, Any]:
         "done_per_min": _throughput(client),
         "rejected": int(client.llen(names.rejected_key())),
         "backlog_limit": settings.backlog_max_depth,
+        # Each key's backlog jobs queued or running: what the lane's shares count (shared/backlog_share.py)
+        "backlog_held_by_key": backlog_share.held(client),
         "dead_letter": int(client.llen(names.dead_letter_key())),
         "workers": _workers(client),
         "redis": redis_target.status(settings),
@@ -98,6 +100,8 @@ def render_text(view: dict[str, Any]) -> str:
     lines.append(f"{'dead-letter':<12} {view['dead_letter']}")
     lines.append(f"{'rejected':<12} {view['rejected']}")
     lines.append(f"{'limit':<12} backlog {view['backlog_limit']}")  # MRC_BACKLOG_MAX_DEPTH (review)
+    if view.get("backlog_held_by_key"):
+        lines.append(f"{'held':<12} backlog {_held(view['backlog_held_by_key'])}")
     lines += [_worker_line(w) for w in view["workers"]]
     if "redis" in view:
         lines.append(_redis_line(view["redis"]))
@@ -107,6 +111,11 @@ def render_text(view: dict[str, Any]) -> str:
     )
     lines += [_usage_line(key, counts) for key, counts in view.get("usage_by_key", {}).items()]
     return "\n".join(lines)
+
+
+def _held(held: dict[str, int]) -> str:
+    """Each key's backlog jobs queued or running (`-`: jobs without a key)."""
+    return ", ".join(f"key {key}: {count}" for key, count in held.items())
 
 
 def _usage_line(key: str, counts: dict[str, int]) -> str:
@@ -167,6 +176,8 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         f"dead letters {view['dead_letter']}, rejected entries {view['rejected']}, "
         f"cache {cache['hits']} hits / {cache['misses']} misses, backlog limit {view['backlog_limit']}"
     )
+    if view.get("backlog_held_by_key"):
+        console.print(f"backlog held by {_held(view['backlog_held_by_key'])}", markup=False, highlight=False)
     if "redis" in view:  # the master in use, as the plain lines say it (review: missing here)
         console.print(_redis_line(view["redis"]), markup=False, highlight=False)
     for key, counts in view.get("usage_by_key", {}).items():

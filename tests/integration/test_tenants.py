@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from producer.client import Client
+from producer.ops import queues
 from producer.server import create_app
 from scripts import devservices as services
 from shared import names, tenants
@@ -240,6 +241,7 @@ def test_one_keys_backlog_leaves_every_other_key_its_share_of_the_lane(
                 for sample in family.samples
             }
             assert held == {OWNER["alice"]: 6, OWNER["bob"]: 3, "-": 2}
+            assert queues.collect(redis_db, settings)["backlog_held_by_key"] == held  # `mrc queues --json`
             worker = services.start_worker({**idle, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
             try:
                 deadline = time.monotonic() + 120
