@@ -192,3 +192,18 @@ def test_pages_open_at_once_share_one_collection(client: redis.Redis, tmp_path: 
         spent = _commands(client) - before - 1
     assert codes == [200] * 12
     assert spent <= 2 * 120, f"12 requests at once cost {spent} Redis commands"  # each alone: about 105
+
+
+def test_the_backlogs_shares_are_shown_with_the_lane(client: redis.Redis) -> None:
+    """Who holds the backlog lane (shared/backlog_share.py): a run waiting with the lane below its limit
+    is explained there, and one key alone shows no shares."""
+    from producer.ops import page
+
+    client.hset(names.backlog_held_counts_key(), mapping={"-": 40, "a1a1a1a1a1a1": 12})
+    view = state.collect(client, Settings(), time.time())
+    assert view["lanes"]["backlog"]["held_by_key"] == {"-": 40, "a1a1a1a1a1a1": 12}
+    assert "shared by 2 keys (-: 40, a1a1a1a1a1a1: 12 queued or running)" in page.main(view)
+    client.hdel(names.backlog_held_counts_key(), "a1a1a1a1a1a1")
+    alone = state.collect(client, Settings(), time.time())
+    assert alone["lanes"]["backlog"]["held_by_key"] == {"-": 40}
+    assert "shared by" not in page.main(alone)
