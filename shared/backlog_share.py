@@ -8,10 +8,10 @@ keys with work in it, and a key's single submissions are not refused 503 because
 holds the lane. The lane then holds at most twice the limit while the shares settle.
 
 What is counted is a key's backlog jobs *held*: queued, and not yet ended (`succeeded` or `failed`).
-A job is held when it is queued (in the run's enqueue step, or once a single submission is
-confirmed) and let go in the same step that writes its end; a pop, a retry, a restore of a dead
-worker's messages or a resend moves no count (the job is still held), so nothing in the transport
-has to keep a count exact. A job held past HELD_MAX_AGE_S is let go at the next look (a record lost
+A job is held when it is queued (in the run's enqueue step, once a single submission is confirmed,
+when a dead letter is requeued or a lost message pushed again) and let go in the same step that
+writes its end; a pop, a retry or a restore of a dead worker's messages moves no count (the job is
+still held, and a hold is kept once per job), so nothing in the transport has to keep a count exact. A job held past HELD_MAX_AGE_S is let go at the next look (a record lost
 with Redis's data, a job purged by hand): a lost count opens the lane, it never shuts a key out.
 
 Redis holds a sorted set (`"<owner> <job id>"` -> when held) and a hash (owner -> jobs held), both
@@ -72,8 +72,18 @@ local r = backlog_room(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(AR
 return {r[1], depth, r[2], r[3]}
 """
 )
-# KEYS[1] zset, KEYS[2] counts; ARGV owner, job id, now.
-_HOLD_SCRIPT = ROOM_LUA + "backlog_hold(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]))\nreturn 1\n"
+# KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts; ARGV owner, job id, now. A backlog job queued
+# again (a dead letter requeued, a lost message pushed again) is held, unless it has ended.
+HOLD_SCRIPT = (
+    ROOM_LUA
+    + """
+local state = redis.call('HGET', KEYS[1], 'state')
+if redis.call('HGET', KEYS[1], 'lane') == 'backlog' and state ~= 'succeeded' and state ~= 'failed' then
+  backlog_hold(KEYS[2], KEYS[3], ARGV[1], ARGV[2], tonumber(ARGV[3]))
+end
+return 1
+"""
+)
 # KEYS[1] zset, KEYS[2] counts; ARGV owner, job id. Idempotent: a job let go twice counts once.
 RELEASE_SCRIPT = """
 if redis.call('ZREM', KEYS[1], ARGV[1] .. ' ' .. ARGV[2]) == 1 then
@@ -118,7 +128,8 @@ def room_call(owner: str, limit: int, shared: bool = True) -> tuple[str, list[st
 
 
 def hold_call(job_id: str) -> tuple[str, list[str], list[str | float]]:
-    return _HOLD_SCRIPT, keys(), [owner_of(job_id), job_id, time.time()]
+    """(script, keys, args) holding a backlog job queued again, unless it ended."""
+    return HOLD_SCRIPT, [names.job_key(job_id), *keys()], [owner_of(job_id), job_id, time.time()]
 
 
 def release_call(job_id: str) -> tuple[str, list[str], list[str]]:

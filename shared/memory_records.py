@@ -61,9 +61,17 @@ class MemoryJobRecords:
             record = self.records[job_id]
             record.pop("claim", None)
             record.update(published="1", checked="1" if checked else "0")
-            if record.get("lane") == "backlog" and record.get("state") not in ("succeeded", "failed"):
-                self.held.setdefault(backlog_share.owner_of(job_id), set()).add(job_id)
+            self._hold(job_id)
             return True
+
+    def _hold(self, job_id: str) -> None:
+        record = self.records.get(job_id, {})
+        if record.get("lane") == "backlog" and record.get("state") not in ("succeeded", "failed"):
+            self.held.setdefault(backlog_share.owner_of(job_id), set()).add(job_id)
+
+    def hold_backlog(self, job_id: str) -> None:
+        with self._lock:
+            self._hold(job_id)
 
     def backlog_room(self, owner: str, limit: int, shares: bool = True) -> backlog_share.Room:
         """As shared/backlog_share.py decides it, over the jobs held here (no queues: depth 0)."""
@@ -138,6 +146,7 @@ class MemoryJobRecords:
             record.pop("suspect_group", None)
             for field in store_faults.FIELDS:
                 record.pop(field, None)
+            self._hold(job_id)
 
     def store_fault(self, job_id: str, budget_s: float) -> int:
         with self._lock:

@@ -160,6 +160,7 @@ class JobRecords(Protocol):
     def withdraw_solo_run(self, job_id: str) -> None: ...
     def suspect_group(self, job_ids: list[str], size: int) -> None: ...
     def reset_attempts(self, job_id: str, push_id: str) -> None: ...
+    def hold_backlog(self, job_id: str) -> None: ...
     def store_fault(self, job_id: str, budget_s: float) -> int: ...
     def count_usage(
         self,
@@ -326,7 +327,15 @@ class RedisJobRecords:
             runs_again = ("suspect_group", "dead_letter", "error_code", "error_message", "usage_counted")
             pipe.hdel(key, *runs_again, *store_faults.FIELDS)
             pipe.expire(key, RECORD_TTL_S)
+            script, keys, args = backlog_share.hold_call(job_id)  # queued again: held again (review)
+            pipe.eval(script, len(keys), *keys, *args)
             pipe.execute()
+
+    def hold_backlog(self, job_id: str) -> None:
+        """Hold a backlog job whose message is pushed again (shared/backlog_share.py), unless it ended;
+        a job held already stays held once."""
+        script, keys, args = backlog_share.hold_call(job_id)
+        self._redis.eval(script, len(keys), *keys, *args)
 
     def count_usage(
         self,

@@ -70,7 +70,9 @@ def upload_digest(stream: IO[bytes], filename: str, purpose: str) -> str:
     """What names an upload's bytes (its name and purpose included) for a retry's match; the stream is
     left at its start."""
     # a name the client's charset decoded to lone surrogates (utf-7) is still a name: hashed as it came
-    digest = hashlib.sha256(f"{purpose}\0{filename}\0".encode("utf-8", "surrogatepass"))
+    # The name's length first: no name and first bytes can pass for another name and other bytes (review)
+    name = filename.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(f"{purpose}\0{len(name)}\0".encode() + name)
     stream.seek(0)
     while chunk := stream.read(_READ_BYTES):
         digest.update(chunk)

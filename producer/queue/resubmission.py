@@ -50,6 +50,7 @@ def push_again(
     with MRC_REDIS_WAIT_REPLICAS) and by its marker, read where the record is: a push that reached
     another master than the record's is not yet the job's message."""
     log.warning("MRC_PUSHED_AGAIN", job_id=job.job_id, lane=job.lane, push_id=push_id)
+    records.hold_backlog(job.job_id)  # queued again: held for its key's share until it ends
     try:
         send(job, push_id)
     except NotReplicated as exc:  # queued on the master; durable only once the replicas hold it

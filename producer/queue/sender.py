@@ -120,7 +120,8 @@ class Queue:
         different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
         included) undoes the claim. The message is sent only while the claim is still this call's:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
-        self.wait_for_room(job.lane, block, timeout, backlog_share.owner_of(job.job_id))
+        if job.lane == "backlog" and not self._published(job.job_id):  # the same job again is answered,
+            self.wait_for_room(job.lane, block, timeout, backlog_share.owner_of(job.job_id))  # not refused
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job)
             if token is None:  # the same job, once its message is known to be there (or pushed again)
@@ -130,6 +131,13 @@ class Queue:
                 return sent
             self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
         raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
+
+    def _published(self, job_id: str) -> bool:
+        """Whether a submission of this id is queued already (its record published): a resubmission
+        needs no room, and a lane full or a key past its share answered it 503 instead of 200 (review,
+        helper-103; an SDK retrying after a lost answer met it)."""
+        record = self.records.get(job_id)
+        return bool(record) and record.get("published") != "0"
 
     def _claim(self, job: Job) -> str | None:
         """This submission's claim token, or None when the id is taken by a published submission.

@@ -12,7 +12,7 @@ import pytest
 
 from producer.openai.chat_request import parse_chat
 from producer.openai.errors import OpenAIError, from_usage_error, openai_body
-from producer.openai.files import count_requests
+from producer.openai.files import count_requests, upload_digest
 from shared.settings import Settings
 
 SETTINGS = Settings(s3_bucket="mrc-photos", s3_prefix="tenant-a/", max_image_bytes=1000)
@@ -365,3 +365,16 @@ def test_an_earlier_answer_sent_back_as_the_sdk_sends_it_is_a_turn() -> None:
     ):
         chat = parse_chat(_request(messages=[question, refused, follow_up]), SETTINGS)
         assert chat.prompt == "User: What colour?\nAssistant: I cannot say.\n\nIs it torn?"
+
+
+def test_an_uploads_name_ends_where_its_digest_says_it_does() -> None:
+    """Review, helper-103: name `x` with bytes `\\0{...}` and name `x\\0` with bytes `{...}` had one
+    digest, so the second upload was answered with the first file (its size, its bytes)."""
+    body = b'{"custom_id":"a"}\n'
+    one = upload_digest(io.BytesIO(b"\0" + body), "x", "batch")
+    other = upload_digest(io.BytesIO(body), "x\0", "batch")
+    assert one != other
+    stream = io.BytesIO(body)
+    assert upload_digest(stream, "x", "batch") == upload_digest(io.BytesIO(body), "x", "batch")
+    assert stream.tell() == 0  # left at its start, for the upload that follows
+    assert upload_digest(io.BytesIO(body), "\udcff.jsonl", "batch")  # a name decoded to a lone surrogate
