@@ -11,8 +11,9 @@ What is counted is a key's backlog jobs *held*: queued, and not yet ended (`succ
 A job is held when it is queued (in the run's enqueue step, once a single submission is confirmed,
 when a dead letter is requeued or a lost message pushed again) and let go in the same step that
 writes its end; a pop, a retry or a restore of a dead worker's messages moves no count (the job is
-still held, and a hold is kept once per job), so nothing in the transport has to keep a count exact. A job held past HELD_MAX_AGE_S is let go at the next look (a record lost
-with Redis's data, a job purged by hand): a lost count opens the lane, it never shuts a key out.
+still held, and a hold is kept once per job), so nothing in the transport has to keep a count exact.
+A job held past HELD_MAX_AGE_S is let go at the next look (a record lost with Redis's data, a job
+purged by hand): a lost count opens the lane, it never shuts a key out.
 
 Redis holds a sorted set (`"<owner> <job id>"` -> when held) and a hash (owner -> jobs held), both
 written only by the scripts below. Owner: the key's 12 hex (shared/tenants.py), `-` for a job without
