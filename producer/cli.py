@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-block",
         action="store_true",
-        help="backlog lane at its depth limit: fail at once (exit 4) instead of waiting for room",
+        help="no room on the backlog lane (at its depth limit, or this key past its share while keys share "
+        "it): fail at once (exit 4) instead of waiting for room",
     )
     p.add_argument(
         "--timeout", type=arg_types.seconds, default=300.0,

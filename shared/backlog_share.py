@@ -103,14 +103,15 @@ class Room:
     held: int  # the owner's jobs held (queued or running)
     keys: int  # owners with work in the lane, this one included
 
-    def refusal(self, limit: int, shares: bool = True) -> str:
+    def refusal(self, limit: int, shares: bool = True, owner: str = "") -> str:
         """Why there is no room, after "the backlog lane holds N jobs; the limit is L"."""
         if self.keys <= 1 or not shares:
             return ""
-        share = -(-limit // self.keys)
+        share = -(-limit // self.keys)  # rounded up, as the scripts do
+        who = "the command line (its runs, no key, count as one)" if owner == NO_KEY else "this key"
         return (
-            f"the lane is shared by the {self.keys} keys with work in it: this one holds {self.held} "
-            f"jobs, its share is {share}"
+            f"the lane is shared by the {self.keys} keys with work in it (queued or running): {who} holds "
+            f"{self.held} jobs, its share is {share}"
         )
 
 
@@ -141,6 +142,13 @@ def held(client: redis.Redis) -> dict[str, int]:
     """Each owner's backlog jobs held now (owners holding none are absent)."""
     counts: dict[str, str] = client.hgetall(names.backlog_held_counts_key())  # type: ignore[assignment]
     return {str(owner): int(n) for owner, n in sorted(counts.items()) if int(n) > 0}
+
+
+def share_each(held_by_key: dict[str, int], limit: int, shares: bool) -> int | None:
+    """Each key's share of the lane now, or None while one key (or none) holds its jobs, or shares are
+    off: the depth limit alone then decides."""
+    keys = sum(1 for count in held_by_key.values() if count > 0)
+    return -(-limit // keys) if shares and keys > 1 else None
 
 
 def room_from(reply: list[int]) -> Room:

@@ -32,7 +32,8 @@ def describe(data: dict[str, Any]) -> str:
             f"{data['lines_per_s']} lines/s",
         ]
         if data.get("waiting_for_room"):
-            parts.append("waiting for room on the backlog lane (at its depth limit)")
+            why = data.get("waiting_why") or "at its depth limit"
+            parts.append(f"waiting for room on the backlog lane ({why})")
         return "enqueue: " + ", ".join(parts)
     failed = data.get("failed_by_code") or {}
     codes = f" ({', '.join(f'{k} {v}' for k, v in sorted(failed.items()))})" if failed else ""

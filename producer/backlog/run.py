@@ -61,6 +61,7 @@ class Progress:
     already: int = 0  # queued, running or done before (a resume, or a second run of one manifest)
     uploaded: int = 0
     waiting_for_room: bool = False
+    waiting_why: str = ""  # why there is no room: the depth limit, or the run's key's share of the lane
     started: float = field(default_factory=time.monotonic)
 
     def snapshot(self) -> dict[str, Any]:
@@ -408,15 +409,20 @@ class Backlog(RunReader):
         limit = self.settings.backlog_max_depth
         while (room := self.queue.backlog_room(owner)).room <= 0:
             if not step.block:
-                raise QueueFull(room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares))
+                raise QueueFull(
+                    room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares, owner)
+                )
             if self.runs.cancelled(run_id):
                 return 0
             index.grew(waiting=True)  # what is queued so far is seen while the run waits
             progress.waiting_for_room = True
+            progress.waiting_why = (
+                room.refusal(limit, self.settings.backlog_key_shares, owner) or "at its depth limit"
+            )
             if step.on_progress:
                 step.on_progress(progress)
             time.sleep(0.5)
-        progress.waiting_for_room = False
+        progress.waiting_for_room, progress.waiting_why = False, ""
         return room.room
 
 

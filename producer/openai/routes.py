@@ -71,9 +71,10 @@ def _stored(
 
     meta = book.made(scope, owner, key, file_id, look)
     if meta is None:
+        named = "this Idempotency-Key" if scope == "file" else "these bytes (the same upload, sent again)"
         raise OpenAIError(
             409,
-            "a file with this Idempotency-Key is being stored; retry shortly",
+            f"a file with {named} is being stored; retry shortly",
             None,
             "conflict",
             headers={"x-should-retry": "true", "retry-after": "1"},

@@ -208,10 +208,13 @@ def _lanes(lanes: dict[str, Any]) -> str:
         limit = "-"
         if v["depth_limit"] is not None:
             limit = f"{_bar([('used', v['limit_used'])])} {e(v['depth'])}/{e(v['depth_limit'])}"
-        held = v.get("held_by_key") or {}
-        if len(held) > 1:  # the lane's shares (shared/backlog_share.py): who holds what of it
+        held, each = v.get("held_by_key") or {}, v.get("share_each")
+        if each is not None:  # the lane's shares (shared/backlog_share.py): who holds what of it
             keys = ", ".join(f"{e(key)}: {e(count)}" for key, count in held.items())
-            limit += f'<br><span class="shares">shared by {len(held)} keys ({keys} queued or running)</span>'
+            limit += (
+                f'<br><span class="shares">shared by {len(held)} keys, {e(each)} each '
+                f"({keys} queued or running)</span>"
+            )
         cells = [e(lane), f'<span class="depth">{e(v["depth"])}</span>', e(v["in_flight"])]
         cells += [f"{e(v['oldest_age_s'])} s", limit, _spark(v["in_per_min"]), _spark(v["out_per_min"])]
         rows.append(_row(cells, lane=lane))

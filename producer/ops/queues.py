@@ -17,6 +17,7 @@ THROUGHPUT_WINDOW_S = 300
 
 def collect(client: Any, settings: Settings) -> dict[str, Any]:
     lanes = lane_view(client)
+    held = backlog_share.held(client)
     hits, misses = (int(client.get(key) or 0) for key in names.cache_counter_keys())
     return {
         "lanes": {lane: int(lanes[lane]["depth"]) for lane in names.LANES},
@@ -26,7 +27,11 @@ def collect(client: Any, settings: Settings) -> dict[str, Any]:
         "rejected": int(client.llen(names.rejected_key())),
         "backlog_limit": settings.backlog_max_depth,
         # Each key's backlog jobs queued or running: what the lane's shares count (shared/backlog_share.py)
-        "backlog_held_by_key": backlog_share.held(client),
+        "backlog_held_by_key": held,
+        # Each key's share of the lane while several hold jobs in it (null: the depth limit alone)
+        "backlog_share_each": backlog_share.share_each(
+            held, settings.backlog_max_depth, settings.backlog_key_shares
+        ),
         "dead_letter": int(client.llen(names.dead_letter_key())),
         "workers": _workers(client),
         "redis": redis_target.status(settings),
@@ -101,7 +106,7 @@ def render_text(view: dict[str, Any]) -> str:
     lines.append(f"{'rejected':<12} {view['rejected']}")
     lines.append(f"{'limit':<12} backlog {view['backlog_limit']}")  # MRC_BACKLOG_MAX_DEPTH (review)
     if view.get("backlog_held_by_key"):
-        lines.append(f"{'held':<12} backlog {_held(view['backlog_held_by_key'])}")
+        lines.append(f"{'held':<12} backlog {_held(view['backlog_held_by_key'])}{_shared(view)}")
     lines += [_worker_line(w) for w in view["workers"]]
     if "redis" in view:
         lines.append(_redis_line(view["redis"]))
@@ -116,6 +121,11 @@ def render_text(view: dict[str, Any]) -> str:
 def _held(held: dict[str, int]) -> str:
     """Each key's backlog jobs queued or running (`-`: jobs without a key)."""
     return ", ".join(f"key {key}: {count}" for key, count in held.items())
+
+
+def _shared(view: dict[str, Any]) -> str:
+    each = view.get("backlog_share_each")
+    return "" if each is None else f" (shared: {each} each)"
 
 
 def _usage_line(key: str, counts: dict[str, int]) -> str:
@@ -177,7 +187,8 @@ def render_rich(view: dict[str, Any], console: Any = None) -> None:
         f"cache {cache['hits']} hits / {cache['misses']} misses, backlog limit {view['backlog_limit']}"
     )
     if view.get("backlog_held_by_key"):
-        console.print(f"backlog held by {_held(view['backlog_held_by_key'])}", markup=False, highlight=False)
+        shown = f"backlog held by {_held(view['backlog_held_by_key'])}{_shared(view)}"
+        console.print(shown, markup=False, highlight=False)
     if "redis" in view:  # the master in use, as the plain lines say it (review: missing here)
         console.print(_redis_line(view["redis"]), markup=False, highlight=False)
     for key, counts in view.get("usage_by_key", {}).items():

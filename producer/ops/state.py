@@ -73,7 +73,11 @@ def _lanes(client: Any, settings: Settings, minutes: list[dict[str, int]]) -> di
             "out_per_min": done[1:],
             "in_per_min": came[1:],
         }
-    out["backlog"]["held_by_key"] = backlog_share.held(client)
+    held = backlog_share.held(client)
+    out["backlog"]["held_by_key"] = held
+    out["backlog"]["share_each"] = backlog_share.share_each(
+        held, settings.backlog_max_depth, settings.backlog_key_shares
+    )
     return out
 
 

@@ -100,7 +100,7 @@ class Queue:
         deadline = None if timeout is None else time.monotonic() + timeout
         logged = False
         while (room := self.backlog_room(owner)).room <= 0:
-            why = room.refusal(limit, self.settings.backlog_key_shares)
+            why = room.refusal(limit, self.settings.backlog_key_shares, owner)
             if not block:
                 raise QueueFull(room.depth, limit, why)
             if deadline is not None and time.monotonic() >= deadline:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -236,6 +237,14 @@ def test_one_keys_backlog_leaves_every_other_key_its_share_of_the_lane(
             run = services.run_cli(idle, "backlog", str(manifest), "--no-block")
             assert run.returncode == 4, run.stderr  # the command line is a third key: 6 / 3 = 2 of its 5
             assert "its share is 2" in run.stderr, run.stderr
+            # Review, helper-104: a run waiting for its share said "(at its depth limit)" every --interval
+            with pytest.raises(subprocess.TimeoutExpired) as waiting:  # it waits for room: stopped here
+                services.run_cli(
+                    idle, "backlog", str(manifest), "--run-id", "waits", "--interval", "0.5", timeout=5
+                )
+            said = str(waiting.value.stderr)
+            assert "waiting for room on the backlog lane (the lane is shared by the 3 keys" in said, said
+            assert "its share is 2" in said
             assert Client(settings).lane_depth("backlog") == 11
             held = {
                 sample.labels["key"]: sample.value
@@ -244,7 +253,8 @@ def test_one_keys_backlog_leaves_every_other_key_its_share_of_the_lane(
                 for sample in family.samples
             }
             assert held == {OWNER["alice"]: 6, OWNER["bob"]: 3, "-": 2}
-            assert queues.collect(redis_db, settings)["backlog_held_by_key"] == held  # `mrc queues --json`
+            view = queues.collect(redis_db, settings)  # `mrc queues --json`
+            assert (view["backlog_held_by_key"], view["backlog_share_each"]) == (held, 2)
             worker = services.start_worker({**idle, "MRC_MODEL": "echo"}, tmp_path / "worker.log")
             try:
                 deadline = time.monotonic() + 120

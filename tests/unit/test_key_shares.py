@@ -35,10 +35,11 @@ def test_an_owner_alone_has_the_limit_and_several_share_it() -> None:
     assert records.backlog_room(ALICE, 6).room == 3 - 4  # past her share of 3
     bob = records.backlog_room(BOB, 6)
     assert (bob.room, bob.held, bob.keys) == (2, 1, 2)
-    assert (
-        bob.refusal(6)
-        == "the lane is shared by the 2 keys with work in it: this one holds 1 jobs, its share is 3"
+    assert bob.refusal(6, owner=BOB) == (
+        "the lane is shared by the 2 keys with work in it (queued or running): this key holds 1 jobs, "
+        "its share is 3"
     )
+    assert "the command line (its runs, no key, count as one) holds 1 jobs" in bob.refusal(6, owner="-")
     _queued(records, "nightly-7")  # the command line (no key) is a third owner
     assert records.backlog_room(backlog_share.NO_KEY, 6).room == 1  # ceil(6 / 3) - 1
     for job_id in ("nightly-7", f"{BOB}~b0"):

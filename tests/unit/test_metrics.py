@@ -48,6 +48,7 @@ def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
         "rejected": 0,
         "backlog_limit": 10000,
         "backlog_held_by_key": {"-": 880, "a1a1a1a1a1a1": 36},
+        "backlog_share_each": 5000,
         "dead_letter": 2,
         "workers": [{"hostname": "mrc@gpu-1", "lanes": ["interactive", "backlog"], "model": "fuyu-8b",
                      "quantization": "nf4", "device": "cuda", "jobs": 41, "busy_ratio": 0.93, "buffered": 14,
@@ -64,7 +65,7 @@ def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
     # tables)
     master = "master 10.0.0.7:6379 (Sentinel 'mrc', 2 failovers seen)"
     assert "limit        backlog 10000" in text
-    assert "held         backlog key -: 880, key a1a1a1a1a1a1: 36" in text  # the lane's shares
+    assert "held         backlog key -: 880, key a1a1a1a1a1a1: 36 (shared: 5000 each)" in text  # its shares
     assert master in text
     assert "nf4 on cuda" in text
     import io
@@ -78,5 +79,5 @@ def test_the_queue_view_renders_as_lines_and_as_tables() -> None:
     assert "540.2" in shown
     assert master in shown
     assert "backlog limit 10000" in shown
-    assert "backlog held by key -: 880, key a1a1a1a1a1a1: 36" in shown
+    assert "backlog held by key -: 880, key a1a1a1a1a1a1: 36 (shared: 5000 each)" in shown
     assert "│ cuda " in shown

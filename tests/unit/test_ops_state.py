@@ -202,8 +202,13 @@ def test_the_backlogs_shares_are_shown_with_the_lane(client: redis.Redis) -> Non
     client.hset(names.backlog_held_counts_key(), mapping={"-": 40, "a1a1a1a1a1a1": 12})
     view = state.collect(client, Settings(), time.time())
     assert view["lanes"]["backlog"]["held_by_key"] == {"-": 40, "a1a1a1a1a1a1": 12}
-    assert "shared by 2 keys (-: 40, a1a1a1a1a1a1: 12 queued or running)" in page.main(view)
+    assert view["lanes"]["backlog"]["share_each"] == 5000
+    assert "shared by 2 keys, 5000 each (-: 40, a1a1a1a1a1a1: 12 queued or running)" in page.main(view)
+    off = state.collect(client, Settings(backlog_key_shares=False), time.time())  # review, helper-104:
+    assert off["lanes"]["backlog"]["share_each"] is None  # the page said "shared" with shares off
+    assert "shared by" not in page.main(off)
     client.hdel(names.backlog_held_counts_key(), "a1a1a1a1a1a1")
     alone = state.collect(client, Settings(), time.time())
     assert alone["lanes"]["backlog"]["held_by_key"] == {"-": 40}
+    assert alone["lanes"]["backlog"]["share_each"] is None
     assert "shared by" not in page.main(alone)
