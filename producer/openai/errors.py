@@ -115,6 +115,8 @@ def openai_body(status: int, raw: bytes) -> dict[str, Any]:
         detail = data.get("detail") if isinstance(data, dict) else data
         error["message"] = detail if isinstance(detail, str) else json.dumps(detail)[:500]
     code = error.get("code")
+    if status == 413 and code == "invalid_job":  # the front door's body limit: no job was ever read
+        code = "request_too_large"
     return {
         "error": {
             **error,

@@ -423,6 +423,7 @@ def test_errors_come_in_openai_shape_and_as_the_sdk_classes(
         sdk.chat.completions.create(model=model, messages=ask("Refund?", big))
     assert too_large.value.status_code == 413
     assert too_large.value.type == "invalid_request_error"
+    assert too_large.value.code == "request_too_large"  # not a job's `invalid_job`
     # Review, helper-88: `limit=` and 5,000 nines was a 500 (int() refuses past 4,300 digits).
     for limit in ("9" * 5000, "0" * 5000 + "5", "0", "10001", "\u0665"):
         for route in ("files", "batches"):
