@@ -15,9 +15,15 @@ still held, and a hold is kept once per job), so nothing in the transport has to
 A job held past HELD_MAX_AGE_S is let go at the next look (a record lost with Redis's data, a job
 purged by hand): a lost count opens the lane, it never shuts a key out.
 
-Redis holds a sorted set (`"<owner> <job id>"` -> when held) and a hash (owner -> jobs held), both
-written only by the scripts below. Owner: the key's 12 hex (shared/tenants.py), `-` for a job without
-one.
+A single submission takes its room in the step that claims its job id (CLAIM_LUA): its claim counts
+in the lane's depth and in its owner's jobs until its confirm holds the job or its release (or its
+lease, CLAIM_TTL_S) lets it go, so submissions at once get no more room than the lane has, however
+many producers send them (before, each looked at the room and then claimed: forty at once held twelve
+against a share of ten, and passed the depth alike; review, helper-103).
+
+Redis holds a sorted set (`"<owner> <job id>"` -> when held), a hash (owner -> jobs held) and a sorted
+set of the claims taking room (`"<owner> <job id>"` -> when their lease ends), written only by the
+scripts below. Owner: the key's 12 hex (shared/tenants.py), `-` for a job without one.
 """
 
 from __future__ import annotations
@@ -33,27 +39,34 @@ HELD_MAX_AGE_S = 24 * 3600  # a backlog job held this long without an end is tak
 NO_KEY = "-"
 _PRUNE_AT_ONCE = 200
 
-# room(zset, counts, owner, now, max_age, limit, depth, shared) -> {room, held by owner, keys with
-# work}. Let go of what is held past max_age (a few at a time), then: alone (no other owner holds a
-# job) or with shares off (MRC_BACKLOG_KEY_SHARES=false), the room left under the limit; shared, the
-# least of what is left of the owner's share and of twice the limit.
+# room(zset, counts, claims, owner, now, max_age, limit, depth, shared) -> {room, held by owner, keys
+# with work, depth}. Let go of what is held past max_age (a few at a time) and of claims past their
+# lease; the claims taking room count in the depth and in their owners' jobs. Then: alone (no other
+# owner holds a job) or with shares off (MRC_BACKLOG_KEY_SHARES=false), the room left under the limit;
+# shared, the least of what is left of the owner's share and of twice the limit.
 ROOM_LUA = f"""
-local function backlog_room(zset, counts, owner, now, max_age, limit, depth, shared)
+local function backlog_room(zset, counts, claims, owner, now, max_age, limit, depth, shared)
   local old = redis.call('ZRANGEBYSCORE', zset, '-inf', now - max_age, 'LIMIT', 0, {_PRUNE_AT_ONCE})
   for _, member in ipairs(old) do
     redis.call('ZREM', zset, member)
     local who = string.match(member, '^(%S+) ')
     if who and redis.call('HINCRBY', counts, who, -1) <= 0 then redis.call('HDEL', counts, who) end
   end
-  local held = redis.call('HGETALL', counts)
-  local others, mine = 0, 0
-  for i = 1, #held, 2 do
-    local n = tonumber(held[i + 1])
-    if held[i] == owner then mine = n elseif n > 0 then others = others + 1 end
+  redis.call('ZREMRANGEBYSCORE', claims, '-inf', now)
+  local jobs = {{}}
+  for _, member in ipairs(redis.call('ZRANGE', claims, 0, -1)) do
+    local who = string.match(member, '^(%S+) ')
+    if who then jobs[who] = (jobs[who] or 0) + 1; depth = depth + 1 end
   end
-  if others == 0 or not shared then return {{limit - depth, mine, others + 1}} end
+  local held = redis.call('HGETALL', counts)
+  for i = 1, #held, 2 do jobs[held[i]] = (jobs[held[i]] or 0) + tonumber(held[i + 1]) end
+  local others, mine = 0, jobs[owner] or 0
+  for who, n in pairs(jobs) do
+    if who ~= owner and n > 0 then others = others + 1 end
+  end
+  if others == 0 or not shared then return {{limit - depth, mine, others + 1, depth}} end
   local share = math.ceil(limit / (others + 1))
-  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1}}
+  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1, depth}}
 end
 local function backlog_hold(zset, counts, owner, job_id, now)
   if redis.call('ZADD', zset, 'NX', now, owner .. ' ' .. job_id) == 1 then
@@ -62,15 +75,41 @@ local function backlog_hold(zset, counts, owner, job_id, now)
 end
 """
 
-# KEYS[1] zset, KEYS[2] counts, KEYS[3..] the lane's lists; ARGV owner, now, max_age, limit, shared.
+# KEYS[1] zset, KEYS[2] counts, KEYS[3] claims, KEYS[4..] the lane's lists; ARGV owner, now, max_age,
+# limit, shared.
 _ROOM_SCRIPT = (
     ROOM_LUA
     + """
 local depth = 0
-for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-local r = backlog_room(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
+for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+local r = backlog_room(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
                        tonumber(ARGV[4]), depth, ARGV[5] == '1')
-return {r[1], depth, r[2], r[3]}
+return {r[1], r[4], r[2], r[3]}
+"""
+)
+# KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts, KEYS[4] claims, KEYS[5..] the lane's lists; ARGV
+# ttl, lane, submitted_at, fingerprint, claim token, owner, now, max_age, limit ('': none), shared, job
+# id. A claim (shared/records.py) that takes its room in the same step on the backlog lane: {1} claimed,
+# {0} the id is taken, {-1, room, depth, held, keys} no room for it now (nothing written).
+CLAIM_LUA = (
+    ROOM_LUA
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'claim') == ARGV[5] then return {1} end
+  return {0}
+end
+if ARGV[2] == 'backlog' and ARGV[9] ~= '' then
+  local depth = 0
+  for i = 5, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+  local r = backlog_room(KEYS[2], KEYS[3], KEYS[4], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]),
+                         tonumber(ARGV[9]), depth, ARGV[10] == '1')
+  if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3]} end
+  redis.call('ZADD', KEYS[4], tonumber(ARGV[7]) + tonumber(ARGV[1]), ARGV[6] .. ' ' .. ARGV[11])
+end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
+           'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return {1}
 """
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts; ARGV owner, job id, now. A backlog job queued
@@ -99,8 +138,8 @@ class Room:
     """What the lane has room for, for one owner: `room` jobs (0 or less: none now)."""
 
     room: int
-    depth: int  # jobs waiting in the lane
-    held: int  # the owner's jobs held (queued or running)
+    depth: int  # jobs waiting in the lane, and those being queued (their claims)
+    held: int  # the owner's jobs held (queued or running) or being queued
     keys: int  # owners with work in the lane, this one included
 
     def refusal(self, limit: int, shares: bool = True, owner: str = "") -> str:
@@ -119,8 +158,21 @@ def owner_of(job_id: str) -> str:
     return tenants.owner_of(job_id) or NO_KEY
 
 
+class NoRoom(Exception):
+    """A backlog claim found no room for its job (nothing was written): `room` says why."""
+
+    def __init__(self, room: Room) -> None:
+        super().__init__(f"no room on the backlog lane: {room}")
+        self.room = room
+
+
 def keys() -> list[str]:
-    return [names.backlog_held_key(), names.backlog_held_counts_key()]
+    """The keys every script here takes first, in this order: held, counts, claims."""
+    return [names.backlog_held_key(), names.backlog_held_counts_key(), names.backlog_claims_key()]
+
+
+def claim_member(job_id: str) -> str:
+    return f"{owner_of(job_id)} {job_id}"
 
 
 def room_call(owner: str, limit: int, shared: bool = True) -> tuple[str, list[str], list[str | float | int]]:

@@ -10,6 +10,7 @@ import time
 from shared import backlog_share, ops_counts, pushes, store_faults
 from shared import usage as usage_book
 from shared.jobs import State
+from shared.records import CLAIM_TTL_S
 
 
 class MemoryJobRecords:
@@ -23,6 +24,8 @@ class MemoryJobRecords:
         self._event_ids: list[int] = []  # each kept event's id (a count that never goes back, as XADD's)
         self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
         self.held: dict[str, set[str]] = {}  # owner -> backlog jobs held (shared/backlog_share.py)
+        self.claims: dict[str, float] = {}  # backlog claims taking room: job id -> when their lease ends
+        self.claim_ttl_s = float(CLAIM_TTL_S)
         self._lock = threading.Lock()
         self._event_added = threading.Condition(self._lock)  # events_after's block, as XREAD's
 
@@ -37,10 +40,17 @@ class MemoryJobRecords:
     def replicas(self, wanted: int, timeout_ms: int) -> int:
         return wanted  # one process: nothing to wait for
 
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
+    def claim(
+        self, job_id: str, lane: str, fingerprint: str = "", limit: int | None = None, shares: bool = True
+    ) -> str | None:
         with self._lock:
             if job_id in self.records:
                 return None
+            if lane == "backlog" and limit is not None:
+                room = self._room(backlog_share.owner_of(job_id), limit, shares)
+                if room.room <= 0:
+                    raise backlog_share.NoRoom(room)
+                self.claims[job_id] = time.monotonic() + self.claim_ttl_s
             token = secrets.token_hex(8)
             self.records[job_id] = {
                 "state": "queued", "lane": lane, "fingerprint": fingerprint, "published": "0", "claim": token
@@ -52,7 +62,11 @@ class MemoryJobRecords:
 
     def renew(self, job_id: str, token: str) -> bool:
         with self._lock:
-            return self._holds(job_id, token) and self.records[job_id].get("published") == "0"
+            if not (self._holds(job_id, token) and self.records[job_id].get("published") == "0"):
+                return False
+            if job_id in self.claims:
+                self.claims[job_id] = time.monotonic() + self.claim_ttl_s
+            return True
 
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool:
         with self._lock:
@@ -61,6 +75,7 @@ class MemoryJobRecords:
             record = self.records[job_id]
             record.pop("claim", None)
             record.update(published="1", checked="1" if checked else "0")
+            self.claims.pop(job_id, None)
             self._hold(job_id)
             return True
 
@@ -74,19 +89,30 @@ class MemoryJobRecords:
             self._hold(job_id)
 
     def backlog_room(self, owner: str, limit: int, shares: bool = True) -> backlog_share.Room:
-        """As shared/backlog_share.py decides it, over the jobs held here (no queues: depth 0)."""
+        """As shared/backlog_share.py decides it, over the jobs held and claimed here (no queues: the
+        depth is the claims')."""
         with self._lock:
-            mine = len(self.held.get(owner, ()))
-            others = sum(1 for who, jobs in self.held.items() if who != owner and jobs)
+            return self._room(owner, limit, shares)
+
+    def _room(self, owner: str, limit: int, shares: bool) -> backlog_share.Room:
+        now = time.monotonic()
+        for job_id in [job_id for job_id, until in self.claims.items() if until <= now]:
+            del self.claims[job_id]
+        jobs = {who: len(held) for who, held in self.held.items()}
+        for job_id in self.claims:
+            jobs[backlog_share.owner_of(job_id)] = jobs.get(backlog_share.owner_of(job_id), 0) + 1
+        depth, mine = len(self.claims), jobs.get(owner, 0)
+        others = sum(1 for who, n in jobs.items() if who != owner and n)
         if others == 0 or not shares:
-            return backlog_share.Room(limit, 0, mine, others + 1)
+            return backlog_share.Room(limit - depth, depth, mine, others + 1)
         share = -(-limit // (others + 1))
-        return backlog_share.Room(min(share - mine, 2 * limit), 0, mine, others + 1)
+        return backlog_share.Room(min(share - mine, 2 * limit - depth), depth, mine, others + 1)
 
     def release(self, job_id: str, token: str) -> None:
         with self._lock:
             if self._holds(job_id, token) and self.records[job_id].get("published") == "0":
                 del self.records[job_id]
+                self.claims.pop(job_id, None)
 
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         with self._lock:

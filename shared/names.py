@@ -72,6 +72,12 @@ def backlog_held_counts_key() -> str:
     return f"{REDIS_PREFIX}backlog:held:counts"
 
 
+def backlog_claims_key() -> str:
+    """Redis sorted set of the backlog claims taking room, `"<owner> <job id>"` -> when their lease ends
+    (shared/backlog_share.py)."""
+    return f"{REDIS_PREFIX}backlog:claims"
+
+
 def run_record_key(run_id: str) -> str:
     """Redis hash of a backlog run: its state (enqueuing, enqueued, cancelled) and counts."""
     return f"{REDIS_PREFIX}run:{run_id}"

@@ -38,31 +38,24 @@ def valid_event_id(text: str) -> bool:
 # and publish leaves a claim that frees its job id by itself, instead of blocking it for a week.
 CLAIM_TTL_S = 30
 
-# KEYS[1] the job's hash; ARGV: ttl, lane, submitted_at, fingerprint, claim token. Atomic: a claim is
-# whole or absent, and it names its holder, so only the holder can confirm or release it.
-_CLAIM_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  if redis.call('HGET', KEYS[1], 'claim') == ARGV[5] then return 1 end
-  return 0
-end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
-           'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-# KEYS[1] the job's hash; ARGV: claim token, ttl. The claim is still this holder's (it did not expire
-# and was not taken by another): give it a fresh lease. 1 if so.
+# A claim (backlog_share.CLAIM_LUA) is atomic: whole or absent, and it names its holder, so only the
+# holder can confirm or release it. On the backlog lane it takes its room in the same step.
+# KEYS[1] the job's hash, KEYS[2] the backlog's claims; ARGV: claim token, ttl, the claim's member, now.
+# The claim is still this holder's (it did not expire and was not taken by another): give it a fresh
+# lease, and its room too. 1 if so.
 _RENEW_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'published') ~= '0' then
   return 0
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 'XX', tonumber(ARGV[4]) + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
 # KEYS[1]; ARGV: claim token, record ttl, checked. Only the holder confirms, and only its own claim: a
 # record that expired meanwhile is not re-created with half its fields.
-# A backlog job is held for its key's share (shared/backlog_share.py: KEYS[2..3], ARGV[4..6] owner, job
-# id, now) unless it already ended: a worker may take and finish it between the push and this step.
+# A backlog job is held for its key's share (shared/backlog_share.py: KEYS[2..4], ARGV[4..6] owner, job
+# id, now), its claim's room given back, unless it already ended: a worker may take and finish it
+# between the push and this step.
 _CONFIRM_SCRIPT = (
     backlog_share.ROOM_LUA
     + """
@@ -70,6 +63,7 @@ if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'published', '1', 'checked', ARGV[3])
 redis.call('HDEL', KEYS[1], 'claim')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[4] .. ' ' .. ARGV[5])
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'lane') == 'backlog' and state ~= 'succeeded' and state ~= 'failed' then
   backlog_hold(KEYS[2], KEYS[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))
@@ -77,9 +71,11 @@ end
 return 1
 """
 )
-# KEYS[1]; ARGV: claim token. Undo this holder's unpublished claim, never another's.
+# KEYS[1], KEYS[2] the backlog's claims; ARGV: claim token, the claim's member. Undo this holder's
+# unpublished claim, never another's, and give back the room it took.
 _RELEASE_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'claim') == ARGV[1] and redis.call('HGET', KEYS[1], 'published') == '0' then
+  redis.call('ZREM', KEYS[2], ARGV[2])
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -144,7 +140,9 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 class JobRecords(Protocol):
     """Job state, claims and dead letters: what the producer and the worker keep in Redis."""
 
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None: ...
+    def claim(
+        self, job_id: str, lane: str, fingerprint: str = "", limit: int | None = None, shares: bool = True
+    ) -> str | None: ...
     def renew(self, job_id: str, token: str) -> bool: ...
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool: ...
     def release(self, job_id: str, token: str) -> None: ...
@@ -191,7 +189,7 @@ class RedisJobRecords:
     def __init__(self, client: redis.Redis, claim_ttl_s: int = CLAIM_TTL_S) -> None:
         self._redis = client
         self._claim_ttl_s = claim_ttl_s
-        self._claim = client.register_script(_CLAIM_SCRIPT)
+        self._claim = client.register_script(backlog_share.CLAIM_LUA)
         self._renew = client.register_script(_RENEW_SCRIPT)
         self._confirm = client.register_script(_CONFIRM_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
@@ -203,17 +201,32 @@ class RedisJobRecords:
     def from_settings(cls, settings: Settings) -> RedisJobRecords:
         return cls(connect(settings))
 
-    def claim(self, job_id: str, lane: str, fingerprint: str = "") -> str | None:
+    def claim(
+        self, job_id: str, lane: str, fingerprint: str = "", limit: int | None = None, shares: bool = True
+    ) -> str | None:
         """Take the job id for one submission: its claim token, or None when the id is taken. Until
         `confirm`, the claim expires after a short while (a producer that died before publishing frees
-        the id); only the token's holder can renew, confirm or release it."""
+        the id); only the token's holder can renew, confirm or release it. On the backlog lane with a
+        depth `limit`, the claim takes its room in the same step (its owner's share with `shares`),
+        or raises backlog_share.NoRoom and writes nothing."""
         token = secrets.token_hex(8)
-        args: list[str | int] = [self._claim_ttl_s, lane, now_rfc3339(), fingerprint, token]
-        return token if self._claim(keys=[names.job_key(job_id)], args=args) else None
+        room = "" if lane != "backlog" or limit is None else limit  # '': no room taken
+        keys = [names.job_key(job_id), *backlog_share.keys(), *(names.queue_keys(lane) if room else [])]
+        args: list[str | int | float] = [
+            self._claim_ttl_s, lane, now_rfc3339(), fingerprint, token, backlog_share.owner_of(job_id),
+            time.time(), backlog_share.HELD_MAX_AGE_S, room, "1" if shares else "0", job_id,
+        ]  # fmt: skip
+        reply = [int(x) for x in self._claim(keys=keys, args=args)]
+        if reply[0] < 0:
+            raise backlog_share.NoRoom(backlog_share.room_from(reply[1:]))
+        return token if reply[0] else None
 
     def renew(self, job_id: str, token: str) -> bool:
         """A fresh lease for a claim still held (False: it expired, and may be another's now)."""
-        return bool(self._renew(keys=[names.job_key(job_id)], args=[token, self._claim_ttl_s]))
+        keys = [names.job_key(job_id), names.backlog_claims_key()]
+        member = backlog_share.claim_member(job_id)
+        args: list[str | int | float] = [token, self._claim_ttl_s, member, time.time()]
+        return bool(self._renew(keys=keys, args=args))
 
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool:
         """The message is published: the claim becomes a record that lives as long as any other.
@@ -252,7 +265,8 @@ class RedisJobRecords:
 
     def release(self, job_id: str, token: str) -> None:
         """Undo this holder's claim whose message never reached the queue."""
-        self._release(keys=[names.job_key(job_id)], args=[token])
+        keys = [names.job_key(job_id), names.backlog_claims_key()]
+        self._release(keys=keys, args=[token, backlog_share.claim_member(job_id)])
 
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         """The job's state; an end (`succeeded`, `failed`) lets go of its hold on the backlog's share in

@@ -21,10 +21,10 @@ from shared.records import RECORD_TTL_S
 
 RUN_TTL_S = 30 * 24 * 3600  # a run's record outlives its jobs' (7 days): status still says what it was
 
-# KEYS[1] the job's hash, KEYS[2] its queue's list, KEYS[3] the run's hash, KEYS[4..5] the backlog's
-# held jobs (shared/backlog_share.py), KEYS[6..] every list of the lane (its depth). ARGV: record ttl,
-# lane, submitted_at, fingerprint, run id, message, depth limit, owner, now, held max age, job id,
-# shares on ('1').
+# KEYS[1] the job's hash, KEYS[2] its queue's list, KEYS[3] the run's hash, KEYS[4..6] the backlog's
+# held jobs and claims (shared/backlog_share.py), KEYS[7..] every list of the lane (its depth). ARGV:
+# record ttl, lane, submitted_at, fingerprint, run id, message, depth limit, owner, now, held max age,
+# job id, shares on ('1').
 # Returns 1 when queued here; CANCELLED when the run was cancelled (nothing queued, in the same atomic
 # step as the cancel could be, so no job slips in after it); FULL when the lane has no room for it (at
 # its depth limit, or, on the backlog lane while several keys have work in it, past the owner's share:
@@ -40,10 +40,10 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HGET', KEYS[1], 'fingerprint') or ''
 end
 local depth = 0
-for i = 6, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+for i = 7, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 local backlog = ARGV[2] == 'backlog'
 if backlog then
-  local r = backlog_room(KEYS[4], KEYS[5], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]),
+  local r = backlog_room(KEYS[4], KEYS[5], KEYS[6], ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10]),
                          tonumber(ARGV[7]), depth, ARGV[12] == '1')
   if r[1] <= 0 then return -2 end
 elseif depth >= tonumber(ARGV[7]) then return -2 end

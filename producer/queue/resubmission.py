@@ -50,16 +50,19 @@ def push_again(
     with MRC_REDIS_WAIT_REPLICAS) and by its marker, read where the record is: a push that reached
     another master than the record's is not yet the job's message."""
     log.warning("MRC_PUSHED_AGAIN", job_id=job.job_id, lane=job.lane, push_id=push_id)
-    records.hold_backlog(job.job_id)  # queued again: held for its key's share until it ends
     try:
         send(job, push_id)
     except NotReplicated as exc:  # queued on the master; durable only once the replicas hold it
+        records.hold_backlog(job.job_id)
         exc.job_id, exc.duplicate = job.job_id, True
         raise
     except Exception as exc:  # a reply lost with its connection: maybe pushed
         raise _unconfirmed(job, repr(exc), log) from exc
     if not records.pushed(push_id):
         raise _unconfirmed(job, "the push reached another Redis master than the job's record", log)
+    # Queued again: held for its key's share until it ends. Only once the push is known to have landed
+    # where the record is: a hold for a push that failed would count a job in no lane for a day.
+    records.hold_backlog(job.job_id)
 
 
 def confirm_replicated(job: Job, records: JobRecords, settings: Settings) -> None:

@@ -19,9 +19,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from producer.queue import resubmission
+from producer.queue.room_wait import RoomWait
 from shared import backlog_share, logs, names, redis_target
 from shared.celery_app import make_celery, send_job
-from shared.errors import NotReplicated, PushUnconfirmed, QueueFull, ServiceUnreachable, StoreUnavailable
+from shared.errors import NotReplicated, PushUnconfirmed, ServiceUnreachable, StoreUnavailable
 from shared.jobs import Job
 from shared.records import (
     CLAIM_TTL_S,
@@ -89,41 +90,19 @@ class Queue:
             owner, self.settings.backlog_max_depth, self.settings.backlog_key_shares
         )
 
-    def wait_for_room(
-        self, lane: str, block: bool = True, timeout: float | None = None, owner: str = backlog_share.NO_KEY
-    ) -> None:
-        """Backpressure on the backlog lane: wait while it has no room for `owner`'s job (at its depth
-        limit, or past the owner's share while other keys have work in it), or raise QueueFull."""
-        if lane != "backlog":
-            return  # interactive tickets are never held back by the backlog
-        limit = self.settings.backlog_max_depth
-        deadline = None if timeout is None else time.monotonic() + timeout
-        logged = False
-        while (room := self.backlog_room(owner)).room <= 0:
-            why = room.refusal(limit, self.settings.backlog_key_shares, owner)
-            if not block:
-                raise QueueFull(room.depth, limit, why)
-            if deadline is not None and time.monotonic() >= deadline:
-                waited = f"still full after {timeout:g} s; nothing enqueued"
-                raise QueueFull(room.depth, limit, f"{why}; {waited}" if why else waited)
-            if not logged:
-                self.log.info("MRC_BACKPRESSURE", lane=lane, depth=room.depth, limit=limit, held=room.held,
-                              keys=room.keys)  # fmt: skip
-                logged = True
-            time.sleep(0.5)
-
     def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
         """Send the job unless its id was already submitted; True when this call enqueued it.
 
         The same job under a used id is a duplicate (False) once the other submission is published and
         its message is in Redis (pushed again where it is not: producer/queue/resubmission.py); a
-        different job under a used id is refused (UsageError). An interruption at any point (Ctrl-C
+        different job under a used id is refused (UsageError). On the backlog lane the claim takes the
+        job's room in the lane in the same step (a resubmission of a queued id needs none), waiting
+        for it (`block`, up to `timeout`) or raising QueueFull. An interruption at any point (Ctrl-C
         included) undoes the claim. The message is sent only while the claim is still this call's:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
-        if job.lane == "backlog" and not self._published(job.job_id):  # the same job again is answered,
-            self.wait_for_room(job.lane, block, timeout, backlog_share.owner_of(job.job_id))  # not refused
+        wait = RoomWait.of(block, timeout)
         for _ in range(_CLAIM_TRIES):
-            token = self._claim(job)
+            token = self._claim(job, wait)
             if token is None:  # the same job, once its message is known to be there (or pushed again)
                 return resubmission.answer(job, self.records, self.settings, self._send, self.log)
             sent = self._send_claimed(job, token)
@@ -132,26 +111,28 @@ class Queue:
             self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
         raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
 
-    def _published(self, job_id: str) -> bool:
-        """Whether a submission of this id is queued already (its record published): a resubmission
-        needs no room, and a lane full or a key past its share answered it 503 instead of 200 (review,
-        helper-103; an SDK retrying after a lost answer met it)."""
-        record = self.records.get(job_id)
-        return bool(record) and record.get("published") != "0"
-
-    def _claim(self, job: Job) -> str | None:
+    def _claim(self, job: Job, wait: RoomWait) -> str | None:
         """This submission's claim token, or None when the id is taken by a published submission.
         Another producer's claim not yet published is waited out (it publishes, or frees the id when
-        it fails or expires): answering 'same job' for it could report a job that is never sent."""
-        deadline = time.monotonic() + CLAIM_TTL_S + 5
+        it fails or expires): answering 'same job' for it could report a job that is never sent. On
+        the backlog lane the claim takes its room, or there is none: wait for some, or QueueFull
+        (submissions at once each took room only once they had looked: review, helper-103)."""
+        taken_until = time.monotonic() + CLAIM_TTL_S + 5
+        limit = self.settings.backlog_max_depth if job.lane == "backlog" else None
         while True:
-            token = self.records.claim(job.job_id, job.lane, job.fingerprint())
+            try:
+                token = self.records.claim(
+                    job.job_id, job.lane, job.fingerprint(), limit, self.settings.backlog_key_shares
+                )
+            except backlog_share.NoRoom as full:
+                wait.refuse_or_wait(full.room, backlog_share.owner_of(job.job_id), self.settings, self.log)
+                continue
             if token is not None:
                 return token
             record = self.records.get(job.job_id)
             if record and record.get("published") != "0":
                 return None
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= taken_until:
                 raise ServiceUnreachable(  # Redis: its claim outlives its lease (review, helper-74: "S3")
                     "Redis", f"job {job.job_id}: another submission of it neither ends nor expires"
                 )

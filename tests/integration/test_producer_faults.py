@@ -14,7 +14,7 @@ import pytest
 from producer.client import Client, Submission
 from producer.queue import dlq
 from scripts import devservices as services
-from shared import names
+from shared import backlog_share, names
 from shared.errors import UsageError
 from shared.records import RedisJobRecords, connect
 from tests.support import imagegen
@@ -246,12 +246,17 @@ def test_a_claim_sent_again_with_its_own_token_is_still_its_holders(client: Clie
     """A claim whose answer was lost (a timeout, a dropped connection) and that redis-py sends again
     finds the record it made itself: its holder's, not another submission's (review, helper-74: the
     submission then waited out its own claim and was answered 503 naming S3)."""
-    job_id = _id()
     claim = client.records._claim  # type: ignore[attr-defined]  # the script, as redis-py resends it
-    args = [30, "interactive", "2026-12-06T00:00:00Z", "fp", "token-one"]
-    assert claim(keys=[names.job_key(job_id)], args=args) == 1
-    assert claim(keys=[names.job_key(job_id)], args=args) == 1, "its own claim, sent again"
-    assert claim(keys=[names.job_key(job_id)], args=[*args[:4], "token-two"]) == 0
+    for lane, limit in (("interactive", ""), ("backlog", 10_000)):  # a backlog claim takes room once
+        job_id = _id()
+        keys = [names.job_key(job_id), *backlog_share.keys(), *names.queue_keys(lane)]
+        stamp, now = "2026-12-06T00:00:00Z", time.time()
+        args = [30, lane, stamp, "fp", "token-one", "-", now, 86400, limit, "1", job_id]
+        assert claim(keys=keys, args=args) == [1]
+        assert claim(keys=keys, args=args) == [1], "its own claim, sent again"
+        assert claim(keys=keys, args=[*args[:4], "token-two", *args[5:]]) == [0]
+        claims = client.records._redis.zrange(names.backlog_claims_key(), 0, -1)  # type: ignore[attr-defined]
+        assert claims.count(f"- {job_id}") == (lane == "backlog")
 
 
 def test_a_look_for_an_earlier_result_that_hangs_is_cut_well_inside_the_claim(

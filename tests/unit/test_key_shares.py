@@ -4,16 +4,22 @@ its own); through the public routes: tests/integration/test_tenants.py."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from producer.queue.sender import Queue
 from scripts import devservices as services
-from shared import backlog_share
+from shared import backlog_share, names
+from shared.errors import QueueFull
+from shared.jobs import Job
 from shared.memory_records import MemoryJobRecords
-from shared.records import RedisJobRecords
+from shared.records import JobRecords, RedisJobRecords
+from shared.stores.memory import MemoryStore
 
 ALICE, BOB = "a1a1a1a1a1a1", "b2b2b2b2b2b2"
 
@@ -107,3 +113,88 @@ def test_the_redis_steps_hold_each_backlog_job_once_from_its_queuing_to_its_end(
     room = records.backlog_room(BOB, 10)
     assert (room.held, room.keys, room.room) == (0, 2, 5)  # alice holds a0, a2: bob has half of 10
     assert records.backlog_room(ALICE, 10, shares=False).room == 10  # off: the depth alone (empty lane)
+
+
+def test_a_claim_takes_its_room_in_the_same_step(any_records: JobRecords) -> None:
+    """Review, helper-103: a single submission looked at the room, then claimed, so submissions at once
+    passed the depth and a key's share by their number. A claim on the backlog lane now takes its room
+    in its own step: until its confirm holds the job (or its release or lease gives the room back) it
+    counts in the depth and in its owner's jobs."""
+    records = any_records
+    tokens = [records.claim(f"{ALICE}~c{n}", "backlog", limit=3) for n in range(3)]
+    assert all(tokens)
+    with pytest.raises(backlog_share.NoRoom) as full:
+        records.claim(f"{ALICE}~c3", "backlog", limit=3)
+    assert (full.value.room.room, full.value.room.depth, full.value.room.held) == (0, 3, 3)
+    assert not records.get(f"{ALICE}~c3")  # nothing written for the refused claim
+    assert records.claim(f"{ALICE}~t", "interactive", limit=3)  # tickets take no backlog room
+    records.release(f"{ALICE}~c0", str(tokens[0]))  # a send that failed gives its room back
+    assert records.claim(f"{ALICE}~c3", "backlog", limit=3)
+    assert records.confirm(f"{ALICE}~c1", str(tokens[1]))  # confirmed: held instead of claimed
+    room = records.backlog_room(ALICE, 3)
+    assert (room.room, room.depth, room.held) == (1, 2, 3)  # c1 held (its message not in a list here)
+    assert records.claim(f"{BOB}~b0", "backlog", limit=3)  # his share is 2 (alice holds 3)
+    assert records.claim(f"{BOB}~b1", "backlog", limit=3)
+    with pytest.raises(backlog_share.NoRoom) as shared:  # his claims count for his share too
+        records.claim(f"{BOB}~b2", "backlog", limit=3)
+    assert (shared.value.room.keys, shared.value.room.held) == (2, 2)
+
+
+def test_a_claim_whose_producer_died_gives_its_room_back_after_its_lease(tmp_path: Path) -> None:
+    server = services.start_redis(tmp_path / "redis")
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        records = RedisJobRecords(client, claim_ttl_s=1)
+        token = records.claim(f"{ALICE}~gone", "backlog", limit=1)
+        assert token is not None
+        with pytest.raises(backlog_share.NoRoom):
+            records.claim(f"{ALICE}~next", "backlog", limit=1)
+        assert records.renew(f"{ALICE}~gone", token)  # a renewed claim keeps its room for a fresh lease
+        time.sleep(1.5)
+        assert records.claim(f"{ALICE}~next", "backlog", limit=1)
+        assert client.zcard(names.backlog_claims_key()) == 1  # the lapsed claim's room is gone with it
+    finally:
+        client.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_submissions_at_once_get_no_more_room_than_the_lane_has(tmp_path: Path, shares: bool) -> None:
+    """Thirty single submissions at once through the producer's queue (a real Redis, its broker): alone,
+    exactly the depth is let in; beside another key holding the lane, exactly the share."""
+    server = services.start_redis(tmp_path / "redis")
+    env = {"MRC_REDIS_URL": server.url, "MRC_BACKLOG_MAX_DEPTH": "10"}
+    settings = services.settings_from_env(env)
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    queue = Queue(settings, images=MemoryStore(), results=MemoryStore())
+    try:
+        records = RedisJobRecords(client)
+        if shares:
+            for n in range(10):  # alice holds the whole lane: bob's share is 5
+                token = records.claim(f"{ALICE}~held{n}", "backlog")
+                assert token is not None
+                assert records.confirm(f"{ALICE}~held{n}", token)
+        outcomes: list[str] = []
+
+        def submit(n: int) -> None:
+            job = Job(job_id=f"{BOB}~j{n}", image_uri="s3://b/p.jpg", prompt="Torn?", lane="backlog",
+                      max_new_tokens=8, api_key=BOB)  # fmt: skip
+            try:
+                outcomes.append("queued" if queue.enqueue(job, block=False) else "same")
+            except QueueFull:
+                outcomes.append("full")
+
+        threads = [threading.Thread(target=submit, args=(n,)) for n in range(30)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wanted = 5 if shares else 10
+        assert outcomes.count("queued") == wanted, outcomes
+        assert outcomes.count("full") == 30 - wanted
+        assert queue.lane_depth("backlog") == wanted
+        assert client.zcard(names.backlog_claims_key()) == 0  # every claim confirmed or refused
+    finally:
+        queue.close()
+        client.close()
+        server.stop()

@@ -4,31 +4,19 @@ first fault is younger than the budget, the same in Redis (the Lua step) and in 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import redis
 
 from scripts import devservices as services
 from shared import names
-from shared.memory_records import MemoryJobRecords
 from shared.records import JobRecords, RedisJobRecords
 
 
-@pytest.fixture(params=["redis", "memory"])
-def records(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobRecords]:
-    if request.param == "memory":
-        yield MemoryJobRecords()
-        return
-    server = services.start_redis(tmp_path / "redis")
-    client = redis.Redis.from_url(server.url, decode_responses=True)
-    yield RedisJobRecords(client)
-    client.close()
-    server.stop()
-
-
-def test_an_outages_retries_give_their_attempts_back_until_the_budget_is_spent(records: JobRecords) -> None:
+def test_an_outages_retries_give_their_attempts_back_until_the_budget_is_spent(
+    any_records: JobRecords,
+) -> None:
+    records = any_records
     assert records.begin_many(["j"]) == [1]
     assert records.store_fault("j", 60) == 1  # the first retry: the attempt given back
     assert records.begin_many(["j"]) == [1]
@@ -39,8 +27,9 @@ def test_an_outages_retries_give_their_attempts_back_until_the_budget_is_spent(r
 
 
 def test_the_budget_runs_from_the_first_fault_and_a_requeued_dead_letter_starts_again(
-    records: JobRecords,
+    any_records: JobRecords,
 ) -> None:
+    records = any_records
     records.begin_many(["j"])
     assert records.store_fault("j", 0.5) == 1
     time.sleep(0.6)
