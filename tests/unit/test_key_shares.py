@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from producer.queue import resubmission
 from producer.queue.sender import Queue
 from scripts import devservices as services
-from shared import backlog_share, names
-from shared.errors import QueueFull
+from shared import backlog_share, logs, names
+from shared.errors import PushUnconfirmed, QueueFull
 from shared.jobs import Job
 from shared.memory_records import MemoryJobRecords
 from shared.records import JobRecords, RedisJobRecords
@@ -198,3 +199,32 @@ def test_submissions_at_once_get_no_more_room_than_the_lane_has(tmp_path: Path, 
         queue.close()
         client.close()
         server.stop()
+
+
+class _Landed(MemoryJobRecords):
+    def pushed(self, push_id: str) -> bool:
+        return True  # the push's marker is where the record is
+
+
+def test_a_job_pushed_again_is_held_only_once_its_push_landed() -> None:
+    """A lost message pushed again was held before its send: a send that failed left a job in no lane
+    counting for its key's share for a day."""
+    job = Job(job_id=f"{ALICE}~lost", image_uri="s3://b/p.jpg", prompt="Torn?", lane="backlog",
+              max_new_tokens=8, api_key=ALICE)  # fmt: skip
+
+    def refused(job: Job, push_id: str) -> None:
+        raise ConnectionError("the broker went away")
+
+    for records, send in ((MemoryJobRecords(), refused), (_Landed(), lambda job, push_id: None)):
+        token = records.claim(job.job_id, "backlog")
+        assert token is not None
+        records.confirm(job.job_id, token)
+        records.set_state(job.job_id, "queued")  # a queued job's hold let go: as after a lost Redis
+        records.held.clear()
+        if send is refused:
+            with pytest.raises(PushUnconfirmed):
+                resubmission.push_again(job, "push-1", records, send, logs.get_logger())
+            assert records.backlog_room(ALICE, 10).held == 0
+        else:
+            resubmission.push_again(job, "push-1", records, send, logs.get_logger())
+            assert records.backlog_room(ALICE, 10).held == 1
