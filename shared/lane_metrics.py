@@ -75,6 +75,9 @@ def _submitted_at(raw: bytes | str) -> datetime | None:
         return None
 
 
+_HELD_SEEN_MAX = 1_000  # keys whose mrc_backlog_held_jobs series stays at 0
+
+
 class LaneCollector(Collector):
     def __init__(self, client: redis.Redis, runs: bool = False) -> None:
         """`runs`: the backlog runs' series too, read from every run record the ops page keeps (up to
@@ -88,6 +91,17 @@ class LaneCollector(Collector):
                 "rejected": int(client.get(names.rejected_count_key()) or 0),
             }
         )
+        self._held_seen: set[str] = set()
+
+    def _held_series(self, held: dict[str, int]) -> dict[str, int]:
+        """Each key's held jobs, 0 for a key seen holding some since this exporter started: a series
+        that vanished at 0 read as "no data" on a dashboard, and an alert on it never resolved (review,
+        helper-103). Keys come from the operator's key list, so the remembered set stays small; it is
+        capped all the same."""
+        for owner in held:
+            if len(self._held_seen) < _HELD_SEEN_MAX:
+                self._held_seen.add(owner)
+        return {owner: held.get(owner, 0) for owner in sorted(self._held_seen | set(held))}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         view = self._view.get()
@@ -133,7 +147,7 @@ class LaneCollector(Collector):
                     run_age.add_metric([kind], row["oldest_age_s"])
                 yield from (runs, run_age)
             if view["held"] is not None:
-                for owner, count in view["held"].items():
+                for owner, count in self._held_series(view["held"]).items():
                     held.add_metric([owner], count)
                 yield held
             if view["memory"]:
