@@ -87,6 +87,7 @@ class _Pass:
     parse: Parse
     partials: set[int]  # chunks a killed pass left a partial index of (deleted once indexed whole)
     pass_id: str  # the run's record counts this pass's chunks only while it names this pass
+    lines_shown: int = 0  # lines of the chunk being queued already in the progress's count
 
 
 class Backlog(RunReader):
@@ -256,6 +257,7 @@ class Backlog(RunReader):
             self.files, self._key(run_id, "index/"), number, known, earlier, number in step.partials
         )
         jobs, entries = self._jobs(step, chunk)
+        step.lines_shown = 0
         index.entries.extend(entries)
         entries = index.entries  # _queue adds each queued job's entry
         unreplicated: PartNotReplicated | None = None
@@ -286,7 +288,7 @@ class Backlog(RunReader):
             raise unreplicated
         if full is not None:
             raise full
-        progress.lines += len(chunk)
+        progress.lines += len(chunk) - step.lines_shown
         progress.valid += len(entries) - invalid
         progress.invalid += invalid
         if stopped:  # the index holds what was queued before the cancel: status and report see it
@@ -337,7 +339,8 @@ class Backlog(RunReader):
                 replies = self.runs.enqueue_many(run_id, captured, limit, self.settings.backlog_key_shares)
             except PartNotReplicated as exc:  # queued on the master; counted below, then the run stops
                 replies, unreplicated = exc.replies, exc
-            at += _took(part, replies, index.entries, progress)
+            went = _took(part, replies, index.entries, progress)
+            at, progress.lines, step.lines_shown = at + went, progress.lines + went, step.lines_shown + went
             if unreplicated is not None:
                 # What is queued is indexed and the chunk flagged: a resume queues each of its jobs again
                 # where a failover lost it, and the rest. Nothing past it is queued unconfirmed.

@@ -182,6 +182,10 @@ def test_a_slow_chunk_is_seen_as_it_is_queued_and_a_kill_mid_way_is_resumed_whol
     shown = [line for line in (tmp_path / "slow.err").read_text().splitlines() if line.startswith("enqueue:")]
     assert shown[0].startswith("enqueue: lines 0, enqueued 0"), shown  # the first line at once
     assert len({line.split(", ")[1] for line in shown}) >= 3, shown  # then as jobs go in
+    # ...and its lines with them (review: "lines 0 ... 0.0 lines/s" until the chunk's end)
+    counts = [[int(part.split()[-1]) for part in line.split(", ")[:2]] for line in shown]
+    assert all(lines == enqueued for lines, enqueued in counts), shown
+    assert "0.0 lines/s" not in shown[-1], shown
 
     resumed = services.run_cli(own, "backlog", "--resume", "slow", "--interval", "0")
     assert resumed.returncode == 0, resumed.stderr
