@@ -40,11 +40,18 @@ NO_KEY = "-"
 _PRUNE_AT_ONCE = 200
 
 # room(zset, counts, claims, owner, now, max_age, limit, depth, shared) -> {room, held by owner, keys
-# with work, depth}. Let go of what is held past max_age (a few at a time) and of claims past their
-# lease; the claims taking room count in the depth and in their owners' jobs. Then: alone (no other
-# owner holds a job) or with shares off (MRC_BACKLOG_KEY_SHARES=false), the room left under the limit;
-# shared, the least of what is left of the owner's share and of twice the limit.
+# with work, depth, claims}. Let go of what is held past max_age (a few at a time) and of claims past
+# their lease; the claims taking room count in the depth and in their owners' jobs. Then: alone (no
+# other owner holds a job) or with shares off (MRC_BACKLOG_KEY_SHARES=false), the room left under the
+# limit; shared, the least of what is left of the owner's share and of twice the limit.
+# A claim's lease is read on Redis's clock (claim_now), never a producer's: a producer whose clock ran
+# 40 s ahead let go of every other producer's claims, and one 40 s behind made its own look lapsed to
+# all the others (review, helper-105). Holds (24 h) take the producer's clock: seconds do not matter.
 ROOM_LUA = f"""
+local function claim_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
 local function backlog_room(zset, counts, claims, owner, now, max_age, limit, depth, shared)
   local old = redis.call('ZRANGEBYSCORE', zset, '-inf', now - max_age, 'LIMIT', 0, {_PRUNE_AT_ONCE})
   for _, member in ipairs(old) do
@@ -52,21 +59,22 @@ local function backlog_room(zset, counts, claims, owner, now, max_age, limit, de
     local who = string.match(member, '^(%S+) ')
     if who and redis.call('HINCRBY', counts, who, -1) <= 0 then redis.call('HDEL', counts, who) end
   end
-  redis.call('ZREMRANGEBYSCORE', claims, '-inf', now)
-  local jobs = {{}}
+  redis.call('ZREMRANGEBYSCORE', claims, '-inf', claim_now())
+  local jobs, claimed = {{}}, 0
   for _, member in ipairs(redis.call('ZRANGE', claims, 0, -1)) do
     local who = string.match(member, '^(%S+) ')
-    if who then jobs[who] = (jobs[who] or 0) + 1; depth = depth + 1 end
+    if who then jobs[who] = (jobs[who] or 0) + 1; claimed = claimed + 1 end
   end
+  depth = depth + claimed
   local held = redis.call('HGETALL', counts)
   for i = 1, #held, 2 do jobs[held[i]] = (jobs[held[i]] or 0) + tonumber(held[i + 1]) end
   local others, mine = 0, jobs[owner] or 0
   for who, n in pairs(jobs) do
     if who ~= owner and n > 0 then others = others + 1 end
   end
-  if others == 0 or not shared then return {{limit - depth, mine, others + 1, depth}} end
+  if others == 0 or not shared then return {{limit - depth, mine, others + 1, depth, claimed}} end
   local share = math.ceil(limit / (others + 1))
-  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1, depth}}
+  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1, depth, claimed}}
 end
 local function backlog_hold(zset, counts, owner, job_id, now)
   if redis.call('ZADD', zset, 'NX', now, owner .. ' ' .. job_id) == 1 then
@@ -84,13 +92,13 @@ local depth = 0
 for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 local r = backlog_room(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
                        tonumber(ARGV[4]), depth, ARGV[5] == '1')
-return {r[1], r[4], r[2], r[3]}
+return {r[1], r[4], r[2], r[3], r[5]}
 """
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts, KEYS[4] claims, KEYS[5..] the lane's lists; ARGV
 # ttl, lane, submitted_at, fingerprint, claim token, owner, now, max_age, limit ('': none), shared, job
 # id. A claim (shared/records.py) that takes its room in the same step on the backlog lane: {1} claimed,
-# {0} the id is taken, {-1, room, depth, held, keys} no room for it now (nothing written).
+# {0} the id is taken, {-1, room, depth, held, keys, claims} no room for it now (nothing written).
 CLAIM_LUA = (
     ROOM_LUA
     + """
@@ -103,8 +111,8 @@ if ARGV[2] == 'backlog' and ARGV[9] ~= '' then
   for i = 5, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
   local r = backlog_room(KEYS[2], KEYS[3], KEYS[4], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]),
                          tonumber(ARGV[9]), depth, ARGV[10] == '1')
-  if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3]} end
-  redis.call('ZADD', KEYS[4], tonumber(ARGV[7]) + tonumber(ARGV[1]), ARGV[6] .. ' ' .. ARGV[11])
+  if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3], r[5]} end
+  redis.call('ZADD', KEYS[4], claim_now() + tonumber(ARGV[1]), ARGV[6] .. ' ' .. ARGV[11])
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
@@ -141,17 +149,24 @@ class Room:
     depth: int  # jobs waiting in the lane, and those being queued (their claims)
     held: int  # the owner's jobs held (queued or running) or being queued
     keys: int  # owners with work in the lane, this one included
+    claims: int = 0  # of `depth`, the jobs being queued now (claimed, not yet in the lane)
 
     def refusal(self, limit: int, shares: bool = True, owner: str = "") -> str:
-        """Why there is no room, after "the backlog lane holds N jobs; the limit is L"."""
-        if self.keys <= 1 or not shares:
-            return ""
-        share = -(-limit // self.keys)  # rounded up, as the scripts do
-        who = "the command line (its runs, no key, count as one)" if owner == NO_KEY else "this key"
-        return (
-            f"the lane is shared by the {self.keys} keys with work in it (queued or running): {who} holds "
-            f"{self.held} jobs, its share is {share}"
-        )
+        """Why there is no room, after "the backlog lane holds N jobs; the limit is L": the jobs being
+        queued now among them (claims no view of the lane shows: review, helper-105), and while keys
+        share the lane, the owner's share, or the lane at twice its limit where that is what stops an
+        owner under its share (it said the share alone: review, helper-105)."""
+        said = [f"{self.claims} of them being queued now"] if self.claims else []
+        if self.keys > 1 and shares:
+            share = -(-limit // self.keys)  # rounded up, as the scripts do
+            who = "the command line (its runs, no key, count as one)" if owner == NO_KEY else "this key"
+            said.append(
+                f"the lane is shared by the {self.keys} keys with work in it (queued or running): {who} "
+                f"holds {self.held} jobs, its share is {share}"
+            )
+            if self.room <= 0 and self.held < share:
+                said.append(f"the lane holds twice its limit while the shares settle (at most {2 * limit})")
+        return "; ".join(said)
 
 
 def owner_of(job_id: str) -> str:
@@ -191,9 +206,20 @@ def release_call(job_id: str) -> tuple[str, list[str], list[str]]:
 
 
 def held(client: redis.Redis) -> dict[str, int]:
-    """Each owner's backlog jobs held now (owners holding none are absent)."""
-    counts: dict[str, str] = client.hgetall(names.backlog_held_counts_key())  # type: ignore[assignment]
-    return {str(owner): int(n) for owner, n in sorted(counts.items()) if int(n) > 0}
+    """Each owner's backlog jobs held now, those being queued (their claims) included: they take room
+    as the held ones do, and views that left them out showed a lane with room that refused (review,
+    helper-105). Owners holding none are absent."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(names.backlog_held_counts_key())
+        pipe.time()
+        pipe.zrange(names.backlog_claims_key(), 0, -1, withscores=True)
+        counts, (seconds, micros), claims = pipe.execute()
+    owners = {str(owner): int(n) for owner, n in counts.items()}
+    for member, until in claims:
+        if float(until) > seconds + micros / 1e6:  # its lease, on Redis's clock as the scripts read it
+            who = str(member).split(" ", 1)[0]
+            owners[who] = owners.get(who, 0) + 1
+    return {owner: n for owner, n in sorted(owners.items()) if n > 0}
 
 
 def share_each(held_by_key: dict[str, int], limit: int, shares: bool) -> int | None:
@@ -204,5 +230,5 @@ def share_each(held_by_key: dict[str, int], limit: int, shares: bool) -> int | N
 
 
 def room_from(reply: list[int]) -> Room:
-    room, depth, held, count = (int(x) for x in reply)
-    return Room(room, depth, held, count)
+    room, depth, held, count, claims = (int(x) for x in reply)
+    return Room(room, depth, held, count, claims)

@@ -104,9 +104,9 @@ class MemoryJobRecords:
         depth, mine = len(self.claims), jobs.get(owner, 0)
         others = sum(1 for who, n in jobs.items() if who != owner and n)
         if others == 0 or not shares:
-            return backlog_share.Room(limit - depth, depth, mine, others + 1)
+            return backlog_share.Room(limit - depth, depth, mine, others + 1, depth)
         share = -(-limit // (others + 1))
-        return backlog_share.Room(min(share - mine, 2 * limit - depth), depth, mine, others + 1)
+        return backlog_share.Room(min(share - mine, 2 * limit - depth), depth, mine, others + 1, depth)
 
     def release(self, job_id: str, token: str) -> None:
         with self._lock:

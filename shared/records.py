@@ -40,7 +40,7 @@ CLAIM_TTL_S = 30
 
 # A claim (backlog_share.CLAIM_LUA) is atomic: whole or absent, and it names its holder, so only the
 # holder can confirm or release it. On the backlog lane it takes its room in the same step.
-# KEYS[1] the job's hash, KEYS[2] the backlog's claims; ARGV: claim token, ttl, the claim's member, now.
+# KEYS[1] the job's hash, KEYS[2] the backlog's claims; ARGV: claim token, ttl, the claim's member.
 # The claim is still this holder's (it did not expire and was not taken by another): give it a fresh
 # lease, and its room too. 1 if so.
 _RENEW_SCRIPT = """
@@ -48,7 +48,8 @@ if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] or redis.call('HGET', KEYS[1]
   return 0
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('ZADD', KEYS[2], 'XX', tonumber(ARGV[4]) + tonumber(ARGV[2]), ARGV[3])
+local t = redis.call('TIME')  -- the claims' clock is Redis's (shared/backlog_share.py)
+redis.call('ZADD', KEYS[2], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
 # KEYS[1]; ARGV: claim token, record ttl, checked. Only the holder confirms, and only its own claim: a
@@ -224,8 +225,7 @@ class RedisJobRecords:
     def renew(self, job_id: str, token: str) -> bool:
         """A fresh lease for a claim still held (False: it expired, and may be another's now)."""
         keys = [names.job_key(job_id), names.backlog_claims_key()]
-        member = backlog_share.claim_member(job_id)
-        args: list[str | int | float] = [token, self._claim_ttl_s, member, time.time()]
+        args: list[str | int] = [token, self._claim_ttl_s, backlog_share.claim_member(job_id)]
         return bool(self._renew(keys=keys, args=args))
 
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool:

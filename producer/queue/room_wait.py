@@ -22,6 +22,7 @@ class RoomWait:
     timeout: float | None
     deadline: float | None
     logged: bool = False  # MRC_BACKPRESSURE is written once a wait
+    looked: bool = False  # for a result stored under the job's id (it needs no room then)
 
     @classmethod
     def of(cls, block: bool, timeout: float | None) -> RoomWait:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -39,6 +40,13 @@ from shared.stores import ImageSource, ResultStore, open_stores
 _CLAIM_TRIES = 3
 _LAST_TICK_READ_S = 0.01  # within a wait's last server tick, reads of the stream that do not block
 _EVENT_READ_S = 1.0  # one blocking read of the completion events at most this long (inside socket timeouts)
+
+
+@dataclass(frozen=True)
+class _Done:
+    """A submission answered by the result stored under its id (its record expired)."""
+
+    result: dict[str, Any]
 
 
 class Queue:
@@ -103,6 +111,8 @@ class Queue:
         wait = RoomWait.of(block, timeout)
         for _ in range(_CLAIM_TRIES):
             token = self._claim(job, wait)
+            if isinstance(token, _Done):  # no room, and no need of any: its result is stored
+                return self._duplicate(job, token.result.get("job_fingerprint"))
             if token is None:  # the same job, once its message is known to be there (or pushed again)
                 return resubmission.answer(job, self.records, self.settings, self._send, self.log)
             sent = self._send_claimed(job, token)
@@ -111,13 +121,14 @@ class Queue:
             self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
         raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
 
-    def _claim(self, job: Job, wait: RoomWait) -> str | None:
+    def _claim(self, job: Job, wait: RoomWait) -> str | _Done | None:
         """This submission's claim token, or None when the id is taken by a published submission.
         Another producer's claim not yet published is waited out (it publishes, or frees the id when
         it fails or expires): answering 'same job' for it could report a job that is never sent. On
         the backlog lane the claim takes its room, or there is none: wait for some, or QueueFull
-        (submissions at once each took room only once they had looked: review, helper-103)."""
-        taken_until = time.monotonic() + CLAIM_TTL_S + 5
+        (submissions at once each took room only once they had looked: review, helper-103), unless
+        the job's result is stored already (_Done: its record expired; it needs no room)."""
+        taken_since: float | None = None
         limit = self.settings.backlog_max_depth if job.lane == "backlog" else None
         while True:
             try:
@@ -125,14 +136,21 @@ class Queue:
                     job.job_id, job.lane, job.fingerprint(), limit, self.settings.backlog_key_shares
                 )
             except backlog_share.NoRoom as full:
+                if not wait.looked:  # once a submission (review, helper-105: a stored job met 503)
+                    wait.looked = True
+                    _checked, existing = self._earlier_result(job.job_id)
+                    if existing is not None:
+                        return _Done(existing)
                 wait.refuse_or_wait(full.room, backlog_share.owner_of(job.job_id), self.settings, self.log)
+                taken_since = None  # a wait for room is no wait on another's claim
                 continue
             if token is not None:
                 return token
             record = self.records.get(job.job_id)
             if record and record.get("published") != "0":
                 return None
-            if time.monotonic() >= taken_until:
+            taken_since = time.monotonic() if taken_since is None else taken_since
+            if time.monotonic() - taken_since >= CLAIM_TTL_S + 5:
                 raise ServiceUnreachable(  # Redis: its claim outlives its lease (review, helper-74: "S3")
                     "Redis", f"job {job.job_id}: another submission of it neither ends nor expires"
                 )

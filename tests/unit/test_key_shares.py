@@ -228,3 +228,97 @@ def test_a_job_pushed_again_is_held_only_once_its_push_landed() -> None:
         else:
             resubmission.push_again(job, "push-1", records, send, logs.get_logger())
             assert records.backlog_room(ALICE, 10).held == 1
+
+
+@pytest.fixture
+def lane(tmp_path: Path) -> Iterator[tuple[Queue, redis.Redis, MemoryStore]]:
+    """A producer's queue at a backlog depth of 1 on a redis-server of its own, the lane full (one
+    message that is no job's: its depth alone counts)."""
+    server = services.start_redis(tmp_path / "redis")
+    settings = services.settings_from_env({"MRC_REDIS_URL": server.url, "MRC_BACKLOG_MAX_DEPTH": "1"})
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    results = MemoryStore()
+    queue = Queue(settings, images=MemoryStore(), results=results)
+    client.lpush(names.queue_keys("backlog")[0], "filler")
+    yield queue, client, results
+    queue.close()
+    client.close()
+    server.stop()
+
+
+def _job(job_id: str) -> Job:
+    return Job(job_id=job_id, image_uri="s3://b/p.jpg", prompt="Torn?", lane="backlog", max_new_tokens=8)
+
+
+def test_two_blocking_submissions_of_one_id_that_waited_for_room_are_one_job(
+    lane: tuple[Queue, redis.Redis, MemoryStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-105: the wait on another submission's claim was timed from before the wait for
+    room, so the second of two blocking submissions of one id that had waited long exited 5 ("cannot
+    reach Redis: ... neither ends nor expires") as the first one's claim was being published."""
+    from producer.queue import sender
+
+    monkeypatch.setattr(sender, "CLAIM_TTL_S", 0.5)  # a wait on another's claim: 5.5 s at most
+    queue, client, _ = lane
+    outcomes: list[object] = []
+
+    def submit() -> None:
+        try:
+            outcomes.append(queue.enqueue(_job("dup-1"), block=True, timeout=60))
+        except Exception as exc:  # the outcome is what is asserted
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(7)  # both wait for room longer than a wait on a claim may last
+    client.rpop(names.queue_keys("backlog")[0])
+    for thread in threads:
+        thread.join(30)
+    assert sorted(outcomes, key=str) == [False, True], outcomes
+
+
+def test_a_job_whose_result_is_stored_is_answered_with_the_lane_full(
+    lane: tuple[Queue, redis.Redis, MemoryStore],
+) -> None:
+    """Review, helper-105: a job whose record had expired and whose result is stored met 503 with the
+    lane full, and 200 with a place free: it needs no room (it is not queued again)."""
+    queue, _, results = lane
+    job = _job("done-1")
+    results.put_result(
+        job.job_id, {"job_id": job.job_id, "status": "succeeded", "job_fingerprint": job.fingerprint()}
+    )
+    assert queue.enqueue(job, block=False) is False  # the same job, answered from its result
+    with pytest.raises(QueueFull, match="the limit is 1"):
+        queue.enqueue(_job("new-1"), block=False)
+
+
+def test_claims_are_timed_on_redis_clock_and_shown_where_the_lane_is(
+    redis_records: RedisJobRecords, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-105: a producer whose clock ran 40 s ahead let go of every other producer's
+    claims (they were timed on each producer's clock) and took their room; and the views of the lane
+    left claims out, so it showed room while it refused."""
+    import shared.records
+
+    records = redis_records
+    assert records.claim(f"{ALICE}~a", "backlog", limit=2)
+    assert records.claim(f"{ALICE}~b", "backlog", limit=2)
+    real = time.time
+    monkeypatch.setattr(shared.records.time, "time", lambda: real() + 40)  # another producer's clock
+    with pytest.raises(backlog_share.NoRoom) as full:
+        records.claim(f"{ALICE}~c", "backlog", limit=2)
+    monkeypatch.undo()
+    assert (full.value.room.depth, full.value.room.claims) == (2, 2)
+    assert full.value.room.refusal(2, owner=ALICE) == "2 of them being queued now"
+    assert backlog_share.held(records._redis) == {ALICE: 2}
+
+
+def test_a_refusal_at_twice_the_limit_says_so() -> None:
+    """Review, helper-105: an owner under its share, stopped by the lane at twice its limit, was told
+    its share alone."""
+    capped = backlog_share.Room(0, 20, 2, 4)
+    assert "the lane holds twice its limit while the shares settle (at most 20)" in capped.refusal(
+        10, owner="-"
+    )
+    assert "twice" not in backlog_share.Room(0, 12, 3, 4).refusal(10, owner="-")  # past its share of 3
