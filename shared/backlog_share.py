@@ -97,8 +97,9 @@ return {r[1], r[4], r[2], r[3], r[5]}
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts, KEYS[4] claims, KEYS[5..] the lane's lists; ARGV
 # ttl, lane, submitted_at, fingerprint, claim token, owner, now, max_age, limit ('': none), shared, job
-# id. A claim (shared/records.py) that takes its room in the same step on the backlog lane: {1} claimed,
-# {0} the id is taken, {-1, room, depth, held, keys, claims} no room for it now (nothing written).
+# id. A claim (shared/records.py) that takes its room in the same step on the backlog lane: {1, room,
+# depth, held, keys, claims} claimed (the room as it was before it; {1} off the backlog), {0} the id is
+# taken, {-1, room, depth, held, keys, claims} no room for it now (nothing written).
 CLAIM_LUA = (
     ROOM_LUA
     + """
@@ -106,6 +107,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'claim') == ARGV[5] then return {1} end
   return {0}
 end
+local room = {1}
 if ARGV[2] == 'backlog' and ARGV[9] ~= '' then
   local depth = 0
   for i = 5, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
@@ -113,11 +115,12 @@ if ARGV[2] == 'backlog' and ARGV[9] ~= '' then
                          tonumber(ARGV[9]), depth, ARGV[10] == '1')
   if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3], r[5]} end
   redis.call('ZADD', KEYS[4], claim_now() + tonumber(ARGV[1]), ARGV[6] .. ' ' .. ARGV[11])
+  room = {1, r[1], r[4], r[2], r[3], r[5]}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-return {1}
+return room
 """
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts; ARGV owner, job id, now. A backlog job queued

@@ -82,13 +82,15 @@ def send_job(
     producer: Any = None,
     declare: list[Any] | None = None,
     push_id: str | None = None,
+    ahead: bool = False,
 ) -> None:
     """Put a job message on its lane's queue, its job id as the task id (how a job id is sent once).
     `producer`: publish through this kombu producer (`mrc backlog` captures the messages instead);
     `declare=[]`: the queue is known to exist (a bulk send declares it once, not per message);
     `push_id`: what makes two publishes the same push (shared/transport.py pushes each once): the
     producer names its job's first publish by the job id, so no resubmission of it pushes twice; by
-    default each call is its own push (a retry the worker sends is a new message)."""
+    default each call is its own push (a retry the worker sends is a new message). `ahead`: on the
+    backlog's ahead list (shared/names.py AHEAD_STEP), taken before the rest of the lane."""
     lane = lane if lane in names.LANES else "interactive"
     job_id = str(job.get("job_id"))
     app.send_task(
@@ -106,4 +108,5 @@ def send_job(
         # One id for this publish, the same through Celery's and redis-py's retries of it: the transport
         # pushes a message once per id (shared/transport.py), so a retried push never queues it twice.
         headers={names.PUSH_HEADER: push_id or uuid.uuid4().hex},
+        priority=names.AHEAD_STEP if ahead and lane == "backlog" else None,
     )

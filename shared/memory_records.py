@@ -43,19 +43,30 @@ class MemoryJobRecords:
     def claim(
         self, job_id: str, lane: str, fingerprint: str = "", limit: int | None = None, shares: bool = True
     ) -> str | None:
+        if lane == "backlog" and limit is not None:
+            taken = self.claim_backlog(job_id, fingerprint, limit, shares)
+            return None if taken is None else taken[0]
+        with self._lock:
+            return None if job_id in self.records else self._new_claim(job_id, lane, fingerprint)
+
+    def claim_backlog(
+        self, job_id: str, fingerprint: str, limit: int, shares: bool = True
+    ) -> tuple[str, backlog_share.Room] | None:
         with self._lock:
             if job_id in self.records:
                 return None
-            if lane == "backlog" and limit is not None:
-                room = self._room(backlog_share.owner_of(job_id), limit, shares)
-                if room.room <= 0:
-                    raise backlog_share.NoRoom(room)
-                self.claims[job_id] = time.monotonic() + self.claim_ttl_s
-            token = secrets.token_hex(8)
-            self.records[job_id] = {
-                "state": "queued", "lane": lane, "fingerprint": fingerprint, "published": "0", "claim": token
-            }  # fmt: skip
-            return token
+            room = self._room(backlog_share.owner_of(job_id), limit, shares)
+            if room.room <= 0:
+                raise backlog_share.NoRoom(room)
+            self.claims[job_id] = time.monotonic() + self.claim_ttl_s
+            return self._new_claim(job_id, "backlog", fingerprint), room
+
+    def _new_claim(self, job_id: str, lane: str, fingerprint: str) -> str:
+        token = secrets.token_hex(8)
+        self.records[job_id] = {
+            "state": "queued", "lane": lane, "fingerprint": fingerprint, "published": "0", "claim": token
+        }  # fmt: skip
+        return token
 
     def _holds(self, job_id: str, token: str) -> bool:
         return self.records.get(job_id, {}).get("claim") == token

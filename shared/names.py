@@ -20,6 +20,21 @@ def queue_name(lane: str) -> str:
     return f"mrc.{lane}"
 
 
+# The backlog's "ahead" list: a key's first few backlog jobs while another key's fill the lane
+# (shared/backlog_share.py, MRC_BACKLOG_AHEAD_JOBS) are published at this kombu priority step, and
+# mrc's pop takes that list of the backlog before the backlog's first (kombu's own order, step 0 first,
+# would take it last). Every other reader of a lane already reads all its steps (queue_keys).
+AHEAD_STEP: Final = 3
+
+
+def pop_steps(queue: str, steps: list[int] | tuple[int, ...]) -> list[int]:
+    """The order a consumer takes a queue's priority lists in: kombu's, but the backlog's ahead list
+    first."""
+    if queue != queue_name("backlog") or AHEAD_STEP not in steps:
+        return list(steps)
+    return [AHEAD_STEP, *(step for step in steps if step != AHEAD_STEP)]
+
+
 def queue_keys(lane: str) -> list[str]:
     """Every Redis list holding the lane's messages (its depth is the sum of their lengths)."""
     name = queue_name(lane)

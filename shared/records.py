@@ -144,6 +144,9 @@ class JobRecords(Protocol):
     def claim(
         self, job_id: str, lane: str, fingerprint: str = "", limit: int | None = None, shares: bool = True
     ) -> str | None: ...
+    def claim_backlog(
+        self, job_id: str, fingerprint: str, limit: int, shares: bool = True
+    ) -> tuple[str, backlog_share.Room] | None: ...
     def renew(self, job_id: str, token: str) -> bool: ...
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool: ...
     def release(self, job_id: str, token: str) -> None: ...
@@ -208,10 +211,28 @@ class RedisJobRecords:
         """Take the job id for one submission: its claim token, or None when the id is taken. Until
         `confirm`, the claim expires after a short while (a producer that died before publishing frees
         the id); only the token's holder can renew, confirm or release it. On the backlog lane with a
-        depth `limit`, the claim takes its room in the same step (its owner's share with `shares`),
-        or raises backlog_share.NoRoom and writes nothing."""
+        depth `limit`, the claim takes its room in the same step (claim_backlog)."""
+        if lane == "backlog" and limit is not None:
+            taken = self.claim_backlog(job_id, fingerprint, limit, shares)
+            return None if taken is None else taken[0]
+        reply = self._claim_script(job_id, lane, fingerprint, None, shares)
+        return reply[1] if reply[0] else None
+
+    def claim_backlog(
+        self, job_id: str, fingerprint: str, limit: int, shares: bool = True
+    ) -> tuple[str, backlog_share.Room] | None:
+        """A backlog job's claim that takes its room in the lane in the same step (its owner's share
+        with `shares`): its token and the room as it was before it, or None when the id is taken;
+        raises backlog_share.NoRoom, and writes nothing, when there is none."""
+        reply = self._claim_script(job_id, "backlog", fingerprint, limit, shares)
+        return (reply[1], backlog_share.room_from(reply[2:])) if reply[0] else None
+
+    def _claim_script(
+        self, job_id: str, lane: str, fingerprint: str, limit: int | None, shares: bool
+    ) -> list[Any]:
+        """[1, token, room...] claimed, [0] taken; NoRoom raised."""
         token = secrets.token_hex(8)
-        room = "" if lane != "backlog" or limit is None else limit  # '': no room taken
+        room = "" if limit is None else limit  # '': no room taken
         keys = [names.job_key(job_id), *backlog_share.keys(), *(names.queue_keys(lane) if room else [])]
         args: list[str | int | float] = [
             self._claim_ttl_s, lane, now_rfc3339(), fingerprint, token, backlog_share.owner_of(job_id),
@@ -220,7 +241,7 @@ class RedisJobRecords:
         reply = [int(x) for x in self._claim(keys=keys, args=args)]
         if reply[0] < 0:
             raise backlog_share.NoRoom(backlog_share.room_from(reply[1:]))
-        return token if reply[0] else None
+        return [reply[0], token, *reply[1:]]
 
     def renew(self, job_id: str, token: str) -> bool:
         """A fresh lease for a claim still held (False: it expired, and may be another's now)."""

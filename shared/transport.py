@@ -204,7 +204,11 @@ class Channel(kombu_redis.Channel):
             self._in_poll = self.client.connection
             self._brpop_sent_at = kombu_redis.monotonic()  # type: ignore[attr-defined,assignment]  # its module global
             return
-        pairs = [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps for queue in queues]
+        # kombu's order (each queue's first list, then each one's next: interactive before backlog at
+        # every rank), but the backlog's ahead list taken before its first (shared/names.py).
+        order = {queue: names.pop_steps(queue, self.priority_steps) for queue in queues}
+        pairs = [(self._q_for_pri(queue, order[queue][rank]), queue)
+                 for rank in range(len(self.priority_steps)) for queue in queues]  # fmt: skip
         keys = [key for key, _ in pairs]
         flags = ["1" if self._records(queue) else "0" for _, queue in pairs]
         connection = self.client.connection
@@ -306,7 +310,7 @@ class Channel(kombu_redis.Channel):
 
     def _get(self, queue: str, timeout: Any = None) -> dict[str, Any]:
         with self.conn_or_acquire() as client:
-            for pri in self.priority_steps:
+            for pri in names.pop_steps(queue, self.priority_steps):
                 item = client.rpop(self._q_for_pri(queue, pri))
                 if item:
                     self._maybe_update_queues_expire(client, queue)

@@ -328,14 +328,14 @@ class Backlog(RunReader):
             room = self._wait_for_room(
                 run_id, progress, step, index, backlog_share.owner_of(jobs[at][1].job_id)
             )
-            if room == 0:  # cancelled while it waited
+            if room is None:  # cancelled while it waited
                 return True
-            part = jobs[at : at + step.throttle.part(min(_PART, room))]
+            part = jobs[at : at + step.throttle.part(min(_PART, room.room))]
             step.throttle.take(len(part))
             limit = self.settings.backlog_max_depth
             unreplicated: PartNotReplicated | None = None
             try:
-                captured = self._capture([job for _, job in part])
+                captured = self._capture([job for _, job in part], self._ahead(room))
                 replies = self.runs.enqueue_many(run_id, captured, limit, self.settings.backlog_key_shares)
             except PartNotReplicated as exc:  # queued on the master; counted below, then the run stops
                 replies, unreplicated = exc.replies, exc
@@ -387,8 +387,9 @@ class Backlog(RunReader):
         progress.uploaded += sum(1 for uri in uris.values() if isinstance(uri, str))
         return uris
 
-    def _capture(self, jobs: list[Job]) -> list[Queued]:
-        """Each job's message exactly as Celery and kombu would publish it, captured instead of sent."""
+    def _capture(self, jobs: list[Job], ahead: int = 0) -> list[Queued]:
+        """Each job's message exactly as Celery and kombu would publish it, captured instead of sent;
+        the first `ahead` on the backlog's ahead list."""
         app = self.queue.celery
         with self._capture_lock:
             if self._producer is None:  # one connection for every part: nothing is sent through it
@@ -397,7 +398,8 @@ class Backlog(RunReader):
             with producer.channel.capturing() as captured:
                 for n, job in enumerate(jobs):
                     declare: list[Any] | None = None if n == 0 else []
-                    send_job(app, job.to_message(), job.lane, producer=producer, declare=declare)
+                    send_job(app, job.to_message(), job.lane, producer=producer, declare=declare,
+                             ahead=n < ahead)  # fmt: skip
         return [
             Queued(job.job_id, job.lane, job.fingerprint(), key, message)
             for job, (key, message) in zip(jobs, captured, strict=True)
@@ -405,10 +407,10 @@ class Backlog(RunReader):
 
     def _wait_for_room(
         self, run_id: str, progress: Progress, step: _Pass, index: ChunkIndex, owner: str
-    ) -> int:
-        """How many jobs the backlog lane has room for now, for the run's owner (its depth limit, and the
-        owner's share while other keys have work in it), waiting while it has none (or raising QueueFull
-        without `block`); 0 when the run was cancelled while it waited."""
+    ) -> backlog_share.Room | None:
+        """The room the backlog lane has now for the run's owner (its depth limit, and the owner's
+        share while other keys have work in it), waiting while it has none (or raising QueueFull
+        without `block`); None when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
         while (room := self.queue.backlog_room(owner)).room <= 0:
             if not step.block:
@@ -416,7 +418,7 @@ class Backlog(RunReader):
                     room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares, owner)
                 )
             if self.runs.cancelled(run_id):
-                return 0
+                return None
             index.grew(waiting=True)  # what is queued so far is seen while the run waits
             progress.waiting_for_room = True
             progress.waiting_why = (
@@ -426,7 +428,13 @@ class Backlog(RunReader):
                 step.on_progress(progress)
             time.sleep(0.5)
         progress.waiting_for_room, progress.waiting_why = False, ""
-        return room.room
+        return room
+
+    def _ahead(self, room: backlog_share.Room) -> int:
+        """How many of the next jobs go on the lane's ahead list (shared/names.py AHEAD_STEP): while
+        another key's jobs are in the lane, as many as keep the run's owner under MRC_BACKLOG_AHEAD_JOBS
+        (a run's next part is taken from the same look at the room: a hint of order, not a limit)."""
+        return max(0, self.settings.backlog_ahead_jobs - room.held) if room.keys > 1 else 0
 
 
 _UNCONFIRMED = "unconfirmed_chunk_"

@@ -43,6 +43,14 @@ _EVENT_READ_S = 1.0  # one blocking read of the completion events at most this l
 
 
 @dataclass(frozen=True)
+class _Claim:
+    """This submission's claim on its job id."""
+
+    token: str
+    ahead: bool = False  # on the backlog's ahead list (shared/names.py AHEAD_STEP)
+
+
+@dataclass(frozen=True)
 class _Done:
     """A submission answered by the result stored under its id (its record expired)."""
 
@@ -110,18 +118,18 @@ class Queue:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
         wait = RoomWait.of(block, timeout)
         for _ in range(_CLAIM_TRIES):
-            token = self._claim(job, wait)
-            if isinstance(token, _Done):  # no room, and no need of any: its result is stored
-                return self._duplicate(job, token.result.get("job_fingerprint"))
-            if token is None:  # the same job, once its message is known to be there (or pushed again)
+            claim = self._claim(job, wait)
+            if isinstance(claim, _Done):  # no room, and no need of any: its result is stored
+                return self._duplicate(job, claim.result.get("job_fingerprint"))
+            if claim is None:  # the same job, once its message is known to be there (or pushed again)
                 return resubmission.answer(job, self.records, self.settings, self._send, self.log)
-            sent = self._send_claimed(job, token)
+            sent = self._send_claimed(job, claim)
             if sent is not None:
                 return sent
             self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
         raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
 
-    def _claim(self, job: Job, wait: RoomWait) -> str | _Done | None:
+    def _claim(self, job: Job, wait: RoomWait) -> _Claim | _Done | None:
         """This submission's claim token, or None when the id is taken by a published submission.
         Another producer's claim not yet published is waited out (it publishes, or frees the id when
         it fails or expires): answering 'same job' for it could report a job that is never sent. On
@@ -132,9 +140,7 @@ class Queue:
         limit = self.settings.backlog_max_depth if job.lane == "backlog" else None
         while True:
             try:
-                token = self.records.claim(
-                    job.job_id, job.lane, job.fingerprint(), limit, self.settings.backlog_key_shares
-                )
+                claim = self._take(job, limit)
             except backlog_share.NoRoom as full:
                 if not wait.looked:  # once a submission (review, helper-105: a stored job met 503)
                     wait.looked = True
@@ -144,8 +150,8 @@ class Queue:
                 wait.refuse_or_wait(full.room, backlog_share.owner_of(job.job_id), self.settings, self.log)
                 taken_since = None  # a wait for room is no wait on another's claim
                 continue
-            if token is not None:
-                return token
+            if claim is not None:
+                return claim
             record = self.records.get(job.job_id)
             if record and record.get("published") != "0":
                 return None
@@ -156,19 +162,33 @@ class Queue:
                 )
             time.sleep(0.05)
 
-    def _send_claimed(self, job: Job, token: str) -> bool | None:
+    def _take(self, job: Job, limit: int | None) -> _Claim | None:
+        """The claim on the job's id (None: taken), and on the backlog whether the job goes on the
+        lane's ahead list: its key holds fewer than MRC_BACKLOG_AHEAD_JOBS while another's are there."""
+        if limit is None:
+            token = self.records.claim(job.job_id, job.lane, job.fingerprint())
+            return None if token is None else _Claim(token)
+        taken = self.records.claim_backlog(
+            job.job_id, job.fingerprint(), limit, self.settings.backlog_key_shares
+        )
+        if taken is None:
+            return None
+        token, room = taken
+        return _Claim(token, room.keys > 1 and room.held < self.settings.backlog_ahead_jobs)
+
+    def _send_claimed(self, job: Job, claim: _Claim) -> bool | None:
         """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost
         before the send (nothing sent)."""
         try:
             checked, existing = self._earlier_result(job.job_id)
             if existing is not None:
-                self.records.release(job.job_id, token)
+                self.records.release(job.job_id, claim.token)
                 return self._duplicate(job, existing.get("job_fingerprint"))
-            if not self.records.renew(job.job_id, token):  # the look outlasted the claim's lease
+            if not self.records.renew(job.job_id, claim.token):  # the look outlasted the claim's lease
                 return None
-            self._send(job)
+            self._send(job, ahead=claim.ahead)
         except NotReplicated as exc:  # queued on the master: the claim stands, so a retry is the same job
-            self._confirm_sent(job, token, checked)
+            self._confirm_sent(job, claim.token, checked)
             exc.job_id = job.job_id
             self.log.warning(
                 "MRC_NOT_REPLICATED",
@@ -181,7 +201,7 @@ class Queue:
         except Exception as exc:  # a reply lost with its connection: did the push land?
             landed = self._landed(job)
             if landed is False:  # nothing enqueued: the answer (exit 5 / 503) is true
-                self.records.release(job.job_id, token)
+                self.records.release(job.job_id, claim.token)
                 raise
             if landed is None:  # unknown: the claim lapses by itself (30 s); a resubmission is safe
                 raise self._unconfirmed(job, exc) from exc
@@ -190,13 +210,13 @@ class Queue:
                 error = NotReplicated(
                     0, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
                 )
-                self._confirm_sent(job, token, checked)
+                self._confirm_sent(job, claim.token, checked)
                 error.job_id = job.job_id
                 raise error from exc
         except BaseException:
-            self.records.release(job.job_id, token)
+            self.records.release(job.job_id, claim.token)
             raise
-        self._confirm_sent(job, token, checked)
+        self._confirm_sent(job, claim.token, checked)
         self.log.info(
             "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
         )
@@ -235,10 +255,11 @@ class Queue:
         except StoreUnavailable:
             return False, None
 
-    def _send(self, job: Job, push_id: str | None = None) -> None:
+    def _send(self, job: Job, push_id: str | None = None, ahead: bool = False) -> None:
         """A submission's publish is named by its job id (a resubmission pushes nothing twice);
         a deliberate resend (`mrc dlq requeue`) passes its own `push_id`."""
-        send_job(self.celery, job.to_message(), job.lane, push_id=push_id or names.job_push_id(job.job_id))
+        push = push_id or names.job_push_id(job.job_id)
+        send_job(self.celery, job.to_message(), job.lane, push_id=push, ahead=ahead)
 
     def _landed(self, job: Job) -> bool | None:
         """After a failed publish: whether its push landed (the marker the push writes with it), or

@@ -1,13 +1,15 @@
 """What another key's backlog jobs meet while one run fills the backlog lane: the lane's shares off
-(MRC_BACKLOG_KEY_SHARES=false, one depth, first come first in) and on, side by side in one run.
+(MRC_BACKLOG_KEY_SHARES=false, one depth, first come first in) and on, and on with the ahead list
+(MRC_BACKLOG_AHEAD_JOBS, default 8; 0 in the first two modes), side by side in one run.
 
 Per mode: a fresh redis-server and moto S3 server, one echo worker (`MRC_MODEL=echo`: the whole path,
 queue -> worker -> S3 result, with no model time) on the backlog lane, MRC_BACKLOG_MAX_DEPTH=--depth.
 A command-line run (no key) of --run-lines jobs is fed as the lane drains, as `mrc backlog` feeds
 one; once it has filled the lane, a key submits --key-jobs single backlog jobs one after another, as a
 client does (`Client.enqueue`, no wait: a `queue_full` refusal is retried after --retry-s, as a 503's
-Retry-After asks). Printed: the key's refusals, when its last job was let in and when its last job
-ended (from its first try), and the share of the jobs that ended meanwhile that were the key's.
+Retry-After asks). Printed: the key's refusals, when its first job ended, when its last job was let
+in and when its last job ended (from its first try), and the share of the jobs that ended meanwhile
+that were the key's.
 
     .venv/bin/python tests/bench/bench_key_shares.py [--depth 300] [--run-lines 20000] [--key-jobs 60]
 """
@@ -33,13 +35,17 @@ from tests.support import imagegen  # noqa: E402 - after sys.path is set
 KEY = "b0b0b0b0b0b0"  # the other key's owner (12 hex, as shared/tenants.py names one)
 
 
-def _mode(shares: bool, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def _mode(shares: bool, ahead: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from producer.backlog.run import Backlog
     from producer.client import Client, Submission
     from shared.errors import QueueFull, UsageError
 
     home = ROOT / ".cache" / "mrc"
-    settings_env = {"MRC_BACKLOG_MAX_DEPTH": str(args.depth), "MRC_BACKLOG_KEY_SHARES": str(shares).lower()}
+    settings_env = {
+        "MRC_BACKLOG_MAX_DEPTH": str(args.depth),
+        "MRC_BACKLOG_KEY_SHARES": str(shares).lower(),
+        "MRC_BACKLOG_AHEAD_JOBS": str(ahead),
+    }
     with services.local_stack("mrc-bench-share-", "mrc-bench", home, **settings_env) as env:
         client = Client(services.settings_from_env(env))
         client.results.ensure_bucket()
@@ -47,7 +53,7 @@ def _mode(shares: bool, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         photo.write_bytes(imagegen.photo(64, 48, seed=3))
         run_image, _ = client.upload_image(photo)
         key_image, _ = client.upload_image(photo, KEY)
-        worker = services.start_worker({**env, "MRC_MODEL": "echo"}, work / f"worker-{shares}.log")
+        worker = services.start_worker({**env, "MRC_MODEL": "echo"}, work / f"worker-{shares}-{ahead}.log")
         backlog = Backlog(client)
 
         def lines():  # type: ignore[no-untyped-def]
@@ -77,7 +83,15 @@ def _the_key(client: Any, backlog: Any, image: str, args: argparse.Namespace, su
     """The key's jobs, submitted one by one with retries; what they met."""
     ended_before = _ended(client, backlog)
     began, refused, let_in = time.monotonic(), 0, 0.0
-    ids = []
+    ids: list[str] = []
+    first_ended: list[float] = []
+
+    def watch_first() -> None:
+        while client.records.get(ids[0]).get("state") not in ("succeeded", "failed"):
+            time.sleep(0.02)
+        first_ended.append(time.monotonic() - began)
+
+    first = threading.Thread(target=watch_first, daemon=True)
     for n in range(args.key_jobs):
         job = client.build_job(
             submission(image=image, prompt="Refund?", job_id=f"k{n}", lane="backlog", api_key=KEY)
@@ -91,6 +105,8 @@ def _the_key(client: Any, backlog: Any, image: str, args: argparse.Namespace, su
                 time.sleep(args.retry_s)
             assert time.monotonic() - began < args.limit_s, "the key's jobs were not let in in time"
         ids.append(job.job_id)
+        if n == 0:
+            first.start()  # when the first job ends, watched beside the key's next submissions
     let_in = time.monotonic() - began
     while True:
         states = [r.get("state") for r in client.records.get_many(ids)]
@@ -100,7 +116,14 @@ def _the_key(client: Any, backlog: Any, image: str, args: argparse.Namespace, su
         time.sleep(0.1)
     ended = time.monotonic() - began
     run_ended = _ended(client, backlog) - ended_before
-    return {"refused": refused, "let_in_s": let_in, "ended_s": ended, "run_ended": run_ended}
+    first.join(10)
+    return {
+        "refused": refused,
+        "first_ended_s": first_ended[0],
+        "let_in_s": let_in,
+        "ended_s": ended,
+        "run_ended": run_ended,
+    }
 
 
 def _ended(client: Any, backlog: Any) -> int:
@@ -122,25 +145,28 @@ def main() -> None:
 
     rows = {}
     with tempfile.TemporaryDirectory(prefix="mrc-bench-share-") as folder:
-        for shares in (False, True):
-            rows[shares] = _mode(shares, args, Path(folder))
+        for shares, ahead in ((False, 0), (True, 0), (True, 8)):
+            rows[shares, ahead] = _mode(shares, ahead, args, Path(folder))
     print(
         f"depth {args.depth}, a run of {args.run_lines} lines feeding the lane, one echo worker; a key's "
         f"{args.key_jobs} single backlog jobs, a refusal retried after {args.retry_s:g} s"
     )
     print(
-        "| shares | the key's refusals | its last job let in | its last job ended "
-        "| jobs ended meanwhile that were the key's |"
+        "| shares | ahead list | the key's refusals | its first job ended | its last job let in "
+        "| its last job ended | jobs ended meanwhile that were the key's |"
     )
-    print("|---|---|---|---|---|")
-    for shares, row in rows.items():
+    print("|---|---|---|---|---|---|---|")
+    for (shares, ahead), row in rows.items():
         part = args.key_jobs / (args.key_jobs + row["run_ended"])
         print(
-            f"| {'on' if shares else 'off'} | {row['refused']} | {row['let_in_s']:.1f} s | "
-            f"{row['ended_s']:.1f} s | {part:.0%} |"
+            f"| {'on' if shares else 'off'} | {ahead or 'off'} | {row['refused']} | "
+            f"{row['first_ended_s']:.2f} s | {row['let_in_s']:.1f} s | {row['ended_s']:.1f} s | {part:.0%} |"
         )
-    off, on = rows[False], rows[True]
+    off, on, ahead_on = rows[False, 0], rows[True, 0], rows[True, 8]
     print(f"last job ended: off / on = {off['ended_s'] / on['ended_s']:.1f}x")
+    print(
+        f"first job ended: no ahead list / with it = {on['first_ended_s'] / ahead_on['first_ended_s']:.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -246,6 +246,9 @@ def test_one_keys_backlog_leaves_every_other_key_its_share_of_the_lane(
             assert "waiting for room on the backlog lane (the lane is shared by the 3 keys" in said, said
             assert "its share is 2" in said
             assert Client(settings).lane_depth("backlog") == 11
+            # bob's and the command line's first jobs beside hers are on the ahead list: taken first
+            ahead, main = names.queue_keys("backlog")[names.AHEAD_STEP // 3], names.queue_keys("backlog")[0]
+            assert (redis_db.llen(ahead), redis_db.llen(main)) == (5, 6)
             lanes = LaneCollector(redis_db, runs=True)
 
             def held_series() -> dict[str, float]:

@@ -442,3 +442,31 @@ def test_a_restorer_killed_holding_the_mutex_holds_up_restores_a_quarter_of_the_
             qos.restore_visible(num=10, interval=1)
             time.sleep(0.1)
         assert _where(client) == (1, 0), "the dead restorer's mutex held up the restore"
+
+
+def test_the_backlogs_ahead_list_is_taken_before_the_rest_of_its_lane(redis_url: str) -> None:
+    """A key's first backlog jobs while another key's fill the lane are published on the ahead list
+    (kombu's priority step names.AHEAD_STEP), and taken before the lane's other jobs, in their own
+    order; a ticket on the interactive lane still comes first (docs/design.md, "Lanes and
+    backpressure")."""
+    backlog = Queue("mrc.backlog", Exchange("mrc.backlog", type="direct"), routing_key="mrc.backlog")
+    ticket = Queue(
+        "mrc.interactive", Exchange("mrc.interactive", type="direct"), routing_key="mrc.interactive"
+    )
+    with _connect(redis_url) as conn:
+        producer = Producer(conn.channel())
+        for n, queue, priority in [(0, backlog, None), (1, backlog, None), (2, backlog, names.AHEAD_STEP),
+                                   (3, ticket, None), (4, backlog, names.AHEAD_STEP)]:  # fmt: skip
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key,
+                             declare=[queue], serializer="json", priority=priority)  # fmt: skip
+    client = redis_lib.Redis.from_url(redis_url)
+    assert client.llen(names.queue_keys("backlog")[names.AHEAD_STEP // 3]) == 2  # the step's own list
+    received: list[int] = []
+    with _connect(redis_url) as conn:
+        callback = lambda body, message: (received.append(body["n"]), message.ack())  # noqa: E731 - a one-line callback
+        with Consumer(conn.channel(), [ticket, backlog], accept=["json"], callbacks=[callback]):
+            deadline = time.monotonic() + 10
+            while len(received) < 5 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+    assert received == [3, 2, 4, 0, 1]

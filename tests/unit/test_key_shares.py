@@ -322,3 +322,35 @@ def test_a_refusal_at_twice_the_limit_says_so() -> None:
         10, owner="-"
     )
     assert "twice" not in backlog_share.Room(0, 12, 3, 4).refusal(10, owner="-")  # past its share of 3
+
+
+@pytest.mark.parametrize("ahead_jobs", [2, 0])
+def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(tmp_path: Path, ahead_jobs: int) -> None:
+    """Left out since helper-97: another key's first backlog job waited behind the whole lane (up to
+    MRC_BACKLOG_MAX_DEPTH of one key's batch). While another key's jobs are in the lane, a key holding
+    fewer than MRC_BACKLOG_AHEAD_JOBS has its next ones published on the ahead list (taken first:
+    tests/integration/test_transport.py); a key alone, or past that count, joins the lane's end."""
+    server = services.start_redis(tmp_path / "redis")
+    env = {"MRC_REDIS_URL": server.url, "MRC_BACKLOG_AHEAD_JOBS": str(ahead_jobs)}
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    queue = Queue(services.settings_from_env(env), images=MemoryStore(), results=MemoryStore())
+    main, ahead = names.queue_keys("backlog")[0], names.queue_keys("backlog")[names.AHEAD_STEP // 3]
+    try:
+
+        def submit(owner: str, n: int) -> None:
+            job = Job(job_id=f"{owner}~j{n}", image_uri="s3://b/p.jpg", prompt="Torn?", lane="backlog",
+                      max_new_tokens=8, api_key=owner)  # fmt: skip
+            assert queue.enqueue(job, block=False)
+
+        for n in range(5):
+            submit(ALICE, n)  # alone: the lane's end, whatever she holds
+        assert (client.llen(main), client.llen(ahead)) == (5, 0)
+        for n in range(3):
+            submit(BOB, n)  # beside hers: his first `ahead_jobs` go ahead
+        submit(ALICE, 5)  # past the count: the end
+        assert client.llen(ahead) == ahead_jobs
+        assert client.llen(main) == 9 - ahead_jobs
+    finally:
+        queue.close()
+        client.close()
+        server.stop()
