@@ -241,11 +241,11 @@ def _partition_during_the_push(client: Client, cluster: sentinel_cluster.Sentine
             primary.proc.send_signal(signal.SIGCONT)
             refuse.recv(64)  # +OK: applied
 
-    def send(job: Any, push_id: str | None = None) -> None:
+    def send(job: Any, push_id: str | None = None, ahead: bool = False) -> None:
         client._send = real  # type: ignore[method-assign]
         primary.proc.send_signal(signal.SIGSTOP)
         threading.Thread(target=heal, daemon=True).start()
-        real(job, push_id)
+        real(job, push_id, ahead)
 
     client._send = send  # type: ignore[method-assign]
 
