@@ -83,8 +83,13 @@ local function backlog_hold(zset, counts, owner, job_id, now)
 end
 """
 
+# Where the lane's ahead list is among its lists as the scripts get them (names.queue_keys' order).
+_AHEAD_AT = names.queue_keys("backlog").index(
+    names.priority_list(names.queue_name("backlog"), names.AHEAD_STEP)
+)
+
 # KEYS[1] zset, KEYS[2] counts, KEYS[3] claims, KEYS[4..] the lane's lists; ARGV owner, now, max_age,
-# limit, shared.
+# limit, shared. -> {room, depth, held, keys, claims, jobs on the ahead list}
 _ROOM_SCRIPT = (
     ROOM_LUA
     + """
@@ -92,14 +97,15 @@ local depth = 0
 for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 local r = backlog_room(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
                        tonumber(ARGV[4]), depth, ARGV[5] == '1')
-return {r[1], r[4], r[2], r[3], r[5]}
-"""
+return {r[1], r[4], r[2], r[3], r[5], redis.call('LLEN', KEYS[4 + AHEAD_AT])}
+""".replace("AHEAD_AT", str(_AHEAD_AT))
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts, KEYS[4] claims, KEYS[5..] the lane's lists; ARGV
 # ttl, lane, submitted_at, fingerprint, claim token, owner, now, max_age, limit ('': none), shared, job
 # id. A claim (shared/records.py) that takes its room in the same step on the backlog lane: {1, room,
-# depth, held, keys, claims} claimed (the room as it was before it; {1} off the backlog), {0} the id is
-# taken, {-1, room, depth, held, keys, claims} no room for it now (nothing written).
+# depth, held, keys, claims, ahead} claimed (the room as it was before it; {1} off the backlog, and for
+# a claim of its own sent again), {0} the id is taken, {-1, room, ...} no room for it now (nothing
+# written).
 CLAIM_LUA = (
     ROOM_LUA
     + """
@@ -113,15 +119,16 @@ if ARGV[2] == 'backlog' and ARGV[9] ~= '' then
   for i = 5, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
   local r = backlog_room(KEYS[2], KEYS[3], KEYS[4], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]),
                          tonumber(ARGV[9]), depth, ARGV[10] == '1')
-  if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3], r[5]} end
+  local ahead = redis.call('LLEN', KEYS[5 + AHEAD_AT])
+  if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3], r[5], ahead} end
   redis.call('ZADD', KEYS[4], claim_now() + tonumber(ARGV[1]), ARGV[6] .. ' ' .. ARGV[11])
-  room = {1, r[1], r[4], r[2], r[3], r[5]}
+  room = {1, r[1], r[4], r[2], r[3], r[5], ahead}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return room
-"""
+""".replace("AHEAD_AT", str(_AHEAD_AT))
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts; ARGV owner, job id, now. A backlog job queued
 # again (a dead letter requeued, a lost message pushed again) is held, unless it has ended.
@@ -153,6 +160,15 @@ class Room:
     held: int  # the owner's jobs held (queued or running) or being queued
     keys: int  # owners with work in the lane, this one included
     claims: int = 0  # of `depth`, the jobs being queued now (claimed, not yet in the lane)
+    ahead: int = 0  # of `depth`, the jobs on the lane's ahead list (shared/names.py AHEAD_STEP)
+
+    def ahead_for(self, most: int) -> int:
+        """How many of the owner's next jobs go on the lane's ahead list (MRC_BACKLOG_AHEAD_JOBS =
+        `most`): while another owner has backlog jobs, as many as keep this one under `most` held and
+        the ahead list under `most` in all. The second bound keeps a few light keys from starving a
+        big batch (review, helper-107: four keys holding 8 each left it 6 % of the jobs ended): a
+        worker's batch takes at most `most` of its jobs from the ahead list."""
+        return max(0, min(most - self.held, most - self.ahead)) if self.keys > 1 else 0
 
     def refusal(self, limit: int, shares: bool = True, owner: str = "") -> str:
         """Why there is no room, after "the backlog lane holds N jobs; the limit is L": the jobs being
@@ -233,5 +249,5 @@ def share_each(held_by_key: dict[str, int], limit: int, shares: bool) -> int | N
 
 
 def room_from(reply: list[int]) -> Room:
-    room, depth, held, count, claims = (int(x) for x in reply)
-    return Room(room, depth, held, count, claims)
+    room, depth, held, count, claims, ahead = (int(x) for x in reply)
+    return Room(room, depth, held, count, claims, ahead)

@@ -27,6 +27,11 @@ def queue_name(lane: str) -> str:
 AHEAD_STEP: Final = 3
 
 
+def priority_list(queue: str, step: int) -> str:
+    """The Redis list of one of a queue's priority steps, as kombu names it."""
+    return queue if step == 0 else f"{queue}{_PRIORITY_SEP}{step}"
+
+
 def pop_steps(queue: str, steps: list[int] | tuple[int, ...]) -> list[int]:
     """The order a consumer takes a queue's priority lists in: kombu's, but the backlog's ahead list
     first."""
@@ -38,7 +43,7 @@ def pop_steps(queue: str, steps: list[int] | tuple[int, ...]) -> list[int]:
 def queue_keys(lane: str) -> list[str]:
     """Every Redis list holding the lane's messages (its depth is the sum of their lengths)."""
     name = queue_name(lane)
-    return [name if step == 0 else f"{name}{_PRIORITY_SEP}{step}" for step in _PRIORITY_STEPS]
+    return [priority_list(name, step) for step in _PRIORITY_STEPS]
 
 
 # kombu's Redis transport: the hash of taken, unacked messages and its time index (kombu's own names,

@@ -225,7 +225,13 @@ class RedisJobRecords:
         with `shares`): its token and the room as it was before it, or None when the id is taken;
         raises backlog_share.NoRoom, and writes nothing, when there is none."""
         reply = self._claim_script(job_id, "backlog", fingerprint, limit, shares)
-        return (reply[1], backlog_share.room_from(reply[2:])) if reply[0] else None
+        if not reply[0]:
+            return None
+        # its own claim sent again by redis-py (a reply lost) says no room: taken as one that goes
+        # nowhere ahead (review, helper-107: it raised ValueError)
+        return reply[1], backlog_share.room_from(reply[2:]) if len(reply) > 2 else backlog_share.Room(
+            1, 0, 0, 1
+        )
 
     def _claim_script(
         self, job_id: str, lane: str, fingerprint: str, limit: int | None, shares: bool

@@ -254,9 +254,9 @@ class Settings(BaseSettings):
     # While several keys hold backlog jobs, each may hold the depth / their number, and one under its
     # share is let in over a full lane (shared/backlog_share.py); false: one depth, first come first in.
     backlog_key_shares: bool = True
-    # A key holding fewer backlog jobs than this while another's are in the lane has its next ones
-    # taken ahead of the lane's others (shared/names.py AHEAD_STEP): its first job does not wait behind
-    # the depth of another's batch. 0: one order, first in first out.
+    # A key holding fewer backlog jobs than this while another key has some has its next ones taken
+    # ahead of the lane's others (shared/names.py AHEAD_STEP), while fewer than this many wait ahead in
+    # all: its first job does not wait behind the depth of another's batch. 0: first in, first out.
     backlog_ahead_jobs: int = Field(default=8, ge=0, le=10_000)
     # How long `mrc backlog` waits out each outage of Redis or S3 once its run has begun (its enqueue
     # resumes where it was, its --wait goes on): a restart never ends a nightly run.

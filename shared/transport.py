@@ -214,7 +214,8 @@ class Channel(kombu_redis.Channel):
         connection = self.client.connection
         if self._waiting or not taking.begin_pop():  # the idle wait replaces kombu's 1 s BRPOP timeout
             self._waiting = True  # (and a process that stopped taking only waits)
-            connection.send_command("BLMOVE", keys[0], keys[0], "RIGHT", "RIGHT", self.idle_wait_s)
+            first = self._q_for_pri(queues[0], 0)  # not the ahead list (a backlog-only worker's keys[0])
+            connection.send_command("BLMOVE", first, first, "RIGHT", "RIGHT", self.idle_wait_s)
         else:
             records = [self.unacked_key, self.unacked_index_key, names.unacked_owners_key(self.unacked_key)]
             owner = unacked.process_owner()

@@ -76,7 +76,15 @@ def give_back(client: Any, tags: Collection[str], owner: str | None = None) -> i
         queue = (
             routing_key if isinstance(routing_key, str) and routing_key else names.queue_name("interactive")
         )
-        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, queue, names.unacked_owners_key()]
+        # the list of its own priority step, as kombu's restore puts it back: a backlog job of the ahead
+        # list stays ahead (review, helper-107: given back to the lane's first list, behind the others)
+        ahead = (payload.get("properties") or {}).get("priority") == names.AHEAD_STEP
+        key = (
+            names.priority_list(queue, names.AHEAD_STEP)
+            if ahead and queue == names.queue_name("backlog")
+            else queue
+        )
+        keys = [names.UNACKED_KEY, names.UNACKED_INDEX_KEY, key, names.unacked_owners_key()]
         moves.append((keys, [tag, json.dumps(payload), owner or process_owner()]))
     if not moves:
         return 0

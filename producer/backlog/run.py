@@ -431,10 +431,10 @@ class Backlog(RunReader):
         return room
 
     def _ahead(self, room: backlog_share.Room) -> int:
-        """How many of the next jobs go on the lane's ahead list (shared/names.py AHEAD_STEP): while
-        another key's jobs are in the lane, as many as keep the run's owner under MRC_BACKLOG_AHEAD_JOBS
-        (a run's next part is taken from the same look at the room: a hint of order, not a limit)."""
-        return max(0, self.settings.backlog_ahead_jobs - room.held) if room.keys > 1 else 0
+        """How many of the next jobs go on the lane's ahead list (backlog_share.Room.ahead_for), from
+        the run's last look at the room: a hint of order, not a limit (two runs at once may each
+        put that many ahead)."""
+        return room.ahead_for(self.settings.backlog_ahead_jobs)
 
 
 _UNCONFIRMED = "unconfirmed_chunk_"

@@ -164,7 +164,7 @@ class Queue:
 
     def _take(self, job: Job, limit: int | None) -> _Claim | None:
         """The claim on the job's id (None: taken), and on the backlog whether the job goes on the
-        lane's ahead list: its key holds fewer than MRC_BACKLOG_AHEAD_JOBS while another's are there."""
+        lane's ahead list (backlog_share.Room.ahead_for)."""
         if limit is None:
             token = self.records.claim(job.job_id, job.lane, job.fingerprint())
             return None if token is None else _Claim(token)
@@ -174,7 +174,7 @@ class Queue:
         if taken is None:
             return None
         token, room = taken
-        return _Claim(token, room.keys > 1 and room.held < self.settings.backlog_ahead_jobs)
+        return _Claim(token, room.ahead_for(self.settings.backlog_ahead_jobs) > 0)
 
     def _send_claimed(self, job: Job, claim: _Claim) -> bool | None:
         """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost

@@ -470,3 +470,30 @@ def test_the_backlogs_ahead_list_is_taken_before_the_rest_of_its_lane(redis_url:
                 with contextlib.suppress(TimeoutError):
                     conn.drain_events(timeout=1)
     assert received == [3, 2, 4, 0, 1]
+
+
+def test_a_job_of_the_ahead_list_given_back_stays_ahead(redis_url: str) -> None:
+    """Review, helper-107: a dying worker gave its messages back to the lane's first list whatever
+    their priority, so an ahead-list job waited behind the lane after all (kombu's own restore puts a
+    message back on its step's list)."""
+    from shared.unacked import give_back
+
+    backlog = Queue("mrc.backlog", Exchange("mrc.backlog", type="direct"), routing_key="mrc.backlog")
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    with _connect(redis_url) as conn:
+        producer = Producer(conn.channel())
+        for n, priority in [(0, None), (1, names.AHEAD_STEP)]:
+            producer.publish({"n": n}, exchange=backlog.exchange, routing_key="mrc.backlog",
+                             declare=[backlog], serializer="json", priority=priority)  # fmt: skip
+    taken: list[Any] = []
+    with _connect(redis_url) as conn:
+        callback = lambda body, message: taken.append(message)  # noqa: E731 - a one-line callback
+        with Consumer(conn.channel(), [backlog], accept=["json"], callbacks=[callback]):
+            deadline = time.monotonic() + 10
+            while len(taken) < 2 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+            assert give_back(client, [message.delivery_tag for message in taken]) == 2
+    main, ahead = names.queue_keys("backlog")[0], names.priority_list("mrc.backlog", names.AHEAD_STEP)
+    assert [json.loads(raw)["properties"]["priority"] for raw in client.lrange(ahead, 0, -1)] == [3]
+    assert client.llen(main) == 1

@@ -22,7 +22,7 @@ from shared.memory_records import MemoryJobRecords
 from shared.records import JobRecords, RedisJobRecords
 from shared.stores.memory import MemoryStore
 
-ALICE, BOB = "a1a1a1a1a1a1", "b2b2b2b2b2b2"
+ALICE, BOB, CAROL = "a1a1a1a1a1a1", "b2b2b2b2b2b2", "c3c3c3c3c3c3"
 
 
 def _queued(records: MemoryJobRecords, job_id: str, lane: str = "backlog") -> None:
@@ -350,7 +350,31 @@ def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(tmp_path: Path, 
         submit(ALICE, 5)  # past the count: the end
         assert client.llen(ahead) == ahead_jobs
         assert client.llen(main) == 9 - ahead_jobs
+        # The ahead list holds `ahead_jobs` in all (review, helper-107: four keys holding 8 each left
+        # a big batch 6 % of the jobs ended): a third key with none held joins the end while it is full.
+        submit(CAROL, 0)
+        assert (client.llen(ahead), client.llen(main)) == (ahead_jobs, 10 - ahead_jobs)
+        client.rpop(ahead)  # taken by a worker: room on the ahead list again
+        submit(CAROL, 1)
+        assert client.llen(ahead) == (ahead_jobs if ahead_jobs else 0)
     finally:
         queue.close()
         client.close()
         server.stop()
+
+
+def test_a_backlog_claim_sent_again_by_redis_py_is_still_its_holders(
+    redis_records: RedisJobRecords, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-107: a claim step whose reply was lost, sent again with its token, answers {1}
+    without the room (its own claim): read as a room, it raised ValueError and the submission failed
+    while its claim kept the id and the room for 30 s."""
+    import shared.records
+
+    monkeypatch.setattr(shared.records.secrets, "token_hex", lambda n: "same-token")
+    first = redis_records.claim_backlog(f"{ALICE}~again", "fp", limit=5)
+    again = redis_records.claim_backlog(f"{ALICE}~again", "fp", limit=5)
+    assert first is not None
+    assert again is not None
+    assert (first[0], again[0]) == ("same-token", "same-token")
+    assert again[1].ahead_for(8) == 0  # nothing known of the room: not ahead
