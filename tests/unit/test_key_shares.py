@@ -74,12 +74,18 @@ def test_the_owner_of_a_job_is_its_keys_namespace_or_none() -> None:
 
 
 @pytest.fixture
-def redis_records(tmp_path: Path) -> Iterator[RedisJobRecords]:
+def redis_server(tmp_path: Path) -> Iterator[services.Service]:
+    """A redis-server of the test's own, stopped whatever the test raised."""
     server = services.start_redis(tmp_path / "redis")
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_records(redis_server: services.Service) -> Iterator[RedisJobRecords]:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     yield RedisJobRecords(client)
     client.close()
-    server.stop()
 
 
 def test_the_redis_steps_hold_each_backlog_job_once_from_its_queuing_to_its_end(
@@ -141,9 +147,10 @@ def test_a_claim_takes_its_room_in_the_same_step(any_records: JobRecords) -> Non
     assert (shared.value.room.keys, shared.value.room.held) == (2, 2)
 
 
-def test_a_claim_whose_producer_died_gives_its_room_back_after_its_lease(tmp_path: Path) -> None:
-    server = services.start_redis(tmp_path / "redis")
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+def test_a_claim_whose_producer_died_gives_its_room_back_after_its_lease(
+    redis_server: services.Service,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         records = RedisJobRecords(client, claim_ttl_s=1)
         token = records.claim(f"{ALICE}~gone", "backlog", limit=1)
@@ -156,17 +163,17 @@ def test_a_claim_whose_producer_died_gives_its_room_back_after_its_lease(tmp_pat
         assert client.zcard(names.backlog_claims_key()) == 1  # the lapsed claim's room is gone with it
     finally:
         client.close()
-        server.stop()
 
 
 @pytest.mark.parametrize("shares", [False, True])
-def test_submissions_at_once_get_no_more_room_than_the_lane_has(tmp_path: Path, shares: bool) -> None:
+def test_submissions_at_once_get_no_more_room_than_the_lane_has(
+    redis_server: services.Service, shares: bool
+) -> None:
     """Thirty single submissions at once through the producer's queue (a real Redis, its broker): alone,
     exactly the depth is let in; beside another key holding the lane, exactly the share."""
-    server = services.start_redis(tmp_path / "redis")
-    env = {"MRC_REDIS_URL": server.url, "MRC_BACKLOG_MAX_DEPTH": "10"}
+    env = {"MRC_REDIS_URL": redis_server.url, "MRC_BACKLOG_MAX_DEPTH": "10"}
     settings = services.settings_from_env(env)
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = Queue(settings, images=MemoryStore(), results=MemoryStore())
     try:
         records = RedisJobRecords(client)
@@ -198,7 +205,6 @@ def test_submissions_at_once_get_no_more_room_than_the_lane_has(tmp_path: Path, 
     finally:
         queue.close()
         client.close()
-        server.stop()
 
 
 class _Landed(MemoryJobRecords):
@@ -231,19 +237,17 @@ def test_a_job_pushed_again_is_held_only_once_its_push_landed() -> None:
 
 
 @pytest.fixture
-def lane(tmp_path: Path) -> Iterator[tuple[Queue, redis.Redis, MemoryStore]]:
+def lane(redis_server: services.Service) -> Iterator[tuple[Queue, redis.Redis, MemoryStore]]:
     """A producer's queue at a backlog depth of 1 on a redis-server of its own, the lane full (one
     message that is no job's: its depth alone counts)."""
-    server = services.start_redis(tmp_path / "redis")
-    settings = services.settings_from_env({"MRC_REDIS_URL": server.url, "MRC_BACKLOG_MAX_DEPTH": "1"})
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    settings = services.settings_from_env({"MRC_REDIS_URL": redis_server.url, "MRC_BACKLOG_MAX_DEPTH": "1"})
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     results = MemoryStore()
     queue = Queue(settings, images=MemoryStore(), results=results)
     client.lpush(names.queue_keys("backlog")[0], "filler")
     yield queue, client, results
     queue.close()
     client.close()
-    server.stop()
 
 
 def _job(job_id: str) -> Job:
@@ -325,14 +329,15 @@ def test_a_refusal_at_twice_the_limit_says_so() -> None:
 
 
 @pytest.mark.parametrize("ahead_jobs", [2, 0])
-def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(tmp_path: Path, ahead_jobs: int) -> None:
+def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(
+    redis_server: services.Service, ahead_jobs: int
+) -> None:
     """Left out since helper-97: another key's first backlog job waited behind the whole lane (up to
     MRC_BACKLOG_MAX_DEPTH of one key's batch). While another key's jobs are in the lane, a key holding
     fewer than MRC_BACKLOG_AHEAD_JOBS has its next ones published on the ahead list (taken first:
     tests/integration/test_transport.py); a key alone, or past that count, joins the lane's end."""
-    server = services.start_redis(tmp_path / "redis")
-    env = {"MRC_REDIS_URL": server.url, "MRC_BACKLOG_AHEAD_JOBS": str(ahead_jobs)}
-    client = redis.Redis.from_url(server.url, decode_responses=True)
+    env = {"MRC_REDIS_URL": redis_server.url, "MRC_BACKLOG_AHEAD_JOBS": str(ahead_jobs)}
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = Queue(services.settings_from_env(env), images=MemoryStore(), results=MemoryStore())
     main, ahead = names.queue_keys("backlog")[0], names.queue_keys("backlog")[names.AHEAD_STEP // 3]
     try:
@@ -360,7 +365,6 @@ def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(tmp_path: Path, 
     finally:
         queue.close()
         client.close()
-        server.stop()
 
 
 def test_a_backlog_claim_sent_again_by_redis_py_is_still_its_holders(
