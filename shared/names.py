@@ -269,6 +269,7 @@ def s3_uri(bucket: str, key: str) -> str:
 
 S3_KEY_MAX_BYTES = 1024  # S3's limit on an object key, in UTF-8 bytes
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -286,7 +287,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise ValueError(f"s3 key may not contain '.' or '..' segments: {uri[:80]!r}")
     if "//" in key or key.startswith("/"):  # some stores fold `//`: a key would read as another's (review)
         raise ValueError(f"s3 key may not contain an empty segment (//): {uri[:80]!r}")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+    if _CONTROL.search(key):
         raise ValueError(f"s3 key may not contain control characters: {uri[:80]!r}")
     size = len(key.encode("utf-8", "surrogatepass"))
     if size > S3_KEY_MAX_BYTES:  # no object has such a key: refused here, not failed by the worker
