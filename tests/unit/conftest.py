@@ -25,3 +25,11 @@ def any_records(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobR
     yield RedisJobRecords(client)
     client.close()
     server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[services.Service]:
+    """A redis-server of the test's own, stopped whatever the test raised."""
+    server = services.start_redis(tmp_path / "redis")
+    yield server
+    server.stop()

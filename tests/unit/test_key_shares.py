@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -71,14 +70,6 @@ def test_the_owner_of_a_job_is_its_keys_namespace_or_none() -> None:
     assert backlog_share.owner_of(f"{ALICE}~order-1") == ALICE
     assert backlog_share.owner_of("order-1") == backlog_share.NO_KEY
     assert backlog_share.Room(0, 6, 6, 1).refusal(6) == ""  # alone: the depth limit says it all
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[services.Service]:
-    """A redis-server of the test's own, stopped whatever the test raised."""
-    server = services.start_redis(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 @pytest.fixture
