@@ -15,7 +15,6 @@ what `status`, `report` and `cancel` read, in manifest order, without holding th
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -27,16 +26,16 @@ from typing import Any
 from producer.backlog import chunk_index, manifest
 from producer.backlog.chunk_index import ChunkIndex
 from producer.backlog.manifest import Invalid, Line
+from producer.backlog.messages import Messages
 from producer.backlog.report import RunReader
 from producer.intake.intake import Intake
 from producer.intake.request import Submission
 from producer.queue.sender import Queue
 from shared import backlog_share
-from shared.celery_app import send_job
 from shared.errors import MrcError, QueueFull, StoreUnavailable, UsageError
 from shared.jobs import Job, parse_rfc3339
 from shared.records import RECORD_TTL_S, connect
-from shared.runs import CANCELLED, FULL, PartNotReplicated, Queued, RunRecords
+from shared.runs import CANCELLED, FULL, PartNotReplicated, RunRecords
 from shared.settings import Settings
 from shared.stores import RunFiles, open_run_files
 
@@ -107,11 +106,10 @@ class Backlog(RunReader):
             self.settings.redis_wait_timeout_ms,
         )
         self.files = files or open_run_files(self.settings)
-        self._producer: Any = None  # kombu producer whose channel captures messages (`_capture`)
-        # One capture at a time: mrc-api enqueues several batches at once through this one producer, and
-        # a channel's capture is its own state (review: another thread's messages were sent for real,
-        # outside the step that records them, and lines were refused whose jobs then ran).
-        self._capture_lock = threading.Lock()
+        # One capture at a time inside: mrc-api enqueues several batches at once through its one
+        # producer, and a channel's capture is its own state (review: another thread's messages were sent
+        # for real, outside the step that records them, and lines were refused whose jobs then ran).
+        self.messages = Messages(queue.celery)
 
     # ------------------------------------------------------------------ enqueue
     def enqueue(
@@ -335,7 +333,7 @@ class Backlog(RunReader):
             limit = self.settings.backlog_max_depth
             unreplicated: PartNotReplicated | None = None
             try:
-                captured = self._capture([job for _, job in part], self._ahead(room))
+                captured = self.messages.queued([job for _, job in part], self._ahead(room))
                 replies = self.runs.enqueue_many(run_id, captured, limit, self.settings.backlog_key_shares)
             except PartNotReplicated as exc:  # queued on the master; counted below, then the run stops
                 replies, unreplicated = exc.replies, exc
@@ -386,24 +384,6 @@ class Backlog(RunReader):
             raise away  # resumes; review: the lines were indexed invalid for good, a resume kept them so)
         progress.uploaded += sum(1 for uri in uris.values() if isinstance(uri, str))
         return uris
-
-    def _capture(self, jobs: list[Job], ahead: int = 0) -> list[Queued]:
-        """Each job's message exactly as Celery and kombu would publish it, captured instead of sent;
-        the first `ahead` on the backlog's ahead list."""
-        app = self.queue.celery
-        with self._capture_lock:
-            if self._producer is None:  # one connection for every part: nothing is sent through it
-                self._producer = app.amqp.Producer(app.connection_for_write().default_channel)
-            producer = self._producer
-            with producer.channel.capturing() as captured:
-                for n, job in enumerate(jobs):
-                    declare: list[Any] | None = None if n == 0 else []
-                    send_job(app, job.to_message(), job.lane, producer=producer, declare=declare,
-                             ahead=n < ahead)  # fmt: skip
-        return [
-            Queued(job.job_id, job.lane, job.fingerprint(), key, message)
-            for job, (key, message) in zip(jobs, captured, strict=True)
-        ]
 
     def _wait_for_room(
         self, run_id: str, progress: Progress, step: _Pass, index: ChunkIndex, owner: str
