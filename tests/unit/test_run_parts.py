@@ -11,7 +11,7 @@ import redis
 
 from scripts import devservices as services
 from shared import backlog_share, names
-from shared.runs import CANCELLED, FULL, Queued, RunRecords
+from shared.runs import CALL_JOBS, CANCELLED, FULL, Queued, RunRecords
 
 ALICE, BOB = "a1a1a1a1a1a1", "b2b2b2b2b2b2"
 BACKLOG = names.queue_name("backlog")
@@ -88,3 +88,10 @@ def test_a_part_of_another_lane_counts_that_lanes_depth(runs: RunRecords) -> Non
     assert runs.enqueue_many("r", _part("", 3), depth_limit=10) == [1, 1, 1]
     assert runs.enqueue_many("r", _part("t", 4, lane="interactive"), depth_limit=2) == [1, 1, FULL, FULL]
     assert (_depth(runs.client), _depth(runs.client, "interactive")) == (3, 2)
+
+
+def test_a_part_longer_than_one_call_is_decided_alike_across_its_calls(runs: RunRecords) -> None:
+    size = CALL_JOBS * 2 + 50
+    replies = runs.enqueue_many("r", _part(f"{ALICE}~", size), depth_limit=CALL_JOBS * 2 + 30)
+    assert replies == [1] * (CALL_JOBS * 2 + 30) + [FULL] * 20
+    assert backlog_share.held(runs.client) == {ALICE: CALL_JOBS * 2 + 30}
