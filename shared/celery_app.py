@@ -104,9 +104,14 @@ def send_job(
         # Celery would repr the whole job (prompt included) into the headers, at two thirds of a
         # bulk enqueue's time; the job id says which job it is.
         argsrepr="()",
-        kwargsrepr=f"{{'job': {job_id!r}}}",
+        kwargsrepr=job_repr(job_id),
         # One id for this publish, the same through Celery's and redis-py's retries of it: the transport
         # pushes a message once per id (shared/transport.py), so a retried push never queues it twice.
         headers={names.PUSH_HEADER: push_id or uuid.uuid4().hex},
         priority=names.AHEAD_STEP if ahead and lane == "backlog" else None,
     )
+
+
+def job_repr(job_id: str) -> str:
+    """What a job message's headers show of its arguments (Celery's `kwargsrepr`)."""
+    return f"{{'job': {job_id!r}}}"

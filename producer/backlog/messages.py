@@ -9,7 +9,10 @@ tag, mrc's push id). So per part, Celery builds the first message of a priority 
 the second to check the template against: the one made from the template, with the check's random
 fields, must equal Celery's field for field, its body decoded. Where it does not (a Celery or kombu
 release that adds a field or encodes another way), every message from then on is Celery's own, and the
-run says so once in its log: never a message Celery would not have sent.
+run says so once in its log: never a message Celery would not have sent. A field is the job's only
+where it is the job id or the arguments' repr whole: a first job whose id is within any other field
+(a run `mrc`'s line `infer` is `mrc.infer`, the task's name), or a second job of the same id (its
+check could not tell the job's fields from the others), makes no template: Celery builds that part.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from celery import Celery
 from kombu.utils import json as kombu_json
 
 from shared import logs, names
-from shared.celery_app import send_job
+from shared.celery_app import job_repr, send_job
 from shared.jobs import Job
 from shared.runs import Queued
 
@@ -70,6 +73,9 @@ class _Template:
             envelope = json.loads(text)
             properties, headers = envelope["properties"], envelope["headers"]
             shape = (properties.get("body_encoding"), envelope.get("content-type"))
+            drawn = all(key in headers for key in _DRAWN_HEADERS) and all(
+                key in properties for key in _DRAWN_PROPERTIES
+            )
             body = _body(envelope)
         except (AttributeError, KeyError, TypeError, ValueError, binascii.Error):
             return None
@@ -77,6 +83,7 @@ class _Template:
         if (
             shape != ("base64", "application/json")
             or not usable
+            or not drawn
             or not SAFE_ID.match(job_id)
             or "@@mrc:" in text
         ):
@@ -84,12 +91,10 @@ class _Template:
         before, _, after = str(kombu_json.dumps([body[0], {**body[1], "job": _JOB}, body[2]])).partition(
             json.dumps(_JOB)
         )
-        marked = {
-            **envelope,
-            "body": _BODY,
-            "headers": {**_named(headers, job_id), **{key: _place(key) for key in _DRAWN_HEADERS}},
-            "properties": {**_named(properties, job_id), **{key: _place(key) for key in _DRAWN_PROPERTIES}},
-        }
+        try:
+            marked = {key: _marked(key, value, job_id) for key, value in envelope.items()}
+        except _Unplaceable:
+            return None
         text = str(kombu_json.dumps(marked)).replace("{", "{{").replace("}", "}}")
         return cls(list_key, _PLACES.sub(lambda place: _FIELDS[place.group(0)], text), (before, after))
 
@@ -102,14 +107,31 @@ class _Template:
         return self.text.format_map({**values, "id": job_id, "body": body})
 
 
-def _named(fields: dict[str, Any], job_id: str) -> dict[str, Any]:
-    """The fields with the job id (whole or within, as in a repr) marked as the job's place."""
-    return {key: _mark(value, job_id) for key, value in fields.items()}
+class _Unplaceable(ValueError):
+    """The job id is within a field that is not its own (a run named `mrc` whose line is `infer` has
+    the id `mrc.infer`, Celery's task name): marking it there would write each job's id into it."""
+
+
+def _marked(key: str, value: Any, job_id: str) -> Any:
+    """An envelope's field with the job's places marked: the body, the fields drawn per message, and
+    those that name the job (its id, or the repr of its arguments)."""
+    if key == "body":
+        return _BODY
+    if key in ("headers", "properties") and isinstance(value, dict):
+        drawn = _DRAWN_HEADERS if key == "headers" else _DRAWN_PROPERTIES
+        return {
+            name: _place(name) if name in drawn else _mark(inner, job_id) for name, inner in value.items()
+        }
+    return _mark(value, job_id)
 
 
 def _mark(value: Any, job_id: str) -> Any:
-    if isinstance(value, str):
-        return value.replace(job_id, _ID)
+    if value == job_id:
+        return _ID
+    if value == job_repr(job_id):
+        return job_repr(_ID)
+    if isinstance(value, str) and job_id in value:
+        raise _Unplaceable(value)
     if isinstance(value, dict):
         return {key: _mark(inner, job_id) for key, inner in value.items()}
     if isinstance(value, list):
@@ -144,9 +166,14 @@ class Messages:
         if not self.templates or len(jobs) <= 2 or not all(SAFE_ID.match(job.job_id) for job in jobs):
             return self._celery(jobs, ahead, declare)
         made = self._celery(jobs[:2], ahead, declare)
-        template = _Template.of(jobs[0].job_id, *made[0])
+        # No template from this part where its first job cannot be one (its id within a field not its
+        # own, or the check would be the same job: it could not tell a field that names the job from
+        # one that does not; review, helper-109: the task name became each job's id, and workers
+        # discarded them). Where a template and Celery disagree, none from then on.
+        template = _Template.of(jobs[0].job_id, *made[0]) if jobs[0].job_id != jobs[1].job_id else None
         if template is None or not _agrees(template, jobs[1], *made[1]):
-            self._distrust()
+            if template is not None:
+                self._distrust()
             return made + self._celery(jobs[2:], ahead, False)
         key = template.list_key
         return made + [(key, template.message(job.job_id, job.to_message())) for job in jobs[2:]]

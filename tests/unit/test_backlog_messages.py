@@ -138,3 +138,39 @@ def test_job_ids_outside_the_plain_alphabet_are_built_by_celery(maker: Messages)
     made = maker.queued([*jobs[:4], odd, jobs[5]])
     assert _parsed(made[4].message)["headers"]["id"] == "run-1.c4'quote"
     assert _parsed(made[4].message)["headers"]["kwargsrepr"] == repr({"job": "run-1.c4'quote"})
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("mrc.infer", "mrc.infer"),  # a run `mrc` whose first lines are both `infer`: Celery's task name
+        ("backlog", "c1"),  # within the lane's routing key
+        ("mrc", "c1"),  # within both
+    ],
+)
+def test_a_job_id_within_a_field_not_its_own_makes_no_template_of_its_part(
+    maker: Messages, monkeypatch: pytest.MonkeyPatch, first: str, second: str
+) -> None:
+    """Review, helper-109: the task name became each later job's id, and workers discarded them."""
+    made_by_celery: list[int] = []
+    celery = maker._celery
+
+    def counted(jobs: list[Job], ahead: bool, declare: bool) -> list[tuple[str, str]]:
+        made_by_celery.append(len(jobs))
+        return celery(jobs, ahead, declare)
+
+    monkeypatch.setattr(maker, "_celery", counted)
+    jobs = _jobs()[1:8]
+    odd = [jobs[0].model_copy(update={"job_id": first}), jobs[1].model_copy(update={"job_id": second})]
+    made = maker.queued([*odd, *jobs[2:]])
+    assert sum(made_by_celery) == 7, "a template was made of a job whose id is within a fixed field"
+    for queued in made:
+        message = _parsed(queued.message)
+        assert message["headers"]["task"] == names.TASK_NAME
+        assert message["properties"]["delivery_info"]["routing_key"] == names.queue_name("backlog")
+        assert message["headers"]["id"] == message["headers"]["root_id"] == queued.job_id
+    # One such part does not turn templates off: the next part is made from its own first job.
+    assert maker.templates
+    made_by_celery.clear()
+    maker.queued(_jobs()[8:20])
+    assert made_by_celery == [2]
