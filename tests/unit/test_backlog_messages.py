@@ -67,6 +67,19 @@ def _parsed(text: str) -> dict[str, Any]:
     return envelope
 
 
+def _count_celery(maker: Messages, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many messages each of the maker's calls to Celery builds, from now on."""
+    made_by_celery: list[int] = []
+    celery = maker._celery
+
+    def counted(jobs: list[Job], ahead: bool, declare: bool) -> list[tuple[str, str]]:
+        made_by_celery.append(len(jobs))
+        return celery(jobs, ahead, declare)
+
+    monkeypatch.setattr(maker, "_celery", counted)
+    return made_by_celery
+
+
 def _drawn(text: str) -> tuple[str, str]:
     envelope = json.loads(text)
     return envelope["properties"]["delivery_tag"], envelope["headers"][names.PUSH_HEADER]
@@ -96,14 +109,7 @@ def test_messages_made_from_a_template_are_celerys_own(maker: Messages, ahead: i
 def test_a_template_that_disagrees_with_celery_hands_every_message_to_celery(
     maker: Messages, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made_by_celery: list[int] = []
-    celery = maker._celery
-
-    def counted(jobs: list[Job], ahead: bool, declare: bool) -> list[tuple[str, str]]:
-        made_by_celery.append(len(jobs))
-        return celery(jobs, ahead, declare)
-
-    monkeypatch.setattr(maker, "_celery", counted)
+    made_by_celery = _count_celery(maker, monkeypatch)
     monkeypatch.setattr(messages_module, "_agrees", lambda *args: False)  # as a new Celery release might
     jobs = _jobs()
     out = io.StringIO()
@@ -141,7 +147,7 @@ def test_job_ids_outside_the_plain_alphabet_are_built_by_celery(maker: Messages)
 
 
 @pytest.mark.parametrize(
-    "first, second",
+    ("first", "second"),
     [
         ("mrc.infer", "mrc.infer"),  # a run `mrc` whose first lines are both `infer`: Celery's task name
         ("backlog", "c1"),  # within the lane's routing key
@@ -152,14 +158,7 @@ def test_a_job_id_within_a_field_not_its_own_makes_no_template_of_its_part(
     maker: Messages, monkeypatch: pytest.MonkeyPatch, first: str, second: str
 ) -> None:
     """Review, helper-109: the task name became each later job's id, and workers discarded them."""
-    made_by_celery: list[int] = []
-    celery = maker._celery
-
-    def counted(jobs: list[Job], ahead: bool, declare: bool) -> list[tuple[str, str]]:
-        made_by_celery.append(len(jobs))
-        return celery(jobs, ahead, declare)
-
-    monkeypatch.setattr(maker, "_celery", counted)
+    made_by_celery = _count_celery(maker, monkeypatch)
     jobs = _jobs()[1:8]
     odd = [jobs[0].model_copy(update={"job_id": first}), jobs[1].model_copy(update={"job_id": second})]
     made = maker.queued([*odd, *jobs[2:]])
