@@ -22,8 +22,10 @@ many producers send them (before, each looked at the room and then claimed: fort
 against a share of ten, and passed the depth alike; review, helper-103).
 
 Redis holds a sorted set (`"<owner> <job id>"` -> when held), a hash (owner -> jobs held) and a sorted
-set of the claims taking room (`"<owner> <job id>"` -> when their lease ends), written only by the
-scripts below. Owner: the key's 12 hex (shared/tenants.py), `-` for a job without one.
+set of the claims taking room (`"<owner> <job id>"` -> when their lease ends; `"<owner> <job id> ^"`
+for a claim bound for the lane's ahead list, which counts against the ahead list's cap until its
+confirm), written only by the scripts below. Owner: the key's 12 hex (shared/tenants.py), `-` for a
+job without one.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from shared import names, tenants
 HELD_MAX_AGE_S = 24 * 3600  # a backlog job held this long without an end is taken for lost
 NO_KEY = "-"
 _PRUNE_AT_ONCE = 200
+AHEAD_MARK = " ^"  # ends the member of a claim bound for the ahead list
 
 # room(zset, counts, claims, owner, now, max_age, limit, depth, shared) -> {room, held by owner, keys
-# with work, depth, claims}. Let go of what is held past max_age (a few at a time) and of claims past
-# their lease; the claims taking room count in the depth and in their owners' jobs. Then: alone (no
-# other owner holds a job) or with shares off (MRC_BACKLOG_KEY_SHARES=false), the room left under the
-# limit; shared, the least of what is left of the owner's share and of twice the limit.
+# with work, depth, claims, claims bound for the ahead list}. Let go of what is held past max_age (a few
+# at a time) and of claims past their lease; the claims taking room count in the depth and in their
+# owners' jobs. Then: alone (no other owner holds a job) or with shares off (MRC_BACKLOG_KEY_SHARES=
+# false), the room left under the limit; shared, the least of what is left of the owner's share and of
+# twice the limit.
 # A claim's lease is read on Redis's clock (claim_now), never a producer's: a producer whose clock ran
 # 40 s ahead let go of every other producer's claims, and one 40 s behind made its own look lapsed to
 # all the others (review, helper-105). Holds (24 h) take the producer's clock: seconds do not matter.
@@ -60,10 +64,11 @@ local function backlog_room(zset, counts, claims, owner, now, max_age, limit, de
     if who and redis.call('HINCRBY', counts, who, -1) <= 0 then redis.call('HDEL', counts, who) end
   end
   redis.call('ZREMRANGEBYSCORE', claims, '-inf', claim_now())
-  local jobs, claimed = {{}}, 0
+  local jobs, claimed, ahead = {{}}, 0, 0
   for _, member in ipairs(redis.call('ZRANGE', claims, 0, -1)) do
     local who = string.match(member, '^(%S+) ')
     if who then jobs[who] = (jobs[who] or 0) + 1; claimed = claimed + 1 end
+    if string.sub(member, -2) == '{AHEAD_MARK}' then ahead = ahead + 1 end
   end
   depth = depth + claimed
   local held = redis.call('HGETALL', counts)
@@ -72,9 +77,9 @@ local function backlog_room(zset, counts, claims, owner, now, max_age, limit, de
   for who, n in pairs(jobs) do
     if who ~= owner and n > 0 then others = others + 1 end
   end
-  if others == 0 or not shared then return {{limit - depth, mine, others + 1, depth, claimed}} end
+  if others == 0 or not shared then return {{limit - depth, mine, others + 1, depth, claimed, ahead}} end
   local share = math.ceil(limit / (others + 1))
-  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1, depth, claimed}}
+  return {{math.min(share - mine, 2 * limit - depth), mine, others + 1, depth, claimed, ahead}}
 end
 local function backlog_hold(zset, counts, owner, job_id, now)
   if redis.call('ZADD', zset, 'NX', now, owner .. ' ' .. job_id) == 1 then
@@ -97,15 +102,19 @@ local depth = 0
 for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
 local r = backlog_room(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
                        tonumber(ARGV[4]), depth, ARGV[5] == '1')
-return {r[1], r[4], r[2], r[3], r[5], redis.call('LLEN', KEYS[4 + AHEAD_AT])}
+return {r[1], r[4], r[2], r[3], r[5], redis.call('LLEN', KEYS[4 + AHEAD_AT]) + r[6]}
 """.replace("AHEAD_AT", str(_AHEAD_AT))
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts, KEYS[4] claims, KEYS[5..] the lane's lists; ARGV
 # ttl, lane, submitted_at, fingerprint, claim token, owner, now, max_age, limit ('': none), shared, job
-# id. A claim (shared/records.py) that takes its room in the same step on the backlog lane: {1, room,
-# depth, held, keys, claims, ahead} claimed (the room as it was before it; {1} off the backlog, and for
-# a claim of its own sent again), {0} the id is taken, {-1, room, ...} no room for it now (nothing
-# written).
+# id, ahead list's cap (MRC_BACKLOG_AHEAD_JOBS). A claim (shared/records.py) that takes its room in the
+# same step on the backlog lane: {1, room, depth, held, keys, claims, ahead, bound ahead} claimed (the
+# room as it was before it; {1} off the backlog, and for a claim of its own sent again), {0} the id is
+# taken, {-1, room, ...} no room for it now (nothing written). `ahead` counts the list and the claims
+# bound for it; a claim is bound for it (1) while another owner has jobs in the lane, its owner holds
+# fewer than the cap, and fewer than the cap are ahead: decided here, so submissions at once never
+# put more there than the cap (each read the list's length alone before: four keys' bursts of eight
+# put 9 and 12 there against 8; review, helper-108).
 CLAIM_LUA = (
     ROOM_LUA
     + """
@@ -119,16 +128,19 @@ if ARGV[2] == 'backlog' and ARGV[9] ~= '' then
   for i = 5, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
   local r = backlog_room(KEYS[2], KEYS[3], KEYS[4], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8]),
                          tonumber(ARGV[9]), depth, ARGV[10] == '1')
-  local ahead = redis.call('LLEN', KEYS[5 + AHEAD_AT])
+  local ahead = redis.call('LLEN', KEYS[5 + AHEAD_AT]) + r[6]
   if r[1] <= 0 then return {-1, r[1], r[4], r[2], r[3], r[5], ahead} end
-  redis.call('ZADD', KEYS[4], claim_now() + tonumber(ARGV[1]), ARGV[6] .. ' ' .. ARGV[11])
-  room = {1, r[1], r[4], r[2], r[3], r[5], ahead}
+  local most = tonumber(ARGV[12])
+  local bound = (r[3] > 1 and r[2] < most and ahead < most) and 1 or 0
+  local member = ARGV[6] .. ' ' .. ARGV[11] .. (bound == 1 and 'AHEAD_MARK' or '')
+  redis.call('ZADD', KEYS[4], claim_now() + tonumber(ARGV[1]), member)
+  room = {1, r[1], r[4], r[2], r[3], r[5], ahead, bound}
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'lane', ARGV[2], 'submitted_at', ARGV[3],
            'fingerprint', ARGV[4], 'published', '0', 'claim', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return room
-""".replace("AHEAD_AT", str(_AHEAD_AT))
+""".replace("AHEAD_AT", str(_AHEAD_AT)).replace("AHEAD_MARK", AHEAD_MARK)
 )
 # KEYS[1] the job's hash, KEYS[2] zset, KEYS[3] counts; ARGV owner, job id, now. A backlog job queued
 # again (a dead letter requeued, a lost message pushed again) is held, unless it has ended.
@@ -160,7 +172,8 @@ class Room:
     held: int  # the owner's jobs held (queued or running) or being queued
     keys: int  # owners with work in the lane, this one included
     claims: int = 0  # of `depth`, the jobs being queued now (claimed, not yet in the lane)
-    ahead: int = 0  # of `depth`, the jobs on the lane's ahead list (shared/names.py AHEAD_STEP)
+    ahead: int = 0  # the jobs on the lane's ahead list (shared/names.py AHEAD_STEP) and bound for it
+    bound_ahead: bool = False  # a claim's: its job goes on the ahead list (decided in its claim step)
 
     def ahead_for(self, most: int) -> int:
         """How many of the owner's next jobs go on the lane's ahead list (MRC_BACKLOG_AHEAD_JOBS =
@@ -206,6 +219,7 @@ def keys() -> list[str]:
 
 
 def claim_member(job_id: str) -> str:
+    """A claim's member in the claims' set (one bound for the ahead list adds AHEAD_MARK)."""
     return f"{owner_of(job_id)} {job_id}"
 
 
@@ -249,5 +263,6 @@ def share_each(held_by_key: dict[str, int], limit: int, shares: bool) -> int | N
 
 
 def room_from(reply: list[int]) -> Room:
-    room, depth, held, count, claims, ahead = (int(x) for x in reply)
-    return Room(room, depth, held, count, claims, ahead)
+    """The Room a script answered: {room, depth, held, keys, claims, ahead[, bound ahead]}."""
+    room, depth, held, count, claims, ahead, *bound = (int(x) for x in reply)
+    return Room(room, depth, held, count, claims, ahead, bool(bound and bound[0]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import threading
@@ -25,6 +26,7 @@ class MemoryJobRecords:
         self.usage: dict[str, dict[str, int]] = {}  # per key, as shared/usage.py totals() reads them
         self.held: dict[str, set[str]] = {}  # owner -> backlog jobs held (shared/backlog_share.py)
         self.claims: dict[str, float] = {}  # backlog claims taking room: job id -> when their lease ends
+        self.claims_ahead: set[str] = set()  # of them, those bound for the ahead list
         self.claim_ttl_s = float(CLAIM_TTL_S)
         self._lock = threading.Lock()
         self._event_added = threading.Condition(self._lock)  # events_after's block, as XREAD's
@@ -50,7 +52,7 @@ class MemoryJobRecords:
             return None if job_id in self.records else self._new_claim(job_id, lane, fingerprint)
 
     def claim_backlog(
-        self, job_id: str, fingerprint: str, limit: int, shares: bool = True
+        self, job_id: str, fingerprint: str, limit: int, shares: bool = True, ahead_most: int = 0
     ) -> tuple[str, backlog_share.Room] | None:
         with self._lock:
             if job_id in self.records:
@@ -59,6 +61,9 @@ class MemoryJobRecords:
             if room.room <= 0:
                 raise backlog_share.NoRoom(room)
             self.claims[job_id] = time.monotonic() + self.claim_ttl_s
+            if room.keys > 1 and room.held < ahead_most and room.ahead < ahead_most:
+                self.claims_ahead.add(job_id)
+                room = dataclasses.replace(room, bound_ahead=True)
             return self._new_claim(job_id, "backlog", fingerprint), room
 
     def _new_claim(self, job_id: str, lane: str, fingerprint: str) -> str:
@@ -86,7 +91,7 @@ class MemoryJobRecords:
             record = self.records[job_id]
             record.pop("claim", None)
             record.update(published="1", checked="1" if checked else "0")
-            self.claims.pop(job_id, None)
+            self._let_go(job_id)
             self._hold(job_id)
             return True
 
@@ -108,22 +113,27 @@ class MemoryJobRecords:
     def _room(self, owner: str, limit: int, shares: bool) -> backlog_share.Room:
         now = time.monotonic()
         for job_id in [job_id for job_id, until in self.claims.items() if until <= now]:
-            del self.claims[job_id]
+            self._let_go(job_id)
         jobs = {who: len(held) for who, held in self.held.items()}
         for job_id in self.claims:
             jobs[backlog_share.owner_of(job_id)] = jobs.get(backlog_share.owner_of(job_id), 0) + 1
         depth, mine = len(self.claims), jobs.get(owner, 0)
         others = sum(1 for who, n in jobs.items() if who != owner and n)
+        ahead = len(self.claims_ahead)  # no queues here: the claims bound for the ahead list
         if others == 0 or not shares:
-            return backlog_share.Room(limit - depth, depth, mine, others + 1, depth)
+            return backlog_share.Room(limit - depth, depth, mine, others + 1, depth, ahead)
         share = -(-limit // (others + 1))
-        return backlog_share.Room(min(share - mine, 2 * limit - depth), depth, mine, others + 1, depth)
+        return backlog_share.Room(min(share - mine, 2 * limit - depth), depth, mine, others + 1, depth, ahead)
+
+    def _let_go(self, job_id: str) -> None:
+        self.claims.pop(job_id, None)
+        self.claims_ahead.discard(job_id)
 
     def release(self, job_id: str, token: str) -> None:
         with self._lock:
             if self._holds(job_id, token) and self.records[job_id].get("published") == "0":
                 del self.records[job_id]
-                self.claims.pop(job_id, None)
+                self._let_go(job_id)
 
     def set_state(self, job_id: str, state: State, **fields: str) -> None:
         with self._lock:

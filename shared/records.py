@@ -49,9 +49,11 @@ if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] or redis.call('HGET', KEYS[1]
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 local t = redis.call('TIME')  -- the claims' clock is Redis's (shared/backlog_share.py)
-redis.call('ZADD', KEYS[2], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]), ARGV[3])
+local lease = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[2], 'XX', lease, ARGV[3])
+redis.call('ZADD', KEYS[2], 'XX', lease, ARGV[3] .. 'AHEAD_MARK')  -- a claim bound for the ahead list
 return 1
-"""
+""".replace("AHEAD_MARK", backlog_share.AHEAD_MARK)
 # KEYS[1]; ARGV: claim token, record ttl, checked. Only the holder confirms, and only its own claim: a
 # record that expired meanwhile is not re-created with half its fields.
 # A backlog job is held for its key's share (shared/backlog_share.py: KEYS[2..4], ARGV[4..6] owner, job
@@ -64,23 +66,23 @@ if redis.call('HGET', KEYS[1], 'claim') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'published', '1', 'checked', ARGV[3])
 redis.call('HDEL', KEYS[1], 'claim')
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('ZREM', KEYS[4], ARGV[4] .. ' ' .. ARGV[5])
+redis.call('ZREM', KEYS[4], ARGV[4] .. ' ' .. ARGV[5], ARGV[4] .. ' ' .. ARGV[5] .. 'AHEAD_MARK')
 local state = redis.call('HGET', KEYS[1], 'state')
 if redis.call('HGET', KEYS[1], 'lane') == 'backlog' and state ~= 'succeeded' and state ~= 'failed' then
   backlog_hold(KEYS[2], KEYS[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))
 end
 return 1
-"""
+""".replace("AHEAD_MARK", backlog_share.AHEAD_MARK)
 )
 # KEYS[1], KEYS[2] the backlog's claims; ARGV: claim token, the claim's member. Undo this holder's
 # unpublished claim, never another's, and give back the room it took.
 _RELEASE_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'claim') == ARGV[1] and redis.call('HGET', KEYS[1], 'published') == '0' then
-  redis.call('ZREM', KEYS[2], ARGV[2])
+  redis.call('ZREM', KEYS[2], ARGV[2], ARGV[2] .. 'AHEAD_MARK')
   return redis.call('DEL', KEYS[1])
 end
 return 0
-"""
+""".replace("AHEAD_MARK", backlog_share.AHEAD_MARK)
 
 
 def connect(
@@ -145,7 +147,7 @@ class JobRecords(Protocol):
         self, job_id: str, lane: str, fingerprint: str = "", limit: int | None = None, shares: bool = True
     ) -> str | None: ...
     def claim_backlog(
-        self, job_id: str, fingerprint: str, limit: int, shares: bool = True
+        self, job_id: str, fingerprint: str, limit: int, shares: bool = True, ahead_most: int = 0
     ) -> tuple[str, backlog_share.Room] | None: ...
     def renew(self, job_id: str, token: str) -> bool: ...
     def confirm(self, job_id: str, token: str, checked: bool = True) -> bool: ...
@@ -219,12 +221,13 @@ class RedisJobRecords:
         return reply[1] if reply[0] else None
 
     def claim_backlog(
-        self, job_id: str, fingerprint: str, limit: int, shares: bool = True
+        self, job_id: str, fingerprint: str, limit: int, shares: bool = True, ahead_most: int = 0
     ) -> tuple[str, backlog_share.Room] | None:
         """A backlog job's claim that takes its room in the lane in the same step (its owner's share
         with `shares`): its token and the room as it was before it, or None when the id is taken;
-        raises backlog_share.NoRoom, and writes nothing, when there is none."""
-        reply = self._claim_script(job_id, "backlog", fingerprint, limit, shares)
+        raises backlog_share.NoRoom, and writes nothing, when there is none. `ahead_most`: the ahead
+        list's cap (MRC_BACKLOG_AHEAD_JOBS); the room's `bound_ahead` says whether the job goes there."""
+        reply = self._claim_script(job_id, "backlog", fingerprint, limit, shares, ahead_most)
         if not reply[0]:
             return None
         # its own claim sent again by redis-py (a reply lost) says no room: taken as one that goes
@@ -234,7 +237,7 @@ class RedisJobRecords:
         )
 
     def _claim_script(
-        self, job_id: str, lane: str, fingerprint: str, limit: int | None, shares: bool
+        self, job_id: str, lane: str, fingerprint: str, limit: int | None, shares: bool, ahead_most: int = 0
     ) -> list[Any]:
         """[1, token, room...] claimed, [0] taken; NoRoom raised."""
         token = secrets.token_hex(8)
@@ -242,7 +245,7 @@ class RedisJobRecords:
         keys = [names.job_key(job_id), *backlog_share.keys(), *(names.queue_keys(lane) if room else [])]
         args: list[str | int | float] = [
             self._claim_ttl_s, lane, now_rfc3339(), fingerprint, token, backlog_share.owner_of(job_id),
-            time.time(), backlog_share.HELD_MAX_AGE_S, room, "1" if shares else "0", job_id,
+            time.time(), backlog_share.HELD_MAX_AGE_S, room, "1" if shares else "0", job_id, ahead_most,
         ]  # fmt: skip
         reply = [int(x) for x in self._claim(keys=keys, args=args)]
         if reply[0] < 0:

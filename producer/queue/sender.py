@@ -164,17 +164,21 @@ class Queue:
 
     def _take(self, job: Job, limit: int | None) -> _Claim | None:
         """The claim on the job's id (None: taken), and on the backlog whether the job goes on the
-        lane's ahead list (backlog_share.Room.ahead_for)."""
+        lane's ahead list (decided in the claim step: backlog_share.CLAIM_LUA)."""
         if limit is None:
             token = self.records.claim(job.job_id, job.lane, job.fingerprint())
             return None if token is None else _Claim(token)
         taken = self.records.claim_backlog(
-            job.job_id, job.fingerprint(), limit, self.settings.backlog_key_shares
+            job.job_id,
+            job.fingerprint(),
+            limit,
+            self.settings.backlog_key_shares,
+            self.settings.backlog_ahead_jobs,
         )
         if taken is None:
             return None
         token, room = taken
-        return _Claim(token, room.ahead_for(self.settings.backlog_ahead_jobs) > 0)
+        return _Claim(token, room.bound_ahead)
 
     def _send_claimed(self, job: Job, claim: _Claim) -> bool | None:
         """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost

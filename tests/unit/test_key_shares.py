@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -319,6 +319,17 @@ def test_a_refusal_at_twice_the_limit_says_so() -> None:
     assert "twice" not in backlog_share.Room(0, 12, 3, 4).refusal(10, owner="-")  # past its share of 3
 
 
+def _submitter(queue: Queue) -> Callable[[str, int], None]:
+    """Submits the owner's n-th single backlog job through the producer's queue (it must go in)."""
+
+    def submit(owner: str, n: int) -> None:
+        job = Job(job_id=f"{owner}~j{n}", image_uri="s3://b/p.jpg", prompt="Torn?", lane="backlog",
+                  max_new_tokens=8, api_key=owner)  # fmt: skip
+        assert queue.enqueue(job, block=False)
+
+    return submit
+
+
 @pytest.mark.parametrize("ahead_jobs", [2, 0])
 def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(
     redis_server: services.Service, ahead_jobs: int
@@ -331,13 +342,8 @@ def test_a_keys_first_jobs_beside_anothers_go_on_the_ahead_list(
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     queue = Queue(services.settings_from_env(env), images=MemoryStore(), results=MemoryStore())
     main, ahead = names.queue_keys("backlog")[0], names.queue_keys("backlog")[names.AHEAD_STEP // 3]
+    submit = _submitter(queue)
     try:
-
-        def submit(owner: str, n: int) -> None:
-            job = Job(job_id=f"{owner}~j{n}", image_uri="s3://b/p.jpg", prompt="Torn?", lane="backlog",
-                      max_new_tokens=8, api_key=owner)  # fmt: skip
-            assert queue.enqueue(job, block=False)
-
         for n in range(5):
             submit(ALICE, n)  # alone: the lane's end, whatever she holds
         assert (client.llen(main), client.llen(ahead)) == (5, 0)
@@ -372,4 +378,61 @@ def test_a_backlog_claim_sent_again_by_redis_py_is_still_its_holders(
     assert first is not None
     assert again is not None
     assert (first[0], again[0]) == ("same-token", "same-token")
-    assert again[1].ahead_for(8) == 0  # nothing known of the room: not ahead
+    assert not again[1].bound_ahead  # nothing known of the room: not ahead
+
+
+def test_claims_at_once_bind_no_more_jobs_for_the_ahead_list_than_its_cap(any_records: JobRecords) -> None:
+    """Review, helper-108: four keys sending 8 single backlog jobs each at once put 9 and 12 on the
+    ahead list against 8 (each claim read the list's length alone, and none was on it yet). The claim
+    step binds a job for the ahead list and counts it there until its confirm or release."""
+    for n in range(10):  # another key's batch in the lane: newcomers' first jobs may go ahead
+        token = any_records.claim(f"{ALICE}~held{n}", "backlog")
+        assert token is not None
+        assert any_records.confirm(f"{ALICE}~held{n}", token)
+    bound: dict[str, int] = {}
+    claims: list[tuple[str, str]] = []
+    for n in range(8):  # every claim before any confirm: as submissions at once
+        for owner in (BOB, CAROL, "d4d4d4d4d4d4", "e5e5e5e5e5e5"):
+            taken = any_records.claim_backlog(f"{owner}~j{n}", "fp", limit=1000, ahead_most=8)
+            assert taken is not None
+            claims.append((f"{owner}~j{n}", taken[0]))
+            bound[owner] = bound.get(owner, 0) + taken[1].bound_ahead
+    assert sum(bound.values()) == 8, bound
+    assert any_records.backlog_room(BOB, 1000).ahead == 8  # the list holds none yet: the claims count
+    # A released claim gives its place back; a confirmed one leaves it to the list (where its job is).
+    job_id, token = next((job_id, token) for job_id, token in claims if job_id.startswith(BOB))
+    any_records.release(job_id, token)
+    assert any_records.backlog_room(BOB, 1000).ahead == 7
+    for job_id, token in claims:
+        any_records.confirm(job_id, token)
+    assert any_records.backlog_room(BOB, 1000).ahead == 0
+    # Off (0), or a key alone in the lane: none is bound ahead.
+    off = any_records.claim_backlog(f"{BOB}~off", "fp", limit=1000, ahead_most=0)
+    assert off is not None
+    assert not off[1].bound_ahead
+
+
+def test_submissions_at_once_from_several_keys_fill_the_ahead_list_to_its_cap(
+    redis_server: services.Service,
+) -> None:
+    """The same through the producer's queue, 32 threads from four keys beside a fifth's batch."""
+    env = {"MRC_REDIS_URL": redis_server.url, "MRC_BACKLOG_AHEAD_JOBS": "8"}
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    queue = Queue(services.settings_from_env(env), images=MemoryStore(), results=MemoryStore())
+    ahead = names.queue_keys("backlog")[names.AHEAD_STEP // 3]
+    owners = (BOB, CAROL, "d4d4d4d4d4d4", "e5e5e5e5e5e5")
+    submit = _submitter(queue)
+    try:
+        for n in range(10):
+            submit(ALICE, n)
+        threads = [threading.Thread(target=submit, args=(owner, n)) for n in range(8) for owner in owners]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert client.llen(ahead) == 8
+        assert queue.lane_depth("backlog") == 42
+        assert client.zcard(names.backlog_claims_key()) == 0
+    finally:
+        queue.close()
+        client.close()
