@@ -124,9 +124,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if args.strict:
             _strict(lines(), run_id, settings)
         print(run_id, flush=True)
-        passes, deadline = 0, time.monotonic() + args.timeout  # a repair's wait within the same --timeout
+        # One --timeout for the whole --wait: waiting for room on a full lane (review, helper-110: it
+        # waited 639 s past a --timeout of 3), the results, and a repair's pass.
+        passes, deadline = 0, time.monotonic() + args.timeout
         while True:
-            progress = _pass(backlog, args, run_id, (lines, source, prompt), settings)
+            progress = _pass(backlog, args, run_id, (lines, source, prompt), settings, deadline)
             passes += 1
             if isinstance(progress, int):
                 return progress
@@ -145,7 +147,7 @@ _PASSES = 4
 
 
 def _pass(backlog: Any, args: argparse.Namespace, run_id: str, given: tuple[Lines, str, str | None],
-          settings: Settings) -> Any:  # fmt: skip
+          settings: Settings, deadline: float) -> Any:  # fmt: skip
     """One pass of the run, under its lease: its Progress, or the exit code of a pass cut short."""
     from producer.backlog import run_lease
 
@@ -153,7 +155,7 @@ def _pass(backlog: Any, args: argparse.Namespace, run_id: str, given: tuple[Line
     with run_lease.held(backlog.runs.client, run_id) as lease:
         if prompt:  # a listing's: a refused pass changes nothing of the run (review, helper-76)
             _record_prompt(backlog, run_id, source, prompt)
-        return _enqueue(backlog, args, run_id, lines, source, settings, lease)
+        return _enqueue(backlog, args, run_id, lines, source, settings, lease, deadline)
 
 
 def _wait(
@@ -175,7 +177,7 @@ def _wait(
 
 def _enqueue(
     backlog: Any, args: argparse.Namespace, run_id: str, lines: Lines, source: str, settings: Settings,
-    lease: Any,
+    lease: Any, deadline: float,
 ) -> Any:  # fmt: skip
     """The run's lines queued, with progress shown and outages waited out: its Progress, or the exit
     code of a pass cut short."""
@@ -196,6 +198,7 @@ def _enqueue(
                 return backlog.enqueue(
                     lines(), run_id, source, block=not args.no_block, rate=args.rate, on_progress=shown,
                     workdir=os.getcwd(),  # a resume reads relative image paths from where the run began
+                    until=deadline if args.wait else None,
                 )  # fmt: skip
             except RunLost:  # Redis lost the run's record: its counts start again from the index
                 if not lease.renew():
@@ -215,15 +218,29 @@ def _enqueue(
     except PartNotReplicated as exc:  # the command that resumes this run (review, helper-77: "RUN_ID")
         exc.message = f"{exc.message}. Go on with: {_go_on(run_id, source)}"
         raise
-    except QueueFull as exc:  # --no-block: what was queued is indexed (status sees it); say so
-        then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
-        raise QueueFull(exc.depth, exc.limit, f"{exc.then}; {then}" if exc.then else then) from None
+    except QueueFull as exc:
+        return _full(run_id, source, args.timeout, exc)
     except KeyboardInterrupt:
         print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
               f"{_go_on(run_id, source)}", file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
     finally:
         display.close()
+
+
+def _full(run_id: str, source: str, timeout: float, exc: QueueFull) -> int:
+    """A pass stopped by a full lane: --wait's --timeout passed while it waited for room (exit 3, as
+    --wait's), or --no-block (QueueFull raised again, saying how to go on: exit 4). Either way what
+    was queued is indexed (status sees it)."""
+    from producer.backlog.run import RoomTimedOut
+
+    if isinstance(exc, RoomTimedOut):
+        print(f"\nmrc: run {run_id} not whole after {timeout:g} s: it waited for room on the backlog lane "
+              f"({exc.then or 'at its depth limit'}); its jobs so far stay queued. Go on with: "
+              f"{_go_on(run_id, source)} [--wait]", file=sys.stderr)  # fmt: skip
+        return EXIT_TIMEOUT
+    then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
+    raise QueueFull(exc.depth, exc.limit, f"{exc.then}; {then}" if exc.then else then) from None
 
 
 def _gave_up(run_id: str, source: str, exc: Exception) -> int:

@@ -46,6 +46,7 @@ class RunReader:
         states: Counter[str] = Counter()
         codes: Counter[str] = Counter()
         recent = invalid = cancelling = 0  # cancelling: of the queued, apart from the states' sum
+        last_end = 0.0  # when the run's last job ended
         since = time.time() - 60
         usage = usage_book.empty_sums()
         seen: set[str] = set()  # a line repeated is one job: counted, and its tokens summed, once
@@ -64,8 +65,9 @@ class RunReader:
                     cancelling += 1
                 if state == "failed":
                     codes[code or "unknown"] += 1
-                if state in TERMINAL and updated and parse_rfc3339(updated).timestamp() >= since:
-                    recent += 1
+                ended = parse_rfc3339(updated).timestamp() if state in TERMINAL and updated else 0.0
+                recent += ended >= since
+                last_end = max(last_end, ended)
         jobs = sum(states.values())
         left = states["queued"] + states["running"]
         # Over the last minute, or over the run's own time while it is younger (review: a run seconds
@@ -73,6 +75,11 @@ class RunReader:
         created = run.get("created_at") or self._started(run_id)
         age = time.time() - parse_rfc3339(created).timestamp() if created else 60.0
         rate = recent / min(60.0, max(1.0, age))
+        if not left and last_end and created:
+            # Over: its own rate, from its start to its last end (the last minute's fell with every
+            # second after it ended; review, helper-110).
+            span = last_end - parse_rfc3339(created).timestamp()
+            rate = (states["succeeded"] + states["failed"]) / max(span, 0.001)
         # Jobs without a record are done only once records have expired (7 days): a younger run's
         # were lost with Redis's data, and running it again queues them (review, helper-63: "done"),
         # unless their result is stored (review, helper-78: counted lost, and a --wait ran a pass).

@@ -87,6 +87,7 @@ class _Pass:
     partials: set[int]  # chunks a killed pass left a partial index of (deleted once indexed whole)
     pass_id: str  # the run's record counts this pass's chunks only while it names this pass
     lines_shown: int = 0  # lines of the chunk being queued already in the progress's count
+    until: float | None = None  # time.monotonic() past which a wait for room stops (RoomTimedOut)
 
 
 class Backlog(RunReader):
@@ -123,9 +124,12 @@ class Backlog(RunReader):
         on_progress: OnProgress | None = None,
         parse: Parse = manifest.parse,
         workdir: str | None = None,
+        until: float | None = None,
     ) -> Progress:
         """Enqueue a manifest's lines under `run_id`; returns what this call did. `parse` reads one
-        line (another format's lines: an OpenAI batch file, producer/openai/batch_lines.py)."""
+        line (another format's lines: an OpenAI batch file, producer/openai/batch_lines.py). `until`:
+        a time.monotonic() past which waiting for room raises RoomTimedOut (`mrc backlog --wait
+        --timeout`), what was queued indexed as for a full lane without `block`."""
         if not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
         pass_id = uuid.uuid4().hex
@@ -139,7 +143,9 @@ class Backlog(RunReader):
         young = self._young(run_id, record, fresh, bool(done))
         unconfirmed = unconfirmed_chunks(record)  # indexed, but not every job of it confirmed by the replicas
         progress = Progress(run_id)
-        step = _Pass(run_id, progress, block, _Throttle(rate), on_progress, parse, partials, pass_id)
+        step = _Pass(
+            run_id, progress, block, _Throttle(rate), on_progress, parse, partials, pass_id, until=until
+        )
         if on_progress:  # the display's first line at once, not after a chunk of 5,000 lines
             on_progress(progress)
         for number, chunk in manifest.chunks(lines, CHUNK_LINES):
@@ -393,10 +399,9 @@ class Backlog(RunReader):
         without `block`); None when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
         while (room := self.queue.backlog_room(owner)).room <= 0:
-            if not step.block:
-                raise QueueFull(
-                    room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares, owner)
-                )
+            if not step.block or (step.until is not None and time.monotonic() >= step.until):
+                kind = QueueFull if not step.block else RoomTimedOut
+                raise kind(room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares, owner))
             if self.runs.cancelled(run_id):
                 return None
             index.grew(waiting=True)  # what is queued so far is seen while the run waits
@@ -418,6 +423,10 @@ class Backlog(RunReader):
 
 
 _UNCONFIRMED = "unconfirmed_chunk_"
+
+
+class RoomTimedOut(QueueFull):
+    """The run waited for room on the backlog lane past its `until` (what was queued is indexed)."""
 
 
 def _took(

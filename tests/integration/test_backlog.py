@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -605,6 +606,55 @@ def test_a_cancel_while_the_run_waits_for_room_queues_nothing_more(
     finally:
         worker.stop()
     assert codes == {"cancelled"}
+
+
+def test_wait_timeout_bounds_the_wait_for_room_too(own: dict[str, str], tmp_path: Path) -> None:
+    """Review, helper-110: `--wait --timeout 3` on a full lane waited for room 639 s (until Ctrl-C):
+    the timeout bounded only the wait for results. It now bounds the whole --wait: exit 3, naming the
+    resume, what went in the run's (status sees it)."""
+    env = {**own, "MRC_BACKLOG_MAX_DEPTH": "40"}
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(100)
+    ]
+    path = str(_write(tmp_path / "m.jsonl", rows))
+    done = services.run_cli(env, "backlog", path, "--wait", "--timeout", "2", "--run-id", "late", timeout=90)
+    assert done.returncode == 3, done.stderr
+    assert "not whole after 2 s: it waited for room on the backlog lane" in done.stderr
+    assert "mrc backlog --resume late" in done.stderr
+    assert len(_queued_ids(own)) == 40
+    status = json.loads(services.run_cli(own, "backlog", "status", "late", "--json").stdout)
+    assert (status["jobs"], status["queued"]) == (40, 40)
+
+
+def test_a_finished_runs_rate_is_its_own_not_one_that_falls_with_time(
+    own: dict[str, str], tmp_path: Path
+) -> None:
+    """Review, helper-110: a run of 3 jobs done in 0.4 s read 2.68/s at its end, 0.68/s a few seconds
+    later and 0.57/s after that: the last minute's count over the time since its start."""
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": "Q?"}
+        for i in range(3)
+    ]
+    assert (
+        services.run_cli(
+            own, "backlog", str(_write(tmp_path / "m.jsonl", rows)), "--run-id", "brief"
+        ).returncode
+        == 0
+    )
+    lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    created = jobs.parse_rfc3339(
+        json.loads(services.run_cli(own, "backlog", "status", "brief", "--json").stdout)["created_at"]
+    )
+    for n, job_id in enumerate(
+        sorted(_queued_ids(own))
+    ):  # as a worker ends them: 1, 2 and 3 s after its start
+        ended = (created + timedelta(seconds=n + 1)).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        lane.hset(names.job_key(job_id), mapping={"state": "succeeded", "updated_at": ended})
+    status = json.loads(services.run_cli(own, "backlog", "status", "brief", "--json").stdout)
+    assert status["succeeded"] == 3
+    assert status["rate_per_s"] == 1.0  # 3 jobs from its start to its last end, 3 s
+    assert status["eta_s"] == 0
 
 
 def test_the_depth_limit_holds_when_it_is_below_a_part(own: dict[str, str], tmp_path: Path) -> None:
