@@ -219,6 +219,7 @@ def _enqueue(
         exc.message = f"{exc.message}. Go on with: {_go_on(run_id, source)}"
         raise
     except QueueFull as exc:
+        display.close()  # its last progress line before the message, which says how to go on
         return _full(run_id, source, args.timeout, exc)
     except KeyboardInterrupt:
         print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
@@ -229,15 +230,14 @@ def _enqueue(
 
 
 def _full(run_id: str, source: str, timeout: float, exc: QueueFull) -> int:
-    """A pass stopped by a full lane: --wait's --timeout passed while it waited for room (exit 3, as
-    --wait's), or --no-block (QueueFull raised again, saying how to go on: exit 4). Either way what
-    was queued is indexed (status sees it)."""
-    from producer.backlog.run import RoomTimedOut
+    """A pass stopped short: --wait's --timeout passed while it waited for room or paced at --rate
+    (exit 3, as --wait's), or a full lane with --no-block (QueueFull raised again, saying how to go
+    on: exit 4). Either way what was queued is indexed (status sees it)."""
+    from producer.backlog.run import TimedOut
 
-    if isinstance(exc, RoomTimedOut):
-        print(f"\nmrc: run {run_id} not whole after {timeout:g} s: it waited for room on the backlog lane "
-              f"({exc.then or 'at its depth limit'}); its jobs so far stay queued. Go on with: "
-              f"{_go_on(run_id, source)} [--wait]", file=sys.stderr)  # fmt: skip
+    if isinstance(exc, TimedOut):
+        print(f"mrc: run {run_id} not whole after {timeout:g} s ({exc.then}); its jobs so far stay queued. "
+              f"Go on with: {_go_on(run_id, source)} [--wait]", file=sys.stderr)  # fmt: skip
         return EXIT_TIMEOUT
     then = f"run {run_id}'s jobs so far stay queued. Go on with: {_go_on(run_id, source)}"
     raise QueueFull(exc.depth, exc.limit, f"{exc.then}; {then}" if exc.then else then) from None

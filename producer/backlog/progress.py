@@ -113,8 +113,10 @@ class Display:
             self._print(line)
 
     def close(self) -> None:
+        """Stop the status line and print the last progress line (once: a second close does nothing)."""
         if self._status is not None:
             self._status.stop()
+            self._status = None
         if self._last_line and self._last_line != self._printed:
             self._print(self._last_line)
 

@@ -75,7 +75,8 @@ class RunReader:
         created = run.get("created_at") or self._started(run_id)
         age = time.time() - parse_rfc3339(created).timestamp() if created else 60.0
         rate = recent / min(60.0, max(1.0, age))
-        if not left and last_end and created:
+        over = run.get("state") == "enqueued"  # every line queued (a pass cut short leaves some unqueued)
+        if not left and over and last_end and created:
             # Over: its own rate, from its start to its last end (the last minute's fell with every
             # second after it ended; review, helper-110).
             span = last_end - parse_rfc3339(created).timestamp()
@@ -109,7 +110,8 @@ class RunReader:
             "lost": lost,
             "invalid_lines": invalid,
             "rate_per_s": round(rate, 2),
-            "eta_s": round(left / rate, 1) if rate > 0 else None,
+            # none while lines wait unqueued and no pass queues them (its --timeout, a full lane's --no-block)
+            "eta_s": round(left / rate, 1) if rate > 0 and (left or over) else None,
             "usage": usage,  # the finished jobs' tokens (their results' `usage`, summed)
         }
 

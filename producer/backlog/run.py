@@ -87,7 +87,7 @@ class _Pass:
     partials: set[int]  # chunks a killed pass left a partial index of (deleted once indexed whole)
     pass_id: str  # the run's record counts this pass's chunks only while it names this pass
     lines_shown: int = 0  # lines of the chunk being queued already in the progress's count
-    until: float | None = None  # time.monotonic() past which a wait for room stops (RoomTimedOut)
+    until: float | None = None  # time.monotonic() past which waiting (for room, or --rate) stops: TimedOut
 
 
 class Backlog(RunReader):
@@ -128,8 +128,8 @@ class Backlog(RunReader):
     ) -> Progress:
         """Enqueue a manifest's lines under `run_id`; returns what this call did. `parse` reads one
         line (another format's lines: an OpenAI batch file, producer/openai/batch_lines.py). `until`:
-        a time.monotonic() past which waiting for room raises RoomTimedOut (`mrc backlog --wait
-        --timeout`), what was queued indexed as for a full lane without `block`."""
+        a time.monotonic() past which waiting for room, or pacing at `rate`, raises TimedOut (`mrc
+        backlog --wait --timeout`), what was queued indexed as for a full lane without `block`."""
         if not manifest.RUN_ID_RE.match(run_id):
             raise UsageError(f"run id {run_id[:70]!r}: {manifest.RUN_ID_RULE}")
         pass_id = uuid.uuid4().hex
@@ -335,8 +335,11 @@ class Backlog(RunReader):
             if room is None:  # cancelled while it waited
                 return True
             part = jobs[at : at + step.throttle.part(min(_PART, room.room))]
-            step.throttle.take(len(part))
             limit = self.settings.backlog_max_depth
+            if step.until is not None and step.throttle.due() >= step.until:  # review, helper-111: a
+                rate = step.throttle.rate  # --rate run went on 28 h past its --timeout
+                raise TimedOut(room.depth, limit, f"pacing its lines at --rate {rate:g} a second")
+            step.throttle.take(len(part))
             unreplicated: PartNotReplicated | None = None
             try:
                 captured = self.messages.queued([job for _, job in part], self._ahead(room))
@@ -399,16 +402,17 @@ class Backlog(RunReader):
         without `block`); None when the run was cancelled while it waited."""
         limit = self.settings.backlog_max_depth
         while (room := self.queue.backlog_room(owner)).room <= 0:
-            if not step.block or (step.until is not None and time.monotonic() >= step.until):
-                kind = QueueFull if not step.block else RoomTimedOut
-                raise kind(room.depth, limit, room.refusal(limit, self.settings.backlog_key_shares, owner))
+            why = room.refusal(limit, self.settings.backlog_key_shares, owner)
+            if not step.block:
+                raise QueueFull(room.depth, limit, why)
+            if step.until is not None and time.monotonic() >= step.until:
+                raise TimedOut(
+                    room.depth, limit, f"waiting for room on the backlog lane: {why or 'at its limit'}"
+                )
             if self.runs.cancelled(run_id):
                 return None
             index.grew(waiting=True)  # what is queued so far is seen while the run waits
-            progress.waiting_for_room = True
-            progress.waiting_why = (
-                room.refusal(limit, self.settings.backlog_key_shares, owner) or "at its depth limit"
-            )
+            progress.waiting_for_room, progress.waiting_why = True, why or "at its depth limit"
             if step.on_progress:
                 step.on_progress(progress)
             time.sleep(0.5)
@@ -425,8 +429,9 @@ class Backlog(RunReader):
 _UNCONFIRMED = "unconfirmed_chunk_"
 
 
-class RoomTimedOut(QueueFull):
-    """The run waited for room on the backlog lane past its `until` (what was queued is indexed)."""
+class TimedOut(QueueFull):
+    """The run waited past its `until`, for room on the backlog lane or at its --rate (`then` says
+    which); what was queued is indexed."""
 
 
 def _took(
@@ -483,6 +488,10 @@ class _Throttle:
         """A part's size: at most a second's worth of lines (review: a whole part of 500 went at once,
         so a run of fewer lines, and the start of any run, was not held to the rate at all)."""
         return min(most, max(1, int(self.rate))) if self.rate else most
+
+    def due(self) -> float:
+        """When the next part may go (time.monotonic())."""
+        return max(time.monotonic(), self.next) if self.rate else time.monotonic()
 
     def take(self, count: int) -> None:
         if not self.rate:

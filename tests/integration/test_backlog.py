@@ -620,11 +620,26 @@ def test_wait_timeout_bounds_the_wait_for_room_too(own: dict[str, str], tmp_path
     path = str(_write(tmp_path / "m.jsonl", rows))
     done = services.run_cli(env, "backlog", path, "--wait", "--timeout", "2", "--run-id", "late", timeout=90)
     assert done.returncode == 3, done.stderr
-    assert "not whole after 2 s: it waited for room on the backlog lane" in done.stderr
-    assert "mrc backlog --resume late" in done.stderr
+    assert "not whole after 2 s (waiting for room on the backlog lane" in done.stderr
+    # The message is the last line (review, helper-111: the last progress line came after it).
+    assert "mrc backlog --resume late" in done.stderr.strip().splitlines()[-1]
     assert len(_queued_ids(own)) == 40
     status = json.loads(services.run_cli(own, "backlog", "status", "late", "--json").stdout)
     assert (status["jobs"], status["queued"]) == (40, 40)
+    # Those 40 ended, 60 lines never queued: neither its own rate nor an ETA of 0 (helper-111).
+    lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    for job_id in _queued_ids(own):
+        lane.hset(names.job_key(job_id), mapping={"state": "succeeded", "updated_at": jobs.now_rfc3339()})
+    status = json.loads(services.run_cli(own, "backlog", "status", "late", "--json").stdout)
+    assert (status["state"], status["succeeded"], status["eta_s"]) == ("enqueuing", 40, None)
+    # --rate's pacing is bounded too (review, helper-111: --rate 1 over 100,000 lines ran 28 h past it).
+    paced = services.run_cli(
+        own, "backlog", path, "--wait", "--timeout", "2", "--rate", "5", "--run-id", "paced", timeout=90
+    )
+    assert paced.returncode == 3, paced.stderr
+    assert "not whole after 2 s (pacing its lines at --rate 5 a second)" in paced.stderr
+    status = json.loads(services.run_cli(own, "backlog", "status", "paced", "--json").stdout)
+    assert 0 < status["jobs"] < 100
 
 
 def test_a_finished_runs_rate_is_its_own_not_one_that_falls_with_time(
