@@ -17,6 +17,7 @@ import codecs
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 # Deepest nesting of a JSON value any mrc input may have (a response_format schema, a manifest line,
@@ -241,3 +242,85 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# json's C string scanner: a string's value and where it ends (escapes, surrogates as json.loads
+# reads them); typeshed does not declare it.
+_scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+_SPACE = re.compile(r"[ \t\n\r]*")
+_BRACKET_OR_QUOTE = re.compile(r'["\[\]{}]')
+_SCALAR_END = re.compile(r"[,\]}\s]|$")
+
+
+def top_level_string(raw: str | bytes, name: str) -> str | None:
+    """The string a JSON object gives its top-level key `name`, read without building anything else
+    it holds: for an object nested past what `json.loads` can parse (RecursionError), whose other
+    values no one can read. None where the text is not an object, gives `name` no string, or gives
+    it twice differently (json keeps the last: an answer under either might not be the client's).
+    Iterative, and linear in the text (strings are skipped by json's own C scanner)."""
+    text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
+    try:
+        found = _top_level_values(text, name)
+    except (ValueError, IndexError):  # not an object's text: nothing can be read from it
+        return None
+    return found[0] if found and all(value == found[0] for value in found) else None
+
+
+def _top_level_values(text: str, name: str) -> list[str | None]:
+    found: list[str | None] = []
+    at = _space(text, 0)
+    if text[at] != "{":
+        raise ValueError("not an object")
+    at = _space(text, at + 1)
+    while text[at] != "}":
+        if text[at] != '"':
+            raise ValueError("not a key")
+        key, at = _scan_string(text, at + 1)
+        at = _space(text, at)
+        if text[at] != ":":
+            raise ValueError("no colon")
+        at = _space(text, at + 1)
+        if text[at] == '"':
+            value, at = _scan_string(text, at + 1)
+            if key == name:
+                found.append(value)
+        else:
+            if key == name:
+                found.append(None)  # not a string: no id to give
+            at = _skip_value(text, at)
+        at = _space(text, at)
+        if text[at] == ",":
+            at = _space(text, at + 1)
+        elif text[at] != "}":
+            raise ValueError("no comma")
+    return found
+
+
+def _space(text: str, at: int) -> int:
+    match = _SPACE.match(text, at)
+    assert match is not None  # `*` matches the empty string
+    return match.end()
+
+
+def _skip_value(text: str, at: int) -> int:
+    """Where the array, object or scalar that starts at `at` ends."""
+    if text[at] not in "[{":
+        end = _SCALAR_END.search(text, at)
+        assert end is not None  # `$` matches at the end
+        if end.start() == at:
+            raise ValueError("no value")
+        return end.start()
+    depth = 0
+    while True:
+        mark = _BRACKET_OR_QUOTE.search(text, at)
+        if mark is None:
+            raise ValueError("left open")
+        at = mark.end()
+        if mark.group() == '"':
+            _, at = _scan_string(text, at)
+        elif mark.group() in "[{":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return at

@@ -109,6 +109,10 @@ def parse(number: int, raw: bytes, run_id: str, settings: Settings) -> Line | In
         return None
     try:
         data = encoding.loads(text)  # nesting past its bound is a ValueError, never a RecursionError
+    except encoding.TooDeep as exc:  # its top level may still name the line (review, helper-112)
+        named = encoding.top_level_string(text, "custom_id")
+        custom_id = named if named is not None and encoding.unwritable(named) is None else None
+        return Invalid(number, f"not JSON: {exc}"[:200], custom_id)
     except (ValueError, UnicodeDecodeError) as exc:
         return Invalid(number, f"not JSON: {exc}"[:200])
     if not isinstance(data, dict):

@@ -171,7 +171,13 @@ class Translator:
                 **_error(400, f"the line is ambiguous: {twice}", None, "invalid_json"),
                 "custom_id": custom_id,
             }
-        except (ValueError, RecursionError):
+        except RecursionError:  # a deep line may be JSON still: say so, and answer under its id
+            custom_id = self._claim(number, _shallow_custom_id(text))
+            return {
+                **_error(400, "the line is nested too deeply to be read", None, "invalid_json"),
+                "custom_id": custom_id,
+            }
+        except ValueError:
             return _error(400, "the line is not JSON", None, "invalid_json")
         custom = data.get("custom_id") if isinstance(data, dict) else None
         custom_id = encoding.clean(custom) if isinstance(custom, str) else None  # as the error file writes it
@@ -244,10 +250,20 @@ def custom_id_of(raw: bytes | str) -> str | None:
         return None
     try:
         data = json.loads(raw, object_pairs_hook=_one_custom_id)
-    except (ValueError, RecursionError):
+    except RecursionError:
+        return _shallow_custom_id(raw)
+    except ValueError:
         return None
     value = data.get("custom_id") if isinstance(data, dict) else None
     return encoding.clean(value) if isinstance(value, str) else None
+
+
+def _shallow_custom_id(raw: bytes | str) -> str | None:
+    """The custom_id of a line nested past what json can parse, read from its top level alone
+    (review, helper-112: such a line's error had no custom_id, and a client could not tell which
+    request it answered)."""
+    value = encoding.top_level_string(raw, "custom_id")
+    return encoding.clean(value) if value is not None else None
 
 
 def _one_custom_id(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -66,6 +66,59 @@ def test_a_refused_lines_custom_id_is_found_in_a_line_deep_with_custom_ids() -> 
     assert custom_id_of(('{"custom_id": "deep", "body": ' + line + "}").encode()) == "deep"
 
 
+DEEP = "[" * 5_000 + "]" * 5_000  # past what json.loads can parse (RecursionError)
+
+
+@pytest.mark.parametrize(
+    ("line", "custom_id"),
+    [
+        (f'{{"custom_id": "c7", "body": {DEEP}}}', "c7"),
+        (
+            f' {{ "body" : {{"custom_id": "x", "m": {DEEP}, "s": "]}}\\\\"}} , "custom_id" : "c\\"7" }} ',
+            'c"7',
+        ),
+        (f'{{"custom_id": "c7", "n": -1.5e3, "t": true, "z": null, "body": {DEEP}}}', "c7"),
+        (f'{{"custom_id": "c7", "custom_id": "c8", "body": {DEEP}}}', None),  # which was meant?
+        (f'{{"custom_id": "c7", "custom_id": "c7", "body": {DEEP}}}', "c7"),
+        (f'{{"custom_id": "c\\udcff", "body": {DEEP}}}', "c\ufffd"),
+        (f'{{"custom_id": 7, "body": {DEEP}}}', None),
+        (f'{{"custom_id": {DEEP}}}', None),
+        (f"[{DEEP}]", None),
+        (f'{{"custom_id": "c7", "body": {DEEP[:-1]}}}', None),  # left open: not JSON at all
+        (f'{{"custom_id": "c7", "body": , "b": {DEEP}}}', None),
+    ],
+)
+def test_a_line_nested_past_the_parser_still_names_its_custom_id(line: str, custom_id: str | None) -> None:
+    """Review, helper-112: a line nested past what json can parse was "not JSON", answered with no
+    custom_id, so a client could not tell which of its requests had failed, or why."""
+    assert custom_id_of(line.encode()) == custom_id
+    translator = Translator(SimpleNamespace(settings=Settings()), "/v1/chat/completions", None,  # type: ignore[arg-type]
+                            frozenset({"tiny"}), set(), {})  # fmt: skip
+    refused: Any = translator._read(1, line.encode())
+    assert (refused["status"], refused["error"]["code"], refused.get("custom_id")) == (
+        400,
+        "invalid_json",
+        custom_id,
+    )
+    if custom_id is not None:
+        assert refused["error"]["message"] == "the line is nested too deeply to be read"
+        assert translator.seen == {custom_id: 1}  # used up, as a refused line's id is
+
+
+def test_a_manifest_line_nested_too_deeply_names_its_custom_id() -> None:
+    from producer.backlog import manifest
+
+    for body in ("[" * 70 + "]" * 70, DEEP):  # past mrc's bound of 64; past json's
+        line = f'{{"custom_id": "m4", "prompt": "p", "x": {body}}}'.encode()
+        item = manifest.parse(4, line, "r", Settings())
+        assert isinstance(item, manifest.Invalid)
+        assert item.custom_id == "m4"
+        assert "nested" in item.reason
+    item = manifest.parse(4, f'{{"custom_id": "m\\udcff", "x": {DEEP}}}'.encode(), "r", Settings())
+    assert isinstance(item, manifest.Invalid)
+    assert item.custom_id is None  # no store could write it
+
+
 def test_a_refused_lines_custom_id_is_used_up_as_an_accepted_lines_is() -> None:
     """Review, helper-88: a line refused as ambiguous kept its custom_id "r" in the error file, and a
     later line "r" ran too, so "r" was answered in both files."""
