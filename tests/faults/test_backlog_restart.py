@@ -1,0 +1,66 @@
+"""`mrc backlog --wait` through a Redis killed (SIGKILL) and restarted from its append-only file
+mid-run, with a worker answering throughout: every manifest line ends with exactly one result line
+and no job is computed twice, though the kill loses up to a second of Redis's writes (appendfsync
+everysec: jobs, records and the run's own counts the pass had been told were stored)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import redis as redis_lib
+
+from scripts import devservices as services
+from shared import names
+from shared.stores import open_run_files
+from tests.faults.conftest import Cluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+LINES = 240
+
+
+def _ended(cluster: Cluster) -> int:
+    client = redis_lib.Redis.from_url(cluster.env["MRC_REDIS_URL"])
+    try:
+        return sum(
+            1 for key in client.scan_iter(match=names.job_key("r.*"), count=500)
+            if client.hget(key, "state") in (b"succeeded", b"failed")
+        )  # fmt: skip
+    except redis_lib.RedisError:
+        return 0
+    finally:
+        client.close()
+
+
+def test_a_backlog_run_through_a_redis_kill_and_restart_ends_every_line_once(cluster: Cluster) -> None:
+    uri = cluster.client.upload_image(cluster.image())[0]
+    manifest = cluster.workdir / "manifest.jsonl"
+    rows = (
+        {"custom_id": f"c{i}", "image": uri, "prompt": f"Q{i}?", "max_new_tokens": 2} for i in range(LINES)
+    )
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cluster.echo_worker()
+    err = cluster.workdir / "backlog.err"
+    proc = services.start_cli(
+        cluster.env, "backlog", str(manifest), "--run-id", "r", "--rate", "40", "--wait", "--timeout", "180",
+        stderr=err,
+    )  # fmt: skip
+    # Mid-run: lines queued and some answered, more still to queue (40 a second: about 6 s in all).
+    services.wait_for(lambda: _ended(cluster) >= 40, 60, "the first answers", proc)
+    assert proc.poll() is None, err.read_text()
+    cluster.redis.proc.send_signal(signal.SIGKILL)  # no clean shutdown: only the AOF survives
+    cluster.redis.proc.wait(10)
+    time.sleep(1.5)  # the pass and the worker meet a Redis that is away, not one back at once
+    cluster.redis = services.start_redis(cluster.workdir / "redis", appendonly=True, port=cluster.redis.port)
+    assert proc.wait(200) == 0, err.read_text()[-3000:]
+    files = open_run_files(cluster.client.settings)
+    text = files.get_text(names.run_key("", "r", "results.jsonl")) or ""
+    results = [json.loads(line) for line in text.splitlines()]
+    assert [r["custom_id"] for r in results] == [f"c{i}" for i in range(LINES)]
+    assert [r for r in results if r["status"] != "succeeded"] == []
+    assert len({r["job_id"] for r in results}) == LINES
+    computed = {r["job_id"]: cluster.successes(r["job_id"]) for r in results}
+    assert max(computed.values()) <= 1, {job: n for job, n in computed.items() if n > 1}
