@@ -27,12 +27,18 @@ EXIT_UNUSABLE = 70
 
 
 class Batches(celery_batches.Batches):  # type: ignore[misc]  # celery_batches is untyped
-    """celery-batches, with ETA (countdown) requests kept outside the prefetch limit.
+    """celery-batches, with ETA (countdown) requests kept outside the prefetch limit, and tickets
+    handed on at once.
 
     A retry is sent back with a countdown; the worker that receives it holds it unacked until its ETA.
     Celery's own strategy raises the prefetch limit by one for each such message (and lowers it when it
     runs); celery-batches does not, so as many pending retries as the prefetch limit stopped the worker
-    from taking any fresh job until the first ETA passed (up to MRC_RETRY_MAX_S)."""
+    from taking any fresh job until the first ETA passed (up to MRC_RETRY_MAX_S).
+
+    A ticket (the interactive lane) waits for no company: the engine admits rows at every step, so
+    one that arrives a moment later joins the running batch anyway, and the wait (MRC_BATCH_WAIT_MS,
+    all of it on an idle worker) was most of a lone ticket's time to its first token (70 ms, 50 of
+    them waiting). Backlog messages still gather into deliveries: their round trips are per delivery."""
 
     def Strategy(self, task: Any, app: Celery, consumer: Any) -> Any:
         # Made again at every consumer (re)start. After a lost broker connection Celery clears the
@@ -50,6 +56,8 @@ class Batches(celery_batches.Batches):  # type: ignore[misc]  # celery_batches i
                 waiting.add(str(headers["id"]))
                 consumer.qos.increment_eventually()  # read now: QoS is set up after the strategies
             handler(message, body, ack, reject, callbacks, **kw)
+            if _fresh_ticket(message, headers):
+                self._do_flush()  # with whatever else is buffered: nothing in it waits longer
 
         self._consumer = consumer
         return on_message
@@ -61,6 +69,18 @@ class Batches(celery_batches.Batches):  # type: ignore[misc]  # celery_batches i
                 waiting.discard(request.id)
                 self._consumer.qos.decrement_eventually()
         return super().flush(requests)
+
+
+INTERACTIVE_QUEUE = names.queue_name("interactive")
+
+
+def _fresh_ticket(message: Any, headers: dict[str, Any]) -> bool:
+    """A message of the interactive lane (kombu's delivery_info names the queue; every priority step
+    of a lane carries the lane's name), neither a retry waiting out its countdown nor a message given
+    back or restored after its worker died: those still gather, so that the suspects among them run
+    in groups (workers/admission.py), not each alone with the worker to itself."""
+    lane = str((getattr(message, "delivery_info", None) or {}).get("routing_key", ""))
+    return lane == INTERACTIVE_QUEUE and not headers.get("eta") and not headers.get("redelivered")
 
 
 def to_messages(requests: Sequence[SimpleRequest]) -> list[Message]:

@@ -86,9 +86,15 @@ class Cluster:
         return path
 
     def jobs(
-        self, count: int, image: Path | None = None, prefix: str = "job", max_new_tokens: int = 8
+        self,
+        count: int,
+        image: Path | None = None,
+        prefix: str = "job",
+        max_new_tokens: int = 8,
+        lane: str = "interactive",
     ) -> list[Job]:
-        """Jobs built (image uploaded once) but not yet sent."""
+        """Jobs built (image uploaded once) but not yet sent. Tickets (the interactive lane) start a
+        delivery each as they arrive; backlog jobs gather into deliveries (workers/tasks.py)."""
         from producer.client import Submission
 
         image = image or self.image()
@@ -100,6 +106,7 @@ class Cluster:
                     prompt=f"question {i}?",
                     max_new_tokens=max_new_tokens,
                     job_id=f"{prefix}-{tag}-{i}",
+                    lane=lane,
                 )
             )
             for i in range(count)

@@ -174,8 +174,11 @@ def test_redis_restart_while_a_worker_runs(cluster: Cluster) -> None:
 
 def test_poison_image_fails_alone(cluster: Cluster) -> None:
     worker = cluster.worker(MRC_BATCH_WAIT_MS="500")
-    good = cluster.jobs(7, cluster.image(imagegen.photo(200, 150), "good.jpg"), prefix="good")
-    poison = cluster.jobs(1, cluster.image(imagegen.truncated_jpeg(), "poison.jpg"), prefix="poison")
+    # Backlog jobs: they gather into one delivery (a ticket starts its own at once)
+    good = cluster.jobs(7, cluster.image(imagegen.photo(200, 150), "good.jpg"), prefix="good", lane="backlog")
+    poison = cluster.jobs(
+        1, cluster.image(imagegen.truncated_jpeg(), "poison.jpg"), prefix="poison", lane="backlog"
+    )
     cluster.send(good[:3] + poison + good[3:])
     results = cluster.wait_all(good + poison, 60)
     assert results[poison[0].job_id]["error"]["code"] == "image_decode_error"
@@ -308,10 +311,11 @@ def test_a_job_that_kills_its_worker_is_abandoned_alone_and_can_be_requeued(clus
     the killer's group halved at each crash (3, then 2 or alone), so its neighbours finish, each once; it
     alone is abandoned after MRC_MAX_ATTEMPTS - 1 crashes alone, dead-lettered, and requeued by `mrc dlq`."""
     env = {"MRC_MAX_ATTEMPTS": "2", "MRC_BATCH_WAIT_MS": "500"}
-    good = cluster.jobs(5, cluster.image(), prefix="good")
+    # Backlog jobs: they gather into one delivery (a ticket starts its own at once)
+    good = cluster.jobs(5, cluster.image(), prefix="good", lane="backlog")
     # A paced model: the killer's model call lasts 64 x 50 ms on any machine, time enough to kill its
     # worker while it runs (a real crash would be at once; the bookkeeping is what is tested).
-    killer = cluster.jobs(1, prefix="killer", max_new_tokens=64)[0]
+    killer = cluster.jobs(1, prefix="killer", max_new_tokens=64, lane="backlog")[0]
     cluster.send([*good[:2], killer, *good[2:]])
     records = cluster.client.records
 
@@ -411,6 +415,19 @@ def test_a_batch_wait_of_zero_still_starts_a_part_full_delivery(cluster: Cluster
     worker = cluster.echo_worker(MRC_BATCH_WAIT_MS="0", MRC_BATCH_MAX_JOBS="16")
     cluster.send(jobs)
     _assert_once(cluster, cluster.wait_all(jobs, 30))
+    assert worker.proc.poll() is None
+
+
+def test_a_ticket_waits_for_no_company(cluster: Cluster) -> None:
+    """A ticket's delivery starts when it arrives, not at the end of MRC_BATCH_WAIT_MS (here a
+    minute, twice what the wait below allows): the engine admits rows at every step, so the wait for
+    company was all cost, 50 of a lone ticket's 70 ms to its first token by default."""
+    worker = cluster.echo_worker(MRC_BATCH_WAIT_MS="60000", MRC_BATCH_MAX_JOBS="16")
+    _wait_event(worker, "MRC_CONSUMING")
+    for n in range(3):  # one at a time: each alone in the worker's buffer
+        ticket = cluster.jobs(1, prefix=f"ticket{n}")
+        cluster.send(ticket)
+        _assert_once(cluster, cluster.wait_all(ticket, 30))
     assert worker.proc.poll() is None
 
 

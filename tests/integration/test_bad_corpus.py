@@ -37,9 +37,10 @@ def test_bad_images_each_get_their_code_and_spare_their_neighbours(
     tag = uuid.uuid4().hex[:6]
     peak_before = _peak_rss_mb(worker)
     expected: dict[str, str | None] = {}
-    for name, (_data, code) in badcorpus.images().items():
-        expected[client.submit(tmp_path / name, "is it damaged?", job_id=f"bad-{tag}-{name}")] = code
-        expected[client.submit(good, "is it damaged?", job_id=f"good-{tag}-{name}")] = None
+    for name, (_data, code) in badcorpus.images().items():  # backlog jobs: they share deliveries
+        bad_id, good_id = f"bad-{tag}-{name}", f"good-{tag}-{name}"
+        expected[client.submit(tmp_path / name, "is it damaged?", job_id=bad_id, lane="backlog")] = code
+        expected[client.submit(good, "is it damaged?", job_id=good_id, lane="backlog")] = None
     results = _wait(client, list(expected))
     outcome = {job_id: (r["error"] or {}).get("code") for job_id, r in results.items()}
     assert outcome == expected

@@ -323,7 +323,7 @@ def test_control_token_text_sent_past_the_producer_is_defused_by_the_worker(
     env, worker: Worker, images_dir: Path
 ) -> None:
     """A message straight to the queue (no producer to neutralise it) whose prompt holds every Fuyu
-    control text, in one delivery with ordinary jobs: all succeed."""
+    control text, beside ordinary jobs in the engine: all succeed."""
     from shared import names
     from shared.celery_app import make_celery
     from shared.prompts import FUYU_CONTROL_TEXT
