@@ -257,43 +257,49 @@ def top_level_string(raw: str | bytes, name: str) -> str | None:
     it holds: for an object nested past what `json.loads` can parse (RecursionError), whose other
     values no one can read. None where the text is not an object, gives `name` no string, or gives
     it twice differently (json keeps the last: an answer under either might not be the client's).
-    Iterative, and linear in the text (strings are skipped by json's own C scanner)."""
-    text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
+    What is nested below the top level is skipped by its brackets and strings, not checked as JSON:
+    no parser here can read it. Iterative, linear in the text, and bounded in the strings it reads as
+    any JSON value is in its values (MAX_VALUES)."""
     try:
+        text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
         found = _top_level_values(text, name)
-    except (ValueError, IndexError):  # not an object's text: nothing can be read from it
+    except (ValueError, IndexError):  # not an object's text (UnicodeDecodeError is a ValueError)
         return None
     return found[0] if found and all(value == found[0] for value in found) else None
 
 
 def _top_level_values(text: str, name: str) -> list[str | None]:
     found: list[str | None] = []
-    at = _space(text, 0)
-    if text[at] != "{":
-        raise ValueError("not an object")
-    at = _space(text, at + 1)
+    at = _expect(text, _space(text, 0), "{")
+    at = _space(text, at)
     while text[at] != "}":
-        if text[at] != '"':
-            raise ValueError("not a key")
-        key, at = _scan_string(text, at + 1)
-        at = _space(text, at)
-        if text[at] != ":":
-            raise ValueError("no colon")
-        at = _space(text, at + 1)
-        if text[at] == '"':
-            value, at = _scan_string(text, at + 1)
-            if key == name:
-                found.append(value)
-        else:
-            if key == name:
-                found.append(None)  # not a string: no id to give
-            at = _skip_value(text, at)
+        key, value, at = _member(text, at)
+        if key == name:
+            found.append(value)  # None: not a string, no id to give
         at = _space(text, at)
         if text[at] == ",":
             at = _space(text, at + 1)
         elif text[at] != "}":
             raise ValueError("no comma")
+    if _space(text, at + 1) != len(text):
+        raise ValueError("more after the object")
     return found
+
+
+def _member(text: str, at: int) -> tuple[str, str | None, int]:
+    """An object's `"key": value` at `at`: its key, its value where it is a string, and its end."""
+    key, at = _scan_string(text, _expect(text, at, '"'))
+    at = _space(text, _expect(text, _space(text, at), ":"))
+    if text[at] == '"':
+        value, at = _scan_string(text, at + 1)
+        return key, value, at
+    return key, None, _skip_value(text, at)
+
+
+def _expect(text: str, at: int, char: str) -> int:
+    if text[at] != char:
+        raise ValueError(f"no {char!r}")
+    return at + 1
 
 
 def _space(text: str, at: int) -> int:
@@ -310,13 +316,16 @@ def _skip_value(text: str, at: int) -> int:
         if end.start() == at:
             raise ValueError("no value")
         return end.start()
-    depth = 0
+    depth, strings = 0, 0
     while True:
         mark = _BRACKET_OR_QUOTE.search(text, at)
         if mark is None:
             raise ValueError("left open")
         at = mark.end()
         if mark.group() == '"':
+            strings += 1  # a key or a value each: JSON's need a comma or bracket each, counted
+            if strings > 2 * MAX_VALUES:  # strings side by side: no JSON (review, helper-113: 1 s)
+                raise ValueError("more strings than values")
             _, at = _scan_string(text, at)
         elif mark.group() in "[{":
             depth += 1

@@ -166,17 +166,11 @@ class Translator:
         try:
             data = json.loads(text, object_pairs_hook=encoding.unique_keys)
         except encoding.DuplicateKey as twice:  # as the chat route refuses its body (review, helper-85)
-            custom_id = self._claim(number, custom_id_of(text))
-            return {
-                **_error(400, f"the line is ambiguous: {twice}", None, "invalid_json"),
-                "custom_id": custom_id,
-            }
+            ambiguous = _error(400, f"the line is ambiguous: {twice}", None, "invalid_json")
+            return self._refused(number, custom_id_of(text), ambiguous)
         except RecursionError:  # a deep line may be JSON still: say so, and answer under its id
-            custom_id = self._claim(number, _shallow_custom_id(text))
-            return {
-                **_error(400, "the line is nested too deeply to be read", None, "invalid_json"),
-                "custom_id": custom_id,
-            }
+            deep = _error(400, "the line is nested too deeply to be read", None, "invalid_json")
+            return self._refused(number, _shallow_custom_id(text), deep)
         except ValueError:
             return _error(400, "the line is not JSON", None, "invalid_json")
         custom = data.get("custom_id") if isinstance(data, dict) else None
@@ -184,30 +178,28 @@ class Translator:
         problem = encoding.unwritable(data)
         if problem:  # refused as the chat route refuses its body (read_json), naming the place in it
             where = problem.split(":", 1)[0].removeprefix("body.")
-            custom_id = self._claim(number, custom_id)
-            return {**_error(400, problem[:300], where[:100], "invalid_value"), "custom_id": custom_id}
+            return self._refused(number, custom_id, _error(400, problem[:300], where[:100], "invalid_value"))
         try:
             return self._request(number, data, custom_id)
         except OpenAIError as exc:
             return {**refusal(exc), "custom_id": custom_id}
 
-    def _claim(self, number: int, custom_id: str | None) -> str | None:
-        """A refused line's custom id counts as used too: a later line naming it is a duplicate, never
-        a second answer under the id the error file gives this one (review, helper-88)."""
+    def _refused(self, number: int, custom_id: str | None, error: dict[str, Any]) -> dict[str, Any]:
+        """A line refused before its request was read, answered under its custom id. The id counts
+        as used: a later line naming it is a duplicate, never a second answer under the id the error
+        file gives this one (review, helper-88); and a line naming an id an earlier line used is that
+        duplicate, as an accepted line would be, not a second answer under it (review, helper-113)."""
         if custom_id is not None:
-            self.seen.setdefault(custom_id, number)
-        return custom_id
+            first = self.seen.setdefault(custom_id, number)
+            if first != number:
+                error = refusal(_duplicate(custom_id, first))
+        return {**error, "custom_id": custom_id}
 
     def _request(self, number: int, data: object, custom_id: str | None) -> tuple[str, ChatJob]:
         if custom_id is not None:
             first = self.seen.setdefault(custom_id, number)
             if first != number:
-                raise OpenAIError(
-                    400,
-                    f"custom_id {custom_id[:80]!r} is used on line {first} too; each request needs its own",
-                    "custom_id",
-                    "duplicate_custom_id",
-                )
+                raise _duplicate(custom_id, first)
         try:
             line = BatchLine.model_validate(data)
         except ValidationError as exc:
@@ -276,6 +268,15 @@ def _one_custom_id(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         if any(v != given[0] for v in given[1:]):
             del value["custom_id"]
     return value
+
+
+def _duplicate(custom_id: str, first: int) -> OpenAIError:
+    return OpenAIError(
+        400,
+        f"custom_id {custom_id[:80]!r} is used on line {first} too; each request needs its own",
+        "custom_id",
+        "duplicate_custom_id",
+    )
 
 
 def _dumps(data: dict[str, Any]) -> bytes:

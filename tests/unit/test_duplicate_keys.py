@@ -86,6 +86,8 @@ DEEP = "[" * 5_000 + "]" * 5_000  # past what json.loads can parse (RecursionErr
         (f"[{DEEP}]", None),
         (f'{{"custom_id": "c7", "body": {DEEP[:-1]}}}', None),  # left open: not JSON at all
         (f'{{"custom_id": "c7", "body": , "b": {DEEP}}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}}} more', None),  # more after the object: not JSON
+        ('{"custom_id": "c7", "body": ' + "[" * 1_100 + '""' * 300_000 + "]" * 1_100 + "}", None),
     ],
 )
 def test_a_line_nested_past_the_parser_still_names_its_custom_id(line: str, custom_id: str | None) -> None:
@@ -131,6 +133,24 @@ def test_a_refused_lines_custom_id_is_used_up_as_an_accepted_lines_is() -> None:
     for number, custom_id in ((3, "r"), (4, "u")):
         again: Any = translator._read(number, f'{{"custom_id": "{custom_id}", "method": "POST"}}'.encode())
         assert again["error"]["code"] == "duplicate_custom_id", again
+
+
+def test_a_line_refused_unread_after_an_accepted_line_of_its_id_is_that_duplicate() -> None:
+    """Review, helper-113: a line refused as ambiguous, unwritable or too deep, naming an id an
+    earlier line was accepted under, was answered under that id too: "c1" in both files."""
+    translator = Translator(SimpleNamespace(settings=Settings()), "/v1/chat/completions", None,  # type: ignore[arg-type]
+                            frozenset({"tiny"}), set(), {})  # fmt: skip
+    translator.seen["c1"] = 1  # line 1 was accepted under "c1"
+    refused = [
+        b'{"custom_id": "c1", "method": "POST", "method": "POST"}',
+        b'{"custom_id": "c1", "method": "\\udcff"}',
+        f'{{"custom_id": "c1", "body": {DEEP}}}'.encode(),
+    ]
+    for number, line in enumerate(refused, start=2):
+        again: Any = translator._read(number, line)
+        assert (again["error"]["code"], again["custom_id"]) == ("duplicate_custom_id", "c1"), again
+        assert "line 1" in again["error"]["message"]
+    assert translator.seen == {"c1": 1}
 
 
 def test_a_resumed_batch_refuses_again_the_duplicates_it_refused_before_it_stopped() -> None:
