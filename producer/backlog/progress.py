@@ -65,7 +65,7 @@ def _unknown(data: dict[str, Any]) -> str:
             "its manifest again with --run-id, queues again those without a result), "
         )
     return (
-        f"{data['unknown']} unknown (records expired: the report reads the results), "
+        f"{data['unknown']} unknown (records expired, or lost by Redis: the report reads the results), "
         if data.get("unknown")
         else ""
     )
