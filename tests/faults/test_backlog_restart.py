@@ -6,7 +6,9 @@ is in the append-only file already (in the OS's page cache), so nothing is lost,
 the outage: the pass and the worker waiting for Redis and going on where they were. A host crash: the
 page cache is lost too, up to a second of answered writes; here Redis restarts from a copy of its
 files taken while the run went on, so jobs, records, the run's counts and acks the pass and the worker
-were told were stored are gone (review, helper-113: the first version claimed this of SIGKILL)."""
+were told were stored are gone (review, helper-113: the first version claimed this of SIGKILL). Every
+line still ends once; a job the worker took and finished after the copy is back in its queue with its
+record as it was, and runs again: at least once, computed twice (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -77,4 +79,8 @@ def test_a_backlog_run_through_a_hard_redis_stop_ends_every_line_once(cluster: C
     assert [r for r in results if r["status"] != "succeeded"] == []
     assert len({r["job_id"] for r in results}) == LINES
     computed = {r["job_id"]: cluster.successes(r["job_id"]) for r in results}
-    assert max(computed.values()) <= 1, {job: n for job, n in computed.items() if n > 1}
+    twice = {job: n for job, n in computed.items() if n > 1}
+    if crash == "process":  # nothing Redis answered is lost: nothing runs twice
+        assert twice == {}
+    else:  # the pops and acks the crash took back run again, once each (a fresh clone's CI: 40 jobs)
+        assert max(computed.values()) <= 2, twice
