@@ -249,7 +249,9 @@ def _encodes(text: str) -> bool:
 _scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 _SPACE = re.compile(r"[ \t\n\r]*")
 _BRACKET_OR_QUOTE = re.compile(r'["\[\]{}]')
-_SCALAR_END = re.compile(r"[,\]}\s]|$")
+# A top-level scalar as json.loads reads one (NaN and the infinities included): a bare word is no
+# value, and a line with one is not JSON, so it names no custom_id (review, helper-114).
+_SCALAR = re.compile(r"true|false|null|NaN|-?Infinity|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 
 
 def top_level_string(raw: str | bytes, name: str) -> str | None:
@@ -279,6 +281,8 @@ def _top_level_values(text: str, name: str) -> list[str | None]:
         at = _space(text, at)
         if text[at] == ",":
             at = _space(text, at + 1)
+            if text[at] != '"':  # a comma before the end, or before no key: not JSON
+                raise ValueError("no key after a comma")
         elif text[at] != "}":
             raise ValueError("no comma")
     if _space(text, at + 1) != len(text):
@@ -311,11 +315,10 @@ def _space(text: str, at: int) -> int:
 def _skip_value(text: str, at: int) -> int:
     """Where the array, object or scalar that starts at `at` ends."""
     if text[at] not in "[{":
-        end = _SCALAR_END.search(text, at)
-        assert end is not None  # `$` matches at the end
-        if end.start() == at:
+        scalar = _SCALAR.match(text, at)
+        if scalar is None:
             raise ValueError("no value")
-        return end.start()
+        return scalar.end()  # what follows is the caller's to check: a comma or the object's end
     depth, strings = 0, 0
     while True:
         mark = _BRACKET_OR_QUOTE.search(text, at)

@@ -87,6 +87,15 @@ DEEP = "[" * 5_000 + "]" * 5_000  # past what json.loads can parse (RecursionErr
         (f'{{"custom_id": "c7", "body": {DEEP[:-1]}}}', None),  # left open: not JSON at all
         (f'{{"custom_id": "c7", "body": , "b": {DEEP}}}', None),
         (f'{{"custom_id": "c7", "body": {DEEP}}} more', None),  # more after the object: not JSON
+        # a broken top level after the deep value: not JSON either (review, helper-114)
+        (f'{{"custom_id": "c7", "body": {DEEP}, "n": nope}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}, "n": truex}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}, "n": 01}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}, "n": 1.}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP},}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}, , "n": 1}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}, 5: 1}}', None),
+        (f'{{"custom_id": "c7", "body": {DEEP}, "n": -Infinity, "m": NaN, "k": -0.5E+2}}', "c7"),
         ('{"custom_id": "c7", "body": ' + "[" * 1_100 + '""' * 300_000 + "]" * 1_100 + "}", None),
     ],
 )
