@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -81,6 +82,26 @@ def _route_celery_console(log: Any) -> None:
 EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNUSABLE = 2, 5, 70
 
 
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT before Celery takes the signals over (it does as it starts consuming): the
+    settings, the reach check, minutes of model loading, the warm-up. A BaseException, so no library's
+    `except Exception` on the way swallows it."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _stop_while_starting(signum: int, _frame: object) -> None:
+    """Without a handler, PID 1 of a container ignores SIGTERM: a worker stopped while it loads (a
+    rollout, a scale-in) loaded on, took jobs, and was killed at the grace period's end with them in
+    hand (review, helper-116). No job is held yet: stop at once, 0 for SIGTERM, 130 for SIGINT."""
+    raise _StoppedWhileStarting(0 if signum == signal.SIGTERM else 130)
+
+
+_starting: dict[str, Any] = {}  # what a stop while starting lets go of (_let_go), as it is made
+
+
 def _names_no_model(exc: OSError) -> bool:
     """An OSError that says MRC_MODEL names no model: no such path, or a folder without one (the
     words transformers uses), not a fault of the disk, the permissions or the network."""
@@ -123,6 +144,19 @@ def missing_modules(modules: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_while_starting)
+    try:
+        return _start(argv)
+    except _StoppedWhileStarting as stop:
+        logs.get_logger().info("MRC_WORKER_STOPPED", exit_code=stop.code, while_starting=1)
+        if "redis" in _starting:
+            _let_go(_starting.get("server"), _starting["redis"], _starting.get("results"),
+                    _starting.get("heartbeat"))  # fmt: skip
+        _exit_now(stop.code)
+
+
+def _start(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     lanes: list[str] = args.lanes
     missing = missing_modules(WORKER_MODULES)
@@ -176,6 +210,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
     state = health.HealthState()
     lane_keys = [key for lane in lanes for key in names.queue_keys(lane)]
     depth_client = scrape_client(settings)  # liveness and the lane gauges: never held by a hung Redis
+    _starting["redis"] = depth_client
     liveness = Liveness(
         settings.stuck_after_s,
         lambda: sum(int(depth_client.llen(key)) for key in lane_keys) > 0,
@@ -196,8 +231,10 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         print(f"mrc-worker: {message} (give each worker on a host its own port)", file=sys.stderr)
         _let_go(None, depth_client)
         return EXIT_USAGE
+    _starting["server"] = server
     log.info("MRC_HTTP_LISTENING", port=server.server_address[1])
     images_from, results = open_stores(settings)
+    _starting["results"] = results
     try:  # before the model loads, as the reach check: minutes of loading for a worker that cannot write
         results.ensure_bucket()
     except (StoreUnavailable, StoreRefused) as exc:
@@ -219,6 +256,7 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         every_minute=lambda: ops_counts.sample_depth(depth_client),
     )
     heartbeat.start()
+    _starting["heartbeat"] = heartbeat
     backend = make_backend(settings)
     began = time.perf_counter()
     try:
@@ -237,7 +275,15 @@ def _serve(args: argparse.Namespace, settings: Settings, lanes: list[str], log: 
         return EXIT_USAGE if settings_fault else EXIT_UNUSABLE
     log.info("MRC_MODEL_LOADED", seconds=round(time.perf_counter() - began, 3), **backend.describe())
     began = time.perf_counter()
-    kernel = backend.warm_up()
+    try:
+        kernel = backend.warm_up()
+    except Exception as exc:  # loaded but cannot run here (review, helper-116: a traceback, exit 1)
+        said = " ".join(str(exc).split())[:400]
+        message = f"the model cannot run on this machine: {type(exc).__name__}: {said}"
+        log.critical("MRC_FATAL", error=message)  # e.g. Triton's grammar kernel without a C compiler
+        print(f"mrc-worker: {message}", file=sys.stderr)
+        _let_go(server, depth_client, results, heartbeat)
+        return EXIT_UNUSABLE
     log.info(
         "MRC_WARMED_UP", seconds=round(time.perf_counter() - began, 3), attention_kernel=kernel,
         attention_kernel_decode=backend.describe().get("attention_backend_decode", ""),

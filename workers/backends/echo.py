@@ -259,6 +259,10 @@ class EchoBackend:
         return self.run(self.prepare(batch))
 
     def warm_up(self) -> str:
+        """A real backend's warm-up runs the model once; `fail_on` set to exactly "warm up" fails it
+        here, for the test of a worker whose model loads but cannot run on its machine."""
+        if self.fail_on == "warm up":
+            raise self.error
         return "none"
 
     def describe(self) -> dict[str, str]:
