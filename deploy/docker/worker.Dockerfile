@@ -3,6 +3,8 @@
 # Model weights are not baked in: mount them read-only at /models (MRC_MODEL=/models/fuyu-8b).
 # The GPU driver comes from the host (NVIDIA Container Toolkit); torch's wheels carry their own CUDA
 # runtime, so a python base is enough (an nvidia/cuda base would add a second copy of the CUDA libraries).
+# That runtime is CUDA 13 (constraints.txt: torch 2.14.1, nvidia-cuda-runtime 13.0): the host's driver
+# must be 580 or newer, or torch sees no GPU and the worker cannot load its model (MRC_FATAL, exit 70).
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -15,6 +17,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MRC_DEVICE=cuda \
     MRC_HOME=/home/mrc/.cache/mrc \
     MRC_METRICS_PORT=9400
+
+# Triton (xgrammar's grammar-mask kernel on CUDA, which the warm-up runs) builds a small C helper with
+# the system's C compiler the first time it runs, and the slim base has none: without it the worker
+# stops at its warm-up (MRC_FATAL, exit 70). Not pinned: Debian's security updates replace these
+# versions within a point release, and a pin would stop the build.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --system --gid 10001 mrc \
     && useradd --system --uid 10001 --gid mrc --create-home --home-dir /home/mrc mrc

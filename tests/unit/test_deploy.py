@@ -113,6 +113,9 @@ def test_the_images_run_as_a_non_root_user_and_the_api_image_has_no_torch() -> N
     worker = (DEPLOY / "docker" / "worker.Dockerfile").read_text()
     assert '".[worker]"' in worker
     assert "COPY models" not in worker  # weights are mounted, never baked in
+    # Triton builds its C helper at the first grammar-masked step, which the warm-up runs: without a C
+    # compiler a CUDA worker never became ready (review, helper-116)
+    assert re.search(r"apt-get install -y --no-install-recommends gcc libc6-dev", worker)
 
 
 def _compose() -> dict:
