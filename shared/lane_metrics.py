@@ -81,8 +81,9 @@ _HELD_SEEN_MAX = 1_000  # keys whose mrc_backlog_held_jobs series stays at 0
 class LaneCollector(Collector):
     def __init__(self, client: redis.Redis, runs: bool = False) -> None:
         """`runs`: the backlog runs' series too, read from every run record the ops page keeps (up to
-        1,000): the lane exporter's, one process; every worker reading them at each scrape would cost
-        the fleet that many reads a scrape."""
+        1,000): the lane exporter's (one process, or one beside each mrc-api replica as deploy/k8s
+        runs it); every worker reading them at each scrape would cost the fleet that many reads a
+        scrape."""
         self._view: ScrapeCache[dict[str, Any]] = ScrapeCache(
             lambda: {
                 **lane_view(client),

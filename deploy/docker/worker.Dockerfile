@@ -4,7 +4,7 @@
 # The GPU driver comes from the host (NVIDIA Container Toolkit); torch's wheels carry their own CUDA
 # runtime, so a python base is enough (an nvidia/cuda base would add a second copy of the CUDA libraries).
 # That runtime is CUDA 13 (constraints.txt: torch 2.14.1, nvidia-cuda-runtime 13.0): the host's driver
-# must be 580 or newer, or torch sees no GPU and the worker cannot load its model (MRC_FATAL, exit 70).
+# must be 580 or newer, or torch sees no GPU and the worker cannot load its model (exit 70).
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -20,8 +20,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # Triton (xgrammar's grammar-mask kernel on CUDA, which the warm-up runs) builds a small C helper with
 # the system's C compiler the first time it runs, and the slim base has none: without it the worker
-# stops at its warm-up (MRC_FATAL, exit 70). Not pinned: Debian's security updates replace these
-# versions within a point release, and a pin would stop the build.
+# stops at its warm-up (exit 70, its log line says why). Not pinned: Debian's security updates
+# replace these versions within a point release, and a pin would stop the build.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

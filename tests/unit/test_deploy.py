@@ -27,7 +27,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_prometheus_config_and_rules_are_valid() -> None:
     done = _promtool("check", "config", "prometheus.yml")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "17 rules found" in done.stdout
+    assert "18 rules found" in done.stdout
 
 
 def test_alert_rules_pass_their_unit_tests() -> None:
@@ -40,7 +40,7 @@ def test_every_alert_has_a_test() -> None:
     rules = (DEPLOY / "prometheus" / "mrc-alerts.yml").read_text()
     tests = (DEPLOY / "prometheus" / "mrc-alerts.test.yml").read_text()
     alerts = re.findall(r"- alert: (\w+)", rules)
-    assert len(alerts) == 17
+    assert len(alerts) == 18
     for alert in alerts:
         assert f"alertname: {alert}" in tests, alert
 
@@ -241,6 +241,24 @@ def test_the_worker_deployment_probes_and_drains_as_the_worker_does() -> None:
     assert budget["kind"] == "PodDisruptionBudget"
     # A worker kept not ready on purpose must not hold every other node's drain (review, helper-99)
     assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    # KEDA's HPA owns the count: a `replicas` here is set again by every apply (review, helper-116)
+    assert "replicas" not in deployment["spec"]
+    # a surge pod needs a spare GPU; without one the rollout never ended (review, helper-116)
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+@pytest.mark.parametrize("name", ["worker.yaml", "api.yaml"])
+def test_every_pod_meets_the_restricted_pod_security_level(name: str) -> None:
+    """A namespace enforcing Pod Security "restricted" refused the pods (review, helper-116)."""
+    import yaml
+
+    deployment = next(yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()))
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod["containers"]:
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False, container["name"]
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], container["name"]
 
 
 def test_keda_scales_on_the_lists_the_jobs_are_really_on() -> None:
@@ -262,6 +280,9 @@ def test_keda_scales_on_the_lists_the_jobs_are_really_on() -> None:
     assert lists == {names.queue_keys("interactive")[0], names.queue_keys("backlog")[0]}
     for trigger in scaled["spec"]["triggers"]:
         assert int(trigger["metadata"]["listLength"]) > 0
+        # KEDA connects from its own namespace: a short name does not resolve there (review, helper-116)
+        address = trigger["metadata"]["address"]
+        assert re.fullmatch(r"mrc-redis\.[a-z0-9-]+\.svc\.cluster\.local:6379", address)
     # cooldownPeriod only acts when scaling to zero; with a floor of one the HPA's behaviour is what damps
     if scaled["spec"].get("minReplicaCount", 0) > 0:
         assert "cooldownPeriod" not in scaled["spec"]
