@@ -19,8 +19,9 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 
-from producer import arg_types, pipe_out
+from producer import arg_types, pipe_out, stops
 from producer.backlog import cli as backlog_cli
+from producer.stops import EXIT_INTERRUPTED, EXIT_TERMINATED  # noqa: F401 - every exit code in one table
 from shared import encoding, logs, names, reach, redis_target, tenants
 from shared.errors import (
     MrcError,
@@ -38,7 +39,6 @@ from shared.settings import load as load_settings
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_QUEUE_FULL, EXIT_UNREACHABLE = 0, 1, 2, 3, 4, 5
 # Enqueued on the Redis master, but fewer replicas than MRC_REDIS_WAIT_REPLICAS confirmed it in time.
 EXIT_NOT_REPLICATED = 6
-EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -400,6 +400,7 @@ def _refused_by_redis(exc: redis.ResponseError, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stops.take_sigterm()
     pipe_out.guard_stdout()
     args = _parser().parse_args(argv)
     try:
@@ -431,9 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MrcError as exc:
         print(f"mrc: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:  # one line, not a traceback (mrc backlog says how to go on: its own)
+    except KeyboardInterrupt as stop:  # one line, not a traceback (mrc backlog says how to go on: its own)
         print("\nmrc: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return stops.exit_code(stop)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from producer import arg_types
+from producer import arg_types, stops
 from producer.backlog import outages
 from shared.errors import BucketMissing, QueueFull, UsageError
 from shared.settings import Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
-EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 SUBCOMMANDS = ("status", "report", "cancel")
 
 
@@ -169,10 +168,10 @@ def _wait(
         )
     except outages.Outage as exc:
         return _gave_up(run_id, source, exc)
-    except KeyboardInterrupt:  # review, helper-76: a bare "mrc: interrupted"
+    except KeyboardInterrupt as stop:  # review, helper-76: a bare "mrc: interrupted"
         print(f"\nmrc: interrupted; run {run_id} is whole in the queue and goes on without this wait: "
               f"mrc backlog status {run_id}, then mrc backlog report {run_id}", file=sys.stderr)  # fmt: skip
-        return EXIT_INTERRUPTED
+        return stops.exit_code(stop)
 
 
 def _enqueue(
@@ -221,10 +220,10 @@ def _enqueue(
     except QueueFull as exc:
         display.close()  # its last progress line before the message, which says how to go on
         return _full(run_id, source, args.timeout, exc)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         print(f"\nmrc: interrupted; run {run_id}'s jobs so far stay queued. Go on with: "
               f"{_go_on(run_id, source)}", file=sys.stderr)  # fmt: skip
-        return EXIT_INTERRUPTED
+        return stops.exit_code(stop)
     finally:
         display.close()
 

@@ -160,3 +160,36 @@ def test_a_cancelled_run_stays_cancelled_when_redis_loses_its_record(
     assert again.returncode == 2, again.stderr
     assert "was cancelled" in again.stderr
     assert _queued_ids(own) == []
+
+
+@pytest.mark.parametrize("step", ["enqueue", "wait"])
+def test_sigterm_stops_a_backlog_run_as_ctrl_c_does_with_143(
+    own: dict[str, str], tmp_path: Path, step: str
+) -> None:
+    """A CronJob's `mrc backlog` is PID 1 of its container, where a process without a handler ignores
+    SIGTERM: a deleted Job, or one past its deadline, went on until the grace period's SIGKILL and
+    said nothing (review, helper-116, on the worker; the same class here). It stops as Ctrl-C stops it,
+    saying how to go on, with 143: the handler that gives 143 is what makes PID 1 stop at all."""
+    rows = [
+        {"custom_id": f"c{i}", "image": f"s3://{own['MRC_S3_BUCKET']}/none.jpg", "prompt": f"Q{i}?"}
+        for i in range(30)
+    ]
+    path = _write(tmp_path / "m.jsonl", rows)
+    err_file = tmp_path / "run.err"
+    run_id = f"term-{step}"
+    env = {**own, "MRC_BACKLOG_MAX_DEPTH": "10"} if step == "enqueue" else own  # enqueue: waits for room
+    running = services.start_cli(
+        env, "backlog", str(path), "--run-id", run_id, "--wait", "--interval", "0", stderr=err_file
+    )
+    said = "waiting for room" if step == "enqueue" else f"run {run_id}: "
+    services.wait_for(
+        lambda: said in err_file.read_text() and _status(own, run_id)["state"] in ("enqueuing", "enqueued"),
+        60, f"the run's {step}", running,
+    )  # fmt: skip
+    running.send_signal(signal.SIGTERM)
+    code = running.wait(60)
+    err = err_file.read_text()
+    assert code == 143, err
+    assert "Traceback" not in err
+    how_to_go_on = f"mrc backlog status {run_id}" if step == "wait" else "Go on with: mrc backlog"
+    assert how_to_go_on in err

@@ -1,0 +1,26 @@
+"""SIGTERM taken as Ctrl-C is: the command stops where it is, says how to go on, and exits 143 (130 for
+Ctrl-C). A process without its own handler ignores SIGTERM as PID 1 of a container, so `mrc backlog` in
+a Kubernetes CronJob whose Job was deleted, or past its deadline, went on until the grace period's
+SIGKILL and said nothing (review, helper-116, on the worker; the same class here)."""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # as a shell reports a command SIGINT / SIGTERM stopped
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt is: every place that handles one handles both."""
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+def take_sigterm() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def exit_code(stop: KeyboardInterrupt) -> int:
+    return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
