@@ -470,13 +470,20 @@ class RedisJobRecords:
 
     def add_event(self, event: dict[str, str], keep: int) -> str:
         """Append a completion event to the capped stream (about `keep` newest kept), and an API key's
-        job's also to that key's own stream (shared/tenants.py), in one round trip; the fleet stream's id."""
+        job's also to that key's own stream (shared/tenants.py), in one round trip; the fleet stream's id.
+        Each stream also lets go of events older than a job's record lives (RECORD_TTL_S), and a key's
+        stream ends that long after its last event: each key's stream was capped alone and kept for
+        good, so a fleet of keys held (keys + 1) times the cap, a rotated key's for ever (review,
+        helper-115)."""
         fields = {key: value for key, value in event.items() if value is not None}
         owner = tenants.owner_of(str(event.get("job_id") or ""))
+        oldest = f"{int((time.time() - RECORD_TTL_S) * 1000)}-0"  # stream ids begin with their ms time
         with self._redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(names.events_key(), fields, maxlen=keep, approximate=True)  # type: ignore[arg-type]
-            if owner is not None:
-                pipe.xadd(names.events_key(owner), fields, maxlen=keep, approximate=True)  # type: ignore[arg-type]
+            for key in (names.events_key(), *([names.events_key(owner)] if owner is not None else [])):
+                pipe.xadd(key, fields, maxlen=keep, approximate=True)  # type: ignore[arg-type]
+                pipe.xtrim(key, minid=oldest, approximate=False)  # exact: a few at a time
+                if key != names.events_key():  # the fleet's stays: a wait's tail is read from it
+                    pipe.expire(key, RECORD_TTL_S)
             return str(pipe.execute()[0])
 
     def events_after(self, after: str, block_s: float = 0.0, count: int = 1000) -> list[dict[str, str]]:

@@ -13,7 +13,10 @@ import redis
 
 from producer.client import Client
 from producer.http.waits import Waits
+from scripts import devservices as services
+from shared import names
 from shared.memory_records import MemoryJobRecords
+from shared.records import RECORD_TTL_S, RedisJobRecords
 from shared.redis_target import SERVER_TICK_S
 from shared.settings import Settings
 from shared.stores.memory import MemoryStore
@@ -185,3 +188,26 @@ def test_an_api_events_long_poll_shorter_than_a_tick_reads_before_it_sleeps(
         waits.close()
     assert [e["job_id"] for e in found] == ["there-already"]
     assert done == ["read"]
+
+
+def test_events_older_than_a_record_are_let_go_and_a_keys_stream_ends_with_its_records(
+    redis_server: services.Service,
+) -> None:
+    """Review, helper-115: each key's stream was capped alone at MRC_EVENTS_MAX and never expired, so
+    the streams held (keys + 1) times what the sizing said, a rotated key's for good."""
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    records = RedisJobRecords(client)
+    owner = "0123456789ab"
+    old = f"{int((time.time() - RECORD_TTL_S - 60) * 1000)}-0"
+    for key in (names.events_key(), names.events_key(owner)):
+        client.xadd(key, {"job_id": f"{owner}~old"}, id=old)
+        client.xadd(key, {"job_id": f"{owner}~recent"})
+    records.add_event({"job_id": f"{owner}~new", "status": "succeeded"}, keep=1000)
+    for key in (names.events_key(), names.events_key(owner)):
+        kept = [fields["job_id"] for _id, fields in client.xrange(key)]
+        assert kept == [f"{owner}~recent", f"{owner}~new"], key
+    assert 0 < client.ttl(names.events_key(owner)) <= RECORD_TTL_S  # a key's ends after its last event
+    assert client.ttl(names.events_key()) == -1  # the fleet's: waits read their tail from it
+    records.add_event({"job_id": "no-key", "status": "succeeded"}, keep=1000)
+    assert client.xlen(names.events_key(owner)) == 2  # a job without a key: the fleet's stream alone
+    client.close()
