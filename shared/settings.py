@@ -231,6 +231,7 @@ class Settings(BaseSettings):
     max_response_format_bytes: int = Field(default=16384, ge=64)
     max_choices: int = Field(default=64, ge=1)
     grammar_cache_size: int = Field(default=256, ge=1)
+    grammar_cache_bytes: int = Field(default=512 * 2**20, ge=2**20)  # and at most this many bytes of them
     # The most characters one token of the served model's vocabulary decodes to: an answer of N tokens
     # holds at most N x this many, and a schema bound past that is refused at submission
     # (shared/schema_bounds.py). The worker logs MRC_TOKEN_CHARS_EXCEEDED when its vocabulary has a

@@ -94,9 +94,13 @@ class Grammars:
         keep: int,
         threads: int = 1,
         limit_s: float | None = None,
+        keep_bytes: int | None = None,
     ) -> None:
         """`limit_s`: a compile that could be slow (`_may_be_slow`) runs in a forked child stopped past
-        it (workers/grammar_fork.py); None compiles every format on the caller's thread."""
+        it (workers/grammar_fork.py); None compiles every format on the caller's thread. `keep`
+        grammars at most, and at most `keep_bytes` of them (the newest is kept whatever its size): at
+        a vocabulary of 262,144 tokens a compiled grammar took 0.45-1.45 MB here and more for larger
+        schemas, so a bound by count alone let 256 of them hold up to a gigabyte (review, helper-115)."""
         import xgrammar
 
         self._xgr = xgrammar
@@ -106,8 +110,9 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.guard = Utf8Guard(self.info.decoded_vocab, vocab_size)
         self.vocab_size = vocab_size
-        self.keep, self.limit_s = keep, limit_s
+        self.keep, self.limit_s, self.keep_bytes = keep, limit_s, keep_bytes
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (API key, format hash)
+        self._sizes: dict[tuple[str, str], int] = {}  # the same keys: each grammar's bytes
         # (API key, format hash) -> when its compile was stopped: per key, as the result cache is (review,
         # helper-87: shared, it told a key that another had sent that exact schema in the last 5 minutes)
         self._ran_out: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -151,21 +156,32 @@ class Grammars:
         compiled = self.compile(fmt, owner)
         seconds = time.perf_counter() - began
         with self._lock:
-            self._compiled[(owner, digest(fmt))] = compiled
+            key = (owner, digest(fmt))
+            self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
+            self._sizes[key] = int(getattr(compiled, "memory_size_bytes", 0))
             while len(self._compiled) > self.keep:
-                self._evict_one()
+                self._evict_one(by_bytes=False)
+            while len(self._compiled) > 1 and self.held_bytes > (self.keep_bytes or self.held_bytes):
+                self._evict_one(by_bytes=True)
         return compiled, seconds
 
-    def _evict_one(self) -> None:
-        """Drop the least recently used grammar of the key holding the most: one key sending format
-        after format then evicts its own, not every other key's (whose next jobs would each wait a
-        compile again, seconds for a costly one)."""
+    @property
+    def held_bytes(self) -> int:
+        """What the kept grammars take, as the library counts it."""
+        return sum(self._sizes.values())
+
+    def _evict_one(self, by_bytes: bool) -> None:
+        """Drop the least recently used grammar of the key holding the most (grammars, or bytes): one
+        key sending format after format then evicts its own, not every other key's (whose next jobs
+        would each wait a compile again, seconds for a costly one). Never the newest."""
         held: dict[str, int] = {}
-        for owner, _ in self._compiled:
-            held[owner] = held.get(owner, 0) + 1
-        most = max(held.values())
-        oldest = next(key for key in self._compiled if held[key[0]] == most)
-        del self._compiled[oldest]
+        for key in self._compiled:
+            held[key[0]] = held.get(key[0], 0) + (self._sizes[key] if by_bytes else 1)
+        newest = next(reversed(self._compiled))
+        # max() keeps the first of equals: in LRU order, the heaviest key's least recently used
+        oldest = max((key for key in self._compiled if key != newest), key=lambda key: held[key[0]])
+        del self._compiled[oldest], self._sizes[oldest]
 
     def compile(self, fmt: JsonSchemaFormat | ChoiceFormat, owner: str = "") -> Any:
         """The compiled grammar; InvalidJob when it does not compile, admits no answer, or (with

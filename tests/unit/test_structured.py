@@ -300,6 +300,30 @@ def test_one_key_sending_format_after_format_evicts_its_own_grammars_not_another
     assert grammars.cached(fmt[2], "third") is not None
 
 
+def test_the_kept_grammars_are_bounded_by_their_bytes_as_well_as_their_count(backend: FuyuBackend) -> None:
+    """Review, helper-115: bounded by count alone, 256 grammars of 0.6-4.9 MB each (a vocabulary of
+    262,144 tokens) could hold a gigabyte of a worker's memory."""
+    tokenizer, vocab, eos = backend.processor.tokenizer, backend.grammars.vocab_size, backend.eos_id
+    fmt = [rf.parse({"type": "choice", "choices": [f"answer{i}", "other"]}) for i in range(6)]
+    probe = Grammars(tokenizer, vocab, eos, keep=100)
+    sizes = []
+    for each in fmt:
+        held = probe.held_bytes
+        probe.compile_and_keep(each, "k")
+        sizes.append(probe.held_bytes - held)
+    assert min(sizes) > 0
+    budget = sizes[-1] + sizes[-2] + sizes[-3] - 1  # the newest three do not fit: two do
+    grammars = Grammars(tokenizer, vocab, eos, keep=100, keep_bytes=budget)
+    for each in fmt:
+        grammars.compile_and_keep(each, "k")
+        assert grammars.held_bytes <= budget
+    assert [grammars.cached(each, "k") is not None for each in fmt] == [False] * 4 + [True] * 2
+    alone = Grammars(tokenizer, vocab, eos, keep=100, keep_bytes=1)  # the newest stays, whatever its size
+    for each in fmt[:3]:
+        alone.compile_and_keep(each, "k")
+    assert [alone.cached(each, "k") is not None for each in fmt[:3]] == [False, False, True]
+
+
 def test_bounded_strings_refuse_raw_control_characters(backend: FuyuBackend) -> None:
     """JSON requires U+0000-U+001F escaped; the library's bounded strings let them through raw."""
     fmt = rf.parse({"type": "json_schema", "schema": {"type": "string", "maxLength": 4}})

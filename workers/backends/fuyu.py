@@ -118,7 +118,7 @@ class FuyuBackend:
         vocab = int(self.model.get_output_embeddings().out_features)
         self.grammars = Grammars(
             tokenizer, vocab, self.eos_id, self.settings.grammar_cache_size,
-            limit_s=self.settings.grammar_compile_timeout_s,
+            limit_s=self.settings.grammar_compile_timeout_s, keep_bytes=self.settings.grammar_cache_bytes,
         )  # fmt: skip
 
     def _weights(self, path: str) -> Any:
