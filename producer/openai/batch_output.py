@@ -9,6 +9,7 @@ writer's process died) writes the same files under the same ids.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import tempfile
@@ -90,6 +91,7 @@ class Output:
             model=models[0] if models else "",
         )
         self.book.settle(batch_id)
+        drop_input_copy(self.backlog.files, self._key(batch_id, "input.jsonl"))
         self.log.info(
             "MRC_BATCH_DONE",
             batch_id=batch_id,
@@ -229,3 +231,12 @@ def _refusal(reason: str) -> tuple[int, dict[str, Any]]:
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         return int(data.get("status", 400)), dict(data["error"])
     return 400, {"message": reason, "type": "invalid_request_error", "param": None, "code": "invalid_request"}
+
+
+def drop_input_copy(files: Any, key: str) -> None:
+    """A final batch's copy of its input file goes: its lines live on in the output and error files,
+    and a client deleting its input file expects its photos and questions gone with it, not kept
+    beside the run for good (review, helper-115). One a failed delete leaves, the bucket's lifecycle
+    rule for `runs/` takes (docs/operations.md, "What S3 keeps")."""
+    with contextlib.suppress(Exception):
+        files.delete(key)

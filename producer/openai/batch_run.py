@@ -26,7 +26,7 @@ from producer.backlog import chunk_index, manifest
 from producer.backlog.run import Backlog, unconfirmed_chunks
 from producer.openai.batch_book import FINAL, RUNNING, BatchBook, now
 from producer.openai.batch_lines import Translator, max_line_bytes, read_s3_lines
-from producer.openai.batch_output import Output
+from producer.openai.batch_output import Output, drop_input_copy
 from producer.openai.files import Files
 from producer.openai.models import Models
 from shared import logs, names
@@ -293,6 +293,7 @@ class Runner:
             self.backlog.cancel(batch_id)
         self.backlog.runs.update(batch_id, state="failed")
         self.book.settle(batch_id)
+        drop_input_copy(self.backlog.files, input_key(self.settings.s3_prefix, batch_id))
         self.log.warning("MRC_BATCH_DONE", batch_id=batch_id, status="failed", reason=code)
 
     def _key(self, batch_id: str, name: str) -> str:

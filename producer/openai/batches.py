@@ -4,7 +4,8 @@ backlog lane with its depth limit; producer/openai/batch_run.py moves it along.
 
 Creating one checks the request and the file (an upload of the owner's with purpose `batch`, holding
 1..MRC_OPENAI_BATCH_MAX_LINES requests), copies the file beside the run (`runs/<batch_id>/input.jsonl`:
-deleting the file later takes nothing from the batch), and records it `validating`. Its lines are
+deleting the file later takes nothing from the batch; the copy goes once the batch is final), and
+records it `validating`. Its lines are
 checked as they are enqueued; each refused one ends in the error file. A second batch from the same
 file is a new run: new job ids, new files, nothing shared but the content-addressed images and the
 result cache (answers reused for the same image and prompt, `cache_hit: true`).

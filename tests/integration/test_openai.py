@@ -24,9 +24,10 @@ import pytest
 
 from producer.client import Client
 from scripts import devservices as services
-from shared import tenants
+from shared import names, tenants
 from shared import usage as usage_book
 from shared.records import connect
+from shared.stores import open_run_files
 from tests.support import imagegen
 from tests.support.api_server import serve
 
@@ -519,6 +520,11 @@ def test_a_batch_answers_every_line_once_and_a_second_batch_is_a_new_run(
     assert first.status in ("validating", "in_progress")
     done = wait_final(sdk, first.id)
     assert done.status == "completed"
+    # its copy of the input file goes once it is final (review, helper-115: kept for good, photos and
+    # all, after the client deleted its input file)
+    files = open_run_files(services.settings_from_env(env))
+    copy = names.run_key(files.prefix, first.id, "input.jsonl")
+    services.wait_for(lambda: files.get_text(copy) is None, 30, "the batch's input copy deleted")
     counts = done.request_counts
     assert counts is not None
     assert (counts.total, counts.completed, counts.failed) == (17, 3, 14)

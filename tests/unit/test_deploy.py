@@ -327,3 +327,30 @@ def test_the_dashboards_lane_queries_count_redis_wide_series_once(tmp_path: Path
     path.write_text(yaml.safe_dump({"tests": tests}))
     done = _promtool("test", "rules", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_s3_lifecycle_policy_is_the_s3_apis_and_expires_only_what_mrc_may_lose() -> None:
+    """Review, helper-115: nothing deleted photos, results or run files, and nothing said how long
+    they must stay. The policy is checked against the S3 API's own model (botocore, offline), and its
+    folders and days against the code's."""
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    from shared import names
+    from shared.records import RECORD_TTL_S
+    from shared.runs import RUN_TTL_S
+
+    policy = json.loads((DEPLOY / "s3-lifecycle.json").read_text())
+    model = botocore.session.get_session().get_service_model("s3")
+    shape = model.operation_model("PutBucketLifecycleConfiguration").input_shape
+    report = ParamValidator().validate({"Bucket": "b", "LifecycleConfiguration": policy}, shape)
+    assert not report.has_errors(), report.generate_report()
+    rules = [rule for rule in policy["Rules"] if "Expiration" in rule]
+    expiring = {rule["Filter"]["Prefix"]: rule["Expiration"]["Days"] for rule in rules}
+    folders = {
+        names.uploads_folder(""),
+        names.result_key("", "x").rsplit("x", 1)[0],
+        names.run_key("", "x", "y").split("x", 1)[0],
+    }
+    assert set(expiring) == folders == {"inputs/", "results/", "runs/"}  # never files/: clients list them
+    assert min(expiring.values()) * 86_400 >= max(RUN_TTL_S, RECORD_TTL_S)
