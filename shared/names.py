@@ -154,8 +154,11 @@ def runs_recent_key() -> str:
 
 def workers_seen_key() -> str:
     """Redis sorted set: each worker's heartbeat key by the time of its last beat (the ops page reads
-    the live ones without scanning the keyspace)."""
+    the live ones without scanning the keyspace); members older than WORKER_SEEN_S are let go."""
     return f"{REDIS_PREFIX}workers:seen"
+
+
+WORKER_SEEN_S = 60  # a worker not seen for this long is gone from the list (its entry expires after 15 s)
 
 
 def ops_minute_key(minute: int) -> str:

@@ -50,6 +50,9 @@ class Heartbeat:
         minute = int(time.time() // 60)
         if minute != self._minute:  # the lanes' depth for the ops page, once a minute per worker
             self._minute = minute
+            # and the workers no beat has named for a while (killed ones): only the ops page let them
+            # go before, so a fleet no one looked at kept one per crash (review, helper-115)
+            self._redis.zremrangebyscore(names.workers_seen_key(), "-inf", time.time() - names.WORKER_SEEN_S)
             self._every_minute()
 
     def _run(self) -> None:

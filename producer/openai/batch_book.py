@@ -98,6 +98,9 @@ class BatchBook:
             pipe.hset(key, mapping=record)  # type: ignore[arg-type]  # str values
             pipe.expire(key, RUN_TTL_S)
             pipe.zadd(listing, {batch_id: float(fields["created_at"])})
+            # the ids whose records have expired (RUN_TTL_S after their creation): only a page that
+            # met them let them go before, so a busy key's list grew by a batch a batch (helper-115)
+            pipe.zremrangebyscore(listing, "-inf", float(fields["created_at"]) - RUN_TTL_S)
             pipe.expire(listing, RUN_TTL_S)
             pipe.sadd(names.active_batches_key(), batch_id)
             pipe.execute()

@@ -29,7 +29,7 @@ ERROR_MINUTES = 60
 LATENCY_MINUTES = 5
 RUNS_SHOWN = 20
 DLQ_SHOWN = 5
-LIVE_S = 60  # a worker not seen for this long is gone from the list (its entry expires after 15 s)
+LIVE_S = names.WORKER_SEEN_S
 BEAT_LATE_S = 12  # a beat every 5 s: older than this, the worker is marked late
 
 
