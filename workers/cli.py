@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -82,21 +84,24 @@ def _route_celery_console(log: Any) -> None:
 EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNUSABLE = 2, 5, 70
 
 
-class _StoppedWhileStarting(BaseException):
-    """SIGTERM or SIGINT before Celery takes the signals over (it does as it starts consuming): the
-    settings, the reach check, minutes of model loading, the warm-up. A BaseException, so no library's
-    `except Exception` on the way swallows it."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
 def _stop_while_starting(signum: int, _frame: object) -> None:
     """Without a handler, PID 1 of a container ignores SIGTERM: a worker stopped while it loads (a
     rollout, a scale-in) loaded on, took jobs, and was killed at the grace period's end with them in
-    hand (review, helper-116). No job is held yet: stop at once, 0 for SIGTERM, 130 for SIGINT."""
-    raise _StoppedWhileStarting(0 if signum == signal.SIGTERM else 130)
+    hand (review, helper-116). No job is held before Celery takes the signals over (as it starts
+    consuming), so the worker ends here and now, 0 for SIGTERM, 130 for SIGINT. Not by an exception:
+    one raised wherever the main thread was (inside torch's import, on a slow machine) left a library
+    half-imported, which raised its own error and exited 1 with a traceback."""
+    code = 0 if signum == signal.SIGTERM else 130
+    logs.get_logger().info("MRC_WORKER_STOPPED", exit_code=code, while_starting=1)
+    if "redis" in _starting:  # on a thread of its own, bounded: the main thread may hold a lock it needs
+        held = [_starting.get(name) for name in ("server", "redis", "results", "heartbeat")]
+        letting_go = threading.Thread(target=_let_go, args=held, daemon=True)
+        letting_go.start()
+        letting_go.join(timeout=3.0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 _starting: dict[str, Any] = {}  # what a stop while starting lets go of (_let_go), as it is made
@@ -146,17 +151,6 @@ def missing_modules(modules: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_while_starting)
-    try:
-        return _start(argv)
-    except _StoppedWhileStarting as stop:
-        logs.get_logger().info("MRC_WORKER_STOPPED", exit_code=stop.code, while_starting=1)
-        if "redis" in _starting:
-            _let_go(_starting.get("server"), _starting["redis"], _starting.get("results"),
-                    _starting.get("heartbeat"))  # fmt: skip
-        _exit_now(stop.code)
-
-
-def _start(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     lanes: list[str] = args.lanes
     missing = missing_modules(WORKER_MODULES)
