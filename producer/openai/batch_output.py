@@ -91,7 +91,7 @@ class Output:
             model=models[0] if models else "",
         )
         self.book.settle(batch_id)
-        drop_input_copy(self.backlog.files, self._key(batch_id, "input.jsonl"))
+        drop_input_copy(self.backlog, self._key(batch_id, "input.jsonl"))
         self.log.info(
             "MRC_BATCH_DONE",
             batch_id=batch_id,
@@ -233,10 +233,10 @@ def _refusal(reason: str) -> tuple[int, dict[str, Any]]:
     return 400, {"message": reason, "type": "invalid_request_error", "param": None, "code": "invalid_request"}
 
 
-def drop_input_copy(files: Any, key: str) -> None:
+def drop_input_copy(backlog: Any, key: str) -> None:
     """A final batch's copy of its input file goes: its lines live on in the output and error files,
     and a client deleting its input file expects its photos and questions gone with it, not kept
     beside the run for good (review, helper-115). One a failed delete leaves, the bucket's lifecycle
     rule for `runs/` takes (docs/operations.md, "What S3 keeps")."""
-    with contextlib.suppress(Exception):
-        files.delete(key)
+    with contextlib.suppress(Exception):  # never a batch's end undone by it
+        backlog.files.delete(key)

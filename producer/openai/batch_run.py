@@ -293,7 +293,7 @@ class Runner:
             self.backlog.cancel(batch_id)
         self.backlog.runs.update(batch_id, state="failed")
         self.book.settle(batch_id)
-        drop_input_copy(self.backlog.files, input_key(self.settings.s3_prefix, batch_id))
+        drop_input_copy(self.backlog, input_key(self.settings.s3_prefix, batch_id))
         self.log.warning("MRC_BATCH_DONE", batch_id=batch_id, status="failed", reason=code)
 
     def _key(self, batch_id: str, name: str) -> str:
