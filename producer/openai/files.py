@@ -20,6 +20,7 @@ from typing import IO, Any
 from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import BotoCoreError, ClientError
 
+from producer.openai import file_order
 from producer.openai.errors import OpenAIError
 from shared import encoding, names
 from shared.errors import BucketMissing, StoreUnavailable
@@ -100,6 +101,9 @@ class Files:
         self.connection = connection
         self.bucket = settings.s3_bucket
         self.prefix = settings.s3_prefix
+        # a folder of up to this many keys (two a file) is listed in one call and sorted here; the
+        # windows of a larger one are read this many keys a call
+        self.whole_listing, self.window_page = 1000, 200
 
     def _meta_key(self, owner: str, file_id: str) -> str:
         return names.file_key(self.prefix, owner, file_id, "json")
@@ -219,12 +223,7 @@ class Files:
     ) -> dict[str, Any]:
         """A page of the owner's files, newest first (`order=desc`) or oldest first."""
         prefix = names.file_key(self.prefix, owner, "", "")[:-1]  # `<prefix>files/<owner>/`
-        ids = sorted(
-            (key[len(prefix) : -len(".json")] for key in self._keys(prefix) if key.endswith(".json")),
-            reverse=order == "desc",
-        )
-        if after is not None:
-            ids = [i for i in ids if (i < after if order == "desc" else i > after)]
+        ids = self._ordered(prefix, order, after)
         page: list[dict[str, Any]] = []
         for file_id in ids:
             if len(page) > limit:
@@ -237,11 +236,29 @@ class Files:
                 page.append(public(meta))
         return listing(page[:limit], len(page) > limit)
 
-    def _keys(self, prefix: str) -> Iterator[str]:
+    def _ordered(self, folder: str, order: str, after: str | None) -> Iterator[str]:
+        """The owner's file ids in the page's order. A folder one listing holds (`whole_listing` keys)
+        is sorted here, as always; a larger one is read a window at a time (file_order.py), a page
+        costing about its own files. A cursor that is no id of ours (a client's own string) is placed
+        among them all."""
+        desc = order == "desc"
+        try:
+            reply = self.connection.list_page(self.bucket, folder, None, self.whole_listing)
+        except BucketMissing:  # no upload yet (made at the first): no files (review, helper-82: 500)
+            return iter(())
+        whole = not reply.get("IsTruncated")
+        if whole or (after is not None and not file_order.timed(after)):
+            keys = [str(item["Key"]) for item in reply.get("Contents", [])] if whole else self._keys(folder)
+            ids = sorted(file_order.ids_of(folder, keys), reverse=desc)
+            return iter([i for i in ids if after is None or (i < after if desc else i > after)])
+        walk = file_order.descending if desc else file_order.ascending
+        return walk(lambda prefix, start: self._keys(prefix, start, self.window_page), folder, after)
+
+    def _keys(self, prefix: str, start_after: str | None = None, page: int = 1000) -> Iterator[str]:
         token: str | None = None
         while True:
             try:
-                reply = self.connection.list_page(self.bucket, prefix, token)
+                reply = self.connection.list_page(self.bucket, prefix, token, page, start_after=start_after)
             except BucketMissing:  # no upload yet (made at the first): no files (review, helper-82: 500)
                 return
             for item in reply.get("Contents", []):

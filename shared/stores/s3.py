@@ -88,7 +88,14 @@ class S3Connection:
         except BotoCoreError as exc:
             raise StoreUnavailable(f"S3 {method} failed: {exc}") from exc
 
-    def list_page(self, bucket: str, prefix: str, token: str | None, max_keys: int = 1000) -> Any:
+    def list_page(
+        self,
+        bucket: str,
+        prefix: str,
+        token: str | None,
+        max_keys: int = 1000,
+        start_after: str | None = None,
+    ) -> Any:
         """One page of a listing. A bucket that is not there is BucketMissing, a refusal (no
         s3:ListBucket, a name S3 will not take) StoreRefused, each naming the bucket: one line and exit
         5 from a command, not a traceback (review, helper-82)."""
@@ -96,6 +103,7 @@ class S3Connection:
             return self.call(
                 "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=max_keys,
                 **({"ContinuationToken": token} if token else {}),
+                **({"StartAfter": start_after} if start_after and not token else {}),
             )  # fmt: skip
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
