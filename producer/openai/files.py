@@ -11,10 +11,12 @@ request body (never whole in memory); the upload counts the file's requests (non
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from boto3.exceptions import S3UploadFailedError
@@ -27,6 +29,7 @@ from shared.errors import BucketMissing, StoreUnavailable
 from shared.settings import Settings
 from shared.stores.s3 import S3Connection
 
+_META_READS = 8  # a page's descriptions read at once
 _PUBLIC = (
     "id",
     "object",
@@ -225,16 +228,20 @@ class Files:
         prefix = names.file_key(self.prefix, owner, "", "")[:-1]  # `<prefix>files/<owner>/`
         ids = self._ordered(prefix, order, after)
         page: list[dict[str, Any]] = []
-        for file_id in ids:
-            if len(page) > limit:
-                break
-            try:
-                meta = self.get(owner, file_id)
-            except OpenAIError:
-                continue  # deleted meanwhile
-            if purpose is None or meta.get("purpose") == purpose:
-                page.append(public(meta))
+        # the descriptions a page shows, read side by side: one after another, 21 reads were most of
+        # a page's time (bench_file_listing.py)
+        with ThreadPoolExecutor(_META_READS) as pool:
+            while len(page) <= limit and (wanted := list(itertools.islice(ids, limit + 1 - len(page)))):
+                for meta in pool.map(lambda file_id: self._found(owner, file_id), wanted):
+                    if meta is not None and (purpose is None or meta.get("purpose") == purpose):
+                        page.append(public(meta))
         return listing(page[:limit], len(page) > limit)
+
+    def _found(self, owner: str, file_id: str) -> dict[str, Any] | None:
+        try:
+            return self.get(owner, file_id)
+        except OpenAIError:
+            return None  # deleted meanwhile
 
     def _ordered(self, folder: str, order: str, after: str | None) -> Iterator[str]:
         """The owner's file ids in the page's order. A folder one listing holds (`whole_listing` keys)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from datetime import datetime
+from typing import Any, cast
 
 import boto3
 from botocore.config import Config
@@ -26,6 +28,7 @@ _REFUSALS = {
     "TooManyBuckets",
 }  # fmt: skip
 _RESULT_MAX_BYTES = 16 * 1024 * 1024
+INPUT_REFRESH_S = 86_400  # an upload's content sent again after a day is written again (put_input)
 _TEXT_MAX_BYTES = 256 * 1024 * 1024
 _PART_BYTES = 8 * 1024 * 1024  # multipart parts: S3 wants >= 5 MiB for every part but the last
 
@@ -135,13 +138,17 @@ class S3Connection:
         return data
 
     def exists(self, bucket: str, key: str) -> bool:
+        return self.modified(bucket, key) is not None
+
+    def modified(self, bucket: str, key: str) -> datetime | None:
+        """When the object was last written (what a lifecycle rule's days count from), or None."""
         try:
-            self.call("head_object", Bucket=bucket, Key=key)
+            head = self.call("head_object", Bucket=bucket, Key=key)
         except ClientError as exc:
             if _is_missing(exc):
-                return False
+                return None
             raise
-        return True
+        return cast(datetime, head["LastModified"])
 
     def put(self, bucket: str, key: str, data: bytes, content_type: str) -> None:
         try:
@@ -234,7 +241,12 @@ class S3ImageSource:
         if not self._bucket_ready:
             self.connection.ensure_bucket(self.bucket)
             self._bucket_ready = True
-        if not self.connection.exists(self.bucket, key):  # content-addressed: upload once
+        # Content-addressed: uploaded once, and again once a day while it is sent, so that a lifecycle
+        # rule's days (docs/operations.md, "What S3 keeps") count from its last use, not its first: a
+        # photo sent again today was deleted 30 days after its first upload, under the job that had
+        # just named it (review, helper-117).
+        modified = self.connection.modified(self.bucket, key)
+        if modified is None or modified.timestamp() < time.time() - INPUT_REFRESH_S:
             self.connection.put(self.bucket, key, data, content_type)
         return names.s3_uri(self.bucket, key)
 
