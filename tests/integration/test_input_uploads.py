@@ -15,7 +15,9 @@ from shared.stores import s3
 pytestmark = pytest.mark.integration
 
 
-def test_a_photo_sent_again_after_a_day_is_written_again(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_photo_sent_again_after_a_day_is_written_again(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = s3.S3ImageSource(s3.S3Connection(client.settings), client.settings)
     key = f"{client.settings.s3_prefix}inputs/{'ab' * 32}.png"
     source.put_input(b"first", key, "image/png")
