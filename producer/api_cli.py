@@ -5,7 +5,9 @@ container spec serves every replica; nothing here imports FastAPI until it is kn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -26,8 +28,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _stop_while_starting(signum: int, _frame: object) -> None:
     """A stop asked for before the server takes the signals over (its imports take ~1 s): exit as a
-    stop after it does, 0 for SIGTERM and 130 for SIGINT (review, helper-94: 143, or a traceback)."""
-    raise SystemExit(0 if signum == signal.SIGTERM else 130)
+    stop after it does, 0 for SIGTERM and 130 for SIGINT (review, helper-94: 143, or a traceback).
+    At once and not by an exception, which, raised inside an import, can leave a library half-imported
+    and its own error in its place (the worker's, helper-117); nothing is held yet."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(0 if signum == signal.SIGTERM else 130)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -88,10 +88,11 @@ def _stop_while_starting(signum: int, _frame: object) -> None:
     """Without a handler, PID 1 of a container ignores SIGTERM: a worker stopped while it loads (a
     rollout, a scale-in) loaded on, took jobs, and was killed at the grace period's end with them in
     hand (review, helper-116). No job is held before Celery takes the signals over (as it starts
-    consuming), so the worker ends here and now, 0 for SIGTERM, 130 for SIGINT. Not by an exception:
+    consuming), so the worker ends here and now, 0 for SIGTERM and SIGHUP (which restarts it once it
+    consumes), 130 for SIGINT. Not by an exception:
     one raised wherever the main thread was (inside torch's import, on a slow machine) left a library
     half-imported, which raised its own error and exited 1 with a traceback."""
-    code = 0 if signum == signal.SIGTERM else 130
+    code = 130 if signum == signal.SIGINT else 0  # SIGHUP too: its supervisor starts it again
     logs.get_logger().info("MRC_WORKER_STOPPED", exit_code=code, while_starting=1)
     if "redis" in _starting:  # on a thread of its own, bounded: the main thread may hold a lock it needs
         held = [_starting.get(name) for name in ("server", "redis", "results", "heartbeat")]
@@ -149,7 +150,7 @@ def missing_modules(modules: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _stop_while_starting)
     args = _parser().parse_args(argv)
     lanes: list[str] = args.lanes
