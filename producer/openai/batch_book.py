@@ -52,6 +52,14 @@ if not string.find('|' .. ARGV[1] .. '|', '|' .. status .. '|', 1, true) then re
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
+# KEYS[1] a batch's record; ARGV: its fields. Set unless the batch is final already (or gone).
+_UNLESS_FINAL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+local final = {completed = true, failed = true, expired = true, cancelled = true}
+if not status or final[status] then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
 # KEYS[1] an owner's listing; ARGV: the id to start after ("" for the newest), how many. One step: a
 # batch created between finding the id's rank and reading on would shift the page onto the id itself
 # (review: 20 of 24 walks with `after` repeated a batch while the key created more). False: no such id.
@@ -89,6 +97,7 @@ class BatchBook:
         self._release = client.register_script(_RELEASE)
         self._remap = client.register_script(REMAP_SCRIPT)
         self._move = client.register_script(_MOVE)
+        self._unless_final = client.register_script(_UNLESS_FINAL)
         self._page = client.register_script(_PAGE)
 
     def create(self, batch_id: str, owner: str, fields: dict[str, str]) -> None:
@@ -110,6 +119,12 @@ class BatchBook:
 
     def update(self, batch_id: str, **fields: str) -> None:
         self._redis.hset(names.batch_key(batch_id), mapping=fields)  # type: ignore[arg-type]  # str values
+
+    def update_unless_final(self, batch_id: str, **fields: str) -> bool:
+        """Set `fields` unless the batch is final already (atomic: another process's finalize that
+        won is never overwritten); whether they were set."""
+        pairs = [item for pair in fields.items() for item in pair]
+        return bool(self._unless_final(keys=[names.batch_key(batch_id)], args=pairs))
 
     def move(self, batch_id: str, allowed: tuple[str, ...], **fields: str) -> bool:
         """Set `fields` only while the batch is in one of the `allowed` statuses and nothing ended it

@@ -285,7 +285,11 @@ class Runner:
 
     def _fail(self, batch_id: str, code: str, message: str) -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
-        self.book.update(batch_id, status="failed", failed_at=now(), errors=json.dumps(errors))
+        ended = {"status": "failed", "failed_at": now(), "errors": json.dumps(errors)}
+        if not self.book.update_unless_final(batch_id, **ended):
+            # another process finalized it meanwhile (and dropped its input copy, which is why this
+            # one found it gone): its end stands (review, helper-117: `cancelled` became `failed`)
+            return
         # Its run ends too: left `enqueuing`, it counted as a batch still going for its record's 30
         # days (mrc_backlog_runs_active, MrcBatchNearItsWindow: review, helper-101); what is still
         # queued of it is stopped first, not run and counted for a batch said failed (helper-102).

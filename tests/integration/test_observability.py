@@ -3,6 +3,7 @@ all parse."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 
@@ -139,13 +140,24 @@ def test_a_batch_that_failed_before_its_lines_ran_is_no_batch_still_going(env: d
     client.flushdb()
     try:
         runs = RunRecords(client)
+        book = BatchBook(client)
         runs.start("batch_gone", "openai:file-1")
+        book.create("batch_gone", "k", {"created_at": str(int(time.time())), "status": "in_progress"})
         backlog = SimpleNamespace(settings=Settings(), runs=runs)
-        runner = Runner(backlog, BatchBook(client), None, None, client)  # type: ignore[arg-type]
+        runner = Runner(backlog, book, None, None, client)  # type: ignore[arg-type]
         assert run_progress.oldest_active(client)["batch"]["active"] == 1
         runner._fail("batch_gone", "input_missing", "the batch's copy of its input file is gone")
         assert run_progress.oldest_active(client)["batch"]["active"] == 0
         assert runs.get("batch_gone")["state"] == "failed"
+        assert book.get("batch_gone")["status"] == "failed"
+        # Another process's finalize won (and dropped the input copy, which is why this one found it
+        # gone): its end stands (review, helper-117: `cancelled` became `failed`)
+        runs.start("batch_ended", "openai:file-2")
+        book.create("batch_ended", "k", {"created_at": str(int(time.time())), "status": "cancelled"})
+        runs.update("batch_ended", state="cancelled")
+        runner._fail("batch_ended", "input_missing", "the batch's copy of its input file is gone")
+        assert book.get("batch_ended")["status"] == "cancelled"
+        assert runs.get("batch_ended")["state"] == "cancelled"
     finally:
         client.flushdb()
         client.close()

@@ -271,6 +271,29 @@ def test_an_incomplete_structured_answer_counts_its_tokens_as_generated() -> Non
     assert metrics.registry.get_sample_value("mrc_engine_discarded_tokens_total") == 2
 
 
+def test_a_row_that_ends_before_it_is_admitted_counts_its_whole_wait_for_admission() -> None:
+    """Review, helper-117: a row past its deadline or cancelled while it waited was never counted in
+    mrc_engine_admission_wait_seconds, so an overloaded worker's worst waits were out of the alert's
+    sight (MrcInteractiveWaitInWorkersTooLong)."""
+    metrics, now = Metrics(), [1000.0]
+    service = EngineService(
+        ECHO.step_model(), scheduler.Limits(max_rows=2, reserved_interactive=0), metrics, clock=lambda: now[0]
+    )
+    waited, ran = _row("waited", "interactive"), _row("ran", "interactive")
+    waited.submitted_at = ran.submitted_at = 1000.0
+    ran.first_admitted_at = 1002.0
+    now[0] = 1045.0  # `waited` ends (its deadline passed) never admitted, 45 s after it was handed over
+    service._finished(waited)
+    service._finished(ran)
+    count = metrics.registry.get_sample_value(
+        "mrc_engine_admission_wait_seconds_count", {"lane": "interactive"}
+    )
+    over_30 = count - metrics.registry.get_sample_value(
+        "mrc_engine_admission_wait_seconds_bucket", {"lane": "interactive", "le": "30.0"}
+    )
+    assert (count, over_30) == (2, 1)
+
+
 def test_progress_means_a_row_moved_and_a_stalled_engine_does_not_spin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -148,10 +148,11 @@ class EngineService:
         # A finished row is never recomputed: its inputs (the image's patches, on the device) go now,
         # not when the last row of its delivery is handed back.
         row.inputs = None
-        if row.first_admitted_at is not None:
-            self.metrics.admission_wait.labels(lane=row.lane).observe(
-                max(0.0, row.first_admitted_at - row.submitted_at)
-            )
+        # A row that ended before it was ever admitted (past its deadline, cancelled, failed while it
+        # waited) waited all its time: the overloaded worker's, which MrcInteractiveWaitInWorkersTooLong
+        # pages on (review, helper-117: such rows were never counted).
+        admitted = row.first_admitted_at if row.first_admitted_at is not None else self.clock()
+        self.metrics.admission_wait.labels(lane=row.lane).observe(max(0.0, admitted - row.submitted_at))
         # The tokens of its answer, counted once it is whole: end-of-text is not one, and neither are
         # the tokens of a run that was paused, restarted or failed (mrc_engine_discarded_tokens_total).
         # An incomplete structured answer's are its answer's: handed out and billed (review).
