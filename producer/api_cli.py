@@ -12,6 +12,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from shared import early_stop
+
 EXIT_USAGE = 2
 API_MODULES = ("fastapi", "uvicorn", "multipart")  # `pip install '.[api]'`
 
@@ -38,8 +40,11 @@ def _stop_while_starting(signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _stop_while_starting)
+    with early_stop.handled(_stop_while_starting, (signal.SIGTERM, signal.SIGINT)):
+        return _start(argv)
+
+
+def _start(argv: Sequence[str] | None) -> int:
     _parser().parse_args(argv)  # --help, and no argument taken silently (review: --help started it)
     missing = [name for name in API_MODULES if importlib.util.find_spec(name) is None]
     if missing:  # a producer-only install: what to install, not a traceback (review)

@@ -400,7 +400,11 @@ def _refused_by_redis(exc: redis.ResponseError, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    stops.take_sigterm()
+    with stops.sigterm_taken():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     pipe_out.guard_stdout()
     args = _parser().parse_args(argv)
     try:

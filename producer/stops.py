@@ -5,7 +5,10 @@ SIGKILL and said nothing (review, helper-116, on the worker; the same class here
 
 from __future__ import annotations
 
+import contextlib
 import signal
+
+from shared import early_stop
 
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # as a shell reports a command SIGINT / SIGTERM stopped
 
@@ -18,8 +21,9 @@ def _terminate(_signum: int, _frame: object) -> None:
     raise Terminated
 
 
-def take_sigterm() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
+def sigterm_taken() -> contextlib.AbstractContextManager[None]:
+    """SIGTERM raises Terminated while the command runs (and is as it was after it)."""
+    return early_stop.handled(_terminate, (signal.SIGTERM,))
 
 
 def exit_code(stop: KeyboardInterrupt) -> int:

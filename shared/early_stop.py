@@ -6,9 +6,12 @@ is held yet, so the process ends at once with the code its `main` would give."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 
 def install(script: str, codes: dict[signal.Signals, int]) -> None:
@@ -17,3 +20,18 @@ def install(script: str, codes: dict[signal.Signals, int]) -> None:
         return
     for signum, code in codes.items():
         signal.signal(signum, lambda _signum, _frame, code=code: os._exit(code))  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def handled(handler: Callable[[int, Any], None], signums: Iterable[signal.Signals]) -> Iterator[None]:
+    """`handler` for each signal while the block runs, and what was there before once it ends: a main
+    called by a process that goes on (the tests call them in theirs) leaves no handler behind, one that
+    ended that process at the next signal it got (a fresh clone's CI lost two pytest workers so)."""
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    for signum in before:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, previous in before.items():
+            signal.signal(signum, previous)

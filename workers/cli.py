@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from shared import logs, names, reach, redis_target
+from shared import early_stop, logs, names, reach, redis_target
 from shared.errors import MrcError, ServiceUnreachable, StoreRefused, StoreUnavailable
 from shared.jobs import now_rfc3339
 from shared.settings import BadSettings, Settings, unknown_variables
@@ -150,8 +150,11 @@ def missing_modules(modules: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, _stop_while_starting)
+    with early_stop.handled(_stop_while_starting, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)):
+        return _start(argv)
+
+
+def _start(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     lanes: list[str] = args.lanes
     missing = missing_modules(WORKER_MODULES)

@@ -42,3 +42,17 @@ def test_any_other_program_importing_the_packages_keeps_its_own_signals() -> Non
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("module", ["producer.cli", "workers.cli"])
+def test_a_main_called_in_a_process_that_goes_on_leaves_its_signals_as_they_were(module: str) -> None:
+    """A fresh clone's CI lost two pytest workers: tests call these mains in their own process, and
+    the handlers they left ended that process at its next signal."""
+    import importlib
+    import signal
+
+    cli = importlib.import_module(module)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert {signum: signal.getsignal(signum) for signum in before} == before
