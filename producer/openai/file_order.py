@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 # `file-` + 12 hex digits of milliseconds + the random part
 _TIMED = re.compile(r"^file-([0-9a-f]{12})[0-9a-f]*\Z")
-_FIRST_SPAN_MS = 3_600_000
+_FIRST_SPAN_MS = 60_000  # a minute: a burst of uploads (one a second) is not read whole for a page
 
 # (key prefix, start after this key or None) -> the keys from there on, ascending
 Lister = Callable[[str, str | None], Iterator[str]]
@@ -31,9 +31,10 @@ def ascending(keys: Lister, folder: str, after: str | None) -> Iterator[str]:
     yield from _ids(keys, folder, f"{folder}{after}.json" if after else None, after)
 
 
-def descending(keys: Lister, folder: str, before: str | None) -> Iterator[str]:
-    """The ids before `before` (all without it), newest first; `before` a timed id or None."""
-    oldest = next(_ids(keys, folder, None, None), None)
+def descending(keys: Lister, folder: str, before: str | None, oldest: str | None = None) -> Iterator[str]:
+    """The ids before `before` (all without it), newest first; `before` a timed id or None. `oldest`:
+    the folder's first id where the caller has listed it already."""
+    oldest = oldest or next(_ids(keys, folder, None, None), None)
     if oldest is None:
         return
     floor_ms = _ms(oldest)

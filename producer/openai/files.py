@@ -258,8 +258,15 @@ class Files:
             keys = [str(item["Key"]) for item in reply.get("Contents", [])] if whole else self._keys(folder)
             ids = sorted(file_order.ids_of(folder, keys), reverse=desc)
             return iter([i for i in ids if after is None or (i < after if desc else i > after)])
-        walk = file_order.descending if desc else file_order.ascending
-        return walk(lambda prefix, start: self._keys(prefix, start, self.window_page), folder, after)
+
+        def windows(prefix: str, start: str | None) -> Iterator[str]:
+            return self._keys(prefix, start, self.window_page)
+
+        if not desc:
+            return file_order.ascending(windows, folder, after)
+        listed = (str(item["Key"]) for item in reply.get("Contents", []))
+        oldest = next(file_order.ids_of(folder, listed), None)  # the probe's first: no call again
+        return file_order.descending(windows, folder, after, oldest)
 
     def _keys(self, prefix: str, start_after: str | None = None, page: int = 1000) -> Iterator[str]:
         token: str | None = None

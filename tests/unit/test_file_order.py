@@ -76,3 +76,13 @@ def test_a_page_of_the_newest_reads_about_its_own_files_not_all_the_keys() -> No
     walk = file_order.descending(listing, FOLDER, cursor)
     assert [next(walk) for _ in range(21)] == sorted(ids, reverse=True)[20:41]
     assert listing.read < 300, listing.read
+
+
+def test_a_page_of_a_burst_of_uploads_reads_its_last_minute_not_its_whole_hour() -> None:
+    """Review, helper-118: the first window was an hour, so 300 files uploaded one a second were all
+    read for every page of 10; an SDK's walk stayed quadratic."""
+    ids = _ids([n * 1000 for n in range(300)], 11)
+    listing = _listing(ids)
+    walk = file_order.descending(listing, FOLDER, None)
+    assert [next(walk) for _ in range(11)] == sorted(ids, reverse=True)[:11]
+    assert listing.read < 200, listing.read  # 602 keys in the folder
