@@ -205,13 +205,19 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from producer.client import Client
 
     client = Client(settings)
-    job = client.build_job(_submission(args))
+    sub = _submission(args)
+    job = client.build_job(sub)
     replicated = True
     # With --wait, --timeout bounds the whole command: a backlog lane that stays full is exit 4 once it
     # is spent (review: the wait for room had no end), and the result gets what is left of it.
     deadline = time.monotonic() + args.timeout
     try:
-        client.enqueue(job, block=not args.no_block, timeout=args.timeout if args.wait else None)
+        client.enqueue(
+            job,
+            block=not args.no_block,
+            timeout=args.timeout if args.wait else None,
+            minted=sub.job_id is None,  # an id drawn for it: no earlier job's, S3 not asked
+        )
     except NotReplicated as exc:  # queued: the id is the caller's to resubmit under; the wait goes on
         print(f"mrc: {exc.message}", file=sys.stderr)
         replicated = False

@@ -58,18 +58,20 @@ class Client(Queue):
 
     # ---- submit ----
     def submit(self, image: str | Path, prompt: str, block: bool = True, **options: Any) -> str:
-        job = self.build_job(Submission(image=image, prompt=prompt, **options))
-        self.enqueue(job, block=block)
+        sub = Submission(image=image, prompt=prompt, **options)
+        job = self.build_job(sub)
+        self.enqueue(job, block=block, minted=sub.job_id is None)  # a drawn id: S3 not asked
         return job.job_id
 
     def submit_many(self, submissions: Iterable[Submission]) -> list[str]:
         """Every job enqueued (one not replicated does not stop the rest); NotReplicated at the end
         names those whose replication was not confirmed (`job_ids`) and all the ids (`submitted`)."""
-        jobs = [self.build_job(s) for s in submissions]
+        subs = list(submissions)
+        jobs = [self.build_job(s) for s in subs]
         unreplicated: list[str] = []
-        for job in jobs:
+        for sub, job in zip(subs, jobs, strict=True):
             try:
-                self.enqueue(job)
+                self.enqueue(job, minted=sub.job_id is None)
             except NotReplicated:
                 unreplicated.append(job.job_id)
         ids = [job.job_id for job in jobs]

@@ -184,7 +184,8 @@ class JobRoutes:
         body: dict[str, Any] = {"job_id": job_id, "status_url": f"/v1/jobs/{job_id}"}
         replicated: bool | None = True if self.state.settings.redis_wait_replicas else None
         try:
-            created = self.state.queue.enqueue(job, block=False)
+            # an id the intake drew (the request named none) is no earlier job's: S3 is not asked
+            created = self.state.queue.enqueue(job, block=False, minted=sub.job_id is None)
         except NotReplicated as exc:  # queued on the master: accepted, not yet durable (docs/contract.md)
             created, replicated = not exc.duplicate, False
         if replicated is not None:  # MRC_REDIS_WAIT_REPLICAS is on: every answer says

@@ -176,9 +176,10 @@ class Chat:
                 before_fetch=before_fetch, fetch_held=fetched,
             )  # fmt: skip
             job_id = chat.job_id or idempotent_job_id(caller, key)
+            minted = job_id is None  # drawn here or by the intake: no earlier job's (S3 not asked)
             if job_id is None and self.settings.openai_retry_window_s > 0:
-                job_id = self._retry_job_id(caller, digest)
-            job = self._enqueue(chat, job_id, caller)
+                job_id, minted = self._retry_job_id(caller, digest)
+            job = self._enqueue(chat, job_id, caller, minted)
             # Uploaded: the answer's wait (a minute, under no turn) holds no copy of the image (it held
             # the decoded bytes of every waiting request's data: URL).
             return job_id is not None, job, dataclasses.replace(chat, data=None)
@@ -186,26 +187,27 @@ class Chat:
             for release in fetched:
                 release()
 
-    def _retry_job_id(self, caller: Caller, digest: str) -> str:
+    def _retry_job_id(self, caller: Caller, digest: str) -> tuple[str, bool]:
         """The job this exact request (same key, same bytes: `digest`) names within
         MRC_OPENAI_RETRY_WINDOW_S: an SDK's retry after a 5xx or a lost answer waits for the first
         attempt's job instead of queueing a second. A job that failed is not reused: sending the
-        request again runs it again."""
+        request again runs it again. With it, whether this call drew the id (no earlier job's)."""
         mapping = names.idempotency_key("chat-retry", caller.owner, digest)
         fresh = f"chat-{uuid.uuid4().hex}"
         ttl = max(1, int(self.settings.openai_retry_window_s))
         client = self._redis()
         if client.set(mapping, fresh, nx=True, ex=ttl):
-            return fresh
+            return fresh, True
         earlier = str(client.get(mapping) or fresh)
         stored = tenants.job_id(caller.key_id, earlier)
         if self.state.queue.records.get(stored).get("state") != "failed":
-            return earlier
+            return earlier, earlier == fresh
         # It failed: a new job, once however many copies of the request come at the same moment.
         # Replace only what this request saw: concurrent retries of a failed job agree on one new job.
-        return str(client.eval(REMAP_SCRIPT, 1, mapping, earlier, fresh, ttl))
+        chosen = str(client.eval(REMAP_SCRIPT, 1, mapping, earlier, fresh, ttl))
+        return chosen, chosen == fresh
 
-    def _enqueue(self, chat: ChatJob, job_id: str | None, caller: Caller) -> Job:
+    def _enqueue(self, chat: ChatJob, job_id: str | None, caller: Caller, minted: bool) -> Job:
         sub = Submission(
             image=chat.image or "",
             prompt=chat.prompt,
@@ -222,7 +224,7 @@ class Chat:
             # Queued on the master but not replicated yet: the wait for its answer goes on (the answer,
             # once in S3, is durable whatever the replicas do; the producer logs MRC_NOT_REPLICATED).
             with contextlib.suppress(NotReplicated):
-                self.state.queue.enqueue(job, block=False)
+                self.state.queue.enqueue(job, block=False, minted=minted)
         except UsageError as exc:
             message = tenants.in_words_of(caller.namespace, exc.message)
             param = chat.image_param if message.partition(":")[0] in IMAGE_CODES else None

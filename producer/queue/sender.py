@@ -106,8 +106,13 @@ class Queue:
             owner, self.settings.backlog_max_depth, self.settings.backlog_key_shares
         )
 
-    def enqueue(self, job: Job, block: bool = True, timeout: float | None = None) -> bool:
+    def enqueue(
+        self, job: Job, block: bool = True, timeout: float | None = None, *, minted: bool = False
+    ) -> bool:
         """Send the job unless its id was already submitted; True when this call enqueued it.
+        `minted`: the caller drew the job's id at random for this submission (no client named it), so
+        no result can be stored under it and S3 is not asked (a HEAD a submission, the intake's
+        largest cost: docs/benchmarks.md).
 
         The same job under a used id is a duplicate (False) once the other submission is published and
         its message is in Redis (pushed again where it is not: producer/queue/resubmission.py); a
@@ -118,18 +123,18 @@ class Queue:
         a claim that expired during the look for an earlier result is taken again, never sent on."""
         wait = RoomWait.of(block, timeout)
         for _ in range(_CLAIM_TRIES):
-            claim = self._claim(job, wait)
+            claim = self._claim(job, wait, minted)
             if isinstance(claim, _Done):  # no room, and no need of any: its result is stored
                 return self._duplicate(job, claim.result.get("job_fingerprint"))
             if claim is None:  # the same job, once its message is known to be there (or pushed again)
                 return resubmission.answer(job, self.records, self.settings, self._send, self.log)
-            sent = self._send_claimed(job, claim)
+            sent = self._send_claimed(job, claim, minted)
             if sent is not None:
                 return sent
             self.log.warning("MRC_CLAIM_LOST", job_id=job.job_id, lane=job.lane)
         raise StoreUnavailable(f"job {job.job_id}: its claim kept expiring before it could be sent")
 
-    def _claim(self, job: Job, wait: RoomWait) -> _Claim | _Done | None:
+    def _claim(self, job: Job, wait: RoomWait, minted: bool = False) -> _Claim | _Done | None:
         """This submission's claim token, or None when the id is taken by a published submission.
         Another producer's claim not yet published is waited out (it publishes, or frees the id when
         it fails or expires): answering 'same job' for it could report a job that is never sent. On
@@ -142,7 +147,9 @@ class Queue:
             try:
                 claim = self._take(job, limit)
             except backlog_share.NoRoom as full:
-                if not wait.looked:  # once a submission (review, helper-105: a stored job met 503)
+                if (
+                    not wait.looked and not minted
+                ):  # once a submission (review, helper-105: a stored job met 503)
                     wait.looked = True
                     _checked, existing = self._earlier_result(job.job_id)
                     if existing is not None:
@@ -180,15 +187,16 @@ class Queue:
         token, room = taken
         return _Claim(token, room.bound_ahead)
 
-    def _send_claimed(self, job: Job, claim: _Claim) -> bool | None:
+    def _send_claimed(self, job: Job, claim: _Claim, minted: bool = False) -> bool | None:
         """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost
         before the send (nothing sent)."""
         try:
-            checked, existing = self._earlier_result(job.job_id)
+            checked, existing = (True, None) if minted else self._earlier_result(job.job_id)
             if existing is not None:
                 self.records.release(job.job_id, claim.token)
                 return self._duplicate(job, existing.get("job_fingerprint"))
-            if not self.records.renew(job.job_id, claim.token):  # the look outlasted the claim's lease
+            # the look outlasted the claim's lease (none was made for a drawn id: the claim is new)
+            if not minted and not self.records.renew(job.job_id, claim.token):
                 return None
             self._send(job, ahead=claim.ahead)
         except NotReplicated as exc:  # queued on the master: the claim stands, so a retry is the same job

@@ -1,6 +1,7 @@
 """mrc-api intake throughput: POST /v1/jobs (JSON, s3:// images) from 20 concurrent clients against a
-local redis-server and moto S3 server, mrc-api with 1 and with 2 uvicorn worker processes. Prints
-requests/s and latency p50 / p99 (the first response a client sees).
+local redis-server and moto S3 server, mrc-api with 1 and with 2 uvicorn worker processes, the job ids
+named by the clients (each looked up in S3 once: a HEAD) and drawn by mrc-api (no look: no earlier job
+can have one). Prints requests/s and latency p50 / p99 (the first response a client sees).
 
     .venv/bin/python tests/bench/bench_api.py [--requests 2000] [--clients 20]
 """
@@ -34,8 +35,9 @@ def _up(port: int) -> bool:
 
 
 def run(
-    env: dict[str, str], image: str, workers: int, total: int, clients: int, tag: str
+    env: dict[str, str], image: str, workers: int, total: int, clients: int, tag: str | None
 ) -> dict[str, float]:
+    """`tag`: the clients name their job ids `tag-N`; None: they name none (mrc-api draws them)."""
     import httpx
 
     port = services.free_port()
@@ -51,12 +53,9 @@ def run(
         def client() -> None:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
                 for n in counter:
-                    body = {
-                        "image": image,
-                        "prompt": f"Refund {n}?",
-                        "job_id": f"{tag}-{n}",
-                        "lane": "backlog",
-                    }
+                    body = {"image": image, "prompt": f"Refund {n}?", "lane": "backlog"}
+                    if tag is not None:
+                        body["job_id"] = f"{tag}-{n}"
                     began = time.perf_counter()
                     reply = http.post("/v1/jobs", json=body)
                     spent = time.perf_counter() - began
@@ -98,10 +97,14 @@ def main() -> None:
             image, _ = Client(services.settings_from_env(env)).upload_image(photo)
         rows = {}
         for workers in (1, 2):
-            rows[workers] = run(env, image, workers, args.requests, args.clients, f"w{workers}")
-            r = rows[workers]
-            print(f"mrc-api, {workers} uvicorn worker(s), {args.clients} clients: {r['rps']:.0f} requests/s, "
-                  f"p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms", flush=True)  # fmt: skip
+            for ids in ("named", "drawn"):
+                tag = f"w{workers}" if ids == "named" else None
+                r = rows[f"{workers}-{ids}"] = run(env, image, workers, args.requests, args.clients, tag)
+                print(f"mrc-api, {workers} uvicorn worker(s), {args.clients} clients, ids {ids}: "
+                      f"{r['rps']:.0f} requests/s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms",
+                      flush=True)  # fmt: skip
+            named, drawn = rows[f"{workers}-named"]["rps"], rows[f"{workers}-drawn"]["rps"]
+            print(f"  {workers} worker(s): drawn ids / named ids = {drawn / named:.2f}x", flush=True)
         print(json.dumps(rows))
 
 

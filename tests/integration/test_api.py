@@ -21,8 +21,8 @@ from producer.client import Client
 from producer.openai.errors import PATHS as OPENAI_PATHS
 from producer.server import create_app
 from scripts import devservices as services
-from shared import names, redis_target
-from tests.support import imagegen
+from shared import names, redis_target, tenants
+from tests.support import imagegen, looks
 
 pytestmark = pytest.mark.integration
 
@@ -603,3 +603,37 @@ def test_an_s3_that_hangs_is_answered_503_in_seconds_not_waited_out(
             assert answers[0].json()["error"]["code"] == "service_unavailable"
     finally:
         s3.stop()
+
+
+def test_an_id_mrc_api_draws_is_queued_without_asking_s3_and_a_named_one_is_looked_up(
+    api_env: dict[str, str], uploaded: str, worker: services.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """POST /v1/jobs without a job_id, and a chat completion, run under ids mrc-api drew: no result can
+    be stored under them, so no HEAD is made (it was the intake's largest cost). A job_id the client
+    names is looked up once (its record may have expired while its result stays)."""
+    queue = Client(services.settings_from_env(api_env))
+    looked = looks.counted(queue.results, monkeypatch)
+    photo = imagegen.photo(64, 48, seed=34)
+    content = [
+        {"type": "text", "text": "Refund?"},
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(photo).decode()},
+        },
+    ]
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    with TestClient(create_app(services.settings_from_env(api_env), queue=queue)) as api:
+        drawn = api.post("/v1/jobs", json={"image": uploaded, "prompt": "Refund?"}, headers=AUTH)
+        assert drawn.status_code == 202, drawn.text
+        answered = api.post("/v1/chat/completions", json=chat, headers=AUTH)
+        assert answered.status_code == 200, answered.text
+        assert looked == []
+        named = _job_id("named")
+        sent = api.post(
+            "/v1/jobs", json={"image": uploaded, "prompt": "Refund?", "job_id": named}, headers=AUTH
+        )
+        assert sent.status_code == 202, sent.text
+        assert looked == [tenants.job_id(OWNER, named)]
+        result = api.get(f"/v1/jobs/{drawn.json()['job_id']}/result?wait=60", headers=AUTH)
+        assert result.status_code == 200, result.text
+        assert result.json()["status"] == "succeeded"

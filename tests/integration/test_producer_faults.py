@@ -17,7 +17,7 @@ from scripts import devservices as services
 from shared import backlog_share, names
 from shared.errors import UsageError
 from shared.records import RedisJobRecords, connect
-from tests.support import imagegen
+from tests.support import imagegen, looks
 
 pytestmark = pytest.mark.integration
 
@@ -292,3 +292,24 @@ def test_a_look_for_an_earlier_result_that_hangs_is_cut_well_inside_the_claim(
     assert renewals == [True], "the look outlived the claim"
     assert client.records.get(job.job_id)["checked"] == "0"
     assert _ran(client, job.job_id)
+
+
+def test_a_job_id_drawn_for_the_submission_is_sent_without_asking_s3(
+    client: Client, worker: services.Worker, image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A HEAD a submission was the intake's largest cost (docs/benchmarks.md, HTTP intake). An id the
+    producer drew for the job is no earlier job's: S3 is not asked and the record says the id was
+    checked (the worker does not look either). An id the caller named is still looked up once."""
+    looked = looks.counted(client.results, monkeypatch)
+    drawn = client.submit(image, "refund?")
+    assert looked == []
+    assert client.records.get(drawn)["checked"] == "1"
+    named = client.submit(image, "refund?", job_id=_id())
+    assert looked == [named]
+    assert client.records.get(named)["checked"] == "1"
+    many = client.submit_many(
+        [Submission(image=image, prompt="refund?"), Submission(image=image, prompt="why?")]
+    )
+    assert looked == [named]
+    assert len(set(many)) == 2
+    assert all(_ran(client, job_id) for job_id in (drawn, named, *many))
