@@ -222,14 +222,18 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         print(f"mrc: {exc.message}", file=sys.stderr)
         replicated = False
     job_id = job.job_id
-    if not args.wait:
-        print(job_id)
-        return EXIT_OK if replicated else EXIT_NOT_REPLICATED
     try:
+        if not args.wait:
+            print(job_id)
+            return EXIT_OK if replicated else EXIT_NOT_REPLICATED
         result = client.wait(job_id, max(0.1, deadline - time.monotonic()))
     except TimeoutError as exc:
         print(f"mrc: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
+    except KeyboardInterrupt as stop:  # the job stays queued: say which one, or a drawn id is lost
+        said = f"job {job_id} is queued: `mrc result {job_id}` reads its result"
+        print(f"\nmrc: interrupted; {said}", file=sys.stderr)
+        return stops.exit_code(stop)
     return _print_result(result)
 
 

@@ -193,3 +193,35 @@ def test_sigterm_stops_a_backlog_run_as_ctrl_c_does_with_143(
     assert "Traceback" not in err
     how_to_go_on = f"mrc backlog status {run_id}" if step == "wait" else "Go on with: mrc backlog"
     assert how_to_go_on in err
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_submit_stopped_in_its_wait_names_the_job_it_queued(
+    own: dict[str, str], tmp_path: Path, stop: signal.Signals, code: int
+) -> None:
+    """`mrc submit --wait` without --job-id, stopped while it waits: the job is queued and runs, but its
+    id was drawn by the command and printed nowhere, so its result could not be asked for."""
+    from tests.support import imagegen
+
+    image = tmp_path / "p.jpg"
+    image.write_bytes(imagegen.photo(64, 48, seed=5))
+    err_file, out_file = tmp_path / "submit.err", tmp_path / "submit.out"
+    waiting = services.start_cli(
+        own, "submit", "--image", str(image), "--prompt", "Refund?", "--wait", "--timeout", "300",
+        stdout=out_file, stderr=err_file,
+    )  # fmt: skip
+    lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+
+    def published() -> bool:  # sent and confirmed: what is left is the wait (a signal before is Ctrl-C's)
+        keys = lane.keys(names.job_key("*"))
+        return bool(keys) and lane.hget(keys[0], "published") == b"1"
+
+    services.wait_for(published, 60, "the job's message sent", waiting)
+    (key,) = lane.keys(names.job_key("*"))
+    job_id = key.decode().removeprefix(names.job_key(""))
+    waiting.send_signal(stop)
+    assert waiting.wait(60) == code
+    err = err_file.read_text()
+    assert f"job {job_id} is queued" in err, err
+    assert f"mrc result {job_id}" in err
+    assert "Traceback" not in err
