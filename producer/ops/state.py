@@ -39,7 +39,7 @@ def collect(client: Any, settings: Settings, now: float | None = None) -> dict[s
     return {
         "generated_at": round(now, 3),
         "lanes": _lanes(client, settings, minutes[-SPARK_MINUTES - 1 :]),
-        "workers": _workers(client, now),
+        "workers": _workers(client),
         "runs": _runs(client, now),
         "dead_letter": _dead_letter(client),
         "errors_last_hour": _errors(minutes),
@@ -81,13 +81,18 @@ def _lanes(client: Any, settings: Settings, minutes: list[dict[str, int]]) -> di
     return out
 
 
-def _workers(client: Any, now: float) -> list[dict[str, Any]]:
+def _workers(client: Any) -> list[dict[str, Any]]:
+    """The workers seen in the last LIVE_S, each beat's age by Redis's clock, which wrote its time
+    (workers/heartbeat.py): this host's clock and theirs may be minutes apart."""
     seen = names.workers_seen_key()
+    seconds, micros = client.time()
+    now = float(seconds) + float(micros) / 1e6
     client.zremrangebyscore(seen, "-inf", now - LIVE_S)
-    keys = [str(k) for k in client.zrangebyscore(seen, now - LIVE_S, "+inf")]
-    beats = client.mget(keys) if keys else []
+    seen_since = client.zrangebyscore(seen, now - LIVE_S, "+inf", withscores=True)
+    members = [(str(key), float(at)) for key, at in seen_since]
+    beats = client.mget([key for key, _at in members]) if members else []
     workers = []
-    for key, raw in zip(keys, beats, strict=True):
+    for (key, beat_at), raw in zip(members, beats, strict=True):
         name = key.removeprefix(names.worker_key(""))
         if not raw:  # its entry expired (15 s without a beat): dead, until the sorted set forgets it
             workers.append({"hostname": name, "dead": True})
@@ -97,7 +102,7 @@ def _workers(client: Any, now: float) -> list[dict[str, Any]]:
             workers.append({"hostname": name, "unreadable": True})
             continue
         beat.setdefault("hostname", name)
-        age = now - _epoch(beat.get("seen_at"))
+        age = max(0.0, now - beat_at)
         stuck = _number(beat.get("batch_in_progress_s")) > (_number(beat.get("stuck_after_s")) or 1e9)
         workers.append({**beat, "beat_age_s": round(age, 1), "late": age > BEAT_LATE_S, "stuck": stuck})
     return sorted(workers, key=lambda w: str(w.get("hostname")))
@@ -248,12 +253,3 @@ def _usage_today(client: Any, now: float) -> dict[str, dict[str, int]]:
 
 def _finite(value: float | None) -> float | str | None:
     return "inf" if value is not None and value == float("inf") else value
-
-
-def _epoch(stamp: object) -> float:
-    from shared.jobs import parse_rfc3339
-
-    try:
-        return parse_rfc3339(str(stamp)).timestamp()
-    except ValueError:
-        return 0.0
