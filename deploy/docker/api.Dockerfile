@@ -8,6 +8,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MRC_API_HOST=0.0.0.0 \
     MRC_API_PORT=8000
 
+# tini is the container's PID 1 (ENTRYPOINT; a `command:` that replaces it names it first): PID 1
+# ignores a signal it has no handler for, and Python has none during its own start, so a SIGTERM then
+# was lost; under tini each mrc command is an ordinary process and tini passes signals on. Not pinned:
+# Debian's security updates replace its version within a point release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN groupadd --system --gid 10001 mrc \
     && useradd --system --uid 10001 --gid mrc --create-home --home-dir /home/mrc mrc
 
@@ -22,4 +31,4 @@ USER 10001:10001
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status == 200 else 1)"]
-ENTRYPOINT ["mrc-api"]
+ENTRYPOINT ["tini", "--", "mrc-api"]

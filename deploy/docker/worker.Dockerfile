@@ -20,11 +20,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # Triton (xgrammar's grammar-mask kernel on CUDA, which the warm-up runs) builds a small C helper with
 # the system's C compiler the first time it runs, and the slim base has none: without it the worker
-# stops at its warm-up (exit 70, its log line says why). Not pinned: Debian's security updates
-# replace these versions within a point release, and a pin would stop the build.
+# stops at its warm-up (exit 70, its log line says why). tini is the container's PID 1 (ENTRYPOINT):
+# PID 1 ignores a signal it has no handler for, and Python has none during its own start, so a
+# SIGTERM then was lost; under tini the worker is an ordinary process and tini passes signals on.
+# Not pinned: Debian's security updates replace these versions within a point release, and a pin
+# would stop the build.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev tini \
     && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --system --gid 10001 mrc \
@@ -43,5 +46,5 @@ EXPOSE 9400
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=4 \
     CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:9400/healthz', timeout=4).status == 200 else 1)"]
-ENTRYPOINT ["mrc-worker"]
+ENTRYPOINT ["tini", "--", "mrc-worker"]
 CMD ["--lanes", "interactive,backlog"]

@@ -118,6 +118,30 @@ def test_the_images_run_as_a_non_root_user_and_the_api_image_has_no_torch() -> N
     assert re.search(r"apt-get install -y --no-install-recommends gcc libc6-dev", worker)
 
 
+def test_every_mrc_process_in_a_container_runs_under_tini() -> None:
+    """PID 1 ignores a signal it has no handler for, and Python has none while it starts: a SIGTERM in
+    those tens of milliseconds (a rollout right after a start) was lost, and the pod ran on until the
+    grace period's SIGKILL. tini is PID 1 in both images, and every command that replaces an image's
+    entrypoint (the lane exporter's, in Kubernetes and in compose) names it first."""
+    for name, program in (("worker.Dockerfile", "mrc-worker"), ("api.Dockerfile", "mrc-api")):
+        text = (DEPLOY / "docker" / name).read_text()
+        assert re.search(r"apt-get install -y --no-install-recommends [a-z0-9. -]*\btini\b", text), name
+        assert f'ENTRYPOINT ["tini", "--", "{program}"]' in text, name
+    replaced = [
+        service["entrypoint"] for service in _compose()["services"].values() if "entrypoint" in service
+    ]
+    import yaml
+
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+            replaced += [c["command"] for c in spec.get("containers", []) if "command" in c]
+    assert replaced, "the lane exporter's command, at least"
+    for command in replaced:
+        if command[0].startswith("mrc") or "mrc" in command:
+            assert command[:2] == ["tini", "--"], command
+
+
 def _compose() -> dict:
     import yaml
 
