@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,6 +29,24 @@ from workers.metrics import Metrics
 from workers.slots import Slot
 
 _ENDED_OR_UNKNOWN = (None, "succeeded", "failed")
+# A delivery's looks for earlier results asked of S3 at once, at most: one after another, a delivery
+# of 16 backlog jobs waited 16 round trips (a real S3's ~20 ms each) before any of its rows could start.
+LOOKS_AT_ONCE = 16
+
+
+def _same_job(job: Job, record: dict[str, str]) -> bool:
+    """Whether the record, if any, holds this job (its fingerprint): else the id is another job's."""
+    return record.get("fingerprint") in (None, "", job.fingerprint())
+
+
+def _needs_look(record: dict[str, str]) -> bool:
+    """Whether a stored result may exist that the record does not tell of. Not for a job submitted
+    through the producer, which found none (or drew its id), and never taken since. A `running` record
+    is a worker that died with it, a retry one whose look at S3 failed: its result may be stored, its
+    record not (review)."""
+    state = record.get("state")
+    fresh = state not in _ENDED_OR_UNKNOWN and state != "running" and not record.get("retry_reason")
+    return not (fresh and record.get("checked") == "1")
 
 
 class Admission:
@@ -50,6 +69,10 @@ class Admission:
         self.settings = settings
         self.metrics = metrics
         self.log = log
+        self._looks = ThreadPoolExecutor(LOOKS_AT_ONCE, thread_name_prefix="mrc-look")
+
+    def close(self) -> None:
+        self._looks.shutdown(wait=False, cancel_futures=True)
 
     def admit(self, slots: Iterable[Slot]) -> None:
         """Claim each parsed job for this delivery, or settle it (skipped, expired) without running.
@@ -61,13 +84,14 @@ class Admission:
         running: list[Slot] = []
         # `mrc backlog cancel` marks the run's queued jobs; they end failed (`cancelled`), not run
         cancelled = {s.job_id for s, r in zip(parsed, records, strict=True) if is_cancelled(r)}
+        looks = self._look_all(parsed, records)
         for slot, record in zip(parsed, records, strict=True):
             assert slot.job is not None
             if slot.job_id in seen:  # two copies in one delivery (a redelivery met its original)
                 self._skip(slot, "duplicate_in_delivery")
                 continue
             seen.add(slot.job_id)
-            if self._settled(slot, slot.job, record):
+            if self._settled(slot, slot.job, record, looks.get(slot.job_id)):
                 continue
             slot.suspect = record.get("state") == "running"
             slot.solo_runs = int(record.get("solo_runs", "0"))
@@ -133,19 +157,31 @@ class Admission:
                 except Exception as exc:
                     self.log.warning("MRC_SUSPECT_RUN_KEPT", job_id=slot.job_id, error=repr(exc)[:200])
 
-    def _settled(self, slot: Slot, job: Job, record: dict[str, str]) -> bool:
-        fingerprint = job.fingerprint()
-        if record.get("fingerprint") not in (None, "", fingerprint):
+    def _look_all(
+        self, slots: list[Slot], records: list[dict[str, str]]
+    ) -> dict[str, Future[dict[str, Any] | None]]:
+        """The earlier results the delivery's jobs need looked up, asked of S3 at once (a single one
+        is asked where it is judged: no hop to a thread for a ticket)."""
+        wanted = {
+            slot.job_id
+            for slot, record in zip(slots, records, strict=True)
+            if slot.job is not None and _same_job(slot.job, record) and _needs_look(record)
+        }
+        if len(wanted) <= 1:
+            return {}
+        return {job_id: self._looks.submit(self.results.get_result, job_id) for job_id in sorted(wanted)}
+
+    def _settled(
+        self, slot: Slot, job: Job, record: dict[str, str], look: Future[dict[str, Any] | None] | None
+    ) -> bool:
+        if not _same_job(job, record):
             return self._skip(slot, "job_id_reused")
-        state = record.get("state")
-        fresh = state not in _ENDED_OR_UNKNOWN and state != "running" and not record.get("retry_reason")
-        if fresh and record.get("checked") == "1":
-            # Submitted through the producer, which found no earlier result, and never taken since. A
-            # `running` record is a worker that died with it, a retry one whose look at S3 failed: its
-            # result may be stored, its record not (review).
+        if not _needs_look(record):
             return False
+        state = record.get("state")
+        fingerprint = job.fingerprint()
         try:
-            existing = self.results.get_result(slot.job_id)
+            existing = look.result() if look is not None else self.results.get_result(slot.job_id)
         except StoreUnavailable as exc:
             # A record says `succeeded` only after its result is stored: done, S3 away or not (review:
             # it was retried, failed over its success at its last attempt, and counted twice once

@@ -127,6 +127,7 @@ class Pipeline:
         self.model.close()
         self._pool.shutdown()
         self._writes.shutdown()
+        self.admission.close()
 
     # ---------------------------------------------------------------- run
     def run(self, messages: Sequence[Message]) -> list[Outcome]:

@@ -703,3 +703,31 @@ def test_a_photos_questions_decode_it_once_per_key(store: MemoryStore) -> None:
             assert store.get_result(job_id)["text"].startswith("64x48"), job_id
     finally:
         pipeline.close()
+
+
+def test_a_deliverys_looks_for_earlier_results_are_asked_at_once(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog job's record says it was not checked (a bulk enqueue asks S3 nothing per line), so the
+    worker looks for an earlier result before it runs it: one after another, a delivery of 16 waited
+    16 round trips of a real S3 (~20 ms each) before any of its rows could start. The looks now wait
+    at a barrier no look passes until eight are in flight at once; one after another, it broke."""
+    import threading
+
+    records = MemoryJobRecords()
+    store.put_result("done-3", {"status": "succeeded", "job_id": "done-3", "text": "earlier"})
+    jobs = [_job(f"done-{n}") for n in range(8)]
+    together = threading.Barrier(len(jobs), timeout=30)
+    real_get_result = store.get_result
+
+    def get_result(job_id: str) -> dict[str, Any] | None:
+        if job_id.startswith("done-"):
+            together.wait()
+        return real_get_result(job_id)
+
+    monkeypatch.setattr(store, "get_result", get_result)
+    backend = EchoBackend()
+    outcomes = _pipeline(store, backend, records).run(jobs)
+    assert outcomes == ["succeeded"] * 3 + ["skipped"] + ["succeeded"] * 4
+    assert real_get_result("done-3")["text"] == "earlier"  # skipped: never computed again
+    assert len(backend.prefills) == 7
