@@ -26,6 +26,7 @@ from shared import encoding, logs, names, reach, redis_target, tenants
 from shared.errors import (
     MrcError,
     NotReplicated,
+    PushUnconfirmed,
     QueueFull,
     ServiceUnreachable,
     StoreRefused,
@@ -203,6 +204,7 @@ def _validate_submit(args: argparse.Namespace, settings: Settings) -> None:
 
 def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from producer.client import Client
+    from producer.queue.sender import stopped_send
 
     client = Client(settings)
     sub = _submission(args)
@@ -211,6 +213,7 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     # With --wait, --timeout bounds the whole command: a backlog lane that stays full is exit 4 once it
     # is spent (review: the wait for room had no end), and the result gets what is left of it.
     deadline = time.monotonic() + args.timeout
+    queued: bool | None = True  # what a stop during the wait says of the job (None: maybe)
     try:
         client.enqueue(
             job,
@@ -219,8 +222,14 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             minted=sub.job_id is None,  # an id drawn for it: no earlier job's, S3 not asked
         )
     except NotReplicated as exc:  # queued: the id is the caller's to resubmit under; the wait goes on
-        print(f"mrc: {exc.message}", file=sys.stderr)
+        print(f"mrc: job {job.job_id}: {exc.message}", file=sys.stderr)  # with --wait, the id's one mention
         replicated = False
+        queued = None if isinstance(exc, PushUnconfirmed) else True
+    except KeyboardInterrupt as stop:  # stopped once its push began: the job may be queued all the same
+        told = stopped_send(stop)
+        if told is None or told[1] is False:
+            raise
+        return _stopped_after_send(stop, job.job_id, told[1])
     job_id = job.job_id
     try:
         if not args.wait:
@@ -231,10 +240,21 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         print(f"mrc: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
     except KeyboardInterrupt as stop:  # the job stays queued: say which one, or a drawn id is lost
-        said = f"job {job_id} is queued: `mrc result {job_id}` reads its result"
-        print(f"\nmrc: interrupted; {said}", file=sys.stderr)
-        return stops.exit_code(stop)
+        return _stopped_after_send(stop, job_id, queued)
     return _print_result(result)
+
+
+def _stopped_after_send(stop: KeyboardInterrupt, job_id: str, queued: bool | None) -> int:
+    """A submission stopped once its job was sent: which job, and how to go on."""
+    if queued:
+        said = f"job {job_id} is queued: `mrc result {job_id}` reads its result"
+    else:
+        said = (
+            f"job {job_id} may be queued (Redis could not say): `mrc status {job_id}` tells; "
+            f"submitting it again with --job-id {job_id} never queues it twice"
+        )
+    print(f"\nmrc: interrupted; {said}", file=sys.stderr)
+    return stops.exit_code(stop)
 
 
 def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:

@@ -42,6 +42,17 @@ _LAST_TICK_READ_S = 0.01  # within a wait's last server tick, reads of the strea
 _EVENT_READ_S = 1.0  # one blocking read of the completion events at most this long (inside socket timeouts)
 
 
+def stopped_send(stop: BaseException) -> tuple[str, bool | None] | None:
+    """What an interruption (Ctrl-C, SIGTERM) of a send left: the job's id and whether its message is
+    queued (None: it cannot be told, Redis being away), or None where it stopped before any push."""
+    told = getattr(stop, "_mrc_stopped_send", None)
+    return told if isinstance(told, tuple) else None
+
+
+def _tell(stop: BaseException, job_id: str, queued: bool | None) -> None:
+    stop._mrc_stopped_send = (job_id, queued)  # type: ignore[attr-defined]  # read by stopped_send
+
+
 @dataclass(frozen=True)
 class _Claim:
     """This submission's claim on its job id."""
@@ -190,6 +201,7 @@ class Queue:
     def _send_claimed(self, job: Job, claim: _Claim, minted: bool = False) -> bool | None:
         """True: sent and confirmed; False: a duplicate of an earlier result; None: the claim was lost
         before the send (nothing sent)."""
+        sending = False
         try:
             checked, existing = (True, None) if minted else self._earlier_result(job.job_id)
             if existing is not None:
@@ -198,6 +210,7 @@ class Queue:
             # the look outlasted the claim's lease (none was made for a drawn id: the claim is new)
             if not minted and not self.records.renew(job.job_id, claim.token):
                 return None
+            sending = True
             self._send(job, ahead=claim.ahead)
         except NotReplicated as exc:  # queued on the master: the claim stands, so a retry is the same job
             self._confirm_sent(job, claim.token, checked)
@@ -211,28 +224,51 @@ class Queue:
             )
             raise
         except Exception as exc:  # a reply lost with its connection: did the push land?
-            landed = self._landed(job)
-            if landed is False:  # nothing enqueued: the answer (exit 5 / 503) is true
-                self.records.release(job.job_id, claim.token)
-                raise
-            if landed is None:  # unknown: the claim lapses by itself (30 s); a resubmission is safe
-                raise self._unconfirmed(job, exc) from exc
-            self.log.warning("MRC_PUSH_REPLY_LOST", job_id=job.job_id, lane=job.lane, error=repr(exc)[:200])
-            if self.settings.redis_wait_replicas:  # landed, replication not confirmed
-                error = NotReplicated(
-                    0, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms
-                )
-                self._confirm_sent(job, claim.token, checked)
-                error.job_id = job.job_id
-                raise error from exc
-        except BaseException:
-            self.records.release(job.job_id, claim.token)
+            self._failed_send(job, claim, checked, exc)
+        except BaseException as stop:  # Ctrl-C or SIGTERM
+            self._stopped_send(job, claim, checked, sending, stop)
             raise
-        self._confirm_sent(job, claim.token, checked)
+        try:
+            self._confirm_sent(job, claim.token, checked)
+        except BaseException as stop:  # sent: the job is queued, its record written or not
+            _tell(stop, job.job_id, True)
+            raise
         self.log.info(
             "MRC_ENQUEUED", job_id=job.job_id, lane=job.lane, ticket_id=job.ticket_id, image=job.image_uri
         )
         return True
+
+    def _failed_send(self, job: Job, claim: _Claim, checked: bool, exc: Exception) -> None:
+        """A publish that raised: returns where its push landed (and its reply was lost), else raises
+        what the caller must be told (the failure itself, or maybe enqueued, or not replicated)."""
+        landed = self._landed(job)
+        if landed is False:  # nothing enqueued: the answer (exit 5 / 503) is true
+            self.records.release(job.job_id, claim.token)
+            raise exc
+        if landed is None:  # unknown: the claim lapses by itself (30 s); a resubmission is safe
+            raise self._unconfirmed(job, exc) from exc
+        self.log.warning("MRC_PUSH_REPLY_LOST", job_id=job.job_id, lane=job.lane, error=repr(exc)[:200])
+        if self.settings.redis_wait_replicas:  # landed, replication not confirmed
+            error = NotReplicated(0, self.settings.redis_wait_replicas, self.settings.redis_wait_timeout_ms)
+            self._confirm_sent(job, claim.token, checked)
+            error.job_id = job.job_id
+            raise error from exc
+
+    def _stopped_send(
+        self, job: Job, claim: _Claim, checked: bool, sending: bool, stop: BaseException
+    ) -> None:
+        """A send stopped (Ctrl-C, SIGTERM): before its push nothing is queued and the claim is freed;
+        once the push began, whether it landed decides, and the stop carries the answer
+        (`stopped_send`). Review, helper-119: a stop during the push's WAIT for replicas freed the claim
+        of a job that was queued, its record deleted and its id, drawn by the command, printed nowhere."""
+        landed = self._landed(job) if sending else False
+        if landed is False:
+            self.records.release(job.job_id, claim.token)
+        elif landed:  # queued, whatever stopped the send: the claim becomes its record
+            self._confirm_sent(job, claim.token, checked)
+        # (None: it cannot be told; the claim lapses by itself and a resubmission is safe)
+        if sending:
+            _tell(stop, job.job_id, landed)
 
     def _confirm_sent(self, job: Job, token: str, checked: bool) -> None:
         """The claim becomes the job's record, after the push. Nothing here may say "not enqueued":

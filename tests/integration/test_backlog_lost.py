@@ -7,11 +7,13 @@ for good, a run counted twice, and a wait that ended with jobs that would never 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 from pathlib import Path
 
 import pytest
 import redis as redis_lib
+import structlog
 
 from producer.client import Client
 from scripts import devservices as services
@@ -225,3 +227,75 @@ def test_a_submit_stopped_in_its_wait_names_the_job_it_queued(
     assert f"job {job_id} is queued" in err, err
     assert f"mrc result {job_id}" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_submit_stopped_after_its_push_landed_keeps_the_job_and_names_it(
+    own: dict[str, str], tmp_path: Path, stop: signal.Signals, code: int
+) -> None:
+    """Review, helper-119: with MRC_REDIS_WAIT_REPLICAS the push and its WAIT for replicas go in one
+    round trip; a stop during the WAIT (here: a replica that never comes, 5 s) freed the claim of a job
+    that was queued, deleting its record, and said only `interrupted`: the job ran under an id printed
+    nowhere, and a user who submitted again ran it twice. The push landed, so the claim becomes the
+    job's record and the line names the job."""
+    from tests.support import imagegen
+
+    env = {**own, "MRC_REDIS_WAIT_REPLICAS": "1", "MRC_REDIS_WAIT_TIMEOUT_MS": "5000"}
+    image = tmp_path / "p.jpg"
+    image.write_bytes(imagegen.photo(64, 48, seed=6))
+    err_file = tmp_path / "submit.err"
+    lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+    submitting = services.start_cli(
+        env, "submit", "--image", str(image), "--prompt", "Refund?", "--wait", "--timeout", "300",
+        stderr=err_file,
+    )  # fmt: skip
+    services.wait_for(lambda: lane.keys(names.push_key("*")), 60, "the push", submitting)
+    submitting.send_signal(stop)
+    assert submitting.wait(60) == code
+    err = err_file.read_text()
+    assert "replicas confirmed" not in err, "the stop came after the WAIT: not the window this tests"
+    (key,) = lane.keys(names.job_key("*"))
+    job_id = key.decode().removeprefix(names.job_key(""))
+    assert lane.hget(key, "published") == b"1", "the queued job keeps its record"
+    assert lane.llen(names.queue_name("interactive")) == 1
+    assert f"job {job_id} is queued" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_stop_in_the_wait_after_an_unconfirmed_push_says_the_job_may_be_queued(
+    own: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review, helper-119: a push whose reply was lost where Redis could not be asked either is maybe
+    queued (exit 6 without --wait); with --wait, a Ctrl-C in the wait then said the job `is queued`."""
+    from producer import cli
+    from producer.client import Client
+    from producer.queue.sender import Queue
+    from tests.support import imagegen
+
+    for name, value in own.items():
+        monkeypatch.setenv(name, value)
+    image = tmp_path / "p.jpg"
+    image.write_bytes(imagegen.photo(64, 48, seed=7))
+
+    def lost(self: Queue, job: object, push_id: str | None = None, ahead: bool = False) -> None:
+        raise ConnectionError("its reply lost with the connection")
+
+    def stopped(self: Client, job_id: str, timeout: float) -> dict[str, object]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Queue, "_send", lost)
+    monkeypatch.setattr(Queue, "_landed", lambda self, job: None)
+    monkeypatch.setattr(Client, "wait", stopped)
+    # cli.main points the logs at this test's captured stderr, closed after it: later tests in this
+    # process that log would write to a closed file (a test of the worker's exit codes did)
+    saved, handlers = structlog.get_config(), logging.getLogger().handlers[:]
+    try:
+        code = cli.main(["submit", "--image", str(image), "--prompt", "Refund?", "--wait", "--timeout", "30"])
+    finally:
+        structlog.configure(**saved)
+        logging.getLogger().handlers[:] = handlers
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "is queued" not in err, err
+    assert "may be queued" in err
+    assert "--job-id" in err

@@ -201,7 +201,7 @@ def test_a_body_is_parsed_and_checked_off_the_event_loop(monkeypatch: Any) -> No
         return statuses[0]
 
     async def scenario() -> None:
-        prompt = "x" * (api_forms._INLINE_BYTES + 1)  # past what is read on the event loop
+        prompt = "x" * (api_forms._INLINE_BYTES + 1)  # past what is read where it arrives
         body = json.dumps({"image": "s3://mrc/a.jpg", "prompt": prompt}).encode()
         submit = asyncio.create_task(call("POST", "/v1/jobs", body))
         while not entered.is_set():
