@@ -34,6 +34,8 @@ BEAT_LATE_S = 12  # a beat every 5 s: older than this, the worker is marked late
 
 
 def collect(client: Any, settings: Settings, now: float | None = None) -> dict[str, Any]:
+    """The ops page's state. `now` places the minutes, runs and day counted; the workers' beats are
+    aged by Redis's clock, which timed them, whatever `now` says (`_workers`)."""
     now = time.time() if now is None else now
     minutes = ops_counts.read_minutes(client, ERROR_MINUTES, now)
     return {

@@ -637,3 +637,30 @@ def test_an_id_mrc_api_draws_is_queued_without_asking_s3_and_a_named_one_is_look
         result = api.get(f"/v1/jobs/{drawn.json()['job_id']}/result?wait=60", headers=AUTH)
         assert result.status_code == 200, result.text
         assert result.json()["status"] == "succeeded"
+
+
+def test_a_chat_retry_id_is_drawn_only_where_this_request_drew_it(api_env: dict[str, str]) -> None:
+    """Review, helper-119: a chat request's job id is mapped from its body for the retry window; only an
+    id the request itself drew may skip the look in S3 (`minted`). A retry finds the first request's id
+    (not drawn by it), and a retry of a failed job draws a new one."""
+    import redis
+
+    from producer.http.guard import Caller
+    from producer.http.state import ApiState
+    from producer.openai.chat import Chat
+
+    settings = services.settings_from_env(api_env)
+    queue = Client(settings)
+    client = redis.Redis.from_url(api_env["MRC_REDIS_URL"], decode_responses=True)
+    chat = Chat(ApiState(settings, queue), models=None, redis=lambda: client)  # type: ignore[arg-type]
+    caller = Caller(name="k", lanes=frozenset({"interactive"}), key_id=OWNER)
+    digest = f"retry-{time.monotonic_ns()}"
+    first, drawn = chat._retry_job_id(caller, digest)
+    assert drawn
+    again, drawn_again = chat._retry_job_id(caller, digest)
+    assert (again, drawn_again) == (first, False)
+    queue.records.set_state(tenants.job_id(OWNER, first), "failed")
+    renewed, drawn_renewed = chat._retry_job_id(caller, digest)
+    assert renewed != first
+    assert drawn_renewed
+    client.close()
