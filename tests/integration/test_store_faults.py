@@ -198,7 +198,13 @@ def test_a_recorded_run_whose_bucket_went_is_said_so_never_read_as_empty(
     manifest.write_text("\n".join(lines) + "\n")
     started = services.run_cli(own, "backlog", str(manifest), "--run-id", "goes")  # no worker: all queued
     assert started.returncode == 0, started.stderr
-    s3 = boto3.resource("s3", endpoint_url=env["MRC_S3_ENDPOINT_URL"], region_name="us-east-1")
+    s3 = boto3.resource(  # the session's credentials named: this process's environment may not hold them
+        "s3",
+        endpoint_url=env["MRC_S3_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
     bucket = s3.Bucket(own["MRC_S3_BUCKET"])
     bucket.objects.all().delete()
     bucket.delete()
