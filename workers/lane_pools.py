@@ -17,11 +17,12 @@ class LanePools:
     """One pool per lane: a ticket's image is never decoded behind the sixteen of a backlog delivery
     that arrived just before it."""
 
-    def __init__(self, threads: int, what: str = "") -> None:
+    def __init__(self, threads: int, what: str = "", decodes: bool = True) -> None:
+        """`decodes`: its threads run ATen ops (each gets one OpenMP thread: images.init_decode_thread);
+        a pool of S3 round trips runs none."""
+        init = images.init_decode_thread if decodes else None
         self.pools = {
-            lane: ThreadPoolExecutor(
-                threads, thread_name_prefix=f"mrc-{lane}{what}", initializer=images.init_decode_thread
-            )
+            lane: ThreadPoolExecutor(threads, thread_name_prefix=f"mrc-{lane}{what}", initializer=init)
             for lane in names.LANES
         }
 

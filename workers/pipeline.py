@@ -80,10 +80,15 @@ class Pipeline:
         self.metrics = metrics
         self.cache = cache  # None when the cache is off (assemble decides)
         self.log = logs.get_logger()
-        self._pool = LanePools(settings.fetch_threads)
-        # Results are written on threads of their own: a finished row's write never queues behind its
-        # lane's new photos waiting to be fetched or decoded (sixteen 12 MP decodes are seconds here).
-        self._writes = LanePools(settings.fetch_threads, "-write")
+        self._pool = LanePools(settings.fetch_threads)  # decodes, beside the model: the cores decide
+        # S3's round trips, a delivery's at once: its images fetched, and its results written, on
+        # threads of their own, so a finished row's write never queues behind its lane's new photos
+        # waiting to be decoded (sixteen 12 MP decodes are seconds here). Four at a time, as many as
+        # the decode threads, a delivery of 16 waited four rounds of a real S3 for its images and four
+        # more (two round trips each) for its results (review, helper-120).
+        round_trips = max(settings.fetch_threads, settings.batch_max_jobs)
+        self._fetches = LanePools(round_trips, "-fetch", decodes=False)
+        self._writes = LanePools(round_trips, "-write", decodes=False)
         self._fetching = preparing.FetchesInFlight()
         self._local = threading.local()  # each delivery runs on one thread: its own pending writes
         self._lock = threading.Lock()
@@ -126,6 +131,7 @@ class Pipeline:
     def close(self) -> None:
         self.model.close()
         self._pool.shutdown()
+        self._fetches.shutdown()
         self._writes.shutdown()
         self.admission.close()
 
@@ -247,7 +253,7 @@ class Pipeline:
     def _fetch_images(self, slots: list[Slot]) -> None:
         live, photos = self._live(slots), self.model.photos
         preparing.fetch_images(
-            live, self._pool, self.images_from, self.settings, self.metrics, self._fetching,
+            live, self._fetches, self.images_from, self.settings, self.metrics, self._fetching,
             photos.kept_encoded, photos.fetched,
         )  # fmt: skip
 

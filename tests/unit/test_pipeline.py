@@ -731,3 +731,38 @@ def test_a_deliverys_looks_for_earlier_results_are_asked_at_once(
     assert outcomes == ["succeeded"] * 3 + ["skipped"] + ["succeeded"] * 4
     assert real_get_result("done-3")["text"] == "earlier"  # skipped: never computed again
     assert len(backend.prefills) == 7
+
+
+@pytest.mark.parametrize("round_trip", ["image fetch", "result write"])
+def test_a_deliverys_images_and_results_go_to_s3_at_once(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch, round_trip: str
+) -> None:
+    """Review, helper-120, at 25 ms of S3 latency: a delivery's images were fetched, and its results
+    written, four at a time (the decode threads' number), so a delivery of 16 waited four rounds of
+    S3 for its images and four more for its results (images 146-275 ms, results 218-465 ms a delivery).
+    Each round trip now waits at a barrier no call passes until eight are in flight at once."""
+    import threading
+
+    jobs = [_job(f"{round_trip[:5]}-{n}", image=f"s3://mrc/inputs/p{n}.jpg") for n in range(8)]
+    for n in range(8):
+        store.put_bytes(f"inputs/p{n}.jpg", imagegen.photo(64, 48, seed=n), "image/jpeg")
+    together = threading.Barrier(len(jobs), timeout=30)
+    if round_trip == "image fetch":
+        real_get = store.get_bytes
+
+        def get_bytes(bucket: str, key: str, max_bytes: int) -> bytes | None:
+            if key.startswith("inputs/p"):
+                together.wait()
+            return real_get(bucket, key, max_bytes)
+
+        monkeypatch.setattr(store, "get_bytes", get_bytes)
+    else:
+        real_put = store.put_result
+
+        def put_result(job_id: str, result: dict[str, Any]) -> str:
+            together.wait()
+            return real_put(job_id, result)
+
+        monkeypatch.setattr(store, "put_result", put_result)
+    outcomes = _pipeline(store, EchoBackend(), fetch_threads=4, batch_max_jobs=8).run(jobs)
+    assert outcomes == ["succeeded"] * len(jobs)
