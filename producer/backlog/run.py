@@ -41,7 +41,9 @@ from shared.stores import RunFiles, open_run_files
 
 CHUNK_LINES = 5000
 _PART = 500  # jobs per enqueue round trip (fewer when the lane has less room)
-_UPLOAD_THREADS = 8
+# A chunk's local photos uploaded at once: each a round trip of S3's, each file read whole in its
+# thread (memory: this many photos at a time), so fewer than a Batch's, whose bytes are in memory.
+_UPLOAD_THREADS = 16
 _READ_THREADS = 16
 _REUSED = (
     "custom_id already used in this run by another job (image, prompt, max_new_tokens or response_format)"

@@ -5,7 +5,9 @@ every upload, the worker's looks one at a time, its image fetches and result wri
 
 - one request of each kind: HEAD, GET, a PUT of a result's 2 KiB;
 - a worker's delivery of 16 backlog jobs (records unchecked, as a bulk enqueue leaves them; 16
-  distinct photos in S3), through the worker's pipeline on the echo model: its wall time.
+  distinct photos in S3), through the worker's pipeline on the echo model: its wall time;
+- a Batch's lines, each a new photo as a data: URL, made into manifest lines (each photo uploaded):
+  lines/s (before: 8 uploads at a time, each a HEAD then a PUT).
 
     .venv/bin/python tests/bench/bench_s3_latency.py [--delay-ms 25] [--deliveries 6]
 """
@@ -104,10 +106,42 @@ def deliveries(settings: Settings, before: bool, count: int, photos: list[str], 
     return spent
 
 
+def batch_lines(settings: Settings, before: bool, count: int, seed: int) -> float:
+    """Lines a second: `count` Batch lines of new 320x240 photos translated, their photos uploaded."""
+    import base64
+    import json
+
+    from producer.intake.intake import Intake
+    from producer.openai import batch_lines as lines_module
+    from shared.stores import s3
+
+    source, _results = open_stores(settings)
+    if before:
+        _as_before(source.connection)  # type: ignore[attr-defined]
+    lines_module._UPLOAD_THREADS, s3.INPUT_PUT_AT_ONCE_BYTES = (8, 0) if before else (32, 256 * 1024)
+    raw = []
+    for n in range(count):
+        url = "data:image/jpeg;base64," + base64.b64encode(imagegen.photo(320, 240, seed=seed + n)).decode()
+        content = [{"type": "text", "text": "Q?"}, {"type": "image_url", "image_url": {"url": url}}]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        line = {"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        raw.append((n + 1, json.dumps(line).encode()))
+    translator = lines_module.Translator(
+        Intake(settings, source), "/v1/chat/completions", None, frozenset({"tiny"}), set(), {}
+    )
+    began = time.perf_counter()
+    out = list(translator.lines(raw))
+    spent = time.perf_counter() - began
+    assert len(out) == count
+    assert all(b"_invalid" not in text for _n, text in out)
+    return count / spent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="S3 round trips at a real S3's latency, now and before")
     parser.add_argument("--delay-ms", type=float, default=25.0)
     parser.add_argument("--deliveries", type=int, default=6)
+    parser.add_argument("--batch-lines", type=int, default=256)
     args = parser.parse_args()
     logs.configure("WARNING")
     with services.local_stack("mrc-bench-s3-", "mrc-bench-s3", ROOT / ".cache" / "mrc") as env:
@@ -135,7 +169,15 @@ def main() -> None:
                 print(f"{name}: a delivery of {JOBS} backlog jobs, p50 {p50 * 1000:.0f} ms, "
                       f"max {worst * 1000:.0f} ms ({args.delay_ms:g} ms a request)", flush=True)  # fmt: skip
             before_p50, now_p50 = (statistics.median(walls[k]) for k in ("before", "now"))
-            print(f"delivery p50, before / now: {before_p50 / now_p50:.2f}x")
+            print(f"delivery p50, before / now: {before_p50 / now_p50:.2f}x", flush=True)
+            rates = {}
+            for run, (name, before) in enumerate((("before", True), ("now", False))):
+                rates[name] = batch_lines(slow, before, args.batch_lines, seed=1000 * (run + 1))
+                print(
+                    f"{name}: {args.batch_lines} Batch lines of new photos, {rates[name]:.0f} lines/s",
+                    flush=True,
+                )
+            print(f"Batch lines, now / before: {rates['now'] / rates['before']:.2f}x")
         finally:
             proxy.stop()
 
