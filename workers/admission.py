@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -25,6 +25,7 @@ from shared.jobs import Job, parse_rfc3339
 from shared.records import JobRecords
 from shared.settings import Settings
 from shared.stores import ResultStore
+from workers.lane_pools import LanePools
 from workers.metrics import Metrics
 from workers.slots import Slot
 
@@ -69,10 +70,11 @@ class Admission:
         self.settings = settings
         self.metrics = metrics
         self.log = log
-        self._looks = ThreadPoolExecutor(LOOKS_AT_ONCE, thread_name_prefix="mrc-look")
+        # a pool per lane: a ticket's look never queues behind a backlog delivery's (review, helper-121)
+        self._looks = LanePools(LOOKS_AT_ONCE, "-look", decodes=False)
 
     def close(self) -> None:
-        self._looks.shutdown(wait=False, cancel_futures=True)
+        self._looks.shutdown()
 
     def admit(self, slots: Iterable[Slot]) -> None:
         """Claim each parsed job for this delivery, or settle it (skipped, expired) without running.
@@ -163,13 +165,16 @@ class Admission:
         """The earlier results the delivery's jobs need looked up, asked of S3 at once (a single one
         is asked where it is judged: no hop to a thread for a ticket)."""
         wanted = {
-            slot.job_id
+            slot.job_id: slot
             for slot, record in zip(slots, records, strict=True)
             if slot.job is not None and _same_job(slot.job, record) and _needs_look(record)
         }
         if len(wanted) <= 1:
             return {}
-        return {job_id: self._looks.submit(self.results.get_result, job_id) for job_id in sorted(wanted)}
+        return {
+            job_id: self._looks.submit(slot, self.results.get_result, job_id)
+            for job_id, slot in sorted(wanted.items())
+        }
 
     def _settled(
         self, slot: Slot, job: Job, record: dict[str, str], look: Future[dict[str, Any] | None] | None

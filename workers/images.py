@@ -340,7 +340,7 @@ def init_decode_thread() -> None:
     (measured: generate 1.7x slower for the rest of the process). One OpenMP thread per decode
     thread keeps the model's team intact; the decodes still run in parallel across threads. A worker
     that has not loaded torch (its model reads no pixels) has no team to keep."""
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:  # (None: an import blocked on purpose)
         # imported again, not taken from sys.modules: another thread may be importing it this moment,
         # and the import waits for that one to finish (the half-made module has no set_num_threads)
         import torch

@@ -57,6 +57,9 @@ T = TypeVar("T")
 _INFRASTRUCTURE_STAGES = frozenset({"claim", "results"})
 
 
+S3_CALLS_A_LANE = 16  # a pool of S3 round trips, its threads at most (fetches, writes, looks)
+
+
 class Pipeline:
     """Orders, times and overlaps the stages of one delivery; the parts come in ready-made
     (`assemble` below builds them from the seams)."""
@@ -86,7 +89,9 @@ class Pipeline:
         # waiting to be decoded (sixteen 12 MP decodes are seconds here). Four at a time, as many as
         # the decode threads, a delivery of 16 waited four rounds of a real S3 for its images and four
         # more (two round trips each) for its results (review, helper-120).
-        round_trips = max(settings.fetch_threads, settings.batch_max_jobs)
+        # At most S3_CALLS_A_LANE a pool, whatever MRC_BATCH_MAX_JOBS: the threads, and the sockets of
+        # the one S3 client (shared/stores/s3.py MAX_S3_CONNECTIONS), stay bounded (review, helper-121).
+        round_trips = max(settings.fetch_threads, min(settings.batch_max_jobs, S3_CALLS_A_LANE))
         self._fetches = LanePools(round_trips, "-fetch", decodes=False)
         self._writes = LanePools(round_trips, "-write", decodes=False)
         self._fetching = preparing.FetchesInFlight()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any, cast
@@ -40,6 +42,7 @@ INPUT_PUT_AT_ONCE_BYTES = 256 * 1024
 # round trips (a result's 2 KiB, an input's, a Batch's lines: review, helper-120, 57 ms against a
 # GET's 31 ms at 25 ms of latency). The AWS SDK for Go draws its line at 2 MiB too.
 _EXPECT_CONTINUE_BYTES = 2 * 1024 * 1024
+INPUT_REMEMBERED_S, INPUT_REMEMBERED_KEYS = 600, 4096  # S3ImageSource._written
 _TEXT_MAX_BYTES = 256 * 1024 * 1024
 _PART_BYTES = 8 * 1024 * 1024  # multipart parts: S3 wants >= 5 MiB for every part but the last
 
@@ -59,12 +62,16 @@ def _addressing(settings: Settings) -> str:
 # upload's last part or a lookup in well under a second when it is well.
 REQUEST_READ_TIMEOUT_S = 10.0
 REQUEST_ATTEMPTS = 2
+MAX_S3_CONNECTIONS = 160
 
 
 def _expect_continue_for_large_bodies(model: Any, params: dict[str, Any], **kwargs: Any) -> None:
     """botocore's `add_expect_header`, for a body of _EXPECT_CONTINUE_BYTES or more only."""
     body = params.get("body")
-    size = botocore.utils.determine_content_length(body) if body is not None else None
+    try:
+        size = botocore.utils.determine_content_length(body) if body is not None else None
+    except (OSError, ValueError):  # a stream that cannot say (a pipe): botocore's own way
+        size = None
     if size is not None and size < _EXPECT_CONTINUE_BYTES:
         return
     botocore.handlers.add_expect_header(model, params, **kwargs)
@@ -79,9 +86,11 @@ class S3Connection:
             retries={"total_max_attempts": attempts, "mode": "standard"},
             connect_timeout=settings.connect_timeout_s,
             read_timeout=read_timeout,
-            # mrc-api's batches store 8 images at a time each, several batches at once: boto3's pool
-            # of 10 discarded connections under that ("Connection pool is full", review).
-            max_pool_connections=64,
+            # A worker's S3 calls at once: per lane 16 image fetches and 16 result writes, 16 looks
+            # a lane, a decode's re-fetch; mrc-api's Batches 32 uploads each, several at once. boto3's
+            # pool of 10 discarded connections under far less ("Connection pool is full", review;
+            # 64 was full at a worker's defaults once its fetches and writes went at once: helper-121).
+            max_pool_connections=MAX_S3_CONNECTIONS,
             s3={"addressing_style": _addressing(settings)},  # type: ignore[arg-type]  # a Literal there
             request_checksum_calculation=settings.s3_checksums,
             response_checksum_validation=settings.s3_checksums,
@@ -256,6 +265,13 @@ class S3ImageSource:
         self.bucket = settings.s3_bucket
         self.prefix = settings.s3_prefix
         self._bucket_ready = False
+        # The inputs this process wrote, or found written, lately: sent again (a chat's next turn, a
+        # Batch's lines about one photo), one is not written again, nor asked about (review,
+        # helper-121: a small photo's every send was a PUT, a new version in a versioned bucket).
+        # Minutes, not the day of the refresh: an object deleted meanwhile (by hand, with its
+        # bucket) fails its jobs `image_not_found` for that long at most.
+        self._written: OrderedDict[str, float] = OrderedDict()
+        self._written_lock = threading.Lock()
 
     def get_bytes(self, bucket: str, key: str, max_bytes: int) -> bytes | None:
         return self.connection.get(bucket, key, max_bytes)
@@ -264,6 +280,8 @@ class S3ImageSource:
         if not self._bucket_ready:
             self.connection.ensure_bucket(self.bucket)
             self._bucket_ready = True
+        if self._written_lately(key):
+            return names.s3_uri(self.bucket, key)
         # Content-addressed: a small one written whenever it is sent (INPUT_PUT_AT_ONCE_BYTES); a larger
         # one uploaded once, and again once a day while it is sent, so that a lifecycle
         # rule's days (docs/operations.md, "What S3 keeps") count from its last use, not its first: a
@@ -271,11 +289,28 @@ class S3ImageSource:
         # just named it (review, helper-117).
         if len(data) <= INPUT_PUT_AT_ONCE_BYTES:
             self.connection.put(self.bucket, key, data, content_type)
-            return names.s3_uri(self.bucket, key)
-        modified = self.connection.modified(self.bucket, key)
-        if modified is None or modified.timestamp() < time.time() - INPUT_REFRESH_S:
-            self.connection.put(self.bucket, key, data, content_type)
+        else:
+            modified = self.connection.modified(self.bucket, key)
+            if modified is None or modified.timestamp() < time.time() - INPUT_REFRESH_S:
+                self.connection.put(self.bucket, key, data, content_type)
+        # there now, and fresh (a refresh due is at most INPUT_REMEMBERED_S late)
+        self._remember(key, time.time())
         return names.s3_uri(self.bucket, key)
+
+    def _written_lately(self, key: str) -> bool:
+        with self._written_lock:
+            at = self._written.get(key)
+            if at is None or at < time.time() - min(INPUT_REMEMBERED_S, INPUT_REFRESH_S):
+                return False
+            self._written.move_to_end(key)
+            return True
+
+    def _remember(self, key: str, written: float) -> None:
+        with self._written_lock:
+            self._written[key] = written
+            self._written.move_to_end(key)
+            while len(self._written) > INPUT_REMEMBERED_KEYS:
+                self._written.popitem(last=False)
 
 
 class S3ResultStore:

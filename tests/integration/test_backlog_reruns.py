@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from producer.client import Client
 from scripts import devservices as services
 from shared import names
 from shared.errors import StoreUnavailable
+from shared.jobs import rfc3339
 from shared.stores import open_run_files
 from tests.integration.test_backlog import _file, _queued_ids, _write
 from tests.integration.test_backlog import own as own  # the fixture: Redis and S3 of the test's own
@@ -185,9 +187,12 @@ def test_a_lost_job_is_known_by_the_runs_first_pass_and_counted_as_what_it_is_no
     # a run from before the mark: its first pass since writes it from the run's record, so a later
     # loss of Redis's data is still recovered (helper-67)
     files.put_text(mark, "")
-    data.hset(names.run_record_key("aged"), "created_at", "2026-12-01T00:00:00Z")
+    # a day ago, from today: a fixed date became older than the records' week and the run was taken
+    # for one whose lost jobs had expired (this test failed from 2026-12-07 23:00 on)
+    began = rfc3339(datetime.now(UTC) - timedelta(days=1), timespec="seconds")
+    data.hset(names.run_record_key("aged"), "created_at", began)
     services.run_cli(own, "backlog", str(path), "--run-id", "aged")
-    assert files.get_text(mark) == "2026-12-01T00:00:00Z"
+    assert files.get_text(mark) == began
     data.flushall()
     services.run_cli(own, "backlog", str(path), "--run-id", "aged")
     assert sorted(_queued_ids(own)) == ["aged.c0", "aged.c2"]  # c1's line is indexed invalid

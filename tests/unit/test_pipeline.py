@@ -766,3 +766,63 @@ def test_a_deliverys_images_and_results_go_to_s3_at_once(
         monkeypatch.setattr(store, "put_result", put_result)
     outcomes = _pipeline(store, EchoBackend(), fetch_threads=4, batch_max_jobs=8).run(jobs)
     assert outcomes == ["succeeded"] * len(jobs)
+
+
+def test_a_tickets_looks_never_wait_behind_a_backlog_deliverys(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-121: the looks for earlier results went through one pool of 16 for both lanes, so
+    a ticket's delivery waited for a backlog delivery's sixteen looks (each a round trip of S3's). A
+    backlog delivery's looks here hang until the ticket's delivery has finished, or a minute passed."""
+    import threading
+
+    records = MemoryJobRecords()
+    backlog = [_job(f"bk-{n}", lane="backlog") for n in range(16)]
+    tickets = [_job(f"tk-{n}") for n in range(2)]
+    for message in (*backlog, *tickets):  # as left unchecked: each is looked for before it runs
+        records.records[message.request_id] = {"state": "queued", "published": "1", "checked": "0"}
+    release, hanging = threading.Event(), threading.Semaphore(0)
+    real_get_result = store.get_result
+
+    def get_result(job_id: str) -> dict[str, Any] | None:
+        if job_id.startswith("bk-"):
+            hanging.release()
+            release.wait(60)
+        return real_get_result(job_id)
+
+    monkeypatch.setattr(store, "get_result", get_result)
+    pipeline = _pipeline(store, EchoBackend(), records)
+    given_up = threading.Timer(60, release.set)
+    given_up.start()
+    backlog_outcomes: list[str] = []
+    behind = threading.Thread(target=lambda: backlog_outcomes.extend(pipeline.run(backlog)))
+    behind.start()
+    try:
+        for _ in backlog:
+            assert hanging.acquire(timeout=60), "the backlog's looks never began"
+        assert pipeline.run(tickets) == ["succeeded"] * 2
+        assert not release.is_set(), "the ticket's looks waited for the backlog's"
+    finally:
+        release.set()
+        given_up.cancel()
+        behind.join(60)
+    assert backlog_outcomes == ["succeeded"] * 16
+
+
+def test_a_workers_s3_calls_at_once_stay_within_its_client_pool() -> None:
+    """Review, helper-121: the fetch and write pools took MRC_BATCH_MAX_JOBS threads whatever it was,
+    past the S3 client's 64 connections ("Connection pool is full": a new handshake a call). They take
+    S3_CALLS_A_LANE at most, and every pool of S3 calls a worker has fits the client's pool."""
+    from shared.stores.s3 import MAX_S3_CONNECTIONS
+    from workers.admission import LOOKS_AT_ONCE
+    from workers.pipeline import S3_CALLS_A_LANE
+
+    store = MemoryStore("mrc")
+    pipeline = _pipeline(store, batch_max_jobs=128, fetch_threads=4)
+    try:
+        for pools in (pipeline._fetches, pipeline._writes):
+            assert {pool._max_workers for pool in pools.pools.values()} == {S3_CALLS_A_LANE}
+    finally:
+        pipeline.close()
+    lanes, decodes = 2, Settings().fetch_threads  # a decode's re-fetch of a photo let go
+    assert lanes * (2 * S3_CALLS_A_LANE + LOOKS_AT_ONCE + decodes) <= MAX_S3_CONNECTIONS
