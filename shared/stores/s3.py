@@ -101,6 +101,9 @@ class S3Connection:
             region_name=settings.s3_region,
             config=config,
         )
+        # Each time a bucket was found missing (S3ImageSource forgets the inputs it wrote then): the
+        # count changes, the exact number does not matter (an increment lost to a race still changes it).
+        self.bucket_losses = 0
         events = self.client.meta.events
         events.unregister("before-call.s3", botocore.handlers.add_expect_header)
         events.register("before-call.s3", _expect_continue_for_large_bodies)
@@ -115,6 +118,8 @@ class S3Connection:
             return getattr(self.client, method)(**kwargs)
         except ClientError as exc:
             if _is_missing(exc):
+                if method == "head_bucket" or exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                    self.bucket_losses += 1  # a bucket not there: what was remembered of it is void
                 raise
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
             if status >= 500 or status == 0:
@@ -272,6 +277,10 @@ class S3ImageSource:
         # bucket) fails its jobs `image_not_found` for that long at most.
         self._written: OrderedDict[str, float] = OrderedDict()
         self._written_lock = threading.Lock()
+        # ...and forgets them when its connection finds a bucket gone (review, helper-122: a photo sent
+        # again after the bucket was lost and made again was answered from memory, and its jobs failed
+        # `image_not_found`). A bucket another process makes again is not seen here: INPUT_REMEMBERED_S.
+        self._losses_seen = connection.bucket_losses
 
     def get_bytes(self, bucket: str, key: str, max_bytes: int) -> bytes | None:
         return self.connection.get(bucket, key, max_bytes)
@@ -299,6 +308,7 @@ class S3ImageSource:
 
     def _written_lately(self, key: str) -> bool:
         with self._written_lock:
+            self._forget_after_a_loss()
             at = self._written.get(key)
             if at is None or at < time.time() - min(INPUT_REMEMBERED_S, INPUT_REFRESH_S):
                 return False
@@ -307,10 +317,17 @@ class S3ImageSource:
 
     def _remember(self, key: str, written: float) -> None:
         with self._written_lock:
+            self._forget_after_a_loss()
             self._written[key] = written
             self._written.move_to_end(key)
             while len(self._written) > INPUT_REMEMBERED_KEYS:
                 self._written.popitem(last=False)
+
+    def _forget_after_a_loss(self) -> None:
+        losses = self.connection.bucket_losses
+        if losses != self._losses_seen:
+            self._written.clear()
+            self._losses_seen = losses
 
 
 class S3ResultStore:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from producer.client import Client
+from scripts import devservices as services
 from shared.stores import s3
 
 pytestmark = pytest.mark.integration
@@ -74,3 +75,36 @@ def test_a_small_photo_is_one_put_and_only_a_large_body_waits_for_continue(
     assert [name for name, _ in sent] == ["PutObject"]
     assert sent[0][1].get("Expect") == "100-continue"
     assert source.connection.get(source.bucket, key, 100) == b"small photo"
+
+
+def test_a_photo_sent_again_after_its_bucket_was_lost_and_made_again_is_written_again(
+    env: dict[str, str], client: Client
+) -> None:
+    """Review, helper-122: the inputs a process remembers writing outlived the bucket: lost, then made
+    again by this process's next write, the bucket lacked the photos sent again, answered from memory,
+    and their jobs failed `image_not_found`."""
+    import uuid
+
+    import boto3
+
+    from shared.stores import open_stores
+
+    settings = services.settings_from_env({**env, "MRC_S3_BUCKET": f"mrc-lost-{uuid.uuid4().hex[:6]}"})
+    source, results = open_stores(settings)
+    small, large = (
+        f"{settings.s3_prefix}inputs/{'aa' * 32}.png",
+        f"{settings.s3_prefix}inputs/{'bb' * 32}.png",
+    )
+    photos = {small: b"small photo", large: b"l" * (s3.INPUT_PUT_AT_ONCE_BYTES + 1)}
+    for key, data in photos.items():
+        source.put_input(data, key, "image/png")
+    bucket = boto3.resource(
+        "s3", endpoint_url=env["MRC_S3_ENDPOINT_URL"], region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    ).Bucket(settings.s3_bucket)  # fmt: skip
+    bucket.objects.all().delete()
+    bucket.delete()
+    results.put_result("after-the-loss", {"status": "succeeded"})  # makes the bucket again
+    for key, data in photos.items():
+        source.put_input(data, key, "image/png")
+        assert source.get_bytes(settings.s3_bucket, key, len(data)) == data, key
