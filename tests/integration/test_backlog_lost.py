@@ -299,3 +299,43 @@ def test_a_stop_in_the_wait_after_an_unconfirmed_push_says_the_job_may_be_queued
     assert "is queued" not in err, err
     assert "may be queued" in err
     assert "--job-id" in err
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_the_mrc_script_itself_stopped_in_a_submits_wait_names_the_job(
+    own: dict[str, str], tmp_path: Path, stop: signal.Signals, code: int
+) -> None:
+    """Review, helper-123: the `mrc` script (not the tests' fork server, whose children imported the
+    package before they were `mrc`) exits at once on Ctrl-C from its first moment, and its main took
+    back only SIGTERM: Ctrl-C ended every command without a word, the queued job unnamed."""
+    import subprocess
+
+    from tests.support import imagegen
+
+    image = tmp_path / "p.jpg"
+    image.write_bytes(imagegen.photo(64, 48, seed=8))
+    err_file = tmp_path / "submit.err"
+    with err_file.open("wb") as err:
+        submitting = subprocess.Popen(
+            [str(services.BIN / "mrc"), "submit", "--image", str(image), "--prompt", "Refund?", "--wait",
+             "--timeout", "300"],
+            env=own, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+    try:
+        lane = redis_lib.Redis.from_url(own["MRC_REDIS_URL"])
+
+        def published() -> bool:
+            keys = lane.keys(names.job_key("*"))
+            return bool(keys) and lane.hget(keys[0], "published") == b"1"
+
+        services.wait_for(published, 120, "the job's message sent", submitting)
+        submitting.send_signal(stop)
+        assert submitting.wait(60) == code
+    finally:
+        if submitting.poll() is None:
+            submitting.kill()
+            submitting.wait(10)
+    (key,) = lane.keys(names.job_key("*"))
+    job_id = key.decode().removeprefix(names.job_key(""))
+    err_text = err_file.read_text()
+    assert f"job {job_id} is queued" in err_text, err_text
