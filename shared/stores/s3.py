@@ -291,6 +291,7 @@ class S3ImageSource:
             self._bucket_ready = True
         if self._written_lately(key):
             return names.s3_uri(self.bucket, key)
+        losses = self.connection.bucket_losses  # a loss found while this one writes voids it too
         # Content-addressed: a small one written whenever it is sent (INPUT_PUT_AT_ONCE_BYTES); a larger
         # one uploaded once, and again once a day while it is sent, so that a lifecycle
         # rule's days (docs/operations.md, "What S3 keeps") count from its last use, not its first: a
@@ -303,7 +304,7 @@ class S3ImageSource:
             if modified is None or modified.timestamp() < time.time() - INPUT_REFRESH_S:
                 self.connection.put(self.bucket, key, data, content_type)
         # there now, and fresh (a refresh due is at most INPUT_REMEMBERED_S late)
-        self._remember(key, time.time())
+        self._remember(key, time.time(), losses)
         return names.s3_uri(self.bucket, key)
 
     def _written_lately(self, key: str) -> bool:
@@ -315,9 +316,13 @@ class S3ImageSource:
             self._written.move_to_end(key)
             return True
 
-    def _remember(self, key: str, written: float) -> None:
+    def _remember(self, key: str, written: float, losses: int) -> None:
         with self._written_lock:
             self._forget_after_a_loss()
+            if losses != self._losses_seen:
+                # the bucket was found gone while this was written: it may have gone with it (review,
+                # helper-122: remembered after the memory was cleared, its jobs failed `image_not_found`)
+                return
             self._written[key] = written
             self._written.move_to_end(key)
             while len(self._written) > INPUT_REMEMBERED_KEYS:

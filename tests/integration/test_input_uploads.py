@@ -108,3 +108,25 @@ def test_a_photo_sent_again_after_its_bucket_was_lost_and_made_again_is_written_
     for key, data in photos.items():
         source.put_input(data, key, "image/png")
         assert source.get_bytes(settings.s3_bucket, key, len(data)) == data, key
+
+
+def test_a_photo_written_while_its_bucket_was_found_lost_is_not_remembered(client: Client) -> None:
+    """Review, helper-122: a PUT that finished just as another thread found the bucket gone was
+    remembered after the memory was cleared; the photo may have gone with the bucket, and sent again
+    it was answered from memory, its jobs failing `image_not_found`."""
+    source = s3.S3ImageSource(s3.S3Connection(client.settings), client.settings)
+    source.put_input(b"warm", f"{client.settings.s3_prefix}inputs/{'a1' * 32}.png", "image/png")
+    key = f"{client.settings.s3_prefix}inputs/{'a2' * 32}.png"
+
+    def lost_meanwhile(**_kwargs: object) -> None:  # another thread's call finds the bucket gone
+        source.connection.bucket_losses += 1
+
+    events = source.connection.client.meta.events
+    events.register("after-call.s3.PutObject", lost_meanwhile)
+    source.put_input(b"written as the bucket went", key, "image/png")
+    events.unregister("after-call.s3.PutObject", lost_meanwhile)
+    sent = _calls(source.connection)
+    source.put_input(b"written as the bucket went", key, "image/png")
+    assert [name for name, _ in sent] == ["PutObject"]  # written again, not answered from memory
+    source.put_input(b"written as the bucket went", key, "image/png")
+    assert [name for name, _ in sent] == ["PutObject"]  # and remembered from then on
