@@ -139,7 +139,9 @@ class Waits:
             if block is None:
                 await asyncio.sleep(min(LAST_TICK_READ_S, left))
 
-    async def result(self, job_id: str, wait_s: float, read_result: ReadResult) -> dict[str, Any] | str:
+    async def result(
+        self, job_id: str, wait_s: float, read_result: ReadResult, queued_now: bool = False
+    ) -> dict[str, Any] | str:
         """The result (or, for a job that ended without a stored one, the failed result its record
         describes, `result_stored: false`), else the job's state when the wait ends ("unknown": no
         such job).
@@ -147,17 +149,26 @@ class Waits:
         The record is read as the job's completion event comes (producer/http/completions.py), and
         every RECORD_POLL_S whatever comes; S3 as soon as the record says the job ended, and at most
         every S3_EVERY_S otherwise, whatever it says (an update of the record may have been lost).
-        No record and no result: no such job."""
+        No record and no result: no such job. `queued_now`: the caller has just queued the job, so S3
+        is not read first unless the record says it ended or has none (a chat's answer: its first
+        read found nothing, every time, and cost a request to S3)."""
         if wait_s <= 0:  # one look: nothing to wake (and no follower started for it)
-            return await self._result(job_id, wait_s, read_result, asyncio.Event())
+            return await self._result(job_id, wait_s, read_result, asyncio.Event(), queued_now)
         with self.completions.watching(job_id) as completed:
-            return await self._result(job_id, wait_s, read_result, completed)
+            return await self._result(job_id, wait_s, read_result, completed, queued_now)
 
     async def _result(
-        self, job_id: str, wait_s: float, read_result: ReadResult, completed: asyncio.Event
+        self,
+        job_id: str,
+        wait_s: float,
+        read_result: ReadResult,
+        completed: asyncio.Event,
+        queued_now: bool,
     ) -> dict[str, Any] | str:
         deadline = time.monotonic() + wait_s
-        next_look, ended_seen = 0.0, False  # the first pass always reads S3
+        # the first pass reads S3, unless the job was queued just now
+        next_look = time.monotonic() + S3_EVERY_S if queued_now else 0.0
+        ended_seen = False
         while True:
             completed.clear()  # a completion from here on wakes the pause below
             record = await self.record(job_id)

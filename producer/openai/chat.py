@@ -115,12 +115,13 @@ class Chat:
         """The job's result within `wait_s`, or None. Whatever happens to Redis or S3 meanwhile (gone,
         hung, refusing) is waited out to the deadline, never past it: the job is queued, and its
         result will be in S3 whatever happens to this wait, so the answer names the job."""
-        deadline, told = time.monotonic() + wait_s, False
+        deadline, told, queued_now = time.monotonic() + wait_s, False, True
         while True:
             left = max(0.0, deadline - time.monotonic())
             try:  # one look can block for a socket timeout (a hung Redis or S3): bounded by the deadline
                 found = await asyncio.wait_for(
-                    self.state.waits.result(job_id, left, self.state.queue.result), left + 0.05
+                    self.state.waits.result(job_id, left, self.state.queue.result, queued_now),
+                    left + 0.05,
                 )
             except TimeoutError:
                 return None
@@ -133,6 +134,7 @@ class Chat:
                 found = "unavailable"
             if isinstance(found, dict):
                 return found
+            queued_now = False  # looked again after an outage or a lost record: S3 at once
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
