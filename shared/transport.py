@@ -153,12 +153,16 @@ class Channel(kombu_redis.Channel):
         NotReplicated: the message is queued on the master, not yet on its replicas; the caller says
         so (it is not "nothing enqueued") and a resubmission under the same job id is the same job."""
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        self.push_text(queue, key, kombu_json.dumps(message), push_id)
+
+    def push_text(self, queue: str, key: str, text: str, push_id: str | None) -> None:
+        """A message already encoded (a capture's, or one made from its template: producer/queue/
+        templates.py) pushed as a publish of it is: once per push id, then the WAIT."""
         with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
             if push_id is None:
-                pipe.lpush(key, kombu_json.dumps(message))
+                pipe.lpush(key, text)
             else:  # EVAL, not a registered script: no SCRIPT EXISTS round trip per publish
-                pipe.eval(pushes.PUSH_ONCE_SCRIPT, 2, key, names.push_key(push_id), kombu_json.dumps(message),
-                          pushes.HELD_TTL_MS)  # fmt: skip
+                pipe.eval(pushes.PUSH_ONCE_SCRIPT, 2, key, names.push_key(push_id), text, pushes.HELD_TTL_MS)
             if self._expires and queue in self._expires:
                 for pri in self.priority_steps:
                     pipe.pexpire(self._q_for_pri(queue, pri), self._expires[queue])

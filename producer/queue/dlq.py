@@ -6,7 +6,6 @@ import json
 
 from producer.queue.sender import Queue
 from shared import names
-from shared.celery_app import send_job
 from shared.errors import MrcError, NotReplicated
 from shared.jobs import Job
 
@@ -36,7 +35,7 @@ def requeue(client: Queue, limit: int) -> tuple[int, int, int]:
         push_id = names.requeue_push_id(job.job_id)
         try:
             records.reset_attempts(job.job_id, push_id)
-            send_job(client.celery, job.to_message(), job.lane, push_id=push_id)
+            client.sends.send(job, push_id)
         except NotReplicated:  # sent: it leaves the dead letters; the caller hears it is not durable yet.
             records.ack_dead_letter(raw)  # Nothing more is sent unconfirmed: one wait for the replicas,
             log.warning("MRC_NOT_REPLICATED", job_id=job.job_id, lane=job.lane, what="dlq requeue")

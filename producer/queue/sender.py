@@ -21,8 +21,9 @@ from redis.retry import Retry
 
 from producer.queue import resubmission
 from producer.queue.room_wait import RoomWait
+from producer.queue.templates import Sends
 from shared import backlog_share, logs, names, redis_target
-from shared.celery_app import make_celery, send_job
+from shared.celery_app import make_celery
 from shared.errors import NotReplicated, PushUnconfirmed, ServiceUnreachable, StoreUnavailable
 from shared.jobs import Job
 from shared.records import (
@@ -98,6 +99,7 @@ class Queue:
         self._hints: JobRecords | None = records
         self._hints_made = threading.Lock()
         self.celery = celery or make_celery(settings, socket_timeout=answer_timeout_s(settings))
+        self.sends = Sends(self.celery)
         self.log = logs.get_logger()
 
     def close(self) -> None:
@@ -307,7 +309,7 @@ class Queue:
         """A submission's publish is named by its job id (a resubmission pushes nothing twice);
         a deliberate resend (`mrc dlq requeue`) passes its own `push_id`."""
         push = push_id or names.job_push_id(job.job_id)
-        send_job(self.celery, job.to_message(), job.lane, push_id=push, ahead=ahead)
+        self.sends.send(job, push, ahead)
 
     def _landed(self, job: Job) -> bool | None:
         """After a failed publish: whether its push landed (the marker the push writes with it), or

@@ -42,8 +42,8 @@ class Interrupted:
     """A publish that is interrupted (Ctrl-C) or fails, then works again."""
 
     def __init__(self, client: Client, error: BaseException) -> None:
-        self.real, self.error = client.celery.send_task, error
-        client.celery.send_task = self  # type: ignore[method-assign]  # the fault injected
+        self.real, self.error = client.sends.send, error
+        client.sends.send = self  # type: ignore[method-assign]  # the fault injected
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise self.error
@@ -58,7 +58,7 @@ def test_an_interrupted_submit_frees_its_job_id(
     with pytest.raises(type(error)):
         client.enqueue(job)
     assert client.records.get(job.job_id) == {}, "the claim was undone"
-    client.celery.send_task = interrupted.real  # type: ignore[method-assign]  # the fault injected
+    client.sends.send = interrupted.real  # type: ignore[method-assign]  # the fault injected
     assert client.enqueue(job) is True
     assert _ran(client, job.job_id)
 
@@ -157,7 +157,7 @@ def test_dlq_requeue_that_cannot_send_loses_nothing(
     assert client.records.get(job.job_id)["state"] == "failed", "no record claims a queued message"
     # A requeue killed between taking an entry and sending it leaves it in the processing list:
     assert client.records.take_dead_letter() == raw
-    client.celery.send_task = interrupted.real  # type: ignore[method-assign]  # the fault injected
+    client.sends.send = interrupted.real  # type: ignore[method-assign]  # the fault injected
     assert dlq.requeue(client, 10) == (1, 0, 0)
     assert _ran(client, job.job_id)
 
@@ -189,8 +189,8 @@ class Sends:
     """Counts the messages a client really publishes."""
 
     def __init__(self, client: Client) -> None:
-        self.count, self.real = 0, client.celery.send_task
-        client.celery.send_task = self  # type: ignore[method-assign]
+        self.count, self.real = 0, client.sends.send
+        client.sends.send = self  # type: ignore[method-assign]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.count += 1

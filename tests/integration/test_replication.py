@@ -179,8 +179,8 @@ class _ReplyLost:
     """A publish that lands, then its reply is lost with the connection (and every retry fails)."""
 
     def __init__(self, client: Client) -> None:
-        self.real = client.celery.send_task
-        client.celery.send_task = self  # type: ignore[method-assign]  # the fault injected
+        self.real = client.sends.send
+        client.sends.send = self  # type: ignore[method-assign]  # the fault injected
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.real(*args, **kwargs)
@@ -202,7 +202,7 @@ def test_a_push_whose_reply_was_lost_is_known_by_its_marker(quiet: dict[str, str
     assert client.enqueue(job) is True  # it landed: enqueued, whatever the connection did after
     assert _queued(quiet) == ["lost-1"]
     assert _record(quiet, "lost-1")[b"published"] == b"1"
-    client.celery.send_task = lost.real  # type: ignore[method-assign]
+    client.sends.send = lost.real  # type: ignore[method-assign]
     assert client.enqueue(job) is False  # the same job
     assert _queued(quiet) == ["lost-1"]
 
@@ -225,7 +225,7 @@ def test_a_push_nobody_can_confirm_is_unconfirmed_and_its_resubmission_pushes_no
     assert unconfirmed.value.job_id == "lost-2"
     assert _record(quiet, "lost-2")[b"published"] == b"0"  # the claim lapses by itself
     redis_lib.Redis.from_url(quiet["MRC_REDIS_URL"]).delete(names.job_key("lost-2"))  # ...as it would
-    client.celery.send_task, client.records.pushed = lost.real, real_pushed  # type: ignore[method-assign]
+    client.sends.send, client.records.pushed = lost.real, real_pushed  # type: ignore[method-assign]
     assert client.enqueue(job) is True  # resubmitted: claimed and published again...
     assert _queued(quiet) == ["lost-2"]  # ...and the push, already there, is not queued twice
 
@@ -247,16 +247,16 @@ def test_dlq_requeue_stops_at_its_first_unconfirmed_entry_and_an_interrupt_after
     assert client.records.dead_letter_count() == 2
 
     durable = Client(services.settings_from_env({**unreplicated, "MRC_REDIS_WAIT_REPLICAS": "0"}))
-    real = dlq.send_job
+    real = durable.sends.send
 
     def pushed_then_interrupted(*args: Any, **kwargs: Any) -> Any:
         real(*args, **kwargs)
         raise KeyboardInterrupt  # as a Ctrl-C in the wait for the replicas, after the push
 
-    monkeypatch.setattr(dlq, "send_job", pushed_then_interrupted)
+    monkeypatch.setattr(durable.sends, "send", pushed_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
         dlq.requeue(durable, 10)
-    monkeypatch.setattr(dlq, "send_job", real)
+    monkeypatch.setattr(durable.sends, "send", real)
     assert sorted(_queued(unreplicated, "interactive")) == ["dl-0", "dl-1"]
     assert client.records.dead_letter_count() == 1, "the pushed entry is dead-lettered too"
     assert client.records.get("dl-1").get("dead_letter") != "1"

@@ -55,14 +55,14 @@ class _PushedElsewhere:
     push does, and neither the message nor its marker is on the master the record is confirmed on."""
 
     def __init__(self, client: Client) -> None:
-        self.real = client.celery.send_task
-        client.celery.send_task = self  # type: ignore[method-assign]  # the fault injected
+        self.real = client.sends.send
+        client.sends.send = self  # type: ignore[method-assign]  # the fault injected
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         return None
 
     def heal(self, client: Client) -> None:
-        client.celery.send_task = self.real  # type: ignore[method-assign]
+        client.sends.send = self.real  # type: ignore[method-assign]
 
 
 def _queued(redis: redis_lib.Redis, job_id: str) -> int:

@@ -15,6 +15,7 @@ import pytest
 
 from producer.backlog import messages as messages_module
 from producer.backlog.messages import Messages
+from producer.queue import templates
 from scripts import devservices as services
 from shared import logs, names
 from shared.celery_app import make_celery
@@ -110,7 +111,7 @@ def test_a_template_that_disagrees_with_celery_hands_every_message_to_celery(
     maker: Messages, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made_by_celery = _count_celery(maker, monkeypatch)
-    monkeypatch.setattr(messages_module, "_agrees", lambda *args: False)  # as a new Celery release might
+    monkeypatch.setattr(messages_module, "agrees", lambda *args: False)  # as a new Celery release might
     jobs = _jobs()
     out = io.StringIO()
     logs.configure(stream=out)
@@ -129,13 +130,13 @@ def test_a_template_reproduces_a_field_celery_draws_per_message_only_by_disagree
     """A field Celery would draw afresh for each message, unknown to the template, fails the check."""
     jobs = _jobs()[:2]
     made = maker._celery(jobs, False, True)
-    template = messages_module._Template.of(jobs[0].job_id, *made[0])
+    template = templates.Template.of(jobs[0].job_id, *made[0])
     assert template is not None
-    assert messages_module._agrees(template, jobs[1], *made[1])
+    assert templates.agrees(template, jobs[1], *made[1])
     envelope = json.loads(made[1][1])
     envelope["headers"]["drawn_by_a_newer_celery"] = "f00d"
-    assert not messages_module._agrees(template, jobs[1], made[1][0], json.dumps(envelope))
-    assert not messages_module._agrees(template, jobs[1], "another-list", made[1][1])
+    assert not templates.agrees(template, jobs[1], made[1][0], json.dumps(envelope))
+    assert not templates.agrees(template, jobs[1], "another-list", made[1][1])
 
 
 def test_job_ids_outside_the_plain_alphabet_are_built_by_celery(maker: Messages) -> None:
