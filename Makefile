@@ -17,8 +17,9 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
-	@# promtool checks deploy/prometheus (tests/unit/test_deploy.py); the package's server is not wanted
-	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null && { $(SUDO) pkill -x prometheus || true; }; }
+	@# promtool checks deploy/prometheus (tests/unit/test_deploy.py); the server the package starts is not
+	@# wanted: stopped only where no prometheus ran before (one a person runs is never touched)
+	@command -v promtool >/dev/null || { ran=$$(pgrep -x prometheus || true); $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null && { [ -n "$$ran" ] || $(SUDO) pkill -x prometheus || true; }; }
 	@# the ops page's test opens it in a real browser: Debian's headless chromium and its driver
 	@command -v chromedriver >/dev/null || { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
 	@test -x $(PY) || python3 -m venv $(VENV)

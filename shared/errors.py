@@ -1,4 +1,5 @@
-"""One error tree for mrc. Each error has a stable code (CONTRACT.md) and says whether retrying may help."""
+"""One error tree for mrc. Each error has a stable code (docs/contract.md) and says whether retrying may
+help."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The job message and the result object (CONTRACT.md), with their schema versions."""
+"""The job message and the result object (docs/contract.md), with their schema versions."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MRC_", extra="ignore", frozen=True)
 
-    # --- services (CONTRACT.md) ---
+    # --- services (docs/contract.md) ---
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Sentinel: `host:port,host:port,...`; when set, every Redis user finds the master through them and
     # follows a failover (MRC_REDIS_URL's host is then not used; its db number, user and password are).
@@ -122,7 +122,7 @@ class Settings(BaseSettings):
     # How often each mrc-api process looks after the batches in flight (resumes their enqueue after a
     # crash, expires them, writes their output files once every request has ended).
     openai_batch_poll_s: float = Field(default=5.0, gt=0, le=3600)
-    # --- model (CONTRACT.md) ---
+    # --- model (docs/contract.md) ---
     # `tiny` (random weights, built under `home`), `parcels` (trained, in workers/models/parcels/),
     # `echo` (no model), a local folder, or a hub id in the offline cache.
     model: str = "adept/fuyu-8b"

@@ -1,4 +1,4 @@
-"""What a finished job becomes: its result object (CONTRACT.md), its log line and its metrics."""
+"""What a finished job becomes: its result object (docs/contract.md), its log line and its metrics."""
 
 from __future__ import annotations
 

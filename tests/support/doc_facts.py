@@ -103,6 +103,26 @@ def emitted_events() -> dict[str, str]:
     return found
 
 
+def event_keys() -> dict[str, set[str]]:
+    """MRC_ events the code logs -> the keys its calls pass by name, across every call of it ("**" where
+    one passes a mapping: its keys are not readable here)."""
+    keys: dict[str, set[str]] = {}
+    for _path, tree in _sources():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LOG_METHODS
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+                and EVENT_RE.match(node.args[0].value)
+            ):
+                names = {keyword.arg or "**" for keyword in node.keywords}
+                keys.setdefault(node.args[0].value, set()).update(names)
+    return keys
+
+
 _COUNTERS = {"Counter", "CounterMetricFamily"}
 _HISTOGRAMS = {"Histogram", "HistogramMetricFamily"}
 _SUMMARIES = {"Summary", "SummaryMetricFamily"}

@@ -135,6 +135,29 @@ def test_every_emitted_log_event_is_in_the_readme() -> None:
     _fail(problems, "Log events the code emits that README.md does not document:")
 
 
+def test_the_readme_names_each_events_keys_as_the_code_logs_them() -> None:
+    """Review, helper-124: a key renamed in the code (`kv_ceiling`, now `row_ceiling`) stayed in the
+    table, and keys added later (`backlog_share`, `request_id`, ...) were never in it: a filter on the
+    table's names found nothing. A row may name a key's values in parentheses (`reason` (`cancelled`,
+    `expired`)) and a key logged only at times there too (`sent`): those are not taken as stale."""
+    rows = facts.table_rows(facts.section(README, "### Logs and metrics"))
+    logged = facts.event_keys()
+    problems = []
+    for cells in rows:
+        events = re.findall(r"`([A-Z][A-Z0-9_]+)`", cells[0])
+        if len(events) != 1 or events[0] not in logged or len(cells) < 3:
+            continue  # a row of two events (Celery's notices and the libraries' lines) or a heading
+        event = events[0]
+        shown = set(re.findall(r"`([a-z][a-z0-9_]*)`", cells[1]))
+        always = set(re.findall(r"`([a-z][a-z0-9_]*)`", re.sub(r"\([^)]*\)", "", cells[1])))
+        keys = logged[event] - {"**", "exc_info", "stack_info"}
+        if missing := sorted(keys - shown):
+            problems.append(f"{event}: the code logs {missing}, its row does not name them")
+        if (stale := sorted(always - keys)) and "**" not in logged[event]:
+            problems.append(f"{event}: its row names {stale}, which no call of it logs")
+    _fail(problems, "README.md's events table and the keys the code logs differ:")
+
+
 # --------------------------------------------------------------------------------------------- metrics
 
 
