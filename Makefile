@@ -76,6 +76,7 @@ bench: install
 	$(PY) tests/bench/bench_enqueue.py
 	$(PY) tests/bench/bench_key_shares.py
 	$(PY) tests/bench/bench_api.py
+	$(PY) tests/bench/bench_submit.py
 	$(PY) tests/bench/bench_api_memory.py
 	$(PY) tests/bench/bench_waits.py
 	$(PY) tests/bench/bench_streaming.py
