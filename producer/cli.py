@@ -275,7 +275,12 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
         reach.check(settings, need_redis=True, need_s3=False)
         result = client.settled_result(args.job_id)  # a failed job whose result S3 refused
     if result is None:
-        print(f"mrc: no result for {args.job_id} yet", file=sys.stderr)
+        state = client.records.get(args.job_id).get("state")
+        if state is None:  # review, helper-124: "yet" for an id no one submitted
+            print(f"mrc: no job {args.job_id} is known: no record and no result (never submitted, or its "
+                  "record expired after 7 days)", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"mrc: no result for {args.job_id} yet (it is {state})", file=sys.stderr)
         return EXIT_TIMEOUT
     return _print_result(result)
 

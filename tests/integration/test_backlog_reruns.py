@@ -71,7 +71,11 @@ def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_m
         "internal_error",
         False,
     )
-    assert services.run_cli(own, "result", "lost.b").returncode == 3  # queued: no result yet
+    pending = services.run_cli(own, "result", "lost.b")
+    assert (pending.returncode, pending.stderr) == (3, "mrc: no result for lost.b yet (it is queued)\n")
+    unknown = services.run_cli(own, "result", "lost.never")  # review, helper-124: it said "yet"
+    assert unknown.returncode == 3
+    assert "no job lost.never is known: no record and no result" in unknown.stderr
     report = services.run_cli(own, "backlog", "report", "lost")
     assert report.returncode == 1, report.stderr  # a run with a failed job (b is still pending)
     assert json.loads(report.stdout)["counts"] == {"failed": 1, "pending": 1}
