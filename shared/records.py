@@ -515,7 +515,9 @@ def unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:
         "error": {
             "code": record.get("error_code", "internal_error"),
             "message": record.get("error_message", "the job ended without a stored result"),
-            "retryable": True,
+            # as the worker's MRC_ERROR said (an internal error): the job is dead-lettered, and only
+            # `mrc dlq requeue` runs it again (review, helper-124: true here, false in the log)
+            "retryable": False,
         },
         "lane": record.get("lane", "interactive"),
         "result_stored": False,

@@ -71,6 +71,7 @@ def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_m
         "internal_error",
         False,
     )
+    assert result["error"]["retryable"] is False  # as the worker's MRC_ERROR line says
     pending = services.run_cli(own, "result", "lost.b")
     assert (pending.returncode, pending.stderr) == (3, "mrc: no result for lost.b yet (it is queued)\n")
     unknown = services.run_cli(own, "result", "lost.never")  # review, helper-124: it said "yet"
