@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import Celery
 
-from producer.queue.templates import SAFE_ID, Template, agrees
+from producer.queue.templates import SAFE_ID, Template, agrees, drawn_now
 from shared import logs
 from shared.celery_app import send_job
 from shared.jobs import Job
@@ -55,7 +55,9 @@ class Messages:
                 self._distrust()
             return made + self._celery(jobs[2:], ahead, False)
         key = template.list_key
-        return made + [(key, template.message(job.job_id, job.to_message())) for job in jobs[2:]]
+        return made + [
+            (key, template.message(job.job_id, job.to_message(), drawn_now(self._app))) for job in jobs[2:]
+        ]
 
     def _celery(self, jobs: list[Job], ahead: bool, declare: bool) -> list[tuple[str, str]]:
         if not jobs:

@@ -35,7 +35,10 @@ from shared.jobs import Job
 
 # What the transport puts in each message afresh (kombu's delivery tag: the key its unacked entry is
 # kept under; mrc's push id: what makes a retried push land once). Every other field is the template's.
-_DRAWN_PROPERTIES = ("delivery_tag",)
+# And one Celery sets per thread: `reply_to`, the sending thread's id (`app.thread_oid`; review,
+# helper-125: a template from one thread checked against a message of another disagreed, so under
+# concurrent submissions templates were turned off, and a trusted one gave every thread the first's).
+_DRAWN_PROPERTIES = ("delivery_tag", "reply_to")
 _DRAWN_HEADERS = (names.PUSH_HEADER,)
 
 
@@ -96,11 +99,11 @@ class Template:
         text = str(kombu_json.dumps(marked)).replace("{", "{{").replace("}", "}}")
         return cls(list_key, _PLACES.sub(lambda place: _FIELDS[place.group(0)], text), (before, after))
 
-    def message(self, job_id: str, job: dict[str, Any], drawn: dict[str, str] | None = None) -> str:
+    def message(self, job_id: str, job: dict[str, Any], drawn: dict[str, str]) -> str:
         """The message text for another job of the template's lane and priority: its own body and id,
-        and fresh random fields (or `drawn`'s, for the check against Celery's)."""
+        and the fields drawn per message (`drawn_now`; or Celery's, for the check against it)."""
         before, after = self.body
-        values = {key: (drawn[key] if drawn else _fresh(key)) for key in _DRAWN}
+        values = {key: drawn[key] for key in _DRAWN}
         body = base64.b64encode((before + json.dumps(job) + after).encode("utf-8")).decode("ascii")
         return self.text.format_map({**values, "id": job_id, "body": body})
 
@@ -157,9 +160,11 @@ def _body(envelope: dict[str, Any]) -> Any:
     return json.loads(base64.b64decode(envelope["body"], validate=True).decode("utf-8"))
 
 
-def _fresh(key: str) -> str:
-    """A random field's new value, drawn as its maker draws it (kombu: a uuid4's text; mrc: its hex)."""
-    return uuid.uuid4().hex if key == names.PUSH_HEADER else str(uuid.uuid4())
+def drawn_now(app: Celery, push_id: str | None = None) -> dict[str, str]:
+    """The fields of a message drawn as Celery draws them for this publish: kombu's delivery tag (a
+    uuid4's text), the push id (`push_id`, else a fresh uuid4's hex), the calling thread's reply-to."""
+    return {"delivery_tag": str(uuid.uuid4()), "reply_to": app.thread_oid,
+            names.PUSH_HEADER: push_id or uuid.uuid4().hex}  # fmt: skip
 
 
 _DISAGREEMENTS = 3  # templates checked and found wrong before a process builds every message with Celery
@@ -185,8 +190,7 @@ class Sends:
         queue = names.queue_name(job.lane)
         with self._app.producer_or_acquire() as producer:
             if template is not None and SAFE_ID.match(job.job_id):
-                drawn = {"delivery_tag": _fresh("delivery_tag"), names.PUSH_HEADER: push_id}
-                text = template.message(job.job_id, job.to_message(), drawn)
+                text = template.message(job.job_id, job.to_message(), drawn_now(self._app, push_id))
                 producer.channel.push_text(queue, template.list_key, text, push_id)
                 return
             with producer.channel.capturing() as captured:

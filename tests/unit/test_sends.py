@@ -125,3 +125,35 @@ def test_templates_that_keep_disagreeing_with_celery_hand_every_message_to_celer
     assert [json.loads(t)["headers"]["id"] for t in _pushed(redis, names.queue_name("backlog"))] == [
         job.job_id for job in jobs
     ]
+
+
+def test_submissions_from_many_threads_keep_their_templates_and_each_its_threads_reply_to(
+    app: Any, redis: redis_lib.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review, helper-125: Celery's reply-to is the sending thread's id, which the template held fixed:
+    a template checked against another thread's message disagreed, so mrc-api's request threads
+    turned templates off within a few submissions; a trusted one gave every thread the first's."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    built = _built_by_celery(monkeypatch)
+    sends = Sends(app)
+    jobs = [job.model_copy(update={"lane": "interactive"}) for job in _jobs()[:24]]
+    threads: dict[str, str] = {}
+    ready = threading.Barrier(4)
+
+    def send(jobs_of_one_thread: list[Job]) -> None:
+        ready.wait(10)  # all four threads alive: each job is sent by the thread it names
+        for job in jobs_of_one_thread:
+            threads[job.job_id] = app.thread_oid
+            sends.send(job, names.job_push_id(job.job_id))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(send, [jobs[n::4] for n in range(4)]))
+    assert sends._trusting, "templates were turned off"
+    assert len(built) <= 2 * 3, built  # at most a first and a check for each of its three tries
+    pushed = [json.loads(text) for text in _pushed(redis, names.queue_name("interactive"))]
+    assert len(pushed) == len(jobs)
+    assert len(set(threads.values())) == 4
+    for message in pushed:
+        assert message["properties"]["reply_to"] == threads[message["headers"]["id"]]
