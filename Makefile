@@ -77,6 +77,7 @@ bench: install
 	$(PY) tests/bench/bench_key_shares.py
 	$(PY) tests/bench/bench_api.py
 	$(PY) tests/bench/bench_submit.py
+	$(PY) tests/bench/bench_chat_s3.py
 	$(PY) tests/bench/bench_api_memory.py
 	$(PY) tests/bench/bench_waits.py
 	$(PY) tests/bench/bench_streaming.py

@@ -172,6 +172,12 @@ def ops_day_key(day: str) -> str:
     return f"{REDIS_PREFIX}ops:day:{day}"
 
 
+def answer_key(job_id: str) -> str:
+    """Redis string: an interactive job's result object, the bytes stored in S3, kept a short while
+    (shared/records.py ANSWER_TTL_S) for the waits on it to read with its record instead of from S3."""
+    return f"{REDIS_PREFIX}answer:{job_id}"
+
+
 def stream_key(job_id: str) -> str:
     """Redis stream of a streamed job's text as it is decoded (`stream: true`; workers/streaming.py):
     bounded in length and life, read by the mrc-api request that streams it."""

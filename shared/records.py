@@ -18,6 +18,12 @@ from shared.jobs import State, now_rfc3339
 from shared.settings import REDIS_SOCKET_TIMEOUT_S, Settings
 
 RECORD_TTL_S = 7 * 24 * 3600
+# An interactive job's result is also kept in Redis this long, up to this size, beside its record's
+# end: a chat's answer, `mrc submit --wait` and a result wait read it with the record, one S3 round
+# trip fewer at the end of a ticket (tens of milliseconds at a real S3). S3 stays the truth: the copy
+# is written after the result is stored, and a wait that finds none reads S3.
+ANSWER_TTL_S = 120
+ANSWER_MAX_BYTES = 16 * 1024
 ENDED = frozenset({"succeeded", "failed"})  # a job's last states
 # A completion event's stream id ("1700000000000-0"), or "0" for "from the oldest kept". ASCII digits:
 # `\d` takes any Unicode digit and int() reads them, but Redis does not (review, helper-89: `after=٣`
@@ -155,8 +161,9 @@ class JobRecords(Protocol):
     def replicas(self, wanted: int, timeout_ms: int) -> int: ...
     def pushed(self, push_id: str) -> bool: ...
     def look(self, job_id: str) -> tuple[dict[str, str], str]: ...
-    def set_state(self, job_id: str, state: State, **fields: str) -> None: ...
+    def set_state(self, job_id: str, state: State, *, answer: str | None = None, **fields: str) -> None: ...
     def get(self, job_id: str) -> dict[str, str]: ...
+    def get_with_answer(self, job_id: str) -> tuple[dict[str, str], dict[str, Any] | None]: ...
     def get_many(self, job_ids: list[str]) -> list[dict[str, str]]: ...
     def begin(self, job_id: str) -> int: ...
     def begin_many(self, job_ids: list[str], worker: str = "") -> list[int]: ...
@@ -298,14 +305,16 @@ class RedisJobRecords:
         keys = [names.job_key(job_id), names.backlog_claims_key()]
         self._release(keys=keys, args=[token, backlog_share.claim_member(job_id)])
 
-    def set_state(self, job_id: str, state: State, **fields: str) -> None:
+    def set_state(self, job_id: str, state: State, *, answer: str | None = None, **fields: str) -> None:
         """The job's state; an end (`succeeded`, `failed`) lets go of its hold on the backlog's share in
-        the same step."""
+        the same step. `answer`: its stored result's text, kept ANSWER_TTL_S for its waits."""
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
             mapping: dict[str, str] = {"state": state, "updated_at": now_rfc3339(), **fields}
             pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
             pipe.expire(key, RECORD_TTL_S)
+            if answer is not None:
+                pipe.set(names.answer_key(job_id), answer, ex=ANSWER_TTL_S)
             if state in ENDED:
                 script, keys, args = backlog_share.release_call(job_id)
                 pipe.eval(script, len(keys), *keys, *args)
@@ -314,6 +323,9 @@ class RedisJobRecords:
     def get(self, job_id: str) -> dict[str, str]:
         record: dict[str, str] = self._redis.hgetall(names.job_key(job_id))  # type: ignore[assignment]  # sync client
         return dict(record)
+
+    def get_with_answer(self, job_id: str) -> tuple[dict[str, str], dict[str, Any] | None]:
+        return record_with_answer(self._redis, job_id)
 
     def dead_letter(self, entry: dict[str, object]) -> None:
         self._redis.lpush(names.dead_letter_key(), encoding.to_text(entry))
@@ -502,6 +514,28 @@ class RedisJobRecords:
         after it from here on misses none that come after its first look at the job."""
         reply: Any = self._redis.xrevrange(names.events_key(), count=1)
         return str(reply[0][0]) if reply else "0-0"
+
+
+def record_with_answer(client: redis.Redis, job_id: str) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """The record, and the result kept beside it (ANSWER_TTL_S) once it ended: one round trip."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(names.job_key(job_id))
+        pipe.get(names.answer_key(job_id))
+        record, answer = pipe.execute()
+    return read_answer(dict(record), answer)
+
+
+def read_answer(record: dict[str, str], answer: Any) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """A record and the result kept beside it, read: the result only where the record says the job
+    ended (a copy left from an earlier run of the id, requeued since, is not its answer) and it reads
+    as a result object (anything else: S3 is asked, as without it)."""
+    if answer is None or record.get("state") not in ENDED:
+        return record, None
+    try:
+        result = json.loads(answer)
+    except ValueError:
+        return record, None
+    return record, result if isinstance(result, dict) and "status" in result else None
 
 
 def unstored_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:

@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared import ops_counts
+from shared import encoding, ops_counts
 from shared.errors import Abandoned, InternalError, StoreUnavailable
 from shared.jobs import ErrorInfo, JobResult, now_rfc3339, parse_rfc3339
-from shared.records import JobRecords
+from shared.records import ANSWER_MAX_BYTES, JobRecords
 from shared.settings import Settings
 from shared.stores import ResultStore
 from workers import outcomes
@@ -68,7 +68,8 @@ class Finisher:
                 # usage and event too, or it says `running` for good and a backlog run never ends.
                 self.settle_stored(existing, slot.job.api_key)
             return
-        if not self._put(slot.job_id, result.to_json_dict()):
+        stored = result.to_json_dict()
+        if not self._put(slot.job_id, stored):
             unstored = "the result could not be stored"
             if self._wait_out(slot, unstored):
                 return
@@ -86,7 +87,10 @@ class Finisher:
         slot.outcome = result.status
         # The code in the record too: `mrc backlog status` counts failures by code without S3 reads.
         self.records.set_state(
-            slot.job_id, result.status, **({"error_code": result.error.code} if result.error else {})
+            slot.job_id,
+            result.status,
+            answer=_answer(stored),
+            **({"error_code": result.error.code} if result.error else {}),
         )
         self._count_usage(slot, result)
         outcomes.report(slot, result, self.metrics, self.log)
@@ -245,3 +249,12 @@ def _latency_s(result: JobResult) -> float | None:
 
 def _no_requeue(request_id: str, body: object, delay: float) -> None:
     raise InternalError(f"no requeue configured; cannot retry {request_id}")
+
+
+def _answer(stored: dict[str, Any]) -> str | None:
+    """A ticket's result as S3 stores it, kept beside its record for the waits on it (shared/records.py
+    ANSWER_TTL_S); None for the backlog's, which no one waits on, and for one too large to keep."""
+    if stored.get("lane") != "interactive":
+        return None
+    text = encoding.to_text(stored, separators=(",", ":"))
+    return text if len(text) <= ANSWER_MAX_BYTES else None

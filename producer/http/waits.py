@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from producer.http.completions import Completions
 from shared import names, redis_target
-from shared.records import TERMINAL, unstored_result
+from shared.records import TERMINAL, record_with_answer, unstored_result
 from shared.settings import Settings
 
 SOCKET_TIMEOUT_S = 10.0
@@ -171,7 +171,9 @@ class Waits:
         ended_seen = False
         while True:
             completed.clear()  # a completion from here on wakes the pause below
-            record = await self.record(job_id)
+            record, answer = await self._run(partial(record_with_answer, self._redis, job_id))
+            if answer is not None:  # the result as stored, kept beside the record: no S3 read
+                return answer
             state = record.get("state")
             now = time.monotonic()
             ended_now = state in TERMINAL and not ended_seen

@@ -393,7 +393,9 @@ class Queue:
                 after = self._events_tail()
             try:  # on the hints' connection: short timeouts, no retries (a Redis that hangs held the
                 # wait 10 s a read, three times over, past its timeout and its once-a-second S3 look)
-                record = self._events().get(job_id)
+                record, answer = self._events().get_with_answer(job_id)
+                if answer is not None:  # the result as stored, kept beside the record: no S3 read
+                    return answer
                 due = record.get("state") in TERMINAL or record.get("state") is None
             except (redis.RedisError, OSError) as exc:  # Redis away: the job is queued all the same,
                 record, due, fault = {}, False, exc  # and S3 is still looked at once a second

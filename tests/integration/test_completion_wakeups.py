@@ -52,10 +52,10 @@ def test_client_wait_answers_at_its_jobs_completion_event(env: dict[str, str], c
     first_look = threading.Event()
 
     class Looking(RedisJobRecords):
-        def get(self, key: str) -> dict[str, str]:
-            record = super().get(key)
+        def get_with_answer(self, key: str) -> tuple[dict[str, str], dict[str, Any] | None]:
+            found = super().get_with_answer(key)
             first_look.set()  # the job is finished only after the wait's first look found it queued
-            return record
+            return found
 
     waiting = Client(settings)
     waiting._hints = Looking(connect(settings))  # a wait reads the record on the hints' connection
