@@ -86,9 +86,31 @@ def _outer_problem(value: object, max_bytes: int, name: str = "the schema") -> s
     problem = encoding.depth_problem(value) or encoding.unwritable(value, name)
     if problem:
         return problem
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    size = len(text.encode("utf-8"))
     if size > max_bytes:
         return f"{name} is {size} bytes as compact JSON; the limit is {max_bytes}"
+    if '"__type__"' in text and '"__value__"' in text:  # rare: walked only then
+        return _typed_problem(value, name)
+    return None
+
+
+def _typed_problem(value: object, name: str) -> str | None:
+    """An object of exactly `__type__` and `__value__`: the broker's JSON (kombu's) reads it back as a
+    typed value, so the worker could not read the job's message, and Celery dropped it unanswered
+    (review, helper-125: the job stayed `queued` for good)."""
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            if item.keys() == {"__type__", "__value__"}:
+                return (
+                    f"{name} at /{path}: an object of exactly `__type__` and `__value__` is not carried "
+                    "as it is (the queue's JSON reads it as a typed value); add or rename a member"
+                )
+            stack.extend((child, f"{path}/{key}" if path else str(key)) for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}/{i}" if path else str(i)) for i, child in enumerate(item))
     return None
 
 

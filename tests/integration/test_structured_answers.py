@@ -179,6 +179,10 @@ def test_the_api_takes_formats_as_json_and_as_a_multipart_field(
         ({"type": "json_schema", "schema": {"$ref": "http://example.com/x"}}, "never fetched"),
         ({"type": "grammar", "grammar": "root ::= 'a'"}, "response_format"),
         ("{not json", "not JSON"),
+        (  # the queue's JSON reads it as a typed value: the job was dropped unanswered (helper-125)
+            {"type": "json_schema", "schema": {"default": {"__type__": "nope", "__value__": 1}}},
+            "exactly `__type__` and `__value__`",
+        ),
     ],
 )
 def test_the_api_refuses_bad_formats_with_422_and_its_reason(
