@@ -20,9 +20,9 @@ from shared.jobs import now_rfc3339, parse_rfc3339
 from shared.records import RECORD_TTL_S, TERMINAL
 from shared.runs import RUN_TTL_S, RunRecords
 from shared.settings import Settings
-from shared.stores import READS_AT_ONCE, RunFiles
+from shared.stores import RunFiles
 
-_READ_THREADS = READS_AT_ONCE
+_READ_THREADS = 16
 
 
 _CANCELLED_AT = "cancelled_at"

@@ -28,10 +28,9 @@ from producer.openai.files import Files, new_file_id
 from shared import encoding, logs, names, tenants
 from shared import usage as usage_book
 from shared.records import unstored_result
-from shared.stores import READS_AT_ONCE
 
 _GROUP = 500
-_READ_THREADS = READS_AT_ONCE
+_READ_THREADS = 16
 _ENDED = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
 InputLines = Callable[[str], Iterator[tuple[int, bytes]]]
 

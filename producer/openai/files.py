@@ -27,10 +27,9 @@ from producer.openai.errors import OpenAIError
 from shared import encoding, names
 from shared.errors import BucketMissing, StoreUnavailable
 from shared.settings import Settings
-from shared.stores import READS_AT_ONCE
 from shared.stores.s3 import S3Connection
 
-_META_READS = READS_AT_ONCE  # a page's descriptions read at once (a page of 20: 21 threads)
+_META_READS = 8  # a page's descriptions read at once
 _PUBLIC = (
     "id",
     "object",

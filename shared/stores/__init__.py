@@ -11,11 +11,6 @@ from typing import Any, Protocol
 
 from shared.settings import Settings
 
-# A listing's or a run's many small reads (a Batch's output, `mrc backlog report`, a page of files)
-# side by side: a real S3 answers each in tens of milliseconds, so 16 at a time read a 50,000-line
-# Batch's results in ~80 s at 25 ms and 64 in ~20 s; this machine's CPU is the bound beyond.
-READS_AT_ONCE = 64
-
 
 class ImageSource(Protocol):
     """Image bytes by bucket and key (any allowed bucket), and the producer's uploads."""

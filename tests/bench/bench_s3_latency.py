@@ -7,9 +7,7 @@ every upload, the worker's looks one at a time, its image fetches and result wri
 - a worker's delivery of 16 backlog jobs (records unchecked, as a bulk enqueue leaves them; 16
   distinct photos in S3), through the worker's pipeline on the echo model: its wall time;
 - a Batch's lines, each a new photo as a data: URL, made into manifest lines (each photo uploaded):
-  lines/s (before: 8 uploads at a time, each a HEAD then a PUT);
-- stored results read as a Batch's output and `mrc backlog report` read them, `--results` of them:
-  results/s (before: 16 at a time; now shared.stores.READS_AT_ONCE).
+  lines/s (before: 8 uploads at a time, each a HEAD then a PUT).
 
     .venv/bin/python tests/bench/bench_s3_latency.py [--delay-ms 25] [--deliveries 6]
 """
@@ -139,25 +137,11 @@ def batch_lines(settings: Settings, before: bool, count: int, seed: int) -> floa
     return count / spent
 
 
-def results_read(settings: Settings, ids: list[str], threads: int) -> float:
-    """Results a second: `ids`' stored results read `threads` at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    _source, results = open_stores(settings)
-    began = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        found = list(pool.map(results.get_result, ids))
-    spent = time.perf_counter() - began
-    assert all(result is not None for result in found)
-    return len(ids) / spent
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="S3 round trips at a real S3's latency, now and before")
     parser.add_argument("--delay-ms", type=float, default=25.0)
     parser.add_argument("--deliveries", type=int, default=6)
     parser.add_argument("--batch-lines", type=int, default=256)
-    parser.add_argument("--results", type=int, default=512)
     args = parser.parse_args()
     logs.configure("WARNING")
     with services.local_stack("mrc-bench-s3-", "mrc-bench-s3", ROOT / ".cache" / "mrc") as env:
@@ -194,17 +178,6 @@ def main() -> None:
                     flush=True,
                 )
             print(f"Batch lines, now / before: {rates['now'] / rates['before']:.2f}x")
-            from shared.stores import READS_AT_ONCE
-
-            _source, stored = open_stores(direct)
-            ids = [f"bench-read-{n}" for n in range(args.results)]
-            for job_id in ids:
-                stored.put_result(job_id, {"job_id": job_id, "status": "succeeded", "text": "yes"})
-            read = {name: results_read(slow, ids, threads)
-                    for name, threads in (("before", 16), ("now", READS_AT_ONCE))}  # fmt: skip
-            for name, rate in read.items():
-                print(f"{name}: {args.results} stored results read, {rate:.0f} results/s", flush=True)
-            print(f"results read, now / before: {read['now'] / read['before']:.2f}x")
         finally:
             proxy.stop()
 
