@@ -279,6 +279,8 @@ def _cmd_result(args: argparse.Namespace, settings: Settings) -> int:
         if state is None:  # review, helper-124: "yet" for an id no one submitted
             print(f"mrc: no job {args.job_id} is known: no record and no result (never submitted, or its "
                   "record expired after 7 days)", file=sys.stderr)  # fmt: skip
+        elif state in ("succeeded", "failed"):  # its record ended, its result not stored (review, helper-126)
+            print(f"mrc: job {args.job_id} ended {state} without a stored result", file=sys.stderr)
         else:
             print(f"mrc: no result for {args.job_id} yet (it is {state})", file=sys.stderr)
         return EXIT_TIMEOUT

@@ -142,6 +142,8 @@ class MemoryJobRecords:
             self.records.setdefault(job_id, {}).update({"state": state, **fields})
             if answer is not None:
                 self.answers[job_id] = answer
+            else:
+                self.answers.pop(job_id, None)
             if state in ("succeeded", "failed"):
                 self.held.get(backlog_share.owner_of(job_id), set()).discard(job_id)
 
@@ -200,6 +202,7 @@ class MemoryJobRecords:
             )
             record.pop("usage_counted", None)
             record.pop("suspect_group", None)
+            self.answers.pop(job_id, None)
             for field in store_faults.FIELDS:
                 record.pop(field, None)
             self._hold(job_id)

@@ -307,7 +307,9 @@ class RedisJobRecords:
 
     def set_state(self, job_id: str, state: State, *, answer: str | None = None, **fields: str) -> None:
         """The job's state; an end (`succeeded`, `failed`) lets go of its hold on the backlog's share in
-        the same step. `answer`: its stored result's text, kept ANSWER_TTL_S for its waits."""
+        the same step. `answer`: its stored result's text, kept ANSWER_TTL_S for its waits; without one
+        an earlier run's copy goes (review, helper-126: a requeued job that ended without a copy, its
+        result too long or settled after a crash, was answered with its earlier run's result)."""
         key = names.job_key(job_id)
         with self._redis.pipeline() as pipe:
             mapping: dict[str, str] = {"state": state, "updated_at": now_rfc3339(), **fields}
@@ -315,6 +317,8 @@ class RedisJobRecords:
             pipe.expire(key, RECORD_TTL_S)
             if answer is not None:
                 pipe.set(names.answer_key(job_id), answer, ex=ANSWER_TTL_S)
+            else:
+                pipe.delete(names.answer_key(job_id))
             if state in ENDED:
                 script, keys, args = backlog_share.release_call(job_id)
                 pipe.eval(script, len(keys), *keys, *args)
@@ -382,6 +386,7 @@ class RedisJobRecords:
             pipe.hset(key, mapping=fresh)  # type: ignore[arg-type]  # redis-py types mapping values narrowly
             runs_again = ("suspect_group", "dead_letter", "error_code", "error_message", "usage_counted")
             pipe.hdel(key, *runs_again, *store_faults.FIELDS)
+            pipe.delete(names.answer_key(job_id))  # its earlier run's result is not its answer
             pipe.expire(key, RECORD_TTL_S)
             script, keys, args = backlog_share.hold_call(job_id)  # queued again: held again (review)
             pipe.eval(script, len(keys), *keys, *args)

@@ -256,5 +256,5 @@ def _answer(stored: dict[str, Any]) -> str | None:
     ANSWER_TTL_S); None for the backlog's, which no one waits on, and for one too large to keep."""
     if stored.get("lane") != "interactive":
         return None
-    text = encoding.to_text(stored, separators=(",", ":"))
-    return text if len(text) <= ANSWER_MAX_BYTES else None
+    body = encoding.to_bytes(stored, separators=(",", ":"))  # the bytes S3 stores, and their size
+    return body.decode("utf-8") if len(body) <= ANSWER_MAX_BYTES else None

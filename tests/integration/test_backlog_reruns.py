@@ -77,6 +77,10 @@ def test_a_job_that_failed_without_a_stored_result_is_failed_in_the_report_and_m
     unknown = services.run_cli(own, "result", "lost.never")  # review, helper-124: it said "yet"
     assert unknown.returncode == 3
     assert "no job lost.never is known: no record and no result" in unknown.stderr
+    client.records.set_state("lost.ended", "failed")  # ended, its failure's code and result gone
+    ended = services.run_cli(own, "result", "lost.ended")
+    assert ended.returncode == 3
+    assert ended.stderr == "mrc: job lost.ended ended failed without a stored result\n"
     report = services.run_cli(own, "backlog", "report", "lost")
     assert report.returncode == 1, report.stderr  # a run with a failed job (b is still pending)
     assert json.loads(report.stdout)["counts"] == {"failed": 1, "pending": 1}

@@ -60,3 +60,19 @@ def test_the_worker_keeps_a_tickets_answer_and_not_a_backlog_jobs_nor_a_long_one
     assert json.loads(_answer(ticket) or "") == ticket
     assert _answer({**ticket, "lane": "backlog"}) is None
     assert _answer({**ticket, "text": "x" * 20_000}) is None
+    assert _answer({**ticket, "text": "😀" * 5_000}) is None  # 20,000 bytes: the limit counts bytes
+
+
+def test_a_requeued_run_never_reads_its_earlier_runs_answer(records: JobRecords) -> None:
+    """Review, helper-126: run 2 of a requeued job that ended without a copy of its own (its result over
+    the size kept, or settled after its worker died between its S3 write and its record) was answered
+    with run 1's result for 2 minutes, while S3 held run 2's."""
+    failed = {**RESULT, "status": "failed", "text": None}
+    records.set_state("t-4", "failed", answer=json.dumps(failed))
+    records.reset_attempts("t-4", "push-2")  # mrc dlq requeue
+    records.set_state("t-4", "running")
+    records.set_state("t-4", "succeeded")  # run 2's end, no copy: its waits read S3
+    assert records.get_with_answer("t-4") == (records.get("t-4"), None)
+    records.set_state("t-5", "failed", answer=json.dumps(failed))
+    records.set_state("t-5", "succeeded")  # settled from the stored result, without a copy
+    assert records.get_with_answer("t-5")[1] is None
